@@ -1,0 +1,1 @@
+"""Device memory: KV pools, page allocators, pool export to engines, device<->host copies."""

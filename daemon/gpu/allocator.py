@@ -1,0 +1,140 @@
+"""Page allocators for the device pools.
+
+Pure bookkeeping (no torch): a free stack plus one state byte per page, so a double free or a free
+of a page that was never handed out is caught in O(1) per page instead of corrupting the free list.
+Page 0 is the padding page of every pool and is never handed out.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Iterable
+
+
+class AllocatorError(ValueError):
+    """A free that does not match an allocation (double free, unknown page)."""
+
+    code = "bad_page"
+
+
+class OutOfPages(Exception):
+    """Not enough free pages; carries the counts the caller needs to explain the failure."""
+
+    code = "out_of_memory"
+
+    def __init__(self, message: str, **counts: int):
+        super().__init__(message)
+        self.counts = counts
+
+
+_FREE = 0
+_USED = 1
+
+
+class PageAllocator:
+    """Hands out page ids 1..capacity-1 of one pool."""
+
+    def __init__(self, capacity: int, name: str = "pool"):
+        if capacity < 1:
+            raise ValueError(f"{name}: capacity must be >= 1 page (page 0 is reserved), got {capacity}")
+        self.name = name
+        self.capacity = capacity
+        self._state = bytearray(capacity)
+        self._state[0] = _USED  # the padding page is permanently taken
+        # pop() hands out low ids first, which keeps early allocations compact
+        self._free = array("i", range(capacity - 1, 0, -1))
+
+    @property
+    def available(self) -> int:
+        return len(self._free)
+
+    @property
+    def usable(self) -> int:
+        """Pages that can ever be handed out (capacity minus the padding page)."""
+        return self.capacity - 1
+
+    def alloc(self, n: int) -> array:
+        if n < 0:
+            raise ValueError(f"{self.name}: cannot allocate {n} pages")
+        free = self._free
+        if n > len(free):
+            raise OutOfPages(f"{self.name}: {n} pages requested, {len(free)} free",
+                             requested=n, available=len(free))
+        out = free[len(free) - n :]
+        del free[len(free) - n :]
+        st = self._state
+        for p in out:
+            st[p] = _USED
+        return out
+
+    def check_free(self, pages: Iterable[int]) -> None:
+        """Raise unless every page is allocated and listed once (validation before any change)."""
+        st = self._state
+        cap = self.capacity
+        seen: set[int] = set()
+        for p in pages:
+            if not 0 < p < cap:
+                raise AllocatorError(f"{self.name}: page {p} is not a page of this pool "
+                                     f"(1..{cap - 1})")
+            if st[p] != _USED:
+                raise AllocatorError(f"{self.name}: page {p} is not allocated (double free?)")
+            if p in seen:
+                raise AllocatorError(f"{self.name}: page {p} listed twice in one free")
+            seen.add(p)
+
+    def free(self, pages: Iterable[int]) -> None:
+        pages = pages if isinstance(pages, array) else array("i", pages)
+        self.check_free(pages)
+        st = self._state
+        for p in pages:
+            st[p] = _FREE
+        self._free.extend(pages)
+
+    def free_set(self) -> set[int]:
+        return set(self._free)
+
+    def audit(self) -> list[str]:
+        """Free list and state bytes agree, with no duplicate in the free list."""
+        v: list[str] = []
+        free = self._free
+        fs = set(free)
+        if len(fs) != len(free):
+            v.append(f"{self.name}: the free list holds a page twice")
+        if self._state[0] != _USED or 0 in fs:
+            v.append(f"{self.name}: the padding page 0 is free")
+        marked = {p for p in range(1, self.capacity) if self._state[p] == _FREE}
+        if marked != fs:
+            v.append(f"{self.name}: free list and page states disagree on "
+                     f"{sorted(marked ^ fs)[:10]}")
+        return v
+
+
+class PairedAllocator:
+    """Full and SWA pages taken together: an allocation never gets one without the other.
+
+    It is also the tree's page sink, so everything the tree lets go of returns here.
+    """
+
+    def __init__(self, full_capacity: int, swa_capacity: int):
+        self.full = PageAllocator(full_capacity, "full pool")
+        self.swa = PageAllocator(swa_capacity, "swa pool") if swa_capacity else None
+
+    def alloc(self, n: int) -> tuple[array, array]:
+        swa_avail = self.swa.available if self.swa is not None else n
+        if n > self.full.available or n > swa_avail:
+            raise OutOfPages(
+                f"{n} pages requested; free: full {self.full.available}, swa {swa_avail}",
+                requested=n, full_available=self.full.available, swa_available=swa_avail)
+        full = self.full.alloc(n)
+        swa = self.swa.alloc(n) if self.swa is not None else array("i")
+        return full, swa
+
+    def free_full(self, pages: array) -> None:
+        self.full.free(pages)
+
+    def free_swa(self, pages: array) -> None:
+        if self.swa is None:
+            if len(pages):
+                raise AllocatorError("this model has no SWA pool")
+            return
+        self.swa.free(pages)

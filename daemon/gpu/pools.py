@@ -1,0 +1,394 @@
+"""Device KV pools: one contiguous allocation per pool, shareable with engine processes.
+
+Each pool (full attention, and sliding-window attention when the model has SWA layers) is a single
+tensor shaped ``[layers, 2, pages, page_size, kv_heads, head_dim]``. ``buf[layer, 0]`` (K) and
+``buf[layer, 1]`` (V) are then contiguous page-major views ``[pages, page_size, kv_heads,
+head_dim]``: exactly what paged-attention kernels index with a page id, with no per-layer
+allocation and no re-layout (DESIGN.md section 6, L1).
+
+On CPU the allocation lives in a sealed memfd so an engine process can map the very same memory:
+the daemon sends the fd (SCM_RIGHTS, a later issue) together with :meth:`Pool.describe`, and the
+engine calls :func:`map_pool_fd`. On CUDA the pool is a plain ``torch.empty`` on the device; its
+export (CUDA IPC handles) is a later issue, so ``fd`` is None there.
+
+Page 0 of every pool is the padding page: engines point unused slots at it, it is never handed
+out, and it is zeroed at creation so that reading it is harmless.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import math
+import mmap
+import os
+import weakref
+from collections.abc import Mapping
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from daemon.gpu.profile import DTYPE_ITEMSIZE, ModelProfile, ProfileError, torch_dtype
+
+__all__ = ["POOL_LAYOUT", "KVPools", "Pool", "PoolError", "map_pool_fd"]
+
+#: Axis names of a pool tensor, outermost first; part of :meth:`Pool.describe`.
+POOL_LAYOUT: tuple[str, ...] = ("layer", "kv", "page", "token", "kv_head", "head_dim")
+#: Version of the :meth:`Pool.describe` dict; a client refuses descriptions it does not know.
+DESCRIPTION_VERSION = 1
+_POOL_KINDS = ("full", "swa")
+_MEMFD_NAME_MAX = 249  # bytes, excluding the NUL (memfd_create(2))
+
+
+class PoolError(RuntimeError):
+    """A pool could not be created, mapped or used (size, memory, closed pool, bad page id)."""
+
+
+# -- host shared memory -----------------------------------------------------------------------
+
+
+def _available_host_bytes() -> int | None:
+    """Memory this process can still fill: MemAvailable, capped by a cgroup v2 limit if any."""
+    available: int | None = None
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+                    break
+    except OSError:
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max", encoding="ascii") as f:
+            limit = f.read().strip()
+        if limit != "max":
+            with open("/sys/fs/cgroup/memory.current", encoding="ascii") as f:
+                current = int(f.read().strip())
+            room = max(0, int(limit) - current)
+            available = room if available is None else min(available, room)
+    except (OSError, ValueError):
+        pass
+    return available
+
+
+def _create_memfd(name: str, nbytes: int) -> tuple[int, mmap.mmap]:
+    """Create a sealed, fully backed memfd of ``nbytes`` and map it shared, read-write.
+
+    ``posix_fallocate`` backs every page now, so running out of memory is an error here rather
+    than a SIGBUS in the middle of a kernel later. The size is then sealed (no shrink, no grow):
+    an engine holding the fd must not be able to truncate it under the daemon's mapping, which
+    would crash the daemon with SIGBUS on its next access.
+    """
+    if not hasattr(os, "memfd_create"):
+        raise PoolError("CPU pools need memfd_create (Linux); this platform does not have it")
+    encoded = name.encode("utf-8")[:_MEMFD_NAME_MAX]
+    fd = os.memfd_create(
+        encoded.decode("utf-8", "ignore"), os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING
+    )
+    try:
+        os.ftruncate(fd, nbytes)
+        try:
+            os.posix_fallocate(fd, 0, nbytes)
+        except OSError as exc:
+            raise PoolError(
+                f"{name}: cannot back {nbytes} bytes of shared memory ({exc.strerror})"
+            ) from exc
+        fcntl.fcntl(
+            fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+        )
+        mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED,
+                            prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, mapping
+
+
+def _tensor_over(mapping: mmap.mmap, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    # The tensor keeps a reference to the mmap object (not a buffer export), so the mapping stays
+    # alive exactly as long as some tensor uses it; see Pool.close.
+    raw = torch.frombuffer(mapping, dtype=torch.uint8)
+    return raw.view(dtype).view(shape)
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides: list[int] = []
+    step = 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
+
+
+# -- pools ------------------------------------------------------------------------------------
+
+
+class Pool:
+    """One KV pool (full or SWA): a single tensor ``[layers, 2, pages, page_size, heads, dim]``."""
+
+    def __init__(self, profile: ModelProfile, kind: str, device: torch.device) -> None:
+        if kind not in _POOL_KINDS:
+            raise ValueError(f"kind: expected one of {_POOL_KINDS}, got {kind!r}")
+        layers = profile.num_full_layers if kind == "full" else profile.num_swa_layers
+        pages = profile.full_pages if kind == "full" else profile.swa_pages
+        if layers < 1 or pages < 2:
+            raise PoolError(f"{profile.name}: the model has no {kind} pool")
+        self.kind = kind
+        self.model = profile.name
+        self.dtype_name = profile.dtype
+        self.dtype = torch_dtype(profile.dtype)
+        self.device = device
+        self.num_layers = layers
+        self.num_pages = pages
+        self.page_size = profile.page_size
+        self.shape: tuple[int, ...] = (
+            layers, 2, pages, profile.page_size, profile.num_kv_heads, profile.head_dim
+        )
+        self.nbytes = math.prod(self.shape) * DTYPE_ITEMSIZE[profile.dtype]
+        self._fingerprint = profile.layout_fingerprint().hex()
+        self.fd: int | None = None
+        self._mapping: mmap.mmap | None = None
+        self._finalizer: weakref.finalize | None = None
+        label = f"{profile.name} {kind} pool"
+        if device.type == "cpu":
+            fd, mapping = _create_memfd(f"radixd-{profile.name}-{kind}", self.nbytes)
+            # An unclosed pool must not leak its fd for the daemon's lifetime.
+            self._finalizer = weakref.finalize(self, os.close, fd)
+            self.fd, self._mapping = fd, mapping
+            buffer = _tensor_over(mapping, self.dtype, self.shape)
+        elif device.type == "cuda":
+            try:
+                buffer = torch.empty(self.shape, dtype=self.dtype, device=device)
+            except torch.cuda.OutOfMemoryError as exc:
+                raise PoolError(
+                    f"{label}: cannot allocate {self.nbytes} bytes on {device}"
+                ) from exc
+        else:
+            raise PoolError(f"{label}: unsupported device {device}")
+        self._buffer: torch.Tensor | None = buffer
+        # Zero the padding page through a byte view: fill_ is not implemented for every dtype
+        # (float8) on every device, zeroing bytes always is.
+        buffer.view(torch.uint8)[:, :, 0].zero_()
+
+    # -- views --------------------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self._buffer is None
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        """The whole pool tensor ``[layers, 2, pages, page_size, kv_heads, head_dim]``."""
+        if self._buffer is None:
+            raise PoolError(f"{self.model} {self.kind} pool is closed")
+        return self._buffer
+
+    def _check_layer(self, layer: int) -> None:
+        if not 0 <= layer < self.num_layers:
+            raise PoolError(
+                f"layer: {layer} out of range for the {self.kind} pool ({self.num_layers} layers)"
+            )
+
+    def k(self, layer: int) -> torch.Tensor:
+        """K of one layer: a contiguous ``[pages, page_size, kv_heads, head_dim]`` view."""
+        self._check_layer(layer)
+        return self.buffer[layer, 0]
+
+    def v(self, layer: int) -> torch.Tensor:
+        """V of one layer: a contiguous ``[pages, page_size, kv_heads, head_dim]`` view."""
+        self._check_layer(layer)
+        return self.buffer[layer, 1]
+
+    def page(self, page_id: int) -> torch.Tensor:
+        """One page across all layers: a ``[layers, 2, page_size, kv_heads, head_dim]`` view."""
+        if not 0 <= page_id < self.num_pages:
+            raise PoolError(
+                f"page_id: {page_id} out of range for the {self.kind} pool ({self.num_pages} pages)"
+            )
+        return self.buffer[:, :, page_id]
+
+    def describe(self) -> dict[str, Any]:
+        """JSON-able description with everything a client needs to map this pool's fd.
+
+        Strides are in elements, as torch reports them; ``nbytes`` is the size to map.
+        """
+        buffer = self.buffer
+        return {
+            "version": DESCRIPTION_VERSION,
+            "model": self.model,
+            "kind": self.kind,
+            "storage": "memfd" if self.fd is not None else self.device.type,
+            "device": str(self.device),
+            "dtype": self.dtype_name,
+            "shape": list(buffer.shape),
+            "strides": list(buffer.stride()),
+            "nbytes": self.nbytes,
+            "num_layers": self.num_layers,
+            "num_pages": self.num_pages,
+            "page_size": self.page_size,
+            "layout": list(POOL_LAYOUT),
+            "layout_fingerprint": self._fingerprint,
+        }
+
+    # -- lifetime -----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close the fd and drop the pool's references to its memory; idempotent.
+
+        The mapping is not ``munmap``-ed by force: a view someone still holds would then point at
+        unmapped memory and a read would crash the process. It is unmapped as soon as the last
+        tensor that uses it is gone, which is immediately when nobody else holds a view.
+        """
+        self._buffer = None
+        self._mapping = None
+        if self._finalizer is not None:
+            self._finalizer()  # closes the fd exactly once
+            self._finalizer = None
+        self.fd = None
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"{self.nbytes} bytes on {self.device}"
+        return f"<Pool {self.model}/{self.kind} {list(self.shape)} {self.dtype_name} {state}>"
+
+
+class KVPools:
+    """The device KV pools of one model profile: ``full`` always, ``swa`` when the model has SWA.
+
+    A context manager; :meth:`close` releases the fds and the memory.
+    """
+
+    def __init__(self, profile: ModelProfile) -> None:
+        self.profile = profile
+        self.device = profile.resolve_device()
+        self._check_fits()
+        self.full = Pool(profile, "full", self.device)
+        self.swa: Pool | None = None
+        if profile.has_swa:
+            try:
+                self.swa = Pool(profile, "swa", self.device)
+            except BaseException:
+                self.full.close()
+                raise
+
+    def _check_fits(self) -> None:
+        """Refuse a size that cannot be allocated with an error that says how far off it is."""
+        p = self.profile
+        need = p.full_pool_bytes + p.swa_pool_bytes
+        detail = (
+            f"full: {p.full_pages} pages x {p.full_page_bytes} B = {p.full_pool_bytes} B"
+            + (f"; swa: {p.swa_pages} pages x {p.swa_page_bytes} B = {p.swa_pool_bytes} B"
+               if p.has_swa else "")
+        )
+        if self.device.type == "cpu":
+            available = _available_host_bytes()
+            where = "host memory"
+        else:
+            available, _total = torch.cuda.mem_get_info(self.device)
+            where = f"free memory on {self.device}"
+        if available is not None and need > available:
+            raise PoolError(
+                f"{p.name}: pools need {need} bytes ({detail}) but only {available} bytes of "
+                f"{where} are available; lower full_pages/swa_pages (or full_bytes/swa_bytes)"
+            )
+
+    def pools(self) -> tuple[Pool, ...]:
+        """The open pools, full first."""
+        return (self.full,) if self.swa is None else (self.full, self.swa)
+
+    def pool(self, kind: str) -> Pool:
+        """The pool named ``kind`` ('full' or 'swa')."""
+        if kind == "full":
+            return self.full
+        if kind == "swa" and self.swa is not None:
+            return self.swa
+        raise PoolError(f"pool: {self.profile.name} has no {kind!r} pool")
+
+    def page_view(self, kind: str, page_id: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-layer ``(K, V)`` views ``[page_size, kv_heads, head_dim]`` of one page."""
+        page = self.pool(kind).page(page_id)
+        return [(page[layer, 0], page[layer, 1]) for layer in range(page.shape[0])]
+
+    def describe(self) -> dict[str, Any]:
+        """JSON-able description of all pools of this model (see :meth:`Pool.describe`)."""
+        return {
+            "model": self.profile.name,
+            "full": self.full.describe(),
+            "swa": None if self.swa is None else self.swa.describe(),
+        }
+
+    @property
+    def closed(self) -> bool:
+        return self.full.closed
+
+    def close(self) -> None:
+        for pool in self.pools():
+            pool.close()
+
+    def __enter__(self) -> KVPools:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+# -- client side ------------------------------------------------------------------------------
+
+
+def map_pool_fd(fd: int, description: Mapping[str, Any]) -> torch.Tensor:
+    """Map a pool fd received from the daemon as the tensor that :meth:`Pool.describe` describes.
+
+    This is what a client (engine) process runs. The returned tensor shares memory with the
+    daemon's pool; it keeps its own mapping alive, so ``fd`` may be closed right after this call
+    (the caller owns it either way).
+    """
+    def bad(field: str, why: str) -> PoolError:
+        return PoolError(f"description.{field}: {why}")
+
+    if not isinstance(description, Mapping):
+        raise PoolError(f"description: expected a mapping, got {type(description).__name__}")
+    version = description.get("version")
+    if version != DESCRIPTION_VERSION:
+        raise bad("version", f"unsupported {version!r}, expected {DESCRIPTION_VERSION}")
+    storage = description.get("storage")
+    if storage != "memfd":
+        raise bad("storage", f"only 'memfd' pools can be mapped from an fd, got {storage!r}")
+    dtype_name = description.get("dtype")
+    if not isinstance(dtype_name, str) or dtype_name not in DTYPE_ITEMSIZE:
+        raise bad("dtype", f"unsupported {dtype_name!r}")
+    try:
+        dtype = torch_dtype(dtype_name)
+    except ProfileError as exc:
+        raise bad("dtype", str(exc)) from exc
+    shape_in = description.get("shape")
+    if (
+        not isinstance(shape_in, (list, tuple))
+        or len(shape_in) != len(POOL_LAYOUT)
+        or not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in shape_in)
+    ):
+        raise bad("shape", f"expected {len(POOL_LAYOUT)} positive ints, got {shape_in!r}")
+    shape = tuple(shape_in)
+    strides = description.get("strides")
+    if strides is None or list(strides) != list(_contiguous_strides(shape)):
+        raise bad("strides", f"expected contiguous {list(_contiguous_strides(shape))}, "
+                             f"got {strides!r}")
+    nbytes = description.get("nbytes")
+    expected = math.prod(shape) * DTYPE_ITEMSIZE[dtype_name]
+    if nbytes != expected:
+        raise bad("nbytes", f"{nbytes!r} does not match shape x dtype ({expected})")
+    size = os.fstat(fd).st_size
+    if size < expected:
+        raise bad("nbytes", f"{expected} bytes but the fd only holds {size}")
+    mapping = mmap.mmap(fd, expected, flags=mmap.MAP_SHARED,
+                        prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    try:
+        return _tensor_over(mapping, dtype, shape)
+    except BaseException:
+        with contextlib.suppress(BufferError):
+            mapping.close()
+        raise

@@ -1,0 +1,318 @@
+"""One model's cache: the tree, the page allocators and the pools, plus who holds what.
+
+This is the layer that knows *owners* (a session, to the server): every page handed out by
+``alloc`` and every lock receipt belongs to exactly one owner until it is given to the tree,
+released, or the owner goes away. It validates every page and receipt against its owner before
+anything changes, so bad input is refused with the cache untouched, and it checks page
+conservation (free + tree + held = capacity, no page in two places) on demand.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from .gpu.allocator import AllocatorError, OutOfPages, PairedAllocator
+from .tree import (
+    BadArgument,
+    EvictResult,
+    InsertResult,
+    MatchResult,
+    RadixTree,
+    Receipt,
+    ReceiptError,
+)
+from .tree.invariants import audit_tree
+
+if TYPE_CHECKING:
+    from .gpu.pools import KVPools
+    from .gpu.profile import ModelProfile
+
+Owner = Hashable
+
+
+class PageNotHeld(AllocatorError):
+    """A page the caller named is not one it holds."""
+
+    code = "page_not_held"
+
+
+@dataclass
+class Holding:
+    full: set[int] = field(default_factory=set)
+    swa: set[int] = field(default_factory=set)
+    receipts: set[int] = field(default_factory=set)
+
+
+class ModelCache:
+    """Tree + allocators (+ pools) of one model profile, with per-owner accounting."""
+
+    def __init__(self, profile: ModelProfile, *, pools: KVPools | None = None, policy: str = "lru"):
+        self.profile = profile
+        self.pools = pools
+        self.alloc_state = PairedAllocator(profile.full_pages, profile.swa_pages or 0)
+        self.tree = RadixTree(
+            profile.page_size,
+            profile.sliding_window,
+            self.alloc_state,
+            layout_fingerprint=profile.layout_fingerprint(),
+            policy=policy,
+        )
+        self.swa_enabled = self.tree.swa_enabled
+        self.holdings: dict[Owner, Holding] = {}
+        self._full_owner: dict[int, Owner] = {}
+        self._swa_owner: dict[int, Owner] = {}
+        self._receipts: dict[int, tuple[Owner, Receipt]] = {}
+        self._next_receipt = 1
+        self.counters = {
+            "matches": 0,
+            "match_tokens": 0,
+            "hit_tokens": 0,
+            "allocs": 0,
+            "alloc_failures": 0,
+            "evicted_for_alloc_full": 0,
+            "evicted_for_alloc_swa": 0,
+        }
+
+    # ------------------------------------------------------------------ owners
+
+    def _holding(self, owner: Owner) -> Holding:
+        h = self.holdings.get(owner)
+        if h is None:
+            h = self.holdings[owner] = Holding()
+        return h
+
+    def _register(self, owner: Owner, r: Receipt) -> int:
+        rid = self._next_receipt
+        self._next_receipt = rid + 1
+        self._receipts[rid] = (owner, r)
+        self._holding(owner).receipts.add(rid)
+        return rid
+
+    def _receipt(self, owner: Owner, rid: int) -> Receipt:
+        entry = self._receipts.get(rid) if isinstance(rid, int) else None
+        if entry is None or entry[0] != owner:
+            raise ReceiptError(f"receipt {rid!r} is not held by this session "
+                               "(never taken, already released, or another session's)")
+        return entry[1]
+
+    def _drop_receipt(self, owner: Owner, rid: int) -> None:
+        del self._receipts[rid]
+        self.holdings[owner].receipts.discard(rid)
+
+    def _check_held(self, owner: Owner, full: Iterable[int], swa: Iterable[int]) -> None:
+        for pages, owners, pool in ((full, self._full_owner, "full"), (swa, self._swa_owner, "swa")):
+            seen: set[int] = set()
+            for p in pages:
+                if owners.get(p) != owner or (owner is None and p not in owners):
+                    raise PageNotHeld(f"{pool} page {p} is not held by this session")
+                if p in seen:
+                    raise BadArgument(f"{pool} page {p} is listed twice")
+                seen.add(p)
+
+    def _release_pages(self, owner: Owner, full: Iterable[int], swa: Iterable[int]) -> None:
+        """Pages that left the owner (to the tree or back to the free list)."""
+        h = self.holdings[owner]
+        for p in full:
+            del self._full_owner[p]
+            h.full.discard(p)
+        for p in swa:
+            if p:
+                del self._swa_owner[p]
+                h.swa.discard(p)
+
+    # ------------------------------------------------------------------ operations
+
+    def match(self, owner: Owner, namespace: str, tokens: bytes, *, lock: bool = False
+              ) -> tuple[MatchResult, int | None]:
+        res = self.tree.match(namespace, tokens, lock=lock)
+        self.counters["matches"] += 1
+        self.counters["match_tokens"] += len(tokens) // 4
+        self.counters["hit_tokens"] += res.prefix_len
+        rid = self._register(owner, res.receipt) if res.receipt is not None else None
+        return res, rid
+
+    def lock(self, owner: Owner, namespace: str, node_id: int) -> int:
+        return self._register(owner, self.tree.lock(node_id, namespace))
+
+    def unlock(self, owner: Owner, rid: int) -> None:
+        r = self._receipt(owner, rid)
+        self.tree.unlock(r)
+        self._drop_receipt(owner, rid)
+
+    def release_swa(self, owner: Owner, rid: int) -> None:
+        self.tree.release_swa(self._receipt(owner, rid))
+
+    def alloc(self, owner: Owner, n: int) -> tuple[array, array]:
+        """Full and SWA pages together, evicting unlocked cached pages if the pools are short."""
+        if not isinstance(n, int) or n < 0:
+            raise BadArgument(f"n_pages must be a non-negative int, got {n!r}")
+        a = self.alloc_state
+        need_full = max(0, n - a.full.available)
+        need_swa = max(0, n - a.swa.available) if a.swa is not None else 0
+        if need_full or need_swa:
+            ev = self.tree.evict(need_full, need_swa, reason="alloc")
+            self.counters["evicted_for_alloc_full"] += ev.full_pages
+            self.counters["evicted_for_alloc_swa"] += ev.swa_pages
+        try:
+            full, swa = a.alloc(n)
+        except OutOfPages as exc:
+            self.counters["alloc_failures"] += 1
+            raise self._oom(n) from exc
+        self.counters["allocs"] += 1
+        h = self._holding(owner)
+        for p in full:
+            self._full_owner[p] = owner
+        for p in swa:
+            self._swa_owner[p] = owner
+        h.full.update(full)
+        h.swa.update(swa)
+        return full, swa
+
+    def _oom(self, n: int) -> OutOfPages:
+        a = self.alloc_state
+        t = self.tree
+        held_full = len(self._full_owner)
+        held_swa = len(self._swa_owner)
+        swa_free = a.swa.available if a.swa is not None else 0
+        return OutOfPages(
+            f"cannot allocate {n} pages: full pool {a.full.available} free, "
+            f"{t.full_evictable} evictable, {t.full_protected} locked, {held_full} held by sessions; "
+            f"swa pool {swa_free} free, {t.swa_evictable} evictable, {t.swa_protected} locked, "
+            f"{held_swa} held by sessions",
+            requested=n,
+            full_available=a.full.available,
+            full_evictable=t.full_evictable,
+            full_locked=t.full_protected,
+            full_held=held_full,
+            swa_available=swa_free,
+            swa_evictable=t.swa_evictable,
+            swa_locked=t.swa_protected,
+            swa_held=held_swa,
+        )
+
+    def free(self, owner: Owner, full: Iterable[int] = (), swa: Iterable[int] = ()) -> None:
+        full = array("i", full)
+        swa = array("i", swa)
+        self._check_held(owner, full, swa)
+        self._release_pages(owner, full, swa)
+        if full:
+            self.alloc_state.free_full(full)
+        if swa:
+            self.alloc_state.free_swa(swa)
+
+    def insert(
+        self, owner: Owner, namespace: str, tokens: bytes, full: array, swa: array,
+        prev_prefix_len: int = 0, swa_evicted_len: int = 0, *, lock: bool = False,
+    ) -> tuple[InsertResult, int | None]:
+        full, swa = _ids(full), _ids(swa)
+        self._check_held(owner, full, (p for p in swa if p))
+        res = self.tree.insert(namespace, tokens, full, swa, prev_prefix_len, swa_evicted_len,
+                               lock=lock)
+        k = res.inserted_len // self.profile.page_size - prev_prefix_len // self.profile.page_size
+        self._release_pages(owner, full[:k], swa[:k])
+        rid = self._register(owner, res.receipt) if res.receipt is not None else None
+        return res, rid
+
+    def cache_finished(
+        self, owner: Owner, namespace: str, tokens: bytes, full: array, swa: array,
+        prev_prefix_len: int, swa_evicted_len: int, rid: int | None,
+    ) -> InsertResult:
+        full, swa = _ids(full), _ids(swa)
+        r = self._receipt(owner, rid) if rid is not None else None
+        self._check_held(owner, full, (p for p in swa if p))
+        res = self.tree.cache_finished(namespace, tokens, full, swa, prev_prefix_len,
+                                       swa_evicted_len, r)
+        self._release_pages(owner, full, swa)
+        if rid is not None:
+            self._drop_receipt(owner, rid)
+        return res
+
+    def cache_unfinished(
+        self, owner: Owner, namespace: str, tokens: bytes, full: array, swa: array,
+        prev_prefix_len: int, swa_evicted_len: int, rid: int | None,
+    ) -> tuple[InsertResult, int]:
+        full, swa = _ids(full), _ids(swa)
+        r = self._receipt(owner, rid) if rid is not None else None
+        self._check_held(owner, full, (p for p in swa if p))
+        res = self.tree.cache_unfinished(namespace, tokens, full, swa, prev_prefix_len,
+                                         swa_evicted_len, r)
+        k = res.inserted_len // self.profile.page_size - prev_prefix_len // self.profile.page_size
+        self._release_pages(owner, full[:k], swa[:k])
+        if rid is not None:
+            self._drop_receipt(owner, rid)
+        return res, self._register(owner, res.receipt)
+
+    def evict(self, full_pages: int = 0, swa_pages: int = 0) -> EvictResult:
+        for name, v in (("full_pages", full_pages), ("swa_pages", swa_pages)):
+            if not isinstance(v, int) or v < 0:
+                raise BadArgument(f"{name} must be a non-negative int, got {v!r}")
+        return self.tree.evict(full_pages, swa_pages)
+
+    def release_owner(self, owner: Owner) -> tuple[int, int, int]:
+        """Everything an owner holds goes back: its locks and its pages. Returns the counts."""
+        h = self.holdings.pop(owner, None)
+        if h is None:
+            return (0, 0, 0)
+        for rid in sorted(h.receipts):
+            _, r = self._receipts.pop(rid)
+            self.tree.unlock(r)
+        for p in h.full:
+            del self._full_owner[p]
+        for p in h.swa:
+            del self._swa_owner[p]
+        if h.full:
+            self.alloc_state.free_full(array("i", h.full))
+        if h.swa:
+            self.alloc_state.free_swa(array("i", h.swa))
+        return (len(h.receipts), len(h.full), len(h.swa))
+
+    # ------------------------------------------------------------------ checking
+
+    def check(self, *, deep: bool = True) -> list[str]:
+        """Tree invariants plus page conservation per pool; empty when healthy."""
+        audit = audit_tree(self.tree, deep=deep)
+        v = audit.violations
+        a = self.alloc_state
+        v += a.full.audit()
+        pools = [("full", a.full, audit.full_pages, self._full_owner)]
+        if a.swa is not None:
+            v += a.swa.audit()
+            pools.append(("swa", a.swa, audit.swa_pages, self._swa_owner))
+        for name, alloc, in_tree, owners in pools:
+            free = alloc.free_set()
+            held = set(owners)
+            for x, y, label in ((free, in_tree, "free and in the tree"),
+                                (free, held, "free and held by a session"),
+                                (in_tree, held, "in the tree and held by a session")):
+                both = x & y
+                if both:
+                    v.append(f"{name} pool: pages {sorted(both)[:10]} are {label}")
+            total = len(free) + len(in_tree) + len(held)
+            if total != alloc.usable or (free | in_tree | held) != set(range(1, alloc.capacity)):
+                lost = set(range(1, alloc.capacity)) - (free | in_tree | held)
+                v.append(f"{name} pool: free {len(free)} + tree {len(in_tree)} + held {len(held)} "
+                         f"!= capacity {alloc.usable}; unaccounted {sorted(lost)[:10]}")
+        for owner, h in self.holdings.items():
+            if any(self._full_owner.get(p) != owner for p in h.full) or any(
+                    self._swa_owner.get(p) != owner for p in h.swa):
+                v.append(f"owner {owner!r}: holding and page owner maps disagree")
+        if sum(len(h.full) for h in self.holdings.values()) != len(self._full_owner):
+            v.append("full page owner map holds pages no holding lists")
+        live = {id(r) for _, r in self._receipts.values()}
+        if live != {id(r) for r in self.tree.receipts}:
+            v.append(f"receipt registry ({len(live)}) and the tree's active locks "
+                     f"({len(self.tree.receipts)}) disagree")
+        return v
+
+
+def _ids(pages: Iterable[int] | bytes) -> array:
+    if isinstance(pages, array):
+        return pages
+    if isinstance(pages, (bytes, bytearray, memoryview)):
+        out = array("i")
+        out.frombytes(pages)
+        return out
+    return array("i", pages)

@@ -1,0 +1,95 @@
+"""The tree node and the lock receipt.
+
+A node is a run of whole pages under one parent. Its token ids are kept as int32 little-endian
+bytes (compared with memcmp, never per token in Python) and its page ids as ``array('i')``, which
+is what keeps metadata near the token ids' own 4 bytes per token.
+
+Tier state of a node:
+
+* ``full``: device page ids of the full-attention pool, or ``None`` when the node lives only on
+  host (demoted);
+* ``swa``: device page ids of the SWA pool, or ``None``: a *tombstone* when ``full`` is set (the
+  SWA KV was freed early; the full KV stays) and simply absent when the node is host-only;
+* ``host``: host (L2) slot ids when the node has a host copy, else ``None``.
+"""
+
+from __future__ import annotations
+
+from array import array
+from typing import Any
+
+EMPTY = array("i")
+
+
+class Node:
+    __slots__ = (
+        "id",
+        "parent",
+        "children",
+        "ns",
+        "tokens",
+        "hashes",
+        "full",
+        "swa",
+        "host",
+        "full_lock",
+        "swa_lock",
+        "dev_children",
+        "ts",
+        "hits",
+        "full_entry",
+        "swa_entry",
+        "host_entry",
+    )
+
+    def __init__(self, node_id: int, parent: Node | None, ns: Any, tokens: bytes, hashes: bytes):
+        self.id = node_id
+        self.parent = parent
+        self.children: dict[bytes, Node] | None = None
+        self.ns = ns
+        self.tokens = tokens
+        self.hashes = hashes
+        self.full: array | None = None
+        self.swa: array | None = None
+        self.host: array | None = None
+        self.full_lock = 0
+        self.swa_lock = 0
+        # number of children whose full KV is on device: a node is a device leaf when this is 0
+        self.dev_children = 0
+        self.ts = 0
+        self.hits = 0
+        # live entries in the eviction queues (None when not queued); see lru.EvictionQueue
+        self.full_entry: list | None = None
+        self.swa_entry: list | None = None
+        self.host_entry: list | None = None
+
+    def __repr__(self) -> str:
+        state = "host" if self.full is None else ("tomb" if self.swa is None else "live")
+        return (
+            f"Node(id={self.id}, pages={len(self.hashes) // 32}, {state}, "
+            f"host={self.host is not None}, locks={self.full_lock}/{self.swa_lock})"
+        )
+
+
+class Receipt:
+    """What a lock took, and so exactly what its release gives back.
+
+    The SWA part is recorded as a count of pages walked up from the anchor, not as a node: splits
+    only subdivide nodes, so the same count always ends at the same token boundary (the bug class
+    of a window edge moved by a split cannot happen).
+    """
+
+    __slots__ = ("anchor", "swa_pages", "active", "swa_released", "tag")
+
+    def __init__(self, anchor: Node, swa_pages: int, tag: Any = None):
+        self.anchor = anchor
+        self.swa_pages = swa_pages
+        self.active = True
+        self.swa_released = False
+        self.tag = tag
+
+    def __repr__(self) -> str:
+        return (
+            f"Receipt(anchor={self.anchor.id}, swa_pages={self.swa_pages}, active={self.active}, "
+            f"swa_released={self.swa_released})"
+        )

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Run the `radixd` command from the project venv, setting it up first if needed.
+# With no arguments it runs `radixd demo`.
+set -euo pipefail
+# shellcheck source=scripts/_env.sh
+source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
+
+radixd_venv
+cd "${RADIXD_ROOT}"
+if [[ $# -eq 0 ]]; then
+    set -- demo
+fi
+exec "${RADIXD_VENV}/bin/radixd" "$@"

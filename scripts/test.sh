@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Run the test suite on a fresh or an already set-up machine: venv, deps, Redis, then pytest.
+# Arguments are passed to pytest, e.g. `./scripts/test.sh tests/gpu -k pools`.
+set -euo pipefail
+# shellcheck source=scripts/_env.sh
+source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
+
+radixd_venv
+radixd_redis
+cd "${RADIXD_ROOT}"
+exec "${RADIXD_PY}" -m pytest "$@"
