@@ -25,6 +25,7 @@ from .tree import (
     ReceiptError,
 )
 from .tree.invariants import audit_tree
+from .tree.policy import DEFAULT_POLICY
 
 if TYPE_CHECKING:
     from .gpu.pools import KVPools
@@ -49,7 +50,9 @@ class Holding:
 class ModelCache:
     """Tree + allocators (+ pools) of one model profile, with per-owner accounting."""
 
-    def __init__(self, profile: ModelProfile, *, pools: KVPools | None = None, policy: str = "lru"):
+    def __init__(
+        self, profile: ModelProfile, *, pools: KVPools | None = None, policy: str = DEFAULT_POLICY
+    ):
         self.profile = profile
         self.pools = pools
         self.alloc_state = PairedAllocator(profile.full_pages, profile.swa_pages or 0)

@@ -108,6 +108,8 @@ def _check_node(tree: RadixTree, n: Node, v: list[str], deep: bool) -> None:
         v.append(f"node {n.id}: {len(n.tokens)} token bytes is not a positive number of pages")
         return
     np_ = len(n.tokens) // pb
+    if n.depth != n.parent.depth + len(n.tokens) // 4:
+        v.append(f"node {n.id}: depth {n.depth} is not its parent's plus its own length")
     if len(n.hashes) != np_ * HASH_BYTES:
         v.append(f"node {n.id}: {len(n.hashes)} hash bytes for {np_} pages")
     elif deep:

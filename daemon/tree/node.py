@@ -37,6 +37,7 @@ class Node:
         "dev_children",
         "ts",
         "hits",
+        "depth",
         "full_entry",
         "swa_entry",
         "host_entry",
@@ -58,6 +59,8 @@ class Node:
         self.dev_children = 0
         self.ts = 0
         self.hits = 0
+        # tokens from the root to the end of this node (eviction policies weigh by it)
+        self.depth = (parent.depth if parent is not None else 0) + len(tokens) // 4
         # live entries in the eviction queues (None when not queued); see lru.EvictionQueue
         self.full_entry: list | None = None
         self.swa_entry: list | None = None

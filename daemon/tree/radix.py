@@ -29,7 +29,7 @@ from .errors import BadArgument, NodeNotUsable, ReceiptError, UnknownNode
 from .hashing import HASH_BYTES, chain_hashes, namespace_seed
 from .lru import EvictionQueue
 from .node import EMPTY, Node, Receipt
-from .policy import EvictionPolicy, make_policy
+from .policy import DEFAULT_POLICY, EvictionPolicy, make_policy
 
 
 class PageSink(Protocol):
@@ -116,7 +116,7 @@ class RadixTree:
         *,
         host_sink: HostSink | None = None,
         layout_fingerprint: bytes = b"",
-        policy: str | EvictionPolicy = "lru",
+        policy: str | EvictionPolicy = DEFAULT_POLICY,
     ):
         if not isinstance(page_size, int) or page_size < 1:
             raise BadArgument(f"page_size must be an int >= 1, got {page_size!r}")
@@ -181,9 +181,10 @@ class RadixTree:
         self._next_id = i + 1
         return i
 
-    def _tick(self) -> int:
-        self._clock += 1
-        return self._clock
+    def _advance(self, ntokens: int) -> None:
+        """Recency is measured in cache churn (tokens of KV handed to the tree), so that "how long
+        ago" means "how much new content arrived since", and policies can weigh it against depth."""
+        self._clock += max(1, ntokens)
 
     def npages(self, node: Node) -> int:
         return len(node.tokens) // self.page_bytes
@@ -222,7 +223,7 @@ class RadixTree:
         self.host_q.remove(n)
 
     def _touch(self, n: Node) -> None:
-        n.ts = self._tick()
+        n.ts = self._clock
         if n.full_entry is not None or n.swa_entry is not None or n.host_entry is not None:
             self._requeue(n)
 
@@ -506,6 +507,7 @@ class RadixTree:
         pb = self.page_bytes
         n = len(tokens) // pb
         prev, f = self._check_insert_args(n, full_pages, swa_pages, prev_prefix_len, swa_evicted_len)
+        self._advance((n - prev) * P)
         swa = self.swa_enabled
         # a path whose new part would end without live SWA takes no new device pages
         adopt = (not swa) or f < n

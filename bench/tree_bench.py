@@ -1,0 +1,542 @@
+"""Micro-benchmark of the radix tree core: match, lock/unlock, insert, evict, memory per token.
+
+Usage (from the repository root)::
+
+    python bench/tree_bench.py [--quick] [--json out.json]
+
+Every figure is measured twice, for page_size 64 and for page_size 1, both with a sliding window
+of 128 tokens; the figure names carry the suffix ``_p64`` / ``_p1``. Times are per call, taken
+with ``time.perf_counter_ns`` around the one tree call (nothing else in the timed region), after a
+warm-up, with the garbage collector off during the timing loops.
+
+The cached state is shaped like a chat/agent server's: 8 system prompts of 1024 tokens, a few
+hundred 4096-token sequences behind them (a quarter are second turns that share their first 2048
+tokens with an earlier sequence), a few 32768-token documents, and a third of the sequences
+inserted with ``swa_evicted_len`` (their decode freed the SWA KV below the last window), so
+matches walk across SWA tombstones. Sequences enter the tree the way an engine puts them there:
+match+lock, allocate pages for the uncached part, insert, unlock.
+
+``run(quick, extra=None)`` returns the flat dict of figures (``extra``: a zero-argument callable
+returning more figures to merge in, e.g. the multi-turn replay); ``main(argv)`` also prints the
+table and writes ``--json``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+import argparse  # noqa: E402
+import gc  # noqa: E402
+import json  # noqa: E402
+import random  # noqa: E402
+import time  # noqa: E402
+import tracemalloc  # noqa: E402
+from array import array  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
+
+from daemon.gpu.allocator import PairedAllocator  # noqa: E402
+from daemon.tree import RadixTree  # noqa: E402
+
+WINDOW = 128
+PAGE_SIZES = (64, 1)
+NS = "bench"
+VOCAB = 151_000  # token ids drawn from [1, VOCAB)
+SYS_LEN = 1024  # shared system prompt
+N_SYS = 8
+SEQ_LEN = 4096
+TURN2_SHARED = 2048  # a second turn shares this much with its first turn
+LONG_LEN = 32768
+MEM_TOKENS = 1_000_000  # cached (distinct) tokens for bytes_per_cached_token
+MEM_TOKENS_P1_QUICK = 250_000
+ORDER = [  # table order of the figures of one page size
+    "match_4k_p50_us", "match_4k_p99_us", "match_4k_churn_p50_us", "match_32k_p50_us",
+    "lock_unlock_p50_us", "lock_unlock_churn_p50_us", "insert_4k_p50_us", "evict_page_p50_us",
+    "bytes_per_cached_token", "bytes_per_cached_token_ntokens",
+]
+
+
+# ---------------------------------------------------------------------------------------- sizes
+
+
+@dataclass(frozen=True)
+class Sizes:
+    populated_seqs: int  # 4k sequences in the tree that match/lock/insert run against
+    populated_long: int  # 32k sequences in it
+    match_4k_iters: int
+    match_32k_iters: int
+    lock_iters: int
+    insert_iters: dict[int, int]  # per page size
+    evict_seqs: int  # 4k sequences in the tree that is evicted
+    mem_tokens: dict[int, int]  # per page size
+    warmup: int
+
+
+QUICK = Sizes(
+    populated_seqs=240, populated_long=4, match_4k_iters=10000, match_32k_iters=1000,
+    lock_iters=10000, insert_iters={64: 1000, 1: 150}, evict_seqs=256,
+    mem_tokens={64: MEM_TOKENS, 1: MEM_TOKENS_P1_QUICK}, warmup=200,
+)
+FULL = Sizes(
+    populated_seqs=320, populated_long=8, match_4k_iters=30000, match_32k_iters=4000,
+    lock_iters=30000, insert_iters={64: 5000, 1: 600}, evict_seqs=768,
+    mem_tokens={64: MEM_TOKENS, 1: MEM_TOKENS}, warmup=1000,
+)
+
+
+# ---------------------------------------------------------------------------------------- workload
+
+
+class Workload:
+    """Deterministic token sequences with shared prefixes (int32 little-endian bytes)."""
+
+    def __init__(self, page_size: int, seed: int = 1):
+        self.P = page_size
+        self.rng = random.Random(seed)
+        self.sys = [self.rand(SYS_LEN) for _ in range(N_SYS)]
+        self.k = 0
+        self.firsts: list[bytes] = []  # first turns, for second turns to continue
+
+    def rand(self, n: int) -> bytes:
+        return array("i", self.rng.choices(range(1, VOCAB), k=n)).tobytes()
+
+    def swa_frontier(self, n_tokens: int) -> int:
+        """swa_evicted_len of a request whose decode freed the SWA below its last window."""
+        return max(0, (n_tokens - WINDOW) // self.P * self.P)
+
+    def next_seq(self) -> tuple[bytes, int]:
+        """(tokens, swa_evicted_len) of the next 4k sequence."""
+        k = self.k
+        self.k += 1
+        if k >= 2 * N_SYS and k % 4 == 3 and self.firsts:
+            first = self.firsts[self.rng.randrange(len(self.firsts))]
+            toks = first[: TURN2_SHARED * 4] + self.rand(SEQ_LEN - TURN2_SHARED)
+        else:
+            toks = self.sys[k % N_SYS] + self.rand(SEQ_LEN - SYS_LEN)
+            self.firsts.append(toks)
+            if len(self.firsts) > 64:
+                self.firsts.pop(0)
+        # the first sequence behind each system prompt is live; then every third one is tombstoned
+        tomb = k >= N_SYS and k % 3 == 2
+        return toks, (self.swa_frontier(len(toks) // 4) if tomb else 0)
+
+    def long_seq(self, i: int) -> tuple[bytes, int]:
+        toks = self.sys[i % N_SYS] + self.rand(LONG_LEN - SYS_LEN)
+        return toks, (self.swa_frontier(LONG_LEN) if i % 2 else 0)
+
+    def fresh_4k(self, i: int) -> bytes:
+        return self.sys[i % N_SYS] + self.rand(SEQ_LEN - SYS_LEN)
+
+
+def _alloc(tree: RadixTree, alloc: PairedAllocator, n: int) -> tuple[array, array]:
+    """Pages for n tokens' pages, evicting cached pages first if a pool is short (as the cache
+    layer does)."""
+    need_full = max(0, n - alloc.full.available)
+    need_swa = max(0, n - alloc.swa.available)
+    if need_full or need_swa:
+        tree.evict(need_full, need_swa, reason="alloc")
+    return alloc.alloc(n)
+
+
+def engine_insert(tree: RadixTree, alloc: PairedAllocator, tokens: bytes, swa_evicted_len: int
+                  ) -> int:
+    """Put a finished request into the tree as an engine would; returns the matched prefix."""
+    P = tree.page_size
+    n = len(tokens) // 4 // P
+    m = tree.match(NS, tokens, lock=True)
+    prev = m.prefix_len // P
+    full, swa = _alloc(tree, alloc, n - prev)
+    f = min(swa_evicted_len // P, n)
+    z = max(0, f - prev)
+    if z:  # the decode already gave these SWA pages back
+        alloc.free_swa(swa[:z])
+        swa[:z] = array("i", bytes(4 * z))
+    res = tree.insert(NS, tokens, full, swa, prev * P, swa_evicted_len)
+    left = res.inserted_len // P - prev
+    if left < n - prev:  # pages the tree did not take stay the caller's
+        alloc.free_full(full[left:])
+        rest = array("i", (p for p in swa[left:] if p))
+        if rest:
+            alloc.free_swa(rest)
+    tree.unlock(m.receipt)
+    return m.prefix_len
+
+
+@dataclass
+class Populated:
+    tree: RadixTree
+    alloc: PairedAllocator
+    wl: Workload
+    seqs: list[bytes] = field(default_factory=list)  # cached 4k sequences
+    longs: list[bytes] = field(default_factory=list)  # cached 32k sequences
+
+
+def populate(page_size: int, n_seqs: int, n_long: int, headroom: float = 1.3,
+             seed: int = 1) -> Populated:
+    """A tree holding n_seqs 4k sequences and n_long 32k ones, in a pool with some headroom."""
+    P = page_size
+    # distinct pages: system prompts, 3k (first turns) or 2k (second turns) per sequence, longs
+    est = N_SYS * SYS_LEN + n_seqs * (SEQ_LEN - SYS_LEN) + n_long * (LONG_LEN - SYS_LEN)
+    cap = int(est * headroom) // P + 2 * LONG_LEN // P + 2
+    alloc = PairedAllocator(cap, cap)
+    tree = RadixTree(P, WINDOW, alloc)
+    wl = Workload(P, seed)
+    pop = Populated(tree, alloc, wl)
+    for i in range(n_seqs):
+        toks, f = wl.next_seq()
+        engine_insert(tree, alloc, toks, f)
+        pop.seqs.append(toks)
+        if n_long and i % max(1, n_seqs // n_long) == n_seqs // (2 * n_long):
+            j = len(pop.longs)
+            if j < n_long:
+                ltoks, lf = wl.long_seq(j)
+                engine_insert(tree, alloc, ltoks, lf)
+                pop.longs.append(ltoks)
+    while len(pop.longs) < n_long:
+        ltoks, lf = wl.long_seq(len(pop.longs))
+        engine_insert(tree, alloc, ltoks, lf)
+        pop.longs.append(ltoks)
+    return pop
+
+
+def cached_tokens(tree: RadixTree) -> int:
+    return tree.device_pages()[0] * tree.page_size
+
+
+# ---------------------------------------------------------------------------------------- timing
+
+
+def _pct(samples: list[int], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 100]) of nanosecond samples, in microseconds."""
+    s = sorted(samples)
+    i = min(len(s) - 1, max(0, int(round(q / 100 * len(s) + 0.5)) - 1))
+    return s[i] / 1000.0
+
+
+def _usable(tree: RadixTree, seqs: list[bytes], want: int) -> list[bytes]:
+    """The sequences whose whole length matches (the cached prompts to time)."""
+    out = [t for t in seqs if tree.match(NS, t).prefix_len == want]
+    if not out:
+        raise RuntimeError(f"no cached prompt of {want} tokens matches in full")
+    return out
+
+
+def bench_match(pop: Populated, sz: Sizes) -> dict[str, float]:
+    """match_4k_p50/p99, match_32k_p50: tree.match of a cached prompt, rotating over them."""
+    tree = pop.tree
+    match = tree.match
+    out: dict[str, float] = {}
+    for name, seqs, want, iters in (
+        ("match_4k", pop.seqs, SEQ_LEN, sz.match_4k_iters),
+        ("match_32k", pop.longs, LONG_LEN, sz.match_32k_iters),
+    ):
+        prompts = _usable(tree, seqs, want)
+        k = len(prompts)
+        for i in range(sz.warmup):
+            match(NS, prompts[i % k])
+        samples = [0] * iters
+        clock = time.perf_counter_ns
+        gc.collect()
+        gc.disable()
+        try:
+            for i in range(iters):
+                t = prompts[i % k]
+                t0 = clock()
+                match(NS, t)
+                samples[i] = clock() - t0
+        finally:
+            gc.enable()
+        out[f"{name}_p50_us"] = _pct(samples, 50)
+        if name == "match_4k":
+            out[f"{name}_p99_us"] = _pct(samples, 99)
+        r = match(NS, prompts[0])
+        assert r.prefix_len == want, (name, r.prefix_len)
+    return out
+
+
+def bench_lock(pop: Populated, sz: Sizes) -> dict[str, float]:
+    """lock_unlock: tree.lock(node_id) + tree.unlock(receipt) on the end of a cached 4k path."""
+    tree = pop.tree
+    prompts = _usable(tree, pop.seqs, SEQ_LEN)
+    ids = [tree.match(NS, t).node_id for t in prompts]
+    k = len(ids)
+    lock, unlock = tree.lock, tree.unlock
+    for i in range(sz.warmup):
+        unlock(lock(ids[i % k]))
+    samples = [0] * sz.lock_iters
+    clock = time.perf_counter_ns
+    gc.collect()
+    gc.disable()
+    try:
+        for i in range(sz.lock_iters):
+            nid = ids[i % k]
+            t0 = clock()
+            unlock(lock(nid))
+            samples[i] = clock() - t0
+    finally:
+        gc.enable()
+    return {"lock_unlock_p50_us": _pct(samples, 50)}
+
+
+def bench_insert(pop: Populated, sz: Sizes) -> dict[str, float]:
+    """insert_4k: tree.insert of a fresh 4k sequence behind a cached 1k system prompt.
+
+    Outside the timed region, as the engine would: match+lock the prefix, allocate the pages for
+    the new 3k tokens (evicting old cached sequences when the pool is short), and afterwards
+    unlock. The pool is bounded, so the tree stays at a steady size.
+
+    The same loop also times a match of a hot cached 4k prompt and a lock+unlock of its end
+    (``*_churn`` figures): one of each per insert, the mix of a serving engine, where every match
+    follows some insert (the tight loops of bench_match/bench_lock never see the recency clock
+    move between calls).
+    """
+    tree, alloc, wl = pop.tree, pop.alloc, pop.wl
+    P = tree.page_size
+    n = SEQ_LEN // P
+    iters = sz.insert_iters[P]
+    warm = min(sz.warmup, max(10, iters // 5))
+    hot = _usable(tree, pop.seqs, SEQ_LEN)[:16]
+    ins: list[int] = []
+    mat: list[int] = []
+    lck: list[int] = []
+    prefix_misses = hot_misses = 0
+    clock = time.perf_counter_ns
+    match, lock, unlock, insert = tree.match, tree.lock, tree.unlock, tree.insert
+    gc.collect()
+    for i in range(warm + iters):
+        toks = wl.fresh_4k(i)
+        h = hot[i % len(hot)]
+        gc.disable()
+        t0 = clock()
+        r = match(NS, h)
+        t1 = clock()
+        nid = r.node_id
+        t2 = clock()
+        unlock(lock(nid))
+        t3 = clock()
+        gc.enable()
+        m = match(NS, toks, lock=True)
+        prev = m.prefix_len // P
+        full, swa = _alloc(tree, alloc, n - prev)
+        gc.disable()
+        t4 = clock()
+        res = insert(NS, toks, full, swa, prev * P, 0)
+        t5 = clock()
+        gc.enable()
+        unlock(m.receipt)
+        assert res.inserted_len == SEQ_LEN
+        if i >= warm:
+            ins.append(t5 - t4)
+            mat.append(t1 - t0)
+            lck.append(t3 - t2)
+            prefix_misses += m.prefix_len != SYS_LEN
+            hot_misses += r.prefix_len != SEQ_LEN
+    if prefix_misses or hot_misses:
+        print(f"  note: p{P} insert loop: {prefix_misses}/{len(ins)} inserts did not reuse the 1k "
+              f"prefix, {hot_misses}/{len(ins)} hot matches were short", file=sys.stderr)
+    return {
+        "insert_4k_p50_us": _pct(ins, 50),
+        "match_4k_churn_p50_us": _pct(mat, 50),
+        "lock_unlock_churn_p50_us": _pct(lck, 50),
+    }
+
+
+def bench_evict(page_size: int, sz: Sizes) -> dict[str, float]:
+    """evict_page: tree.evict(full_pages=N) over a large populated tree, per page freed.
+
+    N is 16384 tokens' worth of pages (a few LRU leaves per call); batches stop when a tenth of
+    the tree is left, so every timed call works on a large tree.
+    """
+    pop = populate(page_size, sz.evict_seqs, 0, headroom=1.05, seed=2)
+    tree = pop.tree
+    batch = 16384 // page_size
+    start = tree.device_pages()[0]
+    per_page: list[int] = []
+    clock = time.perf_counter_ns
+    gc.collect()
+    gc.disable()
+    try:
+        while tree.device_pages()[0] > start // 10:
+            t0 = clock()
+            res = tree.evict(full_pages=batch)
+            dt = clock() - t0
+            if res.full_pages == 0:
+                break
+            per_page.append(dt // res.full_pages)
+    finally:
+        gc.enable()
+    return {"evict_page_p50_us": _pct(per_page, 50)}
+
+
+def bench_memory(page_size: int, tokens: int) -> dict[str, float]:
+    """bytes_per_cached_token: tracemalloc snapshot difference around building tree+allocators.
+
+    Tokens ids, page hashes, page ids, nodes, queues, allocator state; no KV tensors (no pools).
+    The pools are sized to the content (plus one sequence), the SWA pool as large as the full one.
+    Divided by the distinct tokens cached on device.
+    """
+    P = page_size
+    wl = Workload(P, seed=3)  # its system prompts exist before the first snapshot
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.take_snapshot()
+        cap = (tokens + 2 * SEQ_LEN) // P + 2
+        alloc = PairedAllocator(cap, cap)
+        tree = RadixTree(P, WINDOW, alloc)
+        while cached_tokens(tree) < tokens:
+            toks, f = wl.next_seq()
+            engine_insert(tree, alloc, toks, f)
+        del toks
+        wl.firsts.clear()  # the workload's own copies of first turns are not the tree's
+        gc.collect()
+        after = tracemalloc.take_snapshot()
+    finally:
+        tracemalloc.stop()
+    stats = after.compare_to(before, "filename")
+    total = sum(s.size_diff for s in stats)
+    n_tok = cached_tokens(tree)
+    by_file = {}
+    for s in stats:
+        name = os.path.basename(s.traceback[0].filename)
+        by_file[name] = by_file.get(name, 0) + s.size_diff
+    top = sorted(by_file.items(), key=lambda kv: -kv[1])[:5]
+    print(f"  p{P} memory: {total / 1e6:.1f} MB for {n_tok} cached tokens, {len(tree.nodes)} "
+          "nodes; by allocating file: "
+          + ", ".join(f"{k} {v / n_tok:.2f}" for k, v in top) + " B/token", file=sys.stderr)
+    del tree, alloc
+    return {"bytes_per_cached_token": total / n_tok, "bytes_per_cached_token_ntokens": n_tok}
+
+
+# ---------------------------------------------------------------------------------------- driver
+
+
+def run_page_size(page_size: int, sz: Sizes) -> dict[str, float]:
+    t = time.perf_counter()
+    pop = populate(page_size, sz.populated_seqs, sz.populated_long)
+    print(f"  p{page_size}: populated {len(pop.tree.nodes)} nodes, "
+          f"{cached_tokens(pop.tree)} cached tokens in {time.perf_counter() - t:.1f} s",
+          file=sys.stderr)
+    out: dict[str, float] = {}
+    out.update(bench_match(pop, sz))
+    out.update(bench_lock(pop, sz))
+    out.update(bench_insert(pop, sz))
+    del pop
+    out.update(bench_evict(page_size, sz))
+    out.update(bench_memory(page_size, sz.mem_tokens[page_size]))
+    print(f"  p{page_size}: done in {time.perf_counter() - t:.1f} s", file=sys.stderr)
+    keys = sorted(out, key=lambda k: ORDER.index(k) if k in ORDER else len(ORDER))
+    return {f"{k}_p{page_size}": out[k] for k in keys}
+
+
+def run(quick: bool, extra: Callable[[], dict[str, float]] | None = None) -> dict[str, float]:
+    """All figures, flat: ``{name_p64: value, name_p1: value, ...}``.
+
+    ``extra``: a zero-argument callable returning more figures (e.g. the multi-turn replay,
+    plugged in by its owner); they are merged in last.
+    """
+    sz = QUICK if quick else FULL
+    figures: dict[str, float] = {}
+    for P in PAGE_SIZES:
+        print(f"tree_bench: page_size {P}, window {WINDOW}{' (quick)' if quick else ''}",
+              file=sys.stderr)
+        figures.update(run_page_size(P, sz))
+    # ---- hook: figures from other benchmarks (not this module's) ------------------------------
+    if extra is not None:
+        figures.update(extra())
+    return figures
+
+
+# ---------------------------------------------------------------------------------------- table
+
+# targets (page_size 64) and the SGLang 0.5.23 Python-core reference on the same shapes
+TARGETS = {
+    "match_4k_p50_us_p64": ("<=", 20.0),
+    "lock_unlock_p50_us_p64": ("<=", 6.0),
+    "insert_4k_p50_us_p64": ("<=", 150.0),
+    "bytes_per_cached_token_p64": ("<=", 6.0),
+}
+SGLANG = {
+    "match_4k_p50_us_p64": 56.0,
+    "lock_unlock_p50_us_p64": 19.0,
+    "insert_4k_p50_us_p64": 725.0,
+    "bytes_per_cached_token_p64": 10.4,
+}
+
+
+def _unit(name: str) -> str:
+    base = name.rsplit("_p", 1)[0] if name.endswith(("_p64", "_p1")) else name
+    if base.endswith("_us"):
+        return "us"
+    if base.endswith("_seconds"):
+        return "s"
+    if base == "bytes_per_cached_token":
+        return "B/token"
+    if base.endswith("_ntokens"):
+        return "tokens"
+    return ""
+
+
+def _fmt(v: float) -> str:
+    if isinstance(v, bool):
+        return str(v)
+    if isinstance(v, int) or (isinstance(v, float) and v.is_integer() and abs(v) >= 1000):
+        return f"{int(v):,}"
+    if isinstance(v, float):
+        return f"{v:.3f}" if abs(v) < 10 else f"{v:.1f}"
+    return str(v)
+
+
+def format_table(figures: dict[str, float], quick: bool = False) -> str:
+    rows = [("figure", "value", "unit", "target", "", "sglang")]
+    for name, v in figures.items():
+        tgt = TARGETS.get(name)
+        status = ""
+        if tgt is not None and isinstance(v, (int, float)):
+            status = "ok" if v <= tgt[1] else "MISS"
+        ref = SGLANG.get(name)
+        rows.append((name, _fmt(v), _unit(name), f"{tgt[0]} {tgt[1]:g}" if tgt else "",
+                     status, f"{ref:g}" if ref is not None else ""))
+    w = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = []
+    for j, r in enumerate(rows):
+        lines.append("  ".join((c.ljust(w[i]) if i in (0, 2, 4) else c.rjust(w[i]))
+                               for i, c in enumerate(r)).rstrip())
+        if j == 0:
+            lines.append("  ".join("-" * x for x in w))
+    notes = [f"page_size 64 and 1, sliding window {WINDOW}; targets and the SGLang reference "
+             "apply to page_size 64"]
+    n1 = figures.get("bytes_per_cached_token_ntokens_p1")
+    if n1 is not None and n1 < MEM_TOKENS:
+        notes.append(f"bytes_per_cached_token_p1 measured on {int(n1):,} cached tokens "
+                     f"(quick mode; full mode uses >= {MEM_TOKENS:,})")
+    if quick:
+        notes.append("quick mode: fewer iterations; percentiles are noisier")
+    return "\n".join(lines + [""] + ["note: " + n for n in notes])
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer iterations (under a minute)")
+    ap.add_argument("--json", metavar="PATH", help="write the figures as a flat JSON object")
+    args = ap.parse_args(argv)
+    t = time.perf_counter()
+    figures = run(args.quick)
+    print(format_table(figures, args.quick))
+    print(f"total {time.perf_counter() - t:.1f} s")
+    if args.json:
+        d = os.path.dirname(os.path.abspath(args.json))
+        os.makedirs(d, exist_ok=True)
+        with open(args.json, "w") as fh:
+            json.dump(figures, fh, indent=1, sort_keys=True)
+            fh.write("\n")
+    return figures
+
+
+if __name__ == "__main__":
+    main()
