@@ -178,17 +178,25 @@ def _check_locks(tree: RadixTree, reachable: dict[int, Node], v: list[str]) -> N
 
 def _check_queues(tree: RadixTree, reachable: dict[int, Node], v: list[str]) -> None:
     pol = tree.policy
-    nodes = [n for n in reachable.values() if n.parent is not None]
-    want = {
-        "full": {n.id for n in nodes
-                 if n.full is not None and n.full_lock == 0 and n.dev_children == 0},
-        "swa": {n.id for n in nodes
-                if tree.swa_enabled and n.swa is not None and n.swa_lock == 0},
-        "host": {n.id for n in nodes if n.full is None and n.host is not None and not n.children},
-    }
     keys = {"full": pol.full_key, "swa": pol.swa_key, "host": pol.host_key}
-    for label, q in (("full", tree.full_q), ("swa", tree.swa_q), ("host", tree.host_q)):
-        _check_queue(label, q, want[label], keys[label], reachable, v)
+    for name, ns in tree.namespaces.items():
+        nodes = [n for n in reachable.values() if n.parent is not None and n.ns is ns]
+        want = {
+            "full": {n.id for n in nodes
+                     if n.full is not None and n.full_lock == 0 and n.dev_children == 0},
+            "swa": {n.id for n in nodes
+                    if tree.swa_enabled and n.swa is not None and n.swa_lock == 0},
+            "host": {n.id for n in nodes
+                     if n.full is None and n.host is not None and not n.children},
+        }
+        for label, q in (("full", ns.full_q), ("swa", ns.swa_q), ("host", ns.host_q)):
+            _check_queue(f"{name}/{label}", q, want[label], keys[label], reachable, v)
+        counted = (ns.full_pages, ns.swa_pages, ns.host_pages)
+        full = sum(len(n.full) for n in nodes if n.full is not None)
+        swa = sum(len(n.swa) for n in nodes if n.swa is not None)
+        host = sum(len(n.host) for n in nodes if n.host is not None)
+        if counted != (full, swa, host):
+            v.append(f"namespace {name!r}: page counts {counted}, recomputed {(full, swa, host)}")
 
 
 def _check_queue(label: str, q: EvictionQueue, want: set[int], key, reachable, v: list[str]) -> None:

@@ -97,12 +97,22 @@ class EvictResult:
 
 
 class Namespace:
-    __slots__ = ("name", "seed", "root")
+    """A separate subtree: its own root, hash seed, eviction queues and page counts (so a tenant
+    over quota can evict its own cold pages without scanning anyone else's)."""
+
+    __slots__ = ("name", "seed", "root", "full_q", "swa_q", "host_q", "full_pages", "swa_pages",
+                 "host_pages")
 
     def __init__(self, name: str, seed: bytes, root: Node):
         self.name = name
         self.seed = seed
         self.root = root
+        self.full_q = EvictionQueue("full_entry")
+        self.swa_q = EvictionQueue("swa_entry")
+        self.host_q = EvictionQueue("host_entry")
+        self.full_pages = 0  # device pages of this namespace's nodes
+        self.swa_pages = 0
+        self.host_pages = 0
 
 
 class RadixTree:
@@ -136,9 +146,6 @@ class RadixTree:
         self.receipts: set[Receipt] = set()
         self._next_id = 1
         self._clock = 0
-        self.full_q = EvictionQueue("full_entry")
-        self.swa_q = EvictionQueue("swa_entry")
-        self.host_q = EvictionQueue("host_entry")
         # page counters, kept incrementally and recomputed by the checker
         self.full_evictable = 0
         self.full_protected = 0
@@ -196,31 +203,33 @@ class RadixTree:
         if n.parent is None:
             return
         pol = self.policy
+        ns = n.ns
         if n.full is not None:
             if n.full_lock == 0 and n.dev_children == 0:
-                self.full_q.push(n, pol.full_key(n))
+                ns.full_q.push(n, pol.full_key(n))
             elif n.full_entry is not None:
-                self.full_q.remove(n)
+                ns.full_q.remove(n)
             if n.swa is not None and n.swa_lock == 0 and self.swa_enabled:
-                self.swa_q.push(n, pol.swa_key(n))
+                ns.swa_q.push(n, pol.swa_key(n))
             elif n.swa_entry is not None:
-                self.swa_q.remove(n)
+                ns.swa_q.remove(n)
             if n.host_entry is not None:
-                self.host_q.remove(n)
+                ns.host_q.remove(n)
         else:
             if n.full_entry is not None:
-                self.full_q.remove(n)
+                ns.full_q.remove(n)
             if n.swa_entry is not None:
-                self.swa_q.remove(n)
+                ns.swa_q.remove(n)
             if n.host is not None and not n.children:
-                self.host_q.push(n, pol.host_key(n))
+                ns.host_q.push(n, pol.host_key(n))
             elif n.host_entry is not None:
-                self.host_q.remove(n)
+                ns.host_q.remove(n)
 
     def _unqueue(self, n: Node) -> None:
-        self.full_q.remove(n)
-        self.swa_q.remove(n)
-        self.host_q.remove(n)
+        ns = n.ns
+        ns.full_q.remove(n)
+        ns.swa_q.remove(n)
+        ns.host_q.remove(n)
 
     def _touch(self, n: Node) -> None:
         n.ts = self._clock
@@ -404,7 +413,7 @@ class RadixTree:
                 self.full_evictable -= np_
                 self.full_protected += np_
                 if n.full_entry is not None:
-                    self.full_q.remove(n)
+                    n.ns.full_q.remove(n)
             n.full_lock += 1
             n = n.parent
         covered = 0
@@ -421,7 +430,7 @@ class RadixTree:
                     self.swa_evictable -= np_
                     self.swa_protected += np_
                     if n.swa_entry is not None:
-                        self.swa_q.remove(n)
+                        n.ns.swa_q.remove(n)
                 n.swa_lock += 1
                 covered += np_
                 n = n.parent
@@ -649,6 +658,7 @@ class RadixTree:
         if child.swa_lock:  # pragma: no cover - tombstones are never SWA-locked
             raise AssertionError(f"SWA-locked tombstone {child!r}")
         self.swa_evictable += np_
+        child.ns.swa_pages += np_
         self._requeue(child)
         return child
 
@@ -668,8 +678,10 @@ class RadixTree:
         np_ = len(full)
         self.full_evictable += np_ if n.full_lock == 0 else 0
         self.full_protected += np_ if n.full_lock else 0
+        n.ns.full_pages += np_
         if swa is not None:
             self.swa_evictable += np_
+            n.ns.swa_pages += np_
         n.parent.dev_children += 1
         self._requeue(n)
         self._requeue(n.parent)
@@ -773,12 +785,28 @@ class RadixTree:
 
     # ------------------------------------------------------------------ eviction
 
-    def evict(self, full_pages: int = 0, swa_pages: int = 0, reason: str = "explicit") -> EvictResult:
+    def _pop(self, kind: str, namespace: Namespace | None) -> Node | None:
+        """The next victim of one kind: from one namespace, or the best across all of them."""
+        if namespace is not None:
+            return getattr(namespace, kind).pop()
+        best = None
+        best_entry = None
+        for ns in self.namespaces.values():
+            q = getattr(ns, kind)
+            if q.peek() is not None and (best_entry is None or q.heap[0][:2] < best_entry[:2]):
+                best, best_entry = q, q.heap[0]
+        return best.pop() if best is not None else None
+
+    def evict(self, full_pages: int = 0, swa_pages: int = 0, reason: str = "explicit",
+              namespace: str | None = None) -> EvictResult:
         """Free at least the requested pages of each pool (exactly, unless a cleanup cascades),
-        or as many as the unlocked part of the tree holds."""
+        or as many as the unlocked part of the tree (of one namespace, if given) holds."""
         res = EvictResult()
+        ns = self.namespaces.get(namespace) if namespace is not None else None
+        if namespace is not None and ns is None:
+            return res
         while res.full_pages < full_pages:
-            node = self.full_q.pop()
+            node = self._pop("full_q", ns)
             if node is None:
                 break
             need = full_pages - res.full_pages
@@ -787,7 +815,7 @@ class RadixTree:
                 self._split(node, np_ - need)
             self._evict_leaf(node, res)
         while res.swa_pages < swa_pages:
-            node = self.swa_q.pop()
+            node = self._pop("swa_q", ns)
             if node is None:
                 break
             need = swa_pages - res.swa_pages
@@ -805,11 +833,14 @@ class RadixTree:
             self._tombstone(node, res)
         return res
 
-    def evict_host(self, slots: int) -> EvictResult:
+    def evict_host(self, slots: int, namespace: str | None = None) -> EvictResult:
         """Drop host-only leaves until ``slots`` host slots are free."""
         res = EvictResult()
+        ns = self.namespaces.get(namespace) if namespace is not None else None
+        if namespace is not None and ns is None:
+            return res
         while res.host_slots < slots:
-            node = self.host_q.pop()
+            node = self._pop("host_q", ns)
             if node is None:
                 break
             self._delete_host_leaf(node, res)
@@ -821,6 +852,7 @@ class RadixTree:
         self.sink.free_swa(swa)
         n.swa = None
         self.swa_evictable -= np_
+        n.ns.swa_pages -= np_
         res.swa_pages += np_
         self.stats["evicted_swa_pages"] += np_
         self._requeue(n)
@@ -832,11 +864,13 @@ class RadixTree:
             np_ = len(n.full)
             self.sink.free_full(n.full)
             self.full_evictable -= np_
+            n.ns.full_pages -= np_
             res.full_pages += np_
             self.stats["evicted_full_pages"] += np_
             if n.swa is not None:
                 self.sink.free_swa(n.swa)
                 self.swa_evictable -= np_
+                n.ns.swa_pages -= np_
                 res.swa_pages += np_
                 self.stats["evicted_swa_pages"] += np_
             n.full = None
@@ -876,6 +910,7 @@ class RadixTree:
         if self.host_sink is not None:
             self.host_sink.free_host(host)
         self.host_pages -= len(host)
+        n.ns.host_pages -= len(host)
         res.host_slots += len(host)
         self.stats["evicted_host_pages"] += len(host)
         parent = n.parent
@@ -901,6 +936,7 @@ class RadixTree:
             raise BadArgument(f"node {node_id} has {self.npages(n)} pages, got {len(slots)} host slots")
         n.host = array("i", slots)
         self.host_pages += len(slots)
+        n.ns.host_pages += len(slots)
         self._requeue(n)
 
     # ------------------------------------------------------------------ views

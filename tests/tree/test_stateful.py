@@ -430,9 +430,14 @@ class CacheMachine(RuleBasedStateMachine):
         self.cleanup_model()
         self.compare()
 
-    @rule(full=st.integers(0, 12), swa=st.integers(0, 12))
-    def evict(self, full, swa):
-        r = self.cache.evict(full, swa)
+    @rule(full=st.integers(0, 12), swa=st.integers(0, 12),
+          ns=st.sampled_from([None, *NAMESPACES]))
+    def evict(self, full, swa, ns):
+        before = {k: dict(v) for k, v in self.model.items()}
+        r = self.cache.evict(full, swa, namespace=ns)
+        if ns is not None:
+            other = [n for n in NAMESPACES if n != ns]
+            assert all(self.tree_state()[n] == before[n] for n in other), "evicted another namespace"
         event(f"evict freed full>0 {r.full_pages > 0} swa>0 {r.swa_pages > 0}")
         self.adopt()
 

@@ -1,0 +1,375 @@
+"""The radixd wire protocol: the one definition, shared by the daemon and every Python client.
+
+Framing: a Unix stream socket carries frames; a frame is a 4-byte unsigned little-endian body
+length, then the body. A body is one MessagePack map. Requests carry ``op`` (the operation) and
+``id`` (chosen by the client, echoed in the response, so requests can be pipelined); responses are
+``{"id", "ok": true, "result": {...}}`` or ``{"id", "ok": false, "error": {"code", "message",
+"details"}}``. Token arrays and page-id arrays travel as MessagePack ``bin`` holding little-endian
+int32 values, never as arrays of numbers. See docs/protocol.md for the full specification.
+
+This module imports nothing but msgspec and the standard library: no torch, no daemon code.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any, Union
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+HEADER = struct.Struct("<I")
+HEADER_SIZE = HEADER.size
+DEFAULT_MAX_FRAME = 16 * 1024 * 1024
+
+
+# ---------------------------------------------------------------------------- error codes
+
+class Code:
+    """Stable error codes (the ``error.code`` string of a failed response)."""
+
+    BAD_FRAME = "bad_frame"  # the body is not a valid request (undecodable, wrong types)
+    FRAME_TOO_LARGE = "frame_too_large"  # the length prefix exceeds max_frame_bytes
+    UNKNOWN_OP = "unknown_op"
+    BAD_ARGUMENT = "bad_argument"  # well-formed but invalid (lengths, alignment, ranges)
+    NOT_AUTHENTICATED = "not_authenticated"  # an operation before a successful hello
+    AUTH_FAILED = "auth_failed"  # wrong or missing tenant token, or peer not allowed
+    VERSION_UNSUPPORTED = "version_unsupported"
+    ALREADY_AUTHENTICATED = "already_authenticated"
+    UNKNOWN_MODEL = "unknown_model"
+    MODEL_NOT_ALLOWED = "model_not_allowed"  # the tenant may not use this model
+    UNKNOWN_NODE = "unknown_node"
+    NODE_NOT_USABLE = "node_not_usable"  # its sliding window was evicted: match again
+    BAD_RECEIPT = "bad_receipt"  # not this session's, already released, never taken
+    PAGE_NOT_HELD = "page_not_held"  # a page id this session does not hold
+    BAD_PAGE = "bad_page"  # a page id outside the pool
+    OUT_OF_MEMORY = "out_of_memory"  # details: available/evictable/locked/held per pool
+    QUOTA_EXCEEDED = "quota_exceeded"  # details: pool, limit, used, requested
+    TOO_MANY_TOKENS = "too_many_tokens"
+    TOO_MANY_INFLIGHT = "too_many_inflight"
+    SHUTTING_DOWN = "shutting_down"
+    INTERNAL = "internal"  # a daemon bug; the cache stays consistent and the session survives
+
+
+ALL_CODES = tuple(v for k, v in vars(Code).items() if not k.startswith("_"))
+
+
+# ---------------------------------------------------------------------------- requests
+
+class Request(msgspec.Struct, tag_field="op", kw_only=True, omit_defaults=True):
+    id: int = 0
+
+
+class Hello(Request, tag="hello"):
+    version: int = PROTOCOL_VERSION
+    token: str | None = None
+    client: str = ""
+
+
+class Ping(Request, tag="ping"):
+    payload: bytes = b""
+
+
+class Attach(Request, tag="attach"):
+    model: str
+
+
+class Match(Request, tag="match"):
+    model: str
+    tokens: bytes
+    lock: bool = False
+
+
+class Lock(Request, tag="lock"):
+    model: str
+    node: int
+
+
+class Unlock(Request, tag="unlock"):
+    model: str
+    receipt: int
+
+
+class ReleaseSwa(Request, tag="release_swa"):
+    model: str
+    receipt: int
+
+
+class Alloc(Request, tag="alloc"):
+    model: str
+    n: int
+
+
+class Free(Request, tag="free"):
+    model: str
+    full_pages: bytes = b""
+    swa_pages: bytes = b""
+
+
+class Insert(Request, tag="insert"):
+    model: str
+    tokens: bytes
+    full_pages: bytes
+    swa_pages: bytes = b""
+    prev_prefix_len: int = 0
+    swa_evicted_len: int = 0
+    lock: bool = False
+
+
+class CacheUnfinished(Request, tag="cache_unfinished"):
+    model: str
+    tokens: bytes
+    full_pages: bytes
+    swa_pages: bytes = b""
+    prev_prefix_len: int = 0
+    swa_evicted_len: int = 0
+    receipt: int | None = None
+
+
+class CacheFinished(Request, tag="cache_finished"):
+    model: str
+    tokens: bytes
+    full_pages: bytes
+    swa_pages: bytes = b""
+    prev_prefix_len: int = 0
+    swa_evicted_len: int = 0
+    receipt: int | None = None
+
+
+class Evict(Request, tag="evict"):
+    model: str
+    full_pages: int = 0
+    swa_pages: int = 0
+
+
+class Stats(Request, tag="stats"):
+    model: str | None = None
+
+
+# operations allowed inside a batch (everything but hello, attach and batch itself)
+BatchOp = Union[  # noqa: UP007 - msgspec needs a real Union of tagged structs
+    Ping, Match, Lock, Unlock, ReleaseSwa, Alloc, Free, Insert, CacheUnfinished, CacheFinished,
+    Evict, Stats,
+]
+
+
+class Batch(Request, tag="batch"):
+    ops: list[BatchOp]
+    stop_on_error: bool = True
+
+
+AnyRequest = Union[  # noqa: UP007
+    Hello, Ping, Attach, Match, Lock, Unlock, ReleaseSwa, Alloc, Free, Insert, CacheUnfinished,
+    CacheFinished, Evict, Stats, Batch,
+]
+
+OPS: dict[str, type[Request]] = {
+    t.__struct_config__.tag: t for t in AnyRequest.__args__  # type: ignore[attr-defined]
+}
+
+
+# ---------------------------------------------------------------------------- results
+
+class Result(msgspec.Struct, kw_only=True, omit_defaults=False):
+    pass
+
+
+class ModelInfo(Result):
+    name: str
+    page_size: int
+    sliding_window: int | None
+    num_full_layers: int
+    num_swa_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    device: str
+    full_pages: int
+    swa_pages: int
+
+
+class Limits(Result):
+    max_frame_bytes: int
+    max_tokens: int
+    max_inflight: int
+
+
+class HelloResult(Result):
+    session: int
+    version: int
+    tenant: str
+    namespace: str
+    models: list[ModelInfo]
+    limits: Limits
+
+
+class PingResult(Result):
+    payload: bytes
+
+
+class PoolInfo(Result):
+    pool: str  # "full" or "swa"
+    kind: str  # "memfd": an fd arrives with the frame (SCM_RIGHTS); "cuda_ipc": see handle
+    fd_index: int  # index into the fds that came with this frame (-1 if none)
+    dtype: str
+    shape: list[int]  # [layers, 2, pages, page_size, kv_heads, head_dim]
+    nbytes: int
+    device: str
+    description: dict[str, Any] = {}
+    handle: bytes = b""  # cuda_ipc only: an opaque handle (see docs/protocol.md)
+
+
+class AttachResult(Result):
+    pools: list[PoolInfo]
+
+
+class MatchResult(Result):
+    prefix_len: int
+    full_pages: bytes
+    swa_pages: bytes
+    node: int
+    full_hit_len: int
+    host_hit_len: int
+    receipt: int | None = None
+
+
+class LockResult(Result):
+    receipt: int
+
+
+class Empty(Result):
+    pass
+
+
+class AllocResult(Result):
+    full_pages: bytes
+    swa_pages: bytes
+
+
+class InsertResult(Result):
+    prefix_len: int
+    inserted_len: int
+    full_pages: bytes
+    swa_pages: bytes
+    node: int
+    receipt: int | None = None
+
+
+class EvictResult(Result):
+    full_pages: int
+    swa_pages: int
+
+
+class StatsResult(Result):
+    tenant: str
+    namespace: str
+    models: dict[str, dict[str, int]]
+
+
+class Error(msgspec.Struct, kw_only=True):
+    code: str
+    message: str
+    details: dict[str, Any] = {}
+
+
+class BatchItem(msgspec.Struct, kw_only=True, omit_defaults=True):
+    ok: bool
+    result: msgspec.Raw = msgspec.Raw()
+    error: Error | None = None
+
+
+class BatchResult(Result):
+    results: list[BatchItem]
+
+
+RESULT_TYPES: dict[str, type[Result]] = {
+    "hello": HelloResult,
+    "ping": PingResult,
+    "attach": AttachResult,
+    "match": MatchResult,
+    "lock": LockResult,
+    "unlock": Empty,
+    "release_swa": Empty,
+    "alloc": AllocResult,
+    "free": Empty,
+    "insert": InsertResult,
+    "cache_unfinished": InsertResult,
+    "cache_finished": InsertResult,
+    "evict": EvictResult,
+    "stats": StatsResult,
+    "batch": BatchResult,
+}
+
+
+class Response(msgspec.Struct, kw_only=True, omit_defaults=True):
+    id: int
+    ok: bool
+    result: msgspec.Raw = msgspec.Raw()
+    error: Error | None = None
+
+
+# ---------------------------------------------------------------------------- codec
+
+_encoder = msgspec.msgpack.Encoder()
+_request_decoder = msgspec.msgpack.Decoder(AnyRequest)
+_response_decoder = msgspec.msgpack.Decoder(Response)
+_result_decoders = {op: msgspec.msgpack.Decoder(t) for op, t in RESULT_TYPES.items()}
+
+
+def encode(obj: Any) -> bytes:
+    """A whole frame (header + body) for any struct or plain mapping."""
+    body = _encoder.encode(obj)
+    return HEADER.pack(len(body)) + body
+
+
+def encode_body(obj: Any) -> bytes:
+    return _encoder.encode(obj)
+
+
+def decode_request(body: bytes | memoryview) -> AnyRequest:
+    """Raises msgspec.DecodeError / msgspec.ValidationError on a malformed request."""
+    return _request_decoder.decode(body)
+
+
+def decode_response(body: bytes | memoryview) -> Response:
+    return _response_decoder.decode(body)
+
+
+def decode_result(op: str, raw: msgspec.Raw | bytes) -> Result:
+    return _result_decoders[op].decode(raw)
+
+
+_OK_ID = b"\x83\xa2id"  # a 3-entry map, then the key "id"
+_OK_RESULT = b"\xa2ok\xc3\xa6result"  # "ok": true, then the key "result"
+
+
+def ok_frame(req_id: int, result: Any) -> bytes:
+    """A success frame, assembled around the encoded result (no second encoding pass)."""
+    body = b"".join((_OK_ID, _encoder.encode(req_id), _OK_RESULT, _encoder.encode(result)))
+    return HEADER.pack(len(body)) + body
+
+
+def error_frame(req_id: int, code: str, message: str, details: dict[str, Any] | None = None
+                ) -> bytes:
+    body = _encoder.encode(Response(id=req_id, ok=False,
+                                    error=Error(code=code, message=message, details=details or {})))
+    return HEADER.pack(len(body)) + body
+
+
+def int32_bytes(values: Any) -> bytes:
+    """Page ids or token ids as the little-endian int32 bytes the protocol carries."""
+    if isinstance(values, (bytes, bytearray, memoryview)):
+        return bytes(values)
+    if hasattr(values, "tobytes") and getattr(values, "itemsize", 4) == 4:
+        return values.tobytes()  # array('i') and 4-byte numpy arrays
+    from array import array
+
+    return array("i", values).tobytes()
+
+
+def int32_list(data: bytes) -> list[int]:
+    from array import array
+
+    a = array("i")
+    a.frombytes(data)
+    return a.tolist()
