@@ -1,18 +1,23 @@
 """The ``radixd`` command line.
 
 Subcommands import their implementation lazily, so ``radixd --help`` stays fast and does not pull
-in torch, and a subcommand whose module is missing fails with a clear message instead of breaking
-the whole command.
+in torch.
+
+Exit codes: 0 success; 1 runtime failure (e.g. the socket is taken); 2 usage or configuration
+error; 3 the daemon stopped on an invariant violation (strict mode).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
+import json
+import logging
 import sys
 from collections.abc import Sequence
 
 from daemon import __version__
+
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INVARIANT = 0, 1, 2, 3
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -20,50 +25,96 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="radixd",
         description="KV-cache and prefix radix tree daemon for LLM inference engines.",
+        epilog="exit codes: 0 ok, 1 runtime failure, 2 usage or configuration error, "
+               "3 stopped on an invariant violation (strict mode)",
     )
     parser.add_argument("--version", action="version", version=f"radixd {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    demo = sub.add_parser(
-        "demo",
-        help="run the core's built-in demo/benchmark (no daemon, no engine)",
-        description="Run the core's built-in demo/benchmark. Extra arguments go to the demo.",
-    )
-    # The demo owns its options: whatever follows `demo` is handed to it untouched, as
-    # `args.demo_args` (see main), so it can grow options without touching this file.
-    demo.set_defaults(handler=_run_demo, passthrough=True)
+    serve = sub.add_parser(
+        "serve", help="run the daemon",
+        description="Run the daemon until SIGTERM/SIGINT. Without --config it serves a small "
+                    "default model on the CPU (or the first GPU), with one tenant that needs no "
+                    "token, on a socket in the per-user runtime directory "
+                    "(/run/radixd/radixd.sock for root). Settings: built-in defaults < the TOML "
+                    "file < RADIXD_<SECTION>_<KEY> environment variables < these flags.")
+    _config_args(serve)
+    serve.add_argument("--strict", action="store_true", default=None,
+                       help="stop the daemon (exit 3) on the first invariant violation")
+    serve.add_argument("--check-interval", type=float, metavar="SECONDS",
+                       help="seconds between background invariant checks")
+    serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    serve.set_defaults(handler=_serve)
+
+    config = sub.add_parser("config", help="show the effective configuration")
+    csub = config.add_subparsers(dest="config_command", metavar="ACTION")
+    show = csub.add_parser("show", help="print the effective configuration as JSON "
+                                        "(tokens redacted)")
+    _config_args(show)
+    show.set_defaults(handler=_config_show)
     return parser
 
 
-def _run_demo(args: argparse.Namespace) -> int:
+def _config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE", help="TOML configuration file "
+                                                    "(default: $RADIXD_CONFIG if set)")
+    p.add_argument("--socket", metavar="PATH", help="Unix socket path engines connect to")
+
+
+def _load(args: argparse.Namespace):
+    from .config import ConfigError, load_config
+
+    overrides: dict = {}
+    if getattr(args, "socket", None):
+        overrides.setdefault("server", {})["socket"] = args.socket
+    if getattr(args, "strict", None):
+        overrides.setdefault("checker", {})["strict"] = True
+    if getattr(args, "check_interval", None) is not None:
+        overrides.setdefault("checker", {})["interval_s"] = args.check_interval
+    if getattr(args, "log_level", None):
+        overrides["log_level"] = args.log_level
     try:
-        demo = importlib.import_module("daemon.demo")
-    except ModuleNotFoundError as exc:
-        if exc.name != "daemon.demo":
-            raise
-        print("radixd: the demo is not available in this build (daemon.demo missing)",
-              file=sys.stderr)
-        return 2
-    result = demo.main(args)
-    return int(result or 0)
+        return load_config(args.config, overrides=overrides)
+    except ConfigError as exc:
+        print(f"radixd: {exc}", file=sys.stderr)
+        return None
+
+
+def _serve(args: argparse.Namespace) -> int:
+    config = _load(args)
+    if config is None:
+        return EXIT_USAGE
+    logging.basicConfig(level=config.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from .server import run
+
+    try:
+        return run(config)
+    except OSError as exc:
+        print(f"radixd: cannot serve: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+
+
+def _config_show(args: argparse.Namespace) -> int:
+    config = _load(args)
+    if config is None:
+        return EXIT_USAGE
+    data = config.model_dump()
+    for t in data["tenants"]:
+        if t.get("token") is not None:
+            t["token"] = "<redacted>"
+    print(json.dumps(data, indent=2))
+    return EXIT_OK
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``radixd`` console script; returns the process exit status."""
     parser = build_parser()
-    argv_list = list(sys.argv[1:] if argv is None else argv)
-    args, _extra = parser.parse_known_args(argv_list)
-    if getattr(args, "passthrough", False):
-        # Everything before the subcommand is parsed strictly; everything after belongs to it.
-        cut = argv_list.index(args.command) + 1
-        args = parser.parse_args(argv_list[:cut])
-        args.demo_args = argv_list[cut:]
-    else:
-        args = parser.parse_args(argv_list)
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     handler = getattr(args, "handler", None)
     if handler is None:
         parser.print_help(sys.stderr)
-        return 2
+        return EXIT_USAGE
     return int(handler(args))
 
 

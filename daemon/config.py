@@ -1,0 +1,248 @@
+"""Configuration: a TOML file, environment overrides, validated with pydantic at start.
+
+Precedence: built-in defaults < the TOML file < ``RADIXD_<SECTION>_<KEY>`` environment variables
+< command-line flags. A bad value stops the daemon before it binds anything, with a message that
+names the key. Every key is documented in docs/operations.md (and ``radixd config example``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .gpu.profile import ModelProfile, ProfileError
+from .tree.policy import POLICIES
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """The configuration is invalid; the message names the key."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+def default_socket_path() -> str:
+    """/run/radixd/radixd.sock for root; a per-user runtime directory otherwise."""
+    if os.geteuid() == 0:
+        return "/run/radixd/radixd.sock"
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    base = Path(runtime) if runtime else Path(f"/tmp/radixd-{os.geteuid()}")
+    return str(base / "radixd" / "radixd.sock")
+
+
+class ServerConfig(_Section):
+    socket: str = Field(default_factory=default_socket_path,
+                        description="path of the Unix socket engines connect to")
+    socket_mode: str = Field("0660", description="octal file mode of the socket")
+    allowed_uids: list[int] = Field(default_factory=list,
+                                    description="peer uids allowed to connect (empty: any)")
+    allowed_gids: list[int] = Field(default_factory=list,
+                                    description="peer gids allowed to connect (empty: any)")
+    max_frame_bytes: int = Field(16 * 1024 * 1024, ge=1024, le=1 << 31,
+                                 description="largest frame body accepted")
+    max_tokens: int = Field(1 << 20, ge=1, description="most tokens in one request")
+    max_inflight: int = Field(256, ge=1,
+                              description="most operations a session may have pending: the "
+                                          "largest batch, and the unsent responses before the "
+                                          "daemon stops reading from it")
+    max_sessions: int = Field(1024, ge=1, description="most concurrent sessions")
+    max_auth_failures: int = Field(3, ge=1,
+                                   description="failed hellos before the connection is closed")
+
+    @field_validator("socket_mode")
+    @classmethod
+    def _mode(cls, v: str) -> str:
+        try:
+            mode = int(v, 8)
+        except ValueError:
+            raise ValueError(f"must be an octal string like '0660', got {v!r}") from None
+        if not 0 <= mode <= 0o777:
+            raise ValueError(f"must be between 0000 and 0777, got {v!r}")
+        return v
+
+    @property
+    def socket_mode_int(self) -> int:
+        return int(self.socket_mode, 8)
+
+
+class CheckerConfig(_Section):
+    interval_s: float = Field(5.0, gt=0, description="seconds between background checks")
+    strict: bool = Field(False, description="stop the daemon on the first violation (tests)")
+    deep: bool = Field(True, description="re-hash every page in full checks")
+
+
+class ModelConfig(_Section):
+    name: str = "default"
+    page_size: int = 16
+    sliding_window: int | None = 128
+    num_full_layers: int = 2
+    num_swa_layers: int = 2
+    num_kv_heads: int = 2
+    head_dim: int = 64
+    dtype: str = "float16"
+    device: str = "auto"
+    full_pages: int = 2048
+    swa_pages: int = 512
+    eviction_policy: str = Field("lru-depth", description="lru-depth (default) or lru")
+    export_pools: bool = Field(True, description="allocate the KV pools and share them with "
+                                                 "engines (off: bookkeeping only)")
+
+    @field_validator("eviction_policy")
+    @classmethod
+    def _policy(cls, v: str) -> str:
+        if v not in POLICIES:
+            raise ValueError(f"unknown policy {v!r}; choose one of {sorted(POLICIES)}")
+        return v
+
+    @model_validator(mode="after")
+    def _profile(self) -> ModelConfig:
+        self.profile()  # raises ProfileError naming the field
+        return self
+
+    def profile(self) -> ModelProfile:
+        try:
+            return ModelProfile(
+                name=self.name, page_size=self.page_size, sliding_window=self.sliding_window,
+                num_full_layers=self.num_full_layers, num_swa_layers=self.num_swa_layers,
+                num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, dtype=self.dtype,
+                device=self.device, full_pages=self.full_pages,
+                swa_pages=self.swa_pages if self.sliding_window is not None else 0)
+        except ProfileError as exc:
+            raise ValueError(str(exc)) from None
+
+
+class TenantConfig(_Section):
+    name: str
+    token: str | None = Field(None, description="the tenant's token (prefer token_sha256)")
+    token_sha256: str | None = Field(None, description="hex SHA-256 of the tenant's token")
+    namespace: str | None = Field(None, description="prefix namespace (default: the name); "
+                                                    "tenants may share one")
+    models: list[str] = Field(default_factory=lambda: ["*"],
+                              description="models the tenant may use ('*': all)")
+    quota_full_pages: int = Field(0, ge=0, description="per model; 0: unlimited")
+    quota_swa_pages: int = Field(0, ge=0, description="per model; 0: unlimited")
+
+    @field_validator("token_sha256")
+    @classmethod
+    def _hex(cls, v: str | None) -> str | None:
+        if v is not None:
+            v = v.lower()
+            if len(v) != 64 or any(c not in "0123456789abcdef" for c in v):
+                raise ValueError("must be 64 hex digits (sha256 of the token)")
+        return v
+
+    @model_validator(mode="after")
+    def _one_token(self) -> TenantConfig:
+        if self.token is not None and self.token_sha256 is not None:
+            raise ValueError("give token or token_sha256, not both")
+        return self
+
+    def token_digest(self) -> bytes | None:
+        if self.token is not None:
+            return hashlib.sha256(self.token.encode()).digest()
+        if self.token_sha256 is not None:
+            return bytes.fromhex(self.token_sha256)
+        return None
+
+
+class Config(_Section):
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    checker: CheckerConfig = Field(default_factory=CheckerConfig)
+    models: list[ModelConfig] = Field(default_factory=lambda: [ModelConfig()])
+    tenants: list[TenantConfig] = Field(default_factory=list)
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Config:
+        if not self.models:
+            raise ValueError("models: at least one model is needed")
+        names = [m.name for m in self.models]
+        if len(set(names)) != len(names):
+            raise ValueError(f"models: duplicate model names {names}")
+        tnames = [t.name for t in self.tenants]
+        if len(set(tnames)) != len(tnames):
+            raise ValueError(f"tenants: duplicate tenant names {tnames}")
+        for t in self.tenants:
+            if t.token is None and t.token_sha256 is None:
+                raise ValueError(f"tenants: tenant {t.name!r} needs token or token_sha256 "
+                                 "(only the built-in default tenant has none)")
+            for m in t.models:
+                if m != "*" and m not in names:
+                    raise ValueError(f"tenants: tenant {t.name!r} names unknown model {m!r}")
+        return self
+
+
+ENV_PREFIX = "RADIXD_"
+_ENV_SECTIONS = {"SERVER": "server", "CHECKER": "checker"}
+
+
+def _env_overrides(env: dict[str, str]) -> dict[str, Any]:
+    """``RADIXD_SERVER_SOCKET=/x`` -> {"server": {"socket": "/x"}}; ``RADIXD_LOG_LEVEL`` too.
+
+    Values are parsed as TOML scalars when they parse (numbers, booleans, arrays), else strings.
+    """
+    out: dict[str, Any] = {}
+    for key, raw in env.items():
+        if not key.startswith(ENV_PREFIX):
+            continue
+        rest = key[len(ENV_PREFIX):]
+        if rest == "LOG_LEVEL":
+            out["log_level"] = raw
+            continue
+        if rest == "CONFIG":
+            continue
+        section, _, name = rest.partition("_")
+        if section not in _ENV_SECTIONS or not name:
+            raise ConfigError(f"{key}: unknown setting (sections: "
+                              f"{', '.join(ENV_PREFIX + s + '_<KEY>' for s in _ENV_SECTIONS)})")
+        try:
+            value = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = raw
+        out.setdefault(_ENV_SECTIONS[section], {})[name.lower()] = value
+    return out
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def load_config(path: str | os.PathLike | None = None, *, env: dict[str, str] | None = None,
+                overrides: dict[str, Any] | None = None) -> Config:
+    """Load and validate; raises ConfigError with every problem, each naming its key."""
+    env = dict(os.environ) if env is None else env
+    data: dict[str, Any] = {}
+    if path is None:
+        path = env.get(ENV_PREFIX + "CONFIG")
+    if path is not None:
+        try:
+            with open(path, "rb") as fh:
+                data = tomllib.load(fh)
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path}: not valid TOML: {exc}") from None
+    data = _merge(data, _env_overrides(env))
+    data = _merge(data, overrides or {})
+    try:
+        return Config.model_validate(data)
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
+            lines.append(f"{loc}: {err['msg']}")
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(lines)) from None

@@ -1,0 +1,385 @@
+"""The socket server: frames in, service calls, frames out. It knows sessions and limits, not trees.
+
+One asyncio loop (uvloop when installed) runs everything. A connection is an asyncio Protocol:
+complete frames are decoded and handled as they arrive and each response is written before the
+next frame is looked at, so the service is never re-entered. A malformed body gets an error
+response and the session goes on; a length prefix over the limit closes only that connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import os
+import signal
+import socket
+import stat
+import struct
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from radixd_client import protocol as P
+
+from .config import Config
+from .service import Peer, Service, ServiceError, Session, error_of
+
+log = logging.getLogger("radixd.server")
+
+_PEEK = msgspec.msgpack.Decoder(dict)
+
+
+class Connection(asyncio.Protocol):
+    def __init__(self, server: Server):
+        self.server = server
+        self.service = server.service
+        self.transport: asyncio.Transport | None = None
+        self.buf = bytearray()
+        self.session: Session | None = None
+        self.peer = Peer()
+        self.auth_failures = 0
+        self.paused = False
+        self.closed = False
+        limits = server.config.server
+        self.max_frame = limits.max_frame_bytes
+        self.max_inflight = limits.max_inflight
+
+    # ------------------------------------------------------------------ transport events
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self.server.connections.add(self)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                        struct.calcsize("3i"))
+                pid, uid, gid = struct.unpack("3i", creds)
+                self.peer = Peer(pid, uid, gid)
+        # backpressure: a client that does not read its responses stops being read from
+        transport.set_write_buffer_limits(high=self.max_inflight * 64 * 1024)  # type: ignore
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.server.connections.discard(self)
+        if self.session is not None:
+            self.service.close_session(self.session)
+            log.debug("session %d ended (%s)", self.session.id, exc or "closed")
+            self.session = None
+
+    def pause_writing(self) -> None:
+        if self.transport is not None and not self.paused:
+            self.paused = True
+            self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self.transport is not None and self.paused:
+            self.paused = False
+            self.transport.resume_reading()
+
+    def data_received(self, data: bytes) -> None:
+        buf = self.buf
+        buf += data
+        off = 0
+        n = len(buf)
+        while n - off >= 4 and not self.closed:
+            size = int.from_bytes(buf[off : off + 4], "little")
+            if size > self.max_frame:
+                self._write(P.error_frame(0, P.Code.FRAME_TOO_LARGE,
+                                          f"frame of {size} bytes; the limit is {self.max_frame} "
+                                          "(the connection is closed: its framing is lost)",
+                                          {"limit": self.max_frame, "size": size}))
+                self.transport.close()  # type: ignore[union-attr]
+                self.closed = True
+                break
+            end = off + 4 + size
+            if end > n:
+                break
+            mv = memoryview(buf)
+            body = mv[off + 4 : end]
+            try:
+                self._handle(body)
+            finally:  # the buffer is resized below: no view of it may outlive this frame
+                body.release()
+                mv.release()
+            off = end
+        if off:
+            del buf[:off]
+
+    # ------------------------------------------------------------------ frames
+
+    def _write(self, frame: bytes) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(frame)
+
+    def _handle(self, body: memoryview) -> None:
+        try:
+            req = P.decode_request(body)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            self._bad_frame(body, exc)
+            return
+        rid = req.id
+        try:
+            self.server.ops += 1
+            if self.session is None:
+                if isinstance(req, P.Hello):
+                    self._hello(req)
+                    return
+                raise ServiceError(P.Code.NOT_AUTHENTICATED,
+                                   "send hello (with the tenant token) before anything else")
+            self.session.ops += 1
+            if isinstance(req, P.Batch):
+                self._write(P.ok_frame(rid, self._batch(req)))
+            elif isinstance(req, P.Attach):
+                self._attach(req)
+            elif isinstance(req, P.Hello):
+                raise ServiceError(P.Code.ALREADY_AUTHENTICATED,
+                                   f"this connection is already session {self.session.id}")
+            else:
+                handler = Service.HANDLERS[req.__struct_config__.tag]
+                self._write(P.ok_frame(rid, handler(self.service, self.session, req)))
+        except Exception as exc:  # every refusal becomes a response; the session survives
+            code, message, details = error_of(exc)
+            if code == P.Code.INTERNAL:
+                log.exception("internal error handling %s", type(req).__name__)
+            self._write(P.error_frame(rid, code, message, details))
+            if code == P.Code.AUTH_FAILED and self.auth_failures >= \
+                    self.server.config.server.max_auth_failures:
+                self.transport.close()  # type: ignore[union-attr]
+
+    def _bad_frame(self, body: memoryview, exc: Exception) -> None:
+        rid, op = 0, None
+        with contextlib.suppress(Exception):
+            peek = _PEEK.decode(body)
+            rid = peek.get("id", 0) if isinstance(peek.get("id", 0), int) else 0
+            op = peek.get("op")
+        if op is not None and op not in P.OPS:
+            self._write(P.error_frame(rid, P.Code.UNKNOWN_OP,
+                                      f"unknown operation {op!r}; known: {sorted(P.OPS)}"))
+        else:
+            self._write(P.error_frame(rid, P.Code.BAD_FRAME, f"malformed request: {exc}"))
+
+    def _hello(self, req: P.Hello) -> None:
+        if req.version != P.PROTOCOL_VERSION:
+            raise ServiceError(P.Code.VERSION_UNSUPPORTED,
+                               f"protocol version {req.version} is not supported; this daemon "
+                               f"speaks {P.PROTOCOL_VERSION}", supported=[P.PROTOCOL_VERSION])
+        try:
+            tenant = self.service.authenticate(req.token, self.peer)
+        except ServiceError:
+            self.auth_failures += 1
+            raise
+        self.session = self.service.open_session(tenant, self.peer, req.client)
+        log.debug("session %d opened: tenant %s, peer %s, client %r", self.session.id,
+                  tenant.name, self.peer, req.client)
+        self._write(P.ok_frame(req.id, self.service.hello_result(self.session)))
+
+    def _batch(self, req: P.Batch) -> P.BatchResult:
+        if len(req.ops) > self.max_inflight:
+            raise ServiceError(P.Code.TOO_MANY_INFLIGHT,
+                               f"a batch of {len(req.ops)} operations; the limit is "
+                               f"{self.max_inflight}", limit=self.max_inflight)
+        items: list[P.BatchItem] = []
+        failed = False
+        enc = P.encode_body
+        for op in req.ops:
+            if failed and req.stop_on_error:
+                items.append(P.BatchItem(ok=False, error=P.Error(
+                    code=P.Code.BAD_ARGUMENT, message="skipped: an earlier operation failed")))
+                continue
+            try:
+                handler = Service.HANDLERS[op.__struct_config__.tag]
+                result = handler(self.service, self.session, op)
+                items.append(P.BatchItem(ok=True, result=msgspec.Raw(enc(result))))
+            except Exception as exc:
+                code, message, details = error_of(exc)
+                if code == P.Code.INTERNAL:
+                    log.exception("internal error in a batch")
+                items.append(P.BatchItem(ok=False, error=P.Error(code=code, message=message,
+                                                                 details=details)))
+                failed = True
+        return P.BatchResult(results=items)
+
+    def _attach(self, req: P.Attach) -> None:
+        result, fds = self.service.attach(self.session, req)  # type: ignore[arg-type]
+        frame = P.ok_frame(req.id, result)
+        if not fds:
+            self._write(frame)
+            return
+        self.server.loop.create_task(self._send_with_fds(frame, fds))
+
+    async def _send_with_fds(self, frame: bytes, fds: list[int]) -> None:
+        """SCM_RIGHTS needs sendmsg on the socket itself, after the transport has flushed."""
+        transport = self.transport
+        assert transport is not None
+        transport.pause_reading()  # nothing else is answered until the fds are out
+        try:
+            while transport.get_write_buffer_size() and not transport.is_closing():
+                await asyncio.sleep(0.001)
+            if transport.is_closing():
+                return
+            raw = transport.get_extra_info("socket")
+            sock = socket.socket(fileno=os.dup(raw.fileno()))
+            try:
+                sock.setblocking(True)
+                sock.settimeout(5.0)
+                sent = sock.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                               struct.pack(f"{len(fds)}i", *fds))])
+                if sent < len(frame):
+                    sock.sendall(frame[sent:])
+            finally:
+                sock.close()
+        except OSError as exc:
+            log.warning("could not send pool fds to session %s: %s",
+                        self.session.id if self.session else "?", exc)
+            transport.close()
+        finally:
+            if not transport.is_closing() and not self.paused:
+                transport.resume_reading()
+
+
+class Server:
+    def __init__(self, config: Config, service: Service):
+        self.config = config
+        self.service = service
+        self.connections: set[Connection] = set()
+        self.ops = 0
+        self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]
+        self._server: asyncio.AbstractServer | None = None
+        self._stopping: asyncio.Event | None = None
+        self.exit_code = 0
+        self.last_check: dict[str, Any] = {"ok": None, "violations": [], "at": None}
+        self.checks_requested = 0
+
+    async def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self._stopping = asyncio.Event()
+        path = self.config.server.socket
+        sock = _bind_socket(path, self.config.server.socket_mode_int)
+        self._server = await self.loop.create_unix_server(lambda: Connection(self), sock=sock)
+        log.info("serving on %s (models: %s)", path, ", ".join(self.service.models))
+
+    async def serve(self) -> int:
+        await self.start()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self.loop.add_signal_handler(sig, self.stop)
+        self.loop.add_signal_handler(signal.SIGUSR1, self._requested_check)
+        checker = self.loop.create_task(self._checker())
+        try:
+            await self._stopping.wait()  # type: ignore[union-attr]
+        finally:
+            checker.cancel()
+            await self.shutdown()
+        return self.exit_code
+
+    def stop(self, exit_code: int | None = None) -> None:
+        if exit_code is not None:
+            self.exit_code = exit_code
+        if self._stopping is not None:
+            self._stopping.set()
+
+    async def shutdown(self) -> None:
+        """Stop accepting, end every session (releasing what it held), remove the socket."""
+        if self._server is not None:
+            self._server.close()
+        for conn in list(self.connections):
+            if conn.transport is not None:
+                conn.transport.close()
+        await asyncio.sleep(0)
+        for conn in list(self.connections):
+            conn.connection_lost(None)
+        if self._server is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 1.0)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.config.server.socket)
+        violations = self.service.check(deep=False)
+        if violations:
+            log.error("invariant violations at shutdown: %s", violations)
+        self.service.close()
+        log.info("stopped")
+
+    def run_check(self, deep: bool | None = None) -> list[str]:
+        deep = self.config.checker.deep if deep is None else deep
+        t0 = time.perf_counter()
+        violations = self.service.check(deep=deep)
+        self.last_check = {"ok": not violations, "violations": violations, "at": time.time(),
+                           "kind": "full", "seconds": time.perf_counter() - t0}
+        return violations
+
+    def _requested_check(self) -> None:
+        """SIGUSR1: a full check now, its verdict logged (tests and operators use it)."""
+        violations = self.run_check()
+        self.checks_requested += 1
+        if violations:
+            log.error("invariant check #%d (requested): %d violations: %s",
+                      self.checks_requested, len(violations), "; ".join(violations[:20]))
+            if self.config.checker.strict:
+                log.critical("strict mode: stopping on an invariant violation")
+                self.stop(3)
+        else:
+            log.info("invariant check #%d (requested): ok", self.checks_requested)
+
+    async def _checker(self) -> None:
+        """Full check when idle since the last one, cheap counter check while busy."""
+        cfg = self.config.checker
+        seen = -1
+        while True:
+            await asyncio.sleep(cfg.interval_s)
+            if self.ops == seen:
+                violations = self.run_check()
+            else:
+                violations = self.service.quick_check()
+                self.last_check = {"ok": not violations, "violations": violations,
+                                   "at": time.time(), "kind": "counters"}
+            seen = self.ops
+            if violations:
+                log.error("invariant violations: %s", "; ".join(violations[:20]))
+                if cfg.strict:
+                    log.critical("strict mode: stopping on an invariant violation")
+                    self.stop(3)
+                    return
+
+
+def _bind_socket(path: str, mode: int) -> socket.socket:
+    p = Path(path)
+    if not p.parent.exists():
+        p.parent.mkdir(parents=True, mode=0o750)
+    if p.exists() or p.is_symlink():
+        if not stat.S_ISSOCK(p.lstat().st_mode):
+            raise OSError(errno.EEXIST, f"{path} exists and is not a socket; refusing to replace it")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(path)
+        except OSError:
+            p.unlink()  # a stale socket from a daemon that died
+        else:
+            raise OSError(errno.EADDRINUSE, f"another radixd is serving on {path}")
+        finally:
+            probe.close()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o777 & ~mode)
+    try:
+        sock.bind(path)
+    finally:
+        os.umask(old)
+    os.chmod(path, mode)
+    sock.listen(1024)
+    sock.setblocking(False)
+    return sock
+
+
+def run(config: Config) -> int:
+    """Build the service and serve until SIGTERM/SIGINT; returns the process exit code."""
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:  # pragma: no cover - uvloop is a dependency; asyncio works too
+        log.warning("uvloop not available; using the default asyncio loop")
+    service = Service(config)
+    server = Server(config, service)
+    return asyncio.run(server.serve())
