@@ -117,7 +117,9 @@ class ModelCache:
 
     def _release_pages(self, owner: Owner, full: Iterable[int], swa: Iterable[int]) -> None:
         """Pages that left the owner (to the tree or back to the free list)."""
-        h = self.holdings[owner]
+        h = self.holdings.get(owner)
+        if h is None:  # it holds nothing: _check_held already refused any page it named
+            return
         for p in full:
             del self._full_owner[p]
             h.full.discard(p)
@@ -155,6 +157,10 @@ class ModelCache:
         a = self.alloc_state
         need_full = max(0, n - a.full.available)
         need_swa = max(0, n - a.swa.available) if a.swa is not None else 0
+        if need_full > self.tree.full_evictable or need_swa > self.tree.swa_evictable:
+            # it cannot succeed: refuse before evicting anyone's cache for nothing
+            self.counters["alloc_failures"] += 1
+            raise self._oom(n)
         if need_full or need_swa:
             ev = self.tree.evict(need_full, need_swa, reason="alloc")
             self.counters["evicted_for_alloc_full"] += ev.full_pages

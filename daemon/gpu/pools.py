@@ -17,32 +17,32 @@ out, and it is zeroed at creation so that reading it is harmless.
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import math
 import mmap
 import os
 import weakref
-from collections.abc import Mapping
 from types import TracebackType
 from typing import Any
 
 import torch
+from radixd_client.pools import (
+    DESCRIPTION_VERSION,
+    POOL_LAYOUT,
+    PoolError,
+    map_pool_fd,
+)
+from radixd_client.pools import tensor_over as _tensor_over
 
-from daemon.gpu.profile import DTYPE_ITEMSIZE, ModelProfile, ProfileError, torch_dtype
+from daemon.gpu.profile import DTYPE_ITEMSIZE, ModelProfile, torch_dtype
 
 __all__ = ["POOL_LAYOUT", "KVPools", "Pool", "PoolError", "map_pool_fd"]
 
-#: Axis names of a pool tensor, outermost first; part of :meth:`Pool.describe`.
-POOL_LAYOUT: tuple[str, ...] = ("layer", "kv", "page", "token", "kv_head", "head_dim")
-#: Version of the :meth:`Pool.describe` dict; a client refuses descriptions it does not know.
-DESCRIPTION_VERSION = 1
+# POOL_LAYOUT (the axis names of a pool tensor), DESCRIPTION_VERSION (of the Pool.describe dict),
+# PoolError and map_pool_fd come from the client library: the engine maps what the daemon
+# describes, so both sides share one definition.
 _POOL_KINDS = ("full", "swa")
 _MEMFD_NAME_MAX = 249  # bytes, excluding the NUL (memfd_create(2))
-
-
-class PoolError(RuntimeError):
-    """A pool could not be created, mapped or used (size, memory, closed pool, bad page id)."""
 
 
 # -- host shared memory -----------------------------------------------------------------------
@@ -103,22 +103,6 @@ def _create_memfd(name: str, nbytes: int) -> tuple[int, mmap.mmap]:
         os.close(fd)
         raise
     return fd, mapping
-
-
-def _tensor_over(mapping: mmap.mmap, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    # The tensor keeps a reference to the mmap object (not a buffer export), so the mapping stays
-    # alive exactly as long as some tensor uses it; see Pool.close.
-    raw = torch.frombuffer(mapping, dtype=torch.uint8)
-    return raw.view(dtype).view(shape)
-
-
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides: list[int] = []
-    step = 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= size
-    return tuple(reversed(strides))
 
 
 # -- pools ------------------------------------------------------------------------------------
@@ -335,60 +319,3 @@ class KVPools:
         tb: TracebackType | None,
     ) -> None:
         self.close()
-
-
-# -- client side ------------------------------------------------------------------------------
-
-
-def map_pool_fd(fd: int, description: Mapping[str, Any]) -> torch.Tensor:
-    """Map a pool fd received from the daemon as the tensor that :meth:`Pool.describe` describes.
-
-    This is what a client (engine) process runs. The returned tensor shares memory with the
-    daemon's pool; it keeps its own mapping alive, so ``fd`` may be closed right after this call
-    (the caller owns it either way).
-    """
-    def bad(field: str, why: str) -> PoolError:
-        return PoolError(f"description.{field}: {why}")
-
-    if not isinstance(description, Mapping):
-        raise PoolError(f"description: expected a mapping, got {type(description).__name__}")
-    version = description.get("version")
-    if version != DESCRIPTION_VERSION:
-        raise bad("version", f"unsupported {version!r}, expected {DESCRIPTION_VERSION}")
-    storage = description.get("storage")
-    if storage != "memfd":
-        raise bad("storage", f"only 'memfd' pools can be mapped from an fd, got {storage!r}")
-    dtype_name = description.get("dtype")
-    if not isinstance(dtype_name, str) or dtype_name not in DTYPE_ITEMSIZE:
-        raise bad("dtype", f"unsupported {dtype_name!r}")
-    try:
-        dtype = torch_dtype(dtype_name)
-    except ProfileError as exc:
-        raise bad("dtype", str(exc)) from exc
-    shape_in = description.get("shape")
-    if (
-        not isinstance(shape_in, (list, tuple))
-        or len(shape_in) != len(POOL_LAYOUT)
-        or not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in shape_in)
-    ):
-        raise bad("shape", f"expected {len(POOL_LAYOUT)} positive ints, got {shape_in!r}")
-    shape = tuple(shape_in)
-    strides = description.get("strides")
-    if strides is None or list(strides) != list(_contiguous_strides(shape)):
-        raise bad("strides", f"expected contiguous {list(_contiguous_strides(shape))}, "
-                             f"got {strides!r}")
-    nbytes = description.get("nbytes")
-    expected = math.prod(shape) * DTYPE_ITEMSIZE[dtype_name]
-    if nbytes != expected:
-        raise bad("nbytes", f"{nbytes!r} does not match shape x dtype ({expected})")
-    size = os.fstat(fd).st_size
-    if size < expected:
-        raise bad("nbytes", f"{expected} bytes but the fd only holds {size}")
-    mapping = mmap.mmap(fd, expected, flags=mmap.MAP_SHARED,
-                        prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    try:
-        return _tensor_over(mapping, dtype, shape)
-    except BaseException:
-        with contextlib.suppress(BufferError):
-            mapping.close()
-        raise

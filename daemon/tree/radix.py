@@ -232,6 +232,8 @@ class RadixTree:
         ns.host_q.remove(n)
 
     def _touch(self, n: Node) -> None:
+        if n.ts == self._clock:
+            return  # nothing was inserted since its last touch: its position stands
         n.ts = self._clock
         if n.full_entry is not None or n.swa_entry is not None or n.host_entry is not None:
             self._requeue(n)
@@ -351,7 +353,7 @@ class RadixTree:
             n.hits += 1
         full_pages = _concat(n.full for n in usable)
         swa_pages = self._window_swa(usable) if swa else EMPTY
-        prefix_len = sum(len(n.tokens) for n in usable) // 4
+        prefix_len = best.depth
         receipt = self._lock(best, tag) if lock else None
         return MatchResult(
             prefix_len,
@@ -781,6 +783,13 @@ class RadixTree:
             raise BadArgument("swa_pages ids must be >= 0")
         if any(p <= 0 for p in full_pages[k:]):
             raise BadArgument("full_pages must be page ids > 0")
+        # the tail is split off before insert() checks its range: check the whole lists here
+        if len(set(full_pages)) != len(full_pages):
+            raise BadArgument("full_pages must be distinct page ids")
+        if self.swa_enabled:
+            live = [p for p in swa_pages if p]
+            if len(set(live)) != len(live):
+                raise BadArgument("swa_pages must be distinct page ids")
         return n, full_pages[:k], cs, array("i", full_pages[k:]), array("i", ts_)
 
     # ------------------------------------------------------------------ eviction
