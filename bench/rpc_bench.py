@@ -1,0 +1,253 @@
+"""RPC benchmark: a real daemon process, real clients over the real Unix socket.
+
+The floor for every figure is a ``ping`` that echoes a payload of the same size, measured in the
+same run: ``match_4k_over_floor`` is match of a cached 4096-token prompt (16 KiB of token ids)
+divided by a 16 KiB ping. Multi-client throughput uses separate client processes.
+
+    python bench/rpc_bench.py [--quick] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+for _p in (_ROOT, os.path.join(_ROOT, "clients", "python")):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+import argparse  # noqa: E402
+import gc  # noqa: E402
+import json  # noqa: E402
+import multiprocessing as mp  # noqa: E402
+import random  # noqa: E402
+import signal  # noqa: E402
+import socket  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from array import array  # noqa: E402
+
+from radixd_client import Client  # noqa: E402
+
+MODEL = "bench"
+PAGE = 64
+CONFIG = f"""
+log_level = "warning"
+[server]
+socket = "{{socket}}"
+max_inflight = 256
+[checker]
+interval_s = 30.0
+[[models]]
+name = "{MODEL}"
+page_size = {PAGE}
+sliding_window = 128
+num_full_layers = 1
+num_swa_layers = 1
+num_kv_heads = 1
+head_dim = 8
+dtype = "float16"
+device = "cpu"
+full_pages = 40000
+swa_pages = 20000
+"""
+
+
+def _tokens(rng: random.Random, n: int, prefix: list[int] | None = None) -> bytes:
+    body = [rng.randrange(1, 100_000) for _ in range(n - len(prefix or []))]
+    return array("i", (prefix or []) + body).tobytes()
+
+
+def _timed(fn, n: int) -> list[float]:
+    out = []
+    gc.disable()
+    try:
+        for _ in range(n):
+            t = time.perf_counter_ns()
+            fn()
+            out.append((time.perf_counter_ns() - t) / 1000)
+    finally:
+        gc.enable()
+    return out
+
+
+def _p(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+class DaemonProcess:
+    def __init__(self) -> None:
+        self.dir = tempfile.mkdtemp(prefix="radixd-bench-")
+        self.socket = os.path.join(self.dir, "radixd.sock")
+        cfg = os.path.join(self.dir, "radixd.toml")
+        with open(cfg, "w") as fh:
+            fh.write(CONFIG.format(socket=self.socket))
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            [_ROOT, os.path.join(_ROOT, "clients", "python"), os.environ.get("PYTHONPATH", "")])}
+        self.proc = subprocess.Popen([sys.executable, "-m", "daemon.cli", "serve", "--config", cfg],
+                                     cwd=_ROOT, env=env)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                with socket.socket(socket.AF_UNIX) as s:
+                    s.connect(self.socket)
+                return
+            except OSError:
+                if self.proc.poll() is not None:
+                    raise RuntimeError("radixd exited during start") from None
+                time.sleep(0.05)
+        raise RuntimeError("radixd did not start")
+
+    def rss_mb(self) -> float:
+        with open(f"/proc/{self.proc.pid}/status") as fh:
+            for line in fh:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+        return float("nan")
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def _cache_prompt(c: Client, tokens: bytes) -> None:
+    n = len(tokens) // 4 // PAGE
+    a = c.alloc(MODEL, n)
+    c.insert(MODEL, tokens, a.full_pages, a.swa_pages)
+
+
+def _mixed_ops(c: Client, rng: random.Random, prefixes: list[list[int]]) -> int:
+    """One engine request, the short way: match+lock, alloc, cache_finished (3 operations)."""
+    prefix = rng.choice(prefixes)
+    tokens = _tokens(rng, len(prefix) + 2 * PAGE, prefix)
+    m = c.match(MODEL, tokens, lock=True)
+    need = len(tokens) // 4 // PAGE - m.prefix_len // PAGE
+    a = c.alloc(MODEL, need)
+    c.cache_finished(MODEL, tokens, a.full_pages, a.swa_pages, m.prefix_len, 0, m.receipt)
+    return 3
+
+
+def _client_worker(path: str, seconds: float, seed: int, q: mp.Queue) -> None:
+    rng = random.Random(seed)
+    with Client(path, client_name=f"bench-{seed}") as c:
+        prefixes = [[rng.randrange(1, 100_000) for _ in range(4 * PAGE)] for _ in range(8)]
+        for p in prefixes:
+            _cache_prompt(c, array("i", p).tobytes())
+        ops = 0
+        deadline = time.perf_counter() + seconds
+        while time.perf_counter() < deadline:
+            ops += _mixed_ops(c, rng, prefixes)
+        q.put(ops)
+
+
+def _throughput(path: str, clients: int, seconds: float) -> float:
+    ctx = mp.get_context("spawn")
+    q: mp.Queue = ctx.Queue()
+    procs = [ctx.Process(target=_client_worker, args=(path, seconds, i, q)) for i in range(clients)]
+    for p in procs:
+        p.start()
+    total = sum(q.get(timeout=seconds + 120) for _ in procs)
+    for p in procs:
+        p.join()
+    return total / seconds
+
+
+def run(quick: bool) -> dict[str, float]:
+    n = 2000 if quick else 10000
+    seconds = 3.0 if quick else 10.0
+    rng = random.Random(1)
+    d = DaemonProcess()
+    try:
+        time.sleep(0.5)
+        out: dict[str, float] = {"daemon_rss_mb_idle": round(d.rss_mb(), 1)}
+        with Client(d.socket, client_name="bench") as c:
+            small, p16k, p64k = b"x" * 8, b"x" * 16384, b"x" * 65536
+            _timed(lambda: c.ping(small), 200)
+            ping_small = _timed(lambda: c.ping(small), n)
+            ping_16k = _timed(lambda: c.ping(p16k), n)
+            ping_64k = _timed(lambda: c.ping(p64k), n)
+            prompts = [_tokens(rng, 4096) for _ in range(32)]
+            for t in prompts:
+                _cache_prompt(c, t)
+            it = iter(range(10**9))
+            match = _timed(lambda: c.match(MODEL, prompts[next(it) % 32]), n)
+
+            def alloc_insert() -> None:
+                t = _tokens(rng, 4096)
+                a = c.alloc(MODEL, 64)
+                c.insert(MODEL, t, a.full_pages, a.swa_pages)
+
+            ai = _timed(alloc_insert, n // 10)
+
+            def batch32() -> None:
+                with c.batch() as b:
+                    handles = [b.match(MODEL, t) for t in prompts]
+                for h in handles:
+                    h.result()
+
+            b32 = _timed(batch32, n // 20)
+            prefixes = [[rng.randrange(1, 100_000) for _ in range(4 * PAGE)] for _ in range(8)]
+            for p in prefixes:
+                _cache_prompt(c, array("i", p).tobytes())
+            ops = 0
+            deadline = time.perf_counter() + seconds
+            t0 = time.perf_counter()
+            while time.perf_counter() < deadline:
+                ops += _mixed_ops(c, rng, prefixes)
+            ops1 = ops / (time.perf_counter() - t0)
+        out.update({
+            "ping_small_p50_us": round(_p(ping_small, 0.5), 2),
+            "ping_16k_p50_us": round(_p(ping_16k, 0.5), 2),
+            "ping_64k_p50_us": round(_p(ping_64k, 0.5), 2),
+            "match_4k_p50_us": round(_p(match, 0.5), 2),
+            "match_4k_p99_us": round(_p(match, 0.99), 2),
+            "match_4k_over_floor": round(_p(match, 0.5) / _p(ping_16k, 0.5), 3),
+            "alloc_insert_p50_us": round(_p(ai, 0.5), 2),
+            "batch32_match_p50_us": round(_p(b32, 0.5), 2),
+            "batch32_match_per_op_us": round(_p(b32, 0.5) / 32, 2),
+            "ops_per_s_1_client": round(ops1),
+        })
+        out["ops_per_s_8_clients"] = round(_throughput(d.socket, 8, seconds))
+        out["daemon_rss_mb_after"] = round(d.rss_mb(), 1)
+        out["ping_small_mean_us"] = round(statistics.fmean(ping_small), 2)
+    finally:
+        d.stop()
+    return out
+
+
+TARGETS = {"match_4k_over_floor": ("<=", 3.0), "ops_per_s_8_clients": (">=", 30000)}
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer iterations (under a minute)")
+    ap.add_argument("--json", metavar="PATH", help="write the figures as a flat JSON object")
+    args = ap.parse_args(argv)
+    t = time.perf_counter()
+    figures = run(args.quick)
+    width = max(len(k) for k in figures)
+    for k, v in figures.items():
+        tgt = TARGETS.get(k)
+        mark = ""
+        if tgt:
+            met = v <= tgt[1] if tgt[0] == "<=" else v >= tgt[1]
+            mark = f"   target {tgt[0]} {tgt[1]:g}: {'ok' if met else 'MISS'}"
+        print(f"{k.ljust(width)}  {v:>12}{mark}")
+    print(f"total {time.perf_counter() - t:.1f} s")
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as fh:
+            json.dump(figures, fh, indent=1, sort_keys=True)
+            fh.write("\n")
+    return figures
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,249 @@
+"""Every operation and every kind of bad input, over a real socket to a real daemon."""
+
+from __future__ import annotations
+
+import socket
+import struct
+from array import array
+
+import msgspec
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from radixd_client import Client, errors, pages, protocol
+
+P = 4
+MODEL = "m"
+
+
+def toks(n: int, base: int = 1) -> bytes:
+    return array("i", range(base, base + n)).tobytes()
+
+
+class Raw:
+    """A hand-driven session: frames exactly as the test writes them."""
+
+    def __init__(self, path: str, hello: bool = True):
+        self.s = socket.socket(socket.AF_UNIX)
+        self.s.settimeout(10)
+        self.s.connect(path)
+        if hello:
+            assert self.call(protocol.Hello(id=0)).ok
+
+    def send(self, body: bytes) -> None:
+        self.s.sendall(struct.pack("<I", len(body)) + body)
+
+    def recv(self) -> protocol.Response:
+        head = self.s.recv(4, socket.MSG_WAITALL)
+        if len(head) < 4:
+            raise ConnectionError("closed")
+        (n,) = struct.unpack("<I", head)
+        return protocol.decode_response(self.s.recv(n, socket.MSG_WAITALL))
+
+    def call(self, req) -> protocol.Response:
+        self.send(protocol.encode_body(req))
+        return self.recv()
+
+    def close(self) -> None:
+        self.s.close()
+
+
+def test_every_operation_round_trip(daemon) -> None:
+    with Client(daemon.socket) as c:
+        assert c.ping(b"abc").payload == b"abc"
+        t = toks(6 * P)
+        m = c.match(MODEL, t)
+        assert (m.prefix_len, m.full_hit_len, m.receipt) == (0, 0, None)
+        a = c.alloc(MODEL, 6)
+        assert len(pages(a.full_pages)) == 6 and len(pages(a.swa_pages)) == 6
+        r = c.insert(MODEL, t, a.full_pages, a.swa_pages, lock=True)
+        assert (r.prefix_len, r.inserted_len) == (0, 6 * P) and r.receipt is not None
+        c.unlock(MODEL, r.receipt)
+        m = c.match(MODEL, t, lock=True)
+        assert m.prefix_len == 6 * P and pages(m.full_pages) == pages(a.full_pages)
+        assert pages(m.swa_pages) == pages(a.swa_pages)[-2:]  # window 8 = 2 pages
+        c.release_swa(MODEL, m.receipt)
+        with pytest.raises(errors.ReceiptError):
+            c.release_swa(MODEL, m.receipt)
+        rid = c.lock(MODEL, m.node).receipt
+        c.unlock(MODEL, rid)
+        c.unlock(MODEL, m.receipt)
+        with pytest.raises(errors.ReceiptError):
+            c.unlock(MODEL, m.receipt)
+        # a longer request: prefill chunk, decode frees SWA, finish
+        t2 = t + toks(3 * P + 2, 500)  # 9 pages + 2 tokens
+        m = c.match(MODEL, t2, lock=True)
+        assert m.prefix_len == 6 * P
+        b = c.alloc(MODEL, 4)  # pages 6..9 (the last is the unaligned tail)
+        u = c.cache_unfinished(MODEL, t2[: 8 * P * 4], pages(b.full_pages)[:2],
+                               pages(b.swa_pages)[:2], 6 * P, 0, m.receipt)
+        assert u.inserted_len == 8 * P and u.receipt is not None
+        sw = pages(b.swa_pages)
+        c.free(MODEL, swa_pages=sw[2:3])  # decode freed the SWA of page 8
+        f = c.cache_finished(MODEL, t2, pages(b.full_pages)[2:], array("i", [0, sw[3]]),
+                             8 * P, 9 * P, u.receipt)
+        assert f.inserted_len == 8 * P  # page 8 alone would end as a tombstone: not cached
+        st = c.stats(MODEL).models[MODEL]
+        assert st["held_full_pages"] == 0 and st["held_swa_pages"] == 0
+        ev = c.evict(MODEL, full_pages=2, swa_pages=0)
+        assert ev.full_pages == 2
+    daemon.check()
+
+
+def test_batch_runs_in_order_and_reports_each_item(daemon) -> None:
+    with Client(daemon.socket) as c:
+        with c.batch() as b:
+            p = b.ping(b"x")
+            a = b.alloc(MODEL, 2)
+            m = b.match(MODEL, toks(8))
+        assert p.result().payload == b"x" and len(pages(a.result().full_pages)) == 2
+        assert m.result().prefix_len == 0
+        with c.batch() as b:
+            ok = b.free(MODEL, a.result().full_pages, a.result().swa_pages)
+            bad = b.unlock(MODEL, 12345)
+            skipped = b.ping(b"y")
+        ok.result()
+        with pytest.raises(errors.ReceiptError):
+            bad.result()
+        with pytest.raises(errors.RadixdError, match="skipped|not run"):
+            skipped.result()
+        with c.batch(stop_on_error=False) as b:
+            bad = b.unlock(MODEL, 999)
+            fine = b.ping(b"z")
+        assert fine.result().payload == b"z"
+    daemon.check()
+
+
+def test_batch_larger_than_max_inflight_is_refused(make_daemon) -> None:
+    d = make_daemon({"server": {"max_inflight": 4}})
+    with Client(d.socket) as c:
+        with pytest.raises(errors.LimitExceeded):
+            with c.batch() as b:
+                for _ in range(5):
+                    b.ping(b"")
+        assert c.ping(b"ok").payload == b"ok"
+
+
+BAD_CALLS = [
+    (protocol.Match(id=1, model="nope", tokens=b""), "unknown_model"),
+    (protocol.Match(id=1, model=MODEL, tokens=b"\x01\x02\x03"), "bad_argument"),
+    (protocol.Lock(id=1, model=MODEL, node=10**9), "unknown_node"),
+    (protocol.Unlock(id=1, model=MODEL, receipt=7), "bad_receipt"),
+    (protocol.ReleaseSwa(id=1, model=MODEL, receipt=7), "bad_receipt"),
+    (protocol.Alloc(id=1, model=MODEL, n=-1), "bad_argument"),
+    (protocol.Alloc(id=1, model=MODEL, n=10**6), "bad_argument"),
+    (protocol.Free(id=1, model=MODEL, full_pages=toks(1, 5)), "page_not_held"),
+    (protocol.Free(id=1, model=MODEL, full_pages=b"\x00\x00"), "bad_argument"),
+    (protocol.Insert(id=1, model=MODEL, tokens=toks(8), full_pages=toks(2, 3),
+                     swa_pages=toks(2, 3)), "page_not_held"),
+    (protocol.Insert(id=1, model=MODEL, tokens=toks(8), full_pages=b"",
+                     prev_prefix_len=8), "bad_argument"),
+    (protocol.CacheFinished(id=1, model=MODEL, tokens=toks(4), full_pages=b"",
+                            receipt=99), "bad_receipt"),
+    (protocol.Evict(id=1, model=MODEL, full_pages=-3), "bad_argument"),
+    (protocol.Stats(id=1, model="nope"), "unknown_model"),
+]
+
+
+@pytest.mark.parametrize(("req", "code"), BAD_CALLS, ids=[f"{r.__class__.__name__}-{c}"
+                                                         for r, c in BAD_CALLS])
+def test_bad_input_gets_a_clear_error_and_the_session_survives(daemon, req, code) -> None:
+    raw = Raw(daemon.socket)
+    r = raw.call(req)
+    assert not r.ok and r.error.code == code and r.error.message
+    assert r.id == 1
+    assert raw.call(protocol.Ping(id=2, payload=b"alive")).ok
+    raw.close()
+
+
+def test_malformed_frames(daemon) -> None:
+    raw = Raw(daemon.socket)
+    raw.send(b"\xc1\xc1")  # not msgpack
+    r = raw.recv()
+    assert r.error.code == "bad_frame" and r.id == 0
+    raw.send(msgspec.msgpack.encode({"op": "match", "id": 9, "model": 5, "tokens": b""}))
+    r = raw.recv()
+    assert (r.error.code, r.id) == ("bad_frame", 9) and "model" in r.error.message
+    raw.send(msgspec.msgpack.encode({"op": "teleport", "id": 4}))
+    r = raw.recv()
+    assert (r.error.code, r.id) == ("unknown_op", 4)
+    raw.send(msgspec.msgpack.encode([1, 2, 3]))
+    assert raw.recv().error.code == "bad_frame"
+    assert raw.call(protocol.Ping(id=5)).ok  # the session survived all of it
+    # a length prefix over the limit: error, then only this connection closes
+    other = Raw(daemon.socket)
+    raw.s.sendall(struct.pack("<I", 1 << 30))
+    r = raw.recv()
+    assert r.error.code == "frame_too_large"
+    with pytest.raises(ConnectionError):
+        raw.recv()
+    assert other.call(protocol.Ping(id=1)).ok
+    other.close()
+    daemon.check()
+
+
+def test_too_many_tokens(make_daemon) -> None:
+    d = make_daemon({"server": {"max_tokens": 16}})
+    with Client(d.socket) as c:
+        with pytest.raises(errors.LimitExceeded):
+            c.match(MODEL, toks(17))
+        assert c.match(MODEL, toks(16)).prefix_len == 0
+
+
+def test_out_of_memory_reports_counts(daemon) -> None:
+    with Client(daemon.socket) as c:
+        a = c.alloc(MODEL, 30)  # the SWA pool has 31 usable pages
+        with pytest.raises(errors.OutOfMemory) as ei:
+            c.alloc(MODEL, 5)
+        d = ei.value.details
+        assert d["swa_available"] == 1 and d["swa_held"] == 30 and d["requested"] == 5
+        c.free(MODEL, a.full_pages, a.swa_pages)
+        assert len(pages(c.alloc(MODEL, 5).full_pages)) == 5
+    daemon.check()
+
+
+# ------------------------------------------------------------------------------ fuzzing
+
+_json_like = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.binary(max_size=40)
+    | st.text(max_size=10),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
+                                                                 max_size=4),
+    max_leaves=12)
+_ops = st.sampled_from(sorted(protocol.OPS) + ["nope", ""])
+_fields = st.fixed_dictionaries({}, optional={
+    "model": st.sampled_from([MODEL, "x", 3]), "tokens": st.binary(max_size=64),
+    "full_pages": st.binary(max_size=24), "swa_pages": st.binary(max_size=24),
+    "n": st.integers(-5, 70), "node": st.integers(-1, 50), "receipt": st.integers(-1, 20),
+    "lock": st.booleans(), "prev_prefix_len": st.integers(-4, 40),
+    "swa_evicted_len": st.integers(-4, 40), "payload": st.binary(max_size=8),
+    "ops": st.lists(st.fixed_dictionaries({"op": _ops}), max_size=3),
+    "extra": _json_like})
+requests = st.builds(lambda op, f, i: {"op": op, "id": i, **f}, _ops, _fields,
+                     st.integers(0, 2**31))
+frames = st.one_of(
+    requests.map(msgspec.msgpack.encode),
+    _json_like.map(msgspec.msgpack.encode),
+    st.binary(max_size=64),
+)
+
+
+@settings(max_examples=150, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.integers(0, 2), frames), min_size=1, max_size=25))
+def test_random_and_malformed_frames_from_several_clients(daemon, script) -> None:
+    """Random valid, invalid and garbage frames from three sessions: every frame gets exactly
+    one response, the daemon keeps answering, and its checker stays clean."""
+    sessions = [Raw(daemon.socket) for _ in range(3)]
+    try:
+        for who, body in script:
+            sessions[who].send(body)
+            r = sessions[who].recv()
+            assert r.ok or r.error.code in protocol.ALL_CODES
+            assert r.ok or r.error.code != "internal", r.error.message
+        for s in sessions:
+            assert s.call(protocol.Ping(id=1, payload=b"still here")).ok
+    finally:
+        for s in sessions:
+            s.close()
+    daemon.check()

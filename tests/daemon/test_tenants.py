@@ -1,0 +1,116 @@
+"""Tenants: tokens, namespaces, allowed models, quotas, against a real daemon."""
+
+from __future__ import annotations
+
+import hashlib
+import socket
+import struct
+from array import array
+
+import pytest
+from radixd_client import Client, protocol
+from radixd_client.errors import AuthError, QuotaExceeded
+
+from .conftest import SMALL_MODEL
+
+P = 4
+
+
+def toks(n_pages: int, base: int = 1) -> bytes:
+    return array("i", range(base, base + n_pages * P)).tobytes()
+
+
+def cache(c: Client, model: str, tokens: bytes) -> None:
+    a = c.alloc(model, len(tokens) // 4 // P)
+    c.insert(model, tokens, a.full_pages, a.swa_pages)
+
+
+TENANTS = {
+    "models": [SMALL_MODEL, {**SMALL_MODEL, "name": "other"}],
+    "tenants": [
+        {"name": "alice", "token": "alice-token", "namespace": "ns-a",
+         "quota_full_pages": 10, "quota_swa_pages": 10},
+        {"name": "bob", "token_sha256": hashlib.sha256(b"bob-token").hexdigest(),
+         "namespace": "ns-b"},
+        {"name": "carol", "token": "carol-token", "namespace": "ns-b", "models": ["m"]},
+    ],
+}
+
+
+def test_tokens_are_required_and_checked(make_daemon) -> None:
+    d = make_daemon(TENANTS)
+    with pytest.raises(AuthError, match="token is required"):
+        Client(d.socket)
+    with pytest.raises(AuthError, match="unknown tenant token"):
+        Client(d.socket, token="alice-token-wrong")
+    with Client(d.socket, token="bob-token") as c:
+        assert (c.tenant, c.namespace) == ("bob", "ns-b")
+    # a session that is refused can still authenticate afterwards, up to max_auth_failures
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(d.socket)
+
+        def call(req) -> protocol.Response:
+            s.sendall(protocol.encode(req))
+            (n,) = struct.unpack("<I", s.recv(4, socket.MSG_WAITALL))
+            return protocol.decode_response(s.recv(n, socket.MSG_WAITALL))
+
+        assert call(protocol.Ping(id=1)).error.code == "not_authenticated"
+        assert call(protocol.Hello(id=2, token="nope")).error.code == "auth_failed"
+        assert call(protocol.Hello(id=3, token="alice-token")).ok
+        assert call(protocol.Hello(id=4, token="alice-token")).error.code == \
+            "already_authenticated"
+
+
+def test_namespaces_never_share_prefixes(make_daemon) -> None:
+    d = make_daemon(TENANTS)
+    t = toks(4)
+    with Client(d.socket, token="alice-token") as alice, \
+            Client(d.socket, token="bob-token") as bob, \
+            Client(d.socket, token="carol-token") as carol:
+        cache(alice, "m", t)
+        assert alice.match("m", t).prefix_len == 4 * P
+        assert bob.match("m", t).prefix_len == 0  # another namespace: no hit
+        cache(bob, "m", t)
+        assert carol.match("m", t).prefix_len == 4 * P  # carol shares bob's namespace
+        # a node id from another namespace is unknown here
+        node = alice.match("m", t).node
+        with pytest.raises(Exception) as ei:
+            bob.lock("m", node)
+        assert ei.value.code == "unknown_node"
+        # carol may not use the other model
+        with pytest.raises(Exception) as ei:
+            carol.match("other", t)
+        assert ei.value.code == "model_not_allowed"
+        # bob's explicit evict only touches bob's namespace
+        bob.evict("m", full_pages=100, swa_pages=100)
+        assert alice.match("m", t).prefix_len == 4 * P
+        assert carol.match("m", t).prefix_len == 0
+    d.check()
+
+
+def test_quota_evicts_own_cold_pages_first_then_refuses(make_daemon) -> None:
+    d = make_daemon(TENANTS)
+    with Client(d.socket, token="alice-token") as alice, \
+            Client(d.socket, token="bob-token") as bob:
+        cache(bob, "m", toks(6, 1000))
+        for i in range(4):  # 4 x 2 pages cached: 8 of alice's 10
+            cache(alice, "m", toks(2, 100 * (i + 1)))
+        st = alice.stats("m").models["m"]
+        assert st["tree_full_pages"] == 8
+        a = alice.alloc("m", 6)  # over quota by 4: alice's own two coldest entries go
+        st = alice.stats("m").models["m"]
+        assert st["tree_full_pages"] + st["held_full_pages"] <= 10
+        assert st["quota_evicted_pages"] >= 4
+        assert alice.match("m", toks(2, 100)).prefix_len == 0  # the coldest is gone
+        assert alice.match("m", toks(2, 400)).prefix_len == 2 * P  # the newest stays
+        m = alice.match("m", toks(2, 400), lock=True)
+        with pytest.raises(QuotaExceeded) as ei:
+            alice.alloc("m", 4)  # 6 held + 2 locked + 4 > 10, nothing left to evict
+        assert ei.value.details["pool"] in ("full", "swa") and ei.value.details["limit"] == 10
+        alice.unlock("m", m.receipt)
+        alice.free("m", a.full_pages, a.swa_pages)
+        # bob (no quota) was never touched
+        assert bob.match("m", toks(6, 1000)).prefix_len == 6 * P
+        b = bob.alloc("m", 20)
+        bob.free("m", b.full_pages, b.swa_pages)
+    d.check()
