@@ -43,6 +43,7 @@ class Connection(asyncio.Protocol):
         self.auth_failures = 0
         self.paused = False
         self.closed = False
+        self.holding = False  # an attach is sending fds: later frames wait, in order
         limits = server.config.server
         self.max_frame = limits.max_frame_bytes
         self.max_inflight = limits.max_inflight
@@ -81,11 +82,15 @@ class Connection(asyncio.Protocol):
             self.transport.resume_reading()
 
     def data_received(self, data: bytes) -> None:
+        self.buf += data
+        self._process()
+
+    def _process(self) -> None:
+        """Handle every complete frame in the buffer, in order."""
         buf = self.buf
-        buf += data
         off = 0
         n = len(buf)
-        while n - off >= 4 and not self.closed:
+        while n - off >= 4 and not self.closed and not self.holding:
             size = int.from_bytes(buf[off : off + 4], "little")
             if size > self.max_frame:
                 self._write(P.error_frame(0, P.Code.FRAME_TOO_LARGE,
@@ -149,6 +154,7 @@ class Connection(asyncio.Protocol):
             if code == P.Code.AUTH_FAILED and self.auth_failures >= \
                     self.server.config.server.max_auth_failures:
                 self.transport.close()  # type: ignore[union-attr]
+                self.closed = True  # frames already received are not processed
 
     def _bad_frame(self, body: memoryview, exc: Exception) -> None:
         rid, op = 0, None
@@ -209,13 +215,14 @@ class Connection(asyncio.Protocol):
         if not fds:
             self._write(frame)
             return
+        # SCM_RIGHTS needs sendmsg on the socket itself, after everything the transport still
+        # buffers: until then later frames wait, so responses stay in request order
+        self.holding = True
         self.server.loop.create_task(self._send_with_fds(frame, fds))
 
     async def _send_with_fds(self, frame: bytes, fds: list[int]) -> None:
-        """SCM_RIGHTS needs sendmsg on the socket itself, after the transport has flushed."""
         transport = self.transport
         assert transport is not None
-        transport.pause_reading()  # nothing else is answered until the fds are out
         try:
             while transport.get_write_buffer_size() and not transport.is_closing():
                 await asyncio.sleep(0.001)
@@ -236,9 +243,11 @@ class Connection(asyncio.Protocol):
             log.warning("could not send pool fds to session %s: %s",
                         self.session.id if self.session else "?", exc)
             transport.close()
+            self.closed = True
         finally:
-            if not transport.is_closing() and not self.paused:
-                transport.resume_reading()
+            self.holding = False
+            if not self.closed:
+                self._process()
 
 
 class Server:

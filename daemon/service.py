@@ -274,10 +274,11 @@ class Service:
 
     def alloc(self, s: Session, r: P.Alloc) -> P.AllocResult:
         entry = self._model(s, r.model)
-        cap = entry.cache.alloc_state.full.usable
+        a = entry.cache.alloc_state
+        cap = min(a.full.usable, a.swa.usable) if a.swa is not None else a.full.usable
         if r.n < 0 or r.n > cap:
             raise ServiceError(P.Code.BAD_ARGUMENT,
-                               f"n must be between 0 and the pool's {cap} pages, got {r.n}")
+                               f"n must be between 0 and the pools' {cap} pages, got {r.n}")
         self._enforce_quota(s, entry, r.n)
         full, swa = entry.cache.alloc(s.id, r.n)
         s.tenant.counters["allocated_pages"] += r.n

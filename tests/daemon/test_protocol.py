@@ -247,3 +247,46 @@ def test_random_and_malformed_frames_from_several_clients(daemon, script) -> Non
         for s in sessions:
             s.close()
     daemon.check()
+
+
+def test_attach_response_keeps_request_order(daemon) -> None:
+    """attach sends fds (SCM_RIGHTS) out of band: frames pipelined behind it must wait."""
+    raw = Raw(daemon.socket)
+    raw.s.sendall(b"".join(protocol.encode(r) for r in (
+        protocol.Attach(id=12, model=MODEL), protocol.Ping(id=13), protocol.Attach(id=14, model=MODEL),
+        protocol.Ping(id=15))))
+    ids = []
+    fds_seen = 0
+    buf = b""
+    while len(ids) < 4:
+        data, fds, _flags, _addr = socket.recv_fds(raw.s, 1 << 16, 8)
+        assert data, "connection closed"
+        fds_seen += len(fds)
+        for fd in fds:
+            import os
+
+            os.close(fd)
+        buf += data
+        while len(buf) >= 4 and len(buf) >= 4 + struct.unpack("<I", buf[:4])[0]:
+            (n,) = struct.unpack("<I", buf[:4])
+            ids.append(protocol.decode_response(buf[4 : 4 + n]).id)
+            buf = buf[4 + n :]
+    assert ids == [12, 13, 14, 15]
+    assert fds_seen == 4  # two pools, twice
+    raw.close()
+
+
+def test_auth_failures_in_one_write_stop_at_the_limit(make_daemon) -> None:
+    d = make_daemon({"tenants": [{"name": "t", "token": "right"}]})
+    raw = Raw(d.socket, hello=False)
+    raw.s.sendall(b"".join(protocol.encode(r) for r in (
+        protocol.Hello(id=1, token="a"), protocol.Hello(id=2, token="b"),
+        protocol.Hello(id=3, token="c"), protocol.Hello(id=4, token="right"),
+        protocol.Alloc(id=5, model=MODEL, n=5))))
+    codes = [raw.recv().error.code for _ in range(3)]
+    assert codes == ["auth_failed"] * 3
+    with pytest.raises(ConnectionError):
+        raw.recv()  # closed: the good hello and the alloc behind the third failure never ran
+    raw.close()
+    with Client(d.socket, token="right") as c:
+        assert c.stats(MODEL).models[MODEL]["allocated_pages"] == 0
