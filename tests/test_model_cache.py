@@ -1,0 +1,256 @@
+"""ModelCache: per-owner accounting on top of the tree and the allocators, and its conservation
+check (free + tree + held = capacity, no page in two places)."""
+
+from __future__ import annotations
+
+from array import array
+
+import pytest
+
+from daemon.gpu.allocator import OutOfPages
+from daemon.gpu.profile import ModelProfile
+from daemon.model_cache import ModelCache, PageNotHeld
+from daemon.tree import ReceiptError, as_token_bytes
+
+P = 4
+NS = "ns"
+
+
+def seq(labels: list[int], tail: int = 0) -> bytes:
+    toks: list[int] = []
+    for lab in labels:
+        toks += [lab * 1000 + j for j in range(P)]
+    toks += [999_000 + j for j in range(tail)]
+    return as_token_bytes(toks)
+
+
+def make_cache(full: int = 32, swa: int = 32, window_pages: int | None = 2) -> ModelCache:
+    profile = ModelProfile(
+        name="m", page_size=P, num_full_layers=1, num_kv_heads=1, head_dim=1, full_pages=full,
+        sliding_window=window_pages * P if window_pages else None,
+        num_swa_layers=1 if window_pages else 0, swa_pages=swa if window_pages else 0,
+        dtype="float32", device="cpu")
+    return ModelCache(profile)
+
+
+def snapshot(cache: ModelCache):
+    t = cache.tree
+    nodes = sorted((n.id, bytes(n.tokens), tuple(n.full or ()),
+                    None if n.swa is None else tuple(n.swa), n.full_lock, n.swa_lock)
+                   for n in t.iter_nodes())
+    holdings = {o: (sorted(h.full), sorted(h.swa), sorted(h.receipts))
+                for o, h in cache.holdings.items()}
+    a = cache.alloc_state
+    swa_free = sorted(a.swa.free_set()) if a.swa is not None else []
+    return nodes, holdings, sorted(a.full.free_set()), swa_free, len(t.receipts)
+
+
+def all_free(cache: ModelCache) -> bool:
+    a = cache.alloc_state
+    return a.full.available == a.full.usable and (
+        a.swa is None or a.swa.available == a.swa.usable)
+
+
+# ---------------------------------------------------------------------- ownership
+
+
+def test_pages_of_another_owner_are_refused():
+    cache = make_cache()
+    f1, w1 = cache.alloc(1, 3)
+    f2, w2 = cache.alloc(2, 3)
+    s = seq([1, 2, 3])
+    state = snapshot(cache)
+    with pytest.raises(PageNotHeld):
+        cache.free(2, [f1[0]])
+    with pytest.raises(PageNotHeld):
+        cache.free(2, swa=[w1[1]])
+    with pytest.raises(PageNotHeld):
+        cache.free(2, [f2[0], f1[0]])  # one of them is fine: still nothing is freed
+    with pytest.raises(PageNotHeld):
+        cache.insert(2, NS, s, f1, w2)
+    with pytest.raises(PageNotHeld):
+        cache.insert(2, NS, s, f2, w1)
+    with pytest.raises(PageNotHeld):
+        cache.cache_finished(2, NS, s, f1, w1, 0, 0, None)
+    with pytest.raises(PageNotHeld):
+        cache.insert(3, NS, s, f2, w2)  # an owner that holds nothing
+    assert snapshot(cache) == state and cache.check() == []
+    # the rightful owner can
+    res, _ = cache.insert(1, NS, s, f1, w1)
+    assert res.inserted_len == 3 * P and cache.check() == []
+    # once in the tree, the pages are nobody's: freeing them again is refused
+    with pytest.raises(PageNotHeld):
+        cache.free(1, [f1[0]])
+    assert cache.check() == []
+
+
+def test_receipts_of_another_owner_are_refused():
+    cache = make_cache()
+    f, w = cache.alloc(1, 3)
+    s = seq([1, 2, 3])
+    cache.insert(1, NS, s, f, w)
+    _, rid = cache.match(1, NS, s, lock=True)
+    f2, w2 = cache.alloc(2, 1)
+    state = snapshot(cache)
+    with pytest.raises(ReceiptError):
+        cache.unlock(2, rid)
+    with pytest.raises(ReceiptError):
+        cache.release_swa(2, rid)
+    with pytest.raises(ReceiptError):
+        cache.cache_finished(2, NS, seq([1, 2, 3, 4]), f2, w2, 3 * P, 0, rid)
+    with pytest.raises(ReceiptError):
+        cache.cache_unfinished(2, NS, seq([1, 2, 3, 4]), f2, w2, 3 * P, 0, rid)
+    for bogus in (rid + 100, -1, "1", None):
+        with pytest.raises(ReceiptError):
+            cache.unlock(1, bogus)
+    assert snapshot(cache) == state and cache.check() == []
+    assert cache.release_owner(2) == (0, 1, 1)
+    assert cache.tree.full_protected == 3  # owner 1's lock survived owner 2 going away
+    cache.unlock(1, rid)
+    assert cache.tree.full_protected == 0 and cache.check() == []
+
+
+def test_release_owner_frees_everything():
+    cache = make_cache()
+    f, w = cache.alloc(1, 2)
+    cache.insert(1, NS, seq([1, 2]), f, w)
+    tokens = seq([1, 2, 3, 4, 5], tail=1)
+    _, rid = cache.match(7, NS, tokens, lock=True)
+    full, swa = cache.alloc(7, 4)
+    cache.free(7, swa=[swa[0]])  # decode freed one SWA page
+    swa = array("i", [0]) + swa[1:]
+    res, rid2 = cache.cache_unfinished(7, NS, tokens, full, swa, 2 * P, 3 * P, rid)
+    assert res.inserted_len == 5 * P
+    _, rid3 = cache.match(7, NS, seq([1]), lock=True)
+    extra_f, extra_w = cache.alloc(7, 2)
+    assert cache.check() == []
+    receipts, held_full, held_swa = cache.release_owner(7)
+    assert (receipts, held_full, held_swa) == (2, 3, 3)  # 2 locks; tail page + 2 extra
+    assert 7 not in cache.holdings and not cache.tree.receipts
+    assert cache.tree.full_protected == 0 and cache.tree.swa_protected == 0
+    assert cache.check() == []
+    assert cache.release_owner(7) == (0, 0, 0)
+    with pytest.raises(ReceiptError):
+        cache.unlock(7, rid3)
+    cache.release_owner(1)
+    cache.evict(1000, 1000)
+    assert cache.check() == [] and all_free(cache)
+
+
+def test_alloc_evicts_cached_unlocked_pages_when_short():
+    cache = make_cache(full=9, swa=9)  # 8 usable pages per pool
+    f, w = cache.alloc(1, 6)
+    cache.insert(1, NS, seq([1, 2, 3, 4, 5, 6]), f, w)
+    assert cache.alloc_state.full.available == 2
+    full, swa = cache.alloc(2, 5)
+    assert len(full) == len(swa) == 5
+    assert cache.counters["evicted_for_alloc_full"] == 3
+    assert cache.alloc_state.full.available == 0
+    assert cache.tree.device_pages() == (3, 3)
+    assert cache.check() == []
+    assert cache.match(3, NS, seq([1, 2, 3, 4, 5, 6]))[0].prefix_len == 3 * P
+
+
+def test_alloc_never_evicts_locked_pages():
+    cache = make_cache(full=9, swa=9)
+    f, w = cache.alloc(1, 6)
+    s = seq([1, 2, 3, 4, 5, 6])
+    cache.insert(1, NS, s, f, w)
+    m, rid = cache.match(1, NS, s, lock=True)
+    state = snapshot(cache)
+    with pytest.raises(OutOfPages):
+        cache.alloc(2, 3)  # hopeless: refused before anything is evicted
+    assert snapshot(cache) == state and cache.check() == []
+    assert cache.tree.full_protected == 6 and cache.tree.swa_protected == 2
+    m2, _ = cache.match(2, NS, s)
+    assert m2.prefix_len == 6 * P and list(m2.full_pages) == list(m.full_pages)
+    assert list(m2.swa_pages) == list(m.swa_pages)
+    assert 2 not in cache.holdings or not cache.holdings[2].full
+
+
+def test_alloc_failure_lists_the_counts():
+    cache = make_cache(full=11, swa=11)  # 10 usable pages per pool
+    f, w = cache.alloc(1, 4)
+    s = seq([1, 2, 3, 4])
+    cache.insert(1, NS, s, f, w)
+    _, rid = cache.match(1, NS, s, lock=True)  # 4 full locked, 2 SWA locked, 2 SWA evictable
+    held_f, held_w = cache.alloc(2, 3)  # 3 held by a session
+    with pytest.raises(OutOfPages) as ei:
+        cache.alloc(3, 8)
+    e = ei.value
+    msg = str(e)
+    for word in ("free", "evictable", "locked", "held"):
+        assert word in msg
+    assert e.counts["requested"] == 8
+    assert e.counts["full_available"] == 3 and e.counts["full_locked"] == 4
+    assert e.counts["full_evictable"] == 0 and e.counts["full_held"] == 3
+    assert e.counts["swa_locked"] == 2 and e.counts["swa_held"] == 3
+    assert e.counts["swa_available"] == 3 and e.counts["swa_evictable"] == 2
+    assert cache.counters["alloc_failures"] == 1
+    assert 3 not in cache.holdings or not cache.holdings[3].full
+    assert cache.tree.device_pages() == (4, 4)  # nothing evicted for a hopeless request
+    assert cache.check() == []
+
+
+# ---------------------------------------------------------------------- the conservation check
+
+
+def test_check_catches_a_page_leaked_from_the_free_list():
+    cache = make_cache()
+    f, w = cache.alloc(1, 2)
+    cache.insert(1, NS, seq([1, 2]), f, w)
+    assert cache.check() == []
+    a = cache.alloc_state
+    leaked = a.full._free.pop()  # gone from the free list, behind the allocator's back
+    v = cache.check()
+    assert v and any("full pool" in x for x in v)
+    assert any(str(leaked) in x and "unaccounted" in x for x in v)
+    a.full._free.append(leaked)
+    assert cache.check() == []
+    leaked = a.swa._free.pop(0)
+    v = cache.check()
+    assert any("swa pool" in x for x in v)
+
+
+def test_check_catches_a_page_owned_twice():
+    cache = make_cache()
+    f, w = cache.alloc(1, 2)
+    cache.insert(1, NS, seq([1, 2]), f, w)
+    g, x = cache.alloc(2, 1)
+    assert cache.check() == []
+    # a page in the tree also planted in a session's holding
+    p = f[0]
+    cache._full_owner[p] = 2
+    cache.holdings[2].full.add(p)
+    v = cache.check()
+    assert any("in the tree and held by a session" in s and str(p) in s for s in v)
+    del cache._full_owner[p]
+    cache.holdings[2].full.discard(p)
+    assert cache.check() == []
+    # a free page also held by a session
+    q = cache.alloc_state.swa._free[-1]
+    cache._swa_owner[q] = 2
+    cache.holdings[2].swa.add(q)
+    v = cache.check()
+    assert any("free and held by a session" in s for s in v)
+
+
+def test_check_catches_holding_maps_disagreeing():
+    cache = make_cache()
+    f, w = cache.alloc(1, 2)
+    cache._full_owner[f[0]] = 2  # the page map says owner 2, the holding says owner 1
+    assert any("disagree" in s for s in cache.check())
+
+
+def test_model_without_swa():
+    cache = make_cache(window_pages=None)
+    assert not cache.swa_enabled
+    tokens = seq([1, 2, 3], tail=2)
+    _, rid = cache.match(1, NS, tokens, lock=True)
+    full, swa = cache.alloc(1, 4)
+    assert len(swa) == 0
+    res = cache.cache_finished(1, NS, tokens, full, swa, 0, 0, rid)
+    assert res.inserted_len == 3 * P and cache.check() == []
+    assert cache.match(2, NS, tokens)[0].prefix_len == 3 * P
+    cache.evict(100, 100)
+    assert cache.check() == [] and all_free(cache)
