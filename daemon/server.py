@@ -129,6 +129,9 @@ class Connection(asyncio.Protocol):
         rid = req.id
         try:
             self.server.ops += 1
+            if self.server.stopping:
+                raise ServiceError(P.Code.SHUTTING_DOWN,
+                                   "the daemon is stopping; reconnect to its successor")
             if self.session is None:
                 if isinstance(req, P.Hello):
                     self._hello(req)
@@ -194,7 +197,8 @@ class Connection(asyncio.Protocol):
         for op in req.ops:
             if failed and req.stop_on_error:
                 items.append(P.BatchItem(ok=False, error=P.Error(
-                    code=P.Code.BAD_ARGUMENT, message="skipped: an earlier operation failed")))
+                    code=P.Code.NOT_EXECUTED,
+                    message="not executed: an earlier operation of the batch failed")))
                 continue
             try:
                 handler = Service.HANDLERS[op.__struct_config__.tag]
@@ -260,6 +264,7 @@ class Server:
         self._server: asyncio.AbstractServer | None = None
         self._stopping: asyncio.Event | None = None
         self.exit_code = 0
+        self.stopping = False
         self.last_check: dict[str, Any] = {"ok": None, "violations": [], "at": None}
         self.checks_requested = 0
 
@@ -287,6 +292,7 @@ class Server:
     def stop(self, exit_code: int | None = None) -> None:
         if exit_code is not None:
             self.exit_code = exit_code
+        self.stopping = True
         if self._stopping is not None:
             self._stopping.set()
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import secrets
 import time
 from array import array
 from dataclasses import dataclass, field
@@ -105,6 +106,7 @@ class Service:
             self.tenants = [Tenant(DEFAULT_TENANT, None, DEFAULT_TENANT, None)]
         self.sessions: dict[int, Session] = {}
         self._next_session = 1
+        self.instance = secrets.token_hex(8)
         self.ops_total = 0
         self.limits = P.Limits(max_frame_bytes=config.server.max_frame_bytes,
                                max_tokens=config.server.max_tokens,
@@ -137,7 +139,7 @@ class Service:
 
     def open_session(self, tenant: Tenant, peer: Peer, client: str = "") -> Session:
         if len(self.sessions) >= self.config.server.max_sessions:
-            raise ServiceError(P.Code.TOO_MANY_INFLIGHT,
+            raise ServiceError(P.Code.TOO_MANY_SESSIONS,
                                f"the daemon serves its maximum of "
                                f"{self.config.server.max_sessions} sessions")
         s = Session(self._next_session, tenant, peer, client)
@@ -159,7 +161,8 @@ class Service:
     def hello_result(self, session: Session) -> P.HelloResult:
         t = session.tenant
         return P.HelloResult(
-            session=session.id, version=P.PROTOCOL_VERSION, tenant=t.name, namespace=t.namespace,
+            session=session.id, version=P.PROTOCOL_VERSION, instance=self.instance,
+            tenant=t.name, namespace=t.namespace,
             models=[e.info for e in self.models.values()
                     if t.models is None or e.name in t.models],
             limits=self.limits)
@@ -411,11 +414,10 @@ class Service:
 
 
 def _cuda_ipc_handle(pool: Any) -> bytes:
-    """Serialized CUDA IPC handle of a device pool (torch's storage sharing)."""
-    import pickle
+    """The CUDA IPC handle of a device pool, in the client library's documented format."""
+    from radixd_client.pools import export_cuda_ipc_handle
 
-    storage = pool.buffer.untyped_storage()
-    return pickle.dumps(storage._share_cuda_())
+    return export_cuda_ipc_handle(pool.buffer)
 
 
 def error_of(exc: BaseException) -> tuple[str, str, dict[str, Any]]:

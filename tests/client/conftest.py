@@ -30,7 +30,8 @@ MODEL = P.ModelInfo(
 
 def hello_result(max_frame: int = 1 << 20, max_inflight: int = 64) -> P.HelloResult:
     return P.HelloResult(
-        session=7, version=P.PROTOCOL_VERSION, tenant="acme", namespace="ns-acme",
+        session=7, version=P.PROTOCOL_VERSION, instance="0123abcd", tenant="acme",
+        namespace="ns-acme",
         models=[MODEL], limits=P.Limits(max_frame_bytes=max_frame, max_tokens=1 << 16,
                                         max_inflight=max_inflight),
     )

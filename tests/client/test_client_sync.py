@@ -324,8 +324,9 @@ def test_batch_without_stop_on_error_runs_everything(fake_daemon: Any) -> None:
 def test_batch_placeholder_errors_after_a_failure_are_skips(fake_daemon: Any) -> None:
     """A daemon may answer the ops after a failure with placeholder errors: still skips."""
     items = [P.BatchItem(ok=False, error=P.Error(code=P.Code.BAD_RECEIPT, message="no")),
-             P.BatchItem(ok=False, error=P.Error(code=P.Code.BAD_ARGUMENT,
-                                                 message="skipped: an earlier operation failed"))]
+             P.BatchItem(ok=False, error=P.Error(code=P.Code.NOT_EXECUTED,
+                                                 message="not executed: an earlier operation "
+                                                         "of the batch failed"))]
     c = connect(fake_daemon(_batch_handler(items)))
     with c.batch() as b:
         f1, f2 = b.unlock("tiny", 1), b.unlock("tiny", 2)

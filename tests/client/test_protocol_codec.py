@@ -50,7 +50,7 @@ INSERTED = P.InsertResult(prefix_len=16, inserted_len=32, full_pages=PAGES, swa_
 
 # One instance per op's result type.
 RESULTS: dict[str, P.Result] = {
-    "hello": P.HelloResult(session=1, version=1, tenant="t", namespace="n",
+    "hello": P.HelloResult(session=1, version=1, instance="ab", tenant="t", namespace="n",
                            models=[MODEL, P.ModelInfo(
                                name="swa", page_size=4, sliding_window=8, num_full_layers=1,
                                num_swa_layers=3, num_kv_heads=1, head_dim=64, dtype="bfloat16",

@@ -105,7 +105,7 @@ def test_batch_runs_in_order_and_reports_each_item(daemon) -> None:
         ok.result()
         with pytest.raises(errors.ReceiptError):
             bad.result()
-        with pytest.raises(errors.RadixdError, match="skipped|not run"):
+        with pytest.raises(errors.BatchSkipped, match="not run|not executed"):
             skipped.result()
         with c.batch(stop_on_error=False) as b:
             bad = b.unlock(MODEL, 999)
@@ -290,3 +290,14 @@ def test_auth_failures_in_one_write_stop_at_the_limit(make_daemon) -> None:
     raw.close()
     with Client(d.socket, token="right") as c:
         assert c.stats(MODEL).models[MODEL]["allocated_pages"] == 0
+
+
+def test_session_limit_and_restart_detection(make_daemon) -> None:
+    d = make_daemon({"server": {"max_sessions": 2}})
+    with Client(d.socket) as a, Client(d.socket) as b:
+        assert a.instance == b.instance and len(a.instance) == 16
+        with pytest.raises(errors.LimitExceeded) as ei:
+            Client(d.socket)
+        assert ei.value.code == "too_many_sessions"
+    with Client(d.socket) as c:  # sessions that ended free their slots
+        assert c.ping(b"x").payload == b"x"

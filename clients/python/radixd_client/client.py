@@ -366,6 +366,7 @@ class Client:
             raise
         self.hello_result = hello
         self.session = hello.session
+        self.instance = hello.instance
         self.version = hello.version
         self.tenant = hello.tenant
         self.namespace = hello.namespace

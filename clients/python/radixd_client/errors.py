@@ -178,6 +178,7 @@ CODE_TO_ERROR: dict[str, type[RadixdError]] = {
     Code.QUOTA_EXCEEDED: QuotaExceeded,
     Code.TOO_MANY_TOKENS: LimitExceeded,
     Code.TOO_MANY_INFLIGHT: LimitExceeded,
+    Code.TOO_MANY_SESSIONS: LimitExceeded,
     Code.BAD_ARGUMENT: BadArgument,
     Code.SHUTTING_DOWN: ShuttingDown,
     Code.INTERNAL: InternalError,
@@ -236,7 +237,10 @@ class BatchSkipped(RadixdError):
     """A batch operation that did not run: an earlier one failed (``stop_on_error``), the batch
     was never sent (the ``with`` block raised), or the whole batch was refused."""
 
-    default_code = "not_executed"
+    default_code = Code.NOT_EXECUTED
+
+
+CODE_TO_ERROR[Code.NOT_EXECUTED] = BatchSkipped
 
 
 class PoolError(RadixdError, RuntimeError):

@@ -46,10 +46,12 @@ class Code:
     PAGE_NOT_HELD = "page_not_held"  # a page id this session does not hold
     BAD_PAGE = "bad_page"  # a page id outside the pool
     OUT_OF_MEMORY = "out_of_memory"  # details: available/evictable/locked/held per pool
-    QUOTA_EXCEEDED = "quota_exceeded"  # details: pool, limit, used, requested
-    TOO_MANY_TOKENS = "too_many_tokens"
-    TOO_MANY_INFLIGHT = "too_many_inflight"
-    SHUTTING_DOWN = "shutting_down"
+    QUOTA_EXCEEDED = "quota_exceeded"  # details: pool, limit, requested, over
+    TOO_MANY_TOKENS = "too_many_tokens"  # details: limit
+    TOO_MANY_INFLIGHT = "too_many_inflight"  # a batch longer than max_inflight; details: limit
+    TOO_MANY_SESSIONS = "too_many_sessions"  # the daemon serves max_sessions already
+    NOT_EXECUTED = "not_executed"  # a batch item skipped after an earlier one failed
+    SHUTTING_DOWN = "shutting_down"  # the daemon is stopping; reconnect to its successor
     INTERNAL = "internal"  # a daemon bug; the cache stays consistent and the session survives
 
 
@@ -59,6 +61,8 @@ ALL_CODES = tuple(v for k, v in vars(Code).items() if not k.startswith("_"))
 # ---------------------------------------------------------------------------- requests
 
 class Request(msgspec.Struct, tag_field="op", kw_only=True, omit_defaults=True):
+    # chosen by the client and echoed in the response; 0 is reserved: the daemon answers with
+    # id 0 when it cannot read a request's id (an undecodable body, an oversize frame)
     id: int = 0
 
 
@@ -201,6 +205,7 @@ class Limits(Result):
 class HelloResult(Result):
     session: int
     version: int
+    instance: str  # random per daemon start: a change means a restart (remap the pools)
     tenant: str
     namespace: str
     models: list[ModelInfo]
