@@ -36,6 +36,7 @@ class Node:
         "swa_lock",
         "dev_children",
         "ts",
+        "swa_ts",
         "hits",
         "depth",
         "full_entry",
@@ -57,7 +58,8 @@ class Node:
         self.swa_lock = 0
         # number of children whose full KV is on device: a node is a device leaf when this is 0
         self.dev_children = 0
-        self.ts = 0
+        self.ts = 0  # last use, on the tree's churn clock (full and host queues)
+        self.swa_ts = 0  # last use of its SWA inside a window (SWA queue)
         self.hits = 0
         # tokens from the root to the end of this node (eviction policies weigh by it)
         self.depth = (parent.depth if parent is not None else 0) + len(tokens) // 4

@@ -20,9 +20,10 @@ class EvictionPolicy:
         return n.ts
 
     def swa_key(self, n: Node) -> tuple[float, int]:
-        # nodes touched together: the one nearer the root goes first, so SWA eviction tombstones
-        # ancestors far from any window before the window itself
-        return (n.ts, n.depth)
+        # SWA recency is refreshed only inside the window a match or insert ends with, so SWA
+        # outside every recent window ages and goes first; between nodes refreshed together, the
+        # one nearer the root goes first
+        return (n.swa_ts, n.depth)
 
     def host_key(self, n: Node) -> float:
         return self.full_key(n)

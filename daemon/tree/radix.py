@@ -235,8 +235,22 @@ class RadixTree:
         if n.ts == self._clock:
             return  # nothing was inserted since its last touch: its position stands
         n.ts = self._clock
-        if n.full_entry is not None or n.swa_entry is not None or n.host_entry is not None:
+        if n.full_entry is not None or n.host_entry is not None:
             self._requeue(n)
+
+    def _touch_window(self, path: list[Node]) -> None:
+        """Refresh the SWA recency of the nodes holding the window that ``path`` ends with."""
+        need = self.window_pages
+        clock = self._clock
+        pb = self.page_bytes
+        for n in reversed(path):
+            if need <= 0 or n.swa is None:
+                break
+            need -= len(n.tokens) // pb
+            if n.swa_ts != clock:
+                n.swa_ts = clock
+                if n.swa_entry is not None:
+                    self._requeue(n)
 
     # ------------------------------------------------------------------ structure
 
@@ -263,6 +277,7 @@ class RadixTree:
         up.full_lock = node.full_lock
         up.swa_lock = node.swa_lock
         up.ts = node.ts
+        up.swa_ts = node.swa_ts
         up.hits = node.hits
         up.children = {node.tokens[:pb]: node}
         up.dev_children = 1 if node.full is not None else 0
@@ -344,11 +359,12 @@ class RadixTree:
         else:
             best = ns.root
             usable = []
-        # recency: deeper nodes newer, so the SWA queue tombstones from the root side first
         for n in path:
             self._touch(n)
         for n in host_path:
             self._touch(n)
+        if swa:
+            self._touch_window(usable)
         for n in usable:
             n.hits += 1
         full_pages = _concat(n.full for n in usable)
@@ -580,6 +596,8 @@ class RadixTree:
         for nn in path:
             self._touch(nn)
             nn.hits += 1
+        if swa:
+            self._touch_window(path)
         if to_free_full:
             self.sink.free_full(to_free_full)
         if to_free_swa:
@@ -656,6 +674,7 @@ class RadixTree:
             self._split(child, f - i)  # upper [i, f) stays a tombstone
             cs = cs[f - i :]
         child.swa = array("i", cs)
+        child.swa_ts = self._clock
         np_ = len(cs)
         if child.swa_lock:  # pragma: no cover - tombstones are never SWA-locked
             raise AssertionError(f"SWA-locked tombstone {child!r}")
@@ -677,6 +696,7 @@ class RadixTree:
     def _set_device(self, n: Node, full: array, swa: array | None) -> None:
         n.full = array("i", full)
         n.swa = swa
+        n.ts = n.swa_ts = self._clock
         np_ = len(full)
         self.full_evictable += np_ if n.full_lock == 0 else 0
         self.full_protected += np_ if n.full_lock else 0
