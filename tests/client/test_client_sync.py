@@ -181,7 +181,7 @@ def test_header_split_across_reads(fake_daemon: Any) -> None:
 
 
 def test_two_responses_in_one_write_are_read_exactly(fake_daemon: Any) -> None:
-    """Nothing is read ahead: the second frame stays in the socket for the next call."""
+    """Two responses in one write: the second is kept (not lost) and answers the next call."""
     def handler(req: Any) -> Any:
         if isinstance(req, P.Ping) and req.payload == b"first":
             # answer this request and, in the same write, the next one (id + 1)

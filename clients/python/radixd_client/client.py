@@ -353,8 +353,7 @@ class Client:
         self._next_id = 1
         self._buf = bytearray(_INITIAL_BUFFER)
         self._view = memoryview(self._buf)
-        self._hdr = bytearray(HEADER_SIZE)
-        self._hdr_view = memoryview(self._hdr)
+        self._pending = b""  # bytes read past the last response
         self._max_request = 1 << 62  # until hello tells the limit
         self._max_response = _MIN_RESPONSE_CAP
         self._close_reason = "closed by the client"
@@ -404,7 +403,7 @@ class Client:
         if n > self._max_response:
             raise self._broken(f"a response of {n} bytes announced, beyond any limit; the "
                                "stream is out of step")
-        if n > len(self._buf):
+        if n + HEADER_SIZE > len(self._buf):
             # A new buffer rather than a resize: a msgspec.Raw from an earlier frame may still
             # reference the old one (a traceback can keep it alive), and resizing would fail.
             self._buf = bytearray(max(n, 2 * len(self._buf)))
@@ -418,10 +417,33 @@ class Client:
             raise _lost(self._close_reason)
         try:
             sock.sendall(frame)
-            self._recv_exact(self._hdr_view, HEADER_SIZE, True)
-            n = HEADER.unpack(self._hdr)[0]
-            view = self._read_body_size(n)
-            self._recv_exact(view, n, False)
+            # One read usually brings the whole response. Anything read past it (a daemon never
+            # sends it, but a stream must not lose bytes) is kept for the next call.
+            view = self._view
+            got = len(self._pending)
+            if got:
+                view[:got] = self._pending
+                self._pending = b""
+            if got < HEADER_SIZE:
+                k = sock.recv_into(view[got:])
+                if not k and not got:
+                    raise self._broken("the daemon closed the connection")
+                got += k
+                if got < HEADER_SIZE:
+                    self._recv_exact(view[got:], HEADER_SIZE - got, False)
+                    got = HEADER_SIZE
+            n = HEADER.unpack_from(view)[0]
+            end = HEADER_SIZE + n
+            if got < end:
+                body = self._read_body_size(n)
+                if body is not view:  # grown: move what was read of the body
+                    have = got - HEADER_SIZE
+                    body[:have] = view[HEADER_SIZE:got]
+                    self._recv_exact(body[have:], n - have, False)
+                    return body[:n]
+                self._recv_exact(view[got:], end - got, False)
+            elif got > end:
+                self._pending = bytes(view[end:got])
         except ConnectionLost:
             raise
         except OSError as exc:  # reset, broken pipe, timeout
@@ -430,7 +452,7 @@ class Client:
             # KeyboardInterrupt (or similar) mid-frame: the stream is out of step for good.
             self._broken(f"interrupted by {type(exc).__name__} in the middle of a call", exc)
             raise
-        return view[:n]
+        return view[HEADER_SIZE : HEADER_SIZE + n]
 
     def _check_size(self, frame: bytes) -> None:
         if len(frame) - HEADER_SIZE > self._max_request:
@@ -564,6 +586,8 @@ class Client:
         sock = self._sock
         if sock is None:
             raise _lost(self._close_reason)
+        if self._pending:  # bytes no request asked for: the stream is out of step
+            raise self._broken("unexpected bytes from the daemon before attach")
         rid = self._next_id
         self._next_id = rid + 1
         frame = encode(Attach(id=rid, model=model))
@@ -572,8 +596,8 @@ class Client:
             try:
                 sock.sendall(frame)
                 # Every byte of this frame is read with recvmsg, so the descriptors are received
-                # whichever segment carries them. Nothing was read ahead of it: the previous
-                # response was read exactly, and no other request is in flight.
+                # whichever segment carries them. Nothing was read ahead of it: no bytes are
+                # pending (checked above), and no other request is in flight.
                 hdr = self._recvmsg_exact(HEADER_SIZE, fds)
                 n = HEADER.unpack(hdr)[0]
                 if n > self._max_response:
