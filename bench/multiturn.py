@@ -92,7 +92,8 @@ class _Usage:
             self.peak_swa = max(self.peak_swa, a.swa.usable - a.swa.available)
 
 
-def run(w: Workload, full_pages: int, *, swa_free: bool = True, policy: str = DEFAULT_POLICY) -> RunResult:
+def run(w: Workload, full_pages: int, *, swa_free: bool = True,
+        policy: str = DEFAULT_POLICY) -> RunResult:
     """Replay the workload on a fresh cache with ``full_pages`` usable full pages."""
     P = w.page_size
     profile = ModelProfile(

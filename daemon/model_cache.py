@@ -106,7 +106,8 @@ class ModelCache:
         self.holdings[owner].receipts.discard(rid)
 
     def _check_held(self, owner: Owner, full: Iterable[int], swa: Iterable[int]) -> None:
-        for pages, owners, pool in ((full, self._full_owner, "full"), (swa, self._swa_owner, "swa")):
+        for pages, owners, pool in ((full, self._full_owner, "full"),
+                                    (swa, self._swa_owner, "swa")):
             seen: set[int] = set()
             for p in pages:
                 if owners.get(p) != owner or (owner is None and p not in owners):
@@ -188,7 +189,8 @@ class ModelCache:
         swa_free = a.swa.available if a.swa is not None else 0
         return OutOfPages(
             f"cannot allocate {n} pages: full pool {a.full.available} free, "
-            f"{t.full_evictable} evictable, {t.full_protected} locked, {held_full} held by sessions; "
+            f"{t.full_evictable} evictable, {t.full_protected} locked, {held_full} held by "
+            f"sessions; "
             f"swa pool {swa_free} free, {t.swa_evictable} evictable, {t.swa_protected} locked, "
             f"{held_swa} held by sessions",
             requested=n,

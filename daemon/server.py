@@ -366,7 +366,8 @@ def _bind_socket(path: str, mode: int) -> socket.socket:
         p.parent.mkdir(parents=True, mode=0o750)
     if p.exists() or p.is_symlink():
         if not stat.S_ISSOCK(p.lstat().st_mode):
-            raise OSError(errno.EEXIST, f"{path} exists and is not a socket; refusing to replace it")
+            raise OSError(errno.EEXIST,
+                          f"{path} exists and is not a socket; refusing to replace it")
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             probe.connect(path)

@@ -36,7 +36,8 @@ class PageAllocator:
 
     def __init__(self, capacity: int, name: str = "pool"):
         if capacity < 1:
-            raise ValueError(f"{name}: capacity must be >= 1 page (page 0 is reserved), got {capacity}")
+            raise ValueError(f"{name}: capacity must be >= 1 page (page 0 is reserved), "
+                             f"got {capacity}")
         self.name = name
         self.capacity = capacity
         self._state = bytearray(capacity)

@@ -26,7 +26,7 @@ class UnknownNode(TreeError):
 
 
 class NodeNotUsable(TreeError):
-    """The node exists but its sliding window is no longer live, so it cannot be locked for reading."""
+    """The node exists but its sliding window is no longer live: it cannot be locked to read."""
 
     code = "node_not_usable"
 

@@ -16,7 +16,8 @@ HASH_BYTES = 32
 _SEED_TAG = b"radixd-namespace-v1"
 
 if sys.byteorder != "little":  # pragma: no cover - every supported host is little-endian
-    raise ImportError("radixd stores token ids as little-endian int32 and needs a little-endian host")
+    raise ImportError("radixd stores token ids as little-endian int32: it needs a "
+                      "little-endian host")
 
 
 def namespace_seed(namespace: str, layout_fingerprint: bytes) -> bytes:

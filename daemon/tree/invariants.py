@@ -7,7 +7,9 @@ symptom). The page sets it gathers feed the pool-conservation check one layer up
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from .hashing import HASH_BYTES, chain_hashes
 from .lru import EvictionQueue
@@ -80,7 +82,8 @@ def audit_tree(tree: RadixTree, *, deep: bool = True) -> TreeAudit:
     if set(reachable) != set(tree.nodes):
         ghosts = sorted(set(tree.nodes) - set(reachable))[:10]
         lost = sorted(set(reachable) - set(tree.nodes))[:10]
-        v.append(f"node registry disagrees with the tree: unreachable {ghosts}, unregistered {lost}")
+        v.append(f"node registry disagrees with the tree: unreachable {ghosts}, "
+                 f"unregistered {lost}")
     for k, i in tree.nodes.items():
         if i.id != k:
             v.append(f"node registry maps {k} to node {i.id}")
@@ -199,7 +202,8 @@ def _check_queues(tree: RadixTree, reachable: dict[int, Node], v: list[str]) -> 
             v.append(f"namespace {name!r}: page counts {counted}, recomputed {(full, swa, host)}")
 
 
-def _check_queue(label: str, q: EvictionQueue, want: set[int], key, reachable, v: list[str]) -> None:
+def _check_queue(label: str, q: EvictionQueue, want: set[int], key: Callable[[Node], Any],
+                 reachable: dict[int, Node], v: list[str]) -> None:
     live = [e for e in q.heap if e[2] is not None]
     ids = [e[2].id for e in live]
     if len(ids) != len(set(ids)):

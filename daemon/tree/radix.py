@@ -306,7 +306,8 @@ class RadixTree:
 
     # ------------------------------------------------------------------ match
 
-    def match(self, namespace: str, tokens: bytes, *, lock: bool = False, tag: Any = None) -> MatchResult:
+    def match(self, namespace: str, tokens: bytes, *, lock: bool = False, tag: Any = None
+              ) -> MatchResult:
         """Longest usable cached prefix of ``tokens``; refreshes recency along the path."""
         ns = self.namespace(namespace)
         pb = self.page_bytes
@@ -419,8 +420,8 @@ class RadixTree:
         node = self.get_node(node_id, namespace)
         if not self.is_usable_end(node):
             raise NodeNotUsable(
-                f"node {node_id} cannot be locked: its sliding window (or device copy) was evicted; "
-                "match again")
+                f"node {node_id} cannot be locked: its sliding window (or device copy) was "
+                "evicted; match again")
         return self._lock(node, tag)
 
     def _lock(self, node: Node, tag: Any = None) -> Receipt:
@@ -521,19 +522,21 @@ class RadixTree:
     ) -> InsertResult:
         """Hand computed pages to the tree.
 
-        ``tokens`` is the sequence (its unaligned tail is ignored). ``full_pages`` and ``swa_pages``
-        cover the pages [prev_prefix_len, aligned end): the caller's own pages. The tree already owns
-        [0, prev_prefix_len). ``swa_pages[i]`` is 0 exactly for the pages below ``swa_evicted_len``
-        (the caller already freed their SWA). Every caller page in [prev_prefix_len, inserted_len)
-        is consumed: adopted by the tree or freed as a duplicate of the tree's canonical page.
-        Pages beyond ``inserted_len`` stay the caller's (that happens when none of them would have
-        live SWA at the end of the path: a tombstone leaf is never created).
+        ``tokens`` is the sequence (its unaligned tail is ignored). ``full_pages`` and
+        ``swa_pages`` cover the pages [prev_prefix_len, aligned end): the caller's own pages. The
+        tree already owns [0, prev_prefix_len). ``swa_pages[i]`` is 0 exactly for the pages below
+        ``swa_evicted_len`` (the caller already freed their SWA). Every caller page in
+        [prev_prefix_len, inserted_len) is consumed: adopted by the tree or freed as a duplicate
+        of the tree's canonical page. Pages beyond ``inserted_len`` stay the caller's (that
+        happens when none of them would have live SWA at the end of the path: a tombstone leaf is
+        never created).
         """
         ns = self.namespace(namespace)
         P = self.page_size
         pb = self.page_bytes
         n = len(tokens) // pb
-        prev, f = self._check_insert_args(n, full_pages, swa_pages, prev_prefix_len, swa_evicted_len)
+        prev, f = self._check_insert_args(n, full_pages, swa_pages, prev_prefix_len,
+                                          swa_evicted_len)
         self._advance((n - prev) * P)
         swa = self.swa_enabled
         # a path whose new part would end without live SWA takes no new device pages
@@ -572,7 +575,8 @@ class RadixTree:
                     out_full.append(child.full)
                     if swa:
                         out_swa.append(child.swa if child.swa is not None else cs)
-                    child = self._merge_into_device(child, i, e, f, cf, cs, to_free_full, to_free_swa)
+                    child = self._merge_into_device(child, i, e, f, cf, cs, to_free_full,
+                                                    to_free_swa)
                 else:
                     out_full.append(cf)
                     if swa:
@@ -632,7 +636,8 @@ class RadixTree:
             f = 0
         want = n - prev
         if len(full_pages) != want:
-            raise BadArgument(f"full_pages has {len(full_pages)} ids; pages [{prev}, {n}) need {want}")
+            raise BadArgument(f"full_pages has {len(full_pages)} ids; pages [{prev}, {n}) "
+                              f"need {want}")
         if self.swa_enabled:
             if swa_pages is None or len(swa_pages) != want:
                 got = None if swa_pages is None else len(swa_pages)
@@ -721,7 +726,7 @@ class RadixTree:
         if cs is not None and i < f < n:
             cuts = [i, f, n]
         cur = parent
-        for a, b in zip(cuts, cuts[1:]):
+        for a, b in zip(cuts, cuts[1:], strict=False):
             nd = Node(self._new_id(), cur, parent.ns, seg[(a - i) * pb : (b - i) * pb],
                       hashes[(a - i) * HASH_BYTES : (b - i) * HASH_BYTES])
             if cur.children is None:
@@ -787,7 +792,8 @@ class RadixTree:
         n = len(tokens) // self.page_bytes
         total = -(-(len(tokens) // 4) // P)
         if not isinstance(prev_prefix_len, int) or prev_prefix_len < 0:
-            raise BadArgument(f"prev_prefix_len must be a non-negative int, got {prev_prefix_len!r}")
+            raise BadArgument(
+                f"prev_prefix_len must be a non-negative int, got {prev_prefix_len!r}")
         prev = prev_prefix_len // P
         want = total - prev
         if len(full_pages) != want:
@@ -960,9 +966,11 @@ class RadixTree:
         if n.full is None or n.host is not None:
             raise BadArgument(f"node {node_id} is not a device node without a host copy")
         if n.parent.host is None:
-            raise BadArgument(f"node {node_id}: back up the parent first (host copies are prefix-closed)")
+            raise BadArgument(
+                f"node {node_id}: back up the parent first (host copies are prefix-closed)")
         if len(slots) != self.npages(n):
-            raise BadArgument(f"node {node_id} has {self.npages(n)} pages, got {len(slots)} host slots")
+            raise BadArgument(
+                f"node {node_id} has {self.npages(n)} pages, got {len(slots)} host slots")
         n.host = array("i", slots)
         self.host_pages += len(slots)
         n.ns.host_pages += len(slots)

@@ -253,8 +253,8 @@ def test_attach_response_keeps_request_order(daemon) -> None:
     """attach sends fds (SCM_RIGHTS) out of band: frames pipelined behind it must wait."""
     raw = Raw(daemon.socket)
     raw.s.sendall(b"".join(protocol.encode(r) for r in (
-        protocol.Attach(id=12, model=MODEL), protocol.Ping(id=13), protocol.Attach(id=14, model=MODEL),
-        protocol.Ping(id=15))))
+        protocol.Attach(id=12, model=MODEL), protocol.Ping(id=13),
+        protocol.Attach(id=14, model=MODEL), protocol.Ping(id=15))))
     ids = []
     fds_seen = 0
     buf = b""

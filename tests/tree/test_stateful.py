@@ -190,7 +190,7 @@ class CacheMachine(RuleBasedStateMachine):
                 if s != before[k][1]:
                     assert not swa_locks.get((ns, k)), "an SWA-locked page was tombstoned"
                     assert before[k][1] in free_swa
-            for k, (f, s) in before.items():
+            for k, (f, _s) in before.items():
                 if k not in after:
                     assert not full_locks.get((ns, k)), "a locked page was evicted"
                     assert f in free_full
@@ -335,8 +335,9 @@ class CacheMachine(RuleBasedStateMachine):
         before = self.tree.stats["splits"]
         res = self.cache.cache_finished(req.owner, req.ns, req.tokens, req.full, req.swa,
                                         req.prev, req.frontier, req.rid)
+        partial = inserted < len(req.tokens) // (4 * self.P)
         event(f"finish: overlap {res.prefix_len > req.prev}, tombstones {0 in cswa}, "
-              f"split {self.tree.stats['splits'] > before}, partial {inserted < len(req.tokens) // (4 * self.P)}")
+              f"split {self.tree.stats['splits'] > before}, partial {partial}")
         revived = any(self.model[req.ns].get(k, [0, 1])[1] == 0 and newm[k][1]
                       for k in newm)
         if revived:
@@ -437,7 +438,8 @@ class CacheMachine(RuleBasedStateMachine):
         r = self.cache.evict(full, swa, namespace=ns)
         if ns is not None:
             other = [n for n in NAMESPACES if n != ns]
-            assert all(self.tree_state()[n] == before[n] for n in other), "evicted another namespace"
+            now = self.tree_state()
+            assert all(now[n] == before[n] for n in other), "evicted another namespace"
         event(f"evict freed full>0 {r.full_pages > 0} swa>0 {r.swa_pages > 0}")
         self.adopt()
 
