@@ -256,13 +256,13 @@ class ModelCache:
             self._drop_receipt(owner, rid)
         return res, self._register(owner, res.receipt)
 
-    def evict(self, full_pages: int = 0, swa_pages: int = 0, namespace: str | None = None
-              ) -> EvictResult:
+    def evict(self, full_pages: int = 0, swa_pages: int = 0, namespace: str | None = None,
+              reason: str = "explicit") -> EvictResult:
         """Explicit eviction, of one namespace's unlocked pages when ``namespace`` is given."""
         for name, v in (("full_pages", full_pages), ("swa_pages", swa_pages)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise BadArgument(f"{name} must be a non-negative int, got {v!r}")
-        return self.tree.evict(full_pages, swa_pages, namespace=namespace)
+        return self.tree.evict(full_pages, swa_pages, reason=reason, namespace=namespace)
 
     def release_owner(self, owner: Owner) -> tuple[int, int, int]:
         """Everything an owner holds goes back: its locks and its pages. Returns the counts."""

@@ -231,7 +231,7 @@ class Service:
 
         over_full, over_swa = overage()
         if over_full or over_swa:
-            ev = cache.evict(over_full, over_swa, namespace=t.namespace)
+            ev = cache.evict(over_full, over_swa, namespace=t.namespace, reason="quota")
             t.counters["quota_evicted_pages"] += ev.full_pages
             over_full, over_swa = overage()
         if over_full or over_swa:

@@ -152,6 +152,8 @@ class RadixTree:
         self.swa_evictable = 0
         self.swa_protected = 0
         self.host_pages = 0
+        # pages evicted per trigger ("alloc", "quota", "explicit"): [full, swa]
+        self.evictions_by_reason: dict[str, list[int]] = {}
         self.stats = {
             "evicted_full_pages": 0,
             "evicted_swa_pages": 0,
@@ -866,6 +868,9 @@ class RadixTree:
             # a locked leaf may become a tombstone here (its reader released the SWA early);
             # it is cleaned up when its last full lock goes
             self._tombstone(node, res)
+        by = self.evictions_by_reason.setdefault(reason, [0, 0])
+        by[0] += res.full_pages
+        by[1] += res.swa_pages
         return res
 
     def evict_host(self, slots: int, namespace: str | None = None) -> EvictResult:
