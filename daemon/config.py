@@ -76,6 +76,46 @@ class ServerConfig(_Section):
         return int(self.socket_mode, 8)
 
 
+_LOOPBACK = ("127.0.0.1", "::1", "localhost")
+
+
+class AdminConfig(_Section):
+    enabled: bool = Field(True, description="serve the admin HTTP endpoint")
+    host: str = Field("127.0.0.1", description="loopback address to bind (127.0.0.1, ::1)")
+    port: int = Field(8471, ge=0, le=65535, description="TCP port (0: any free port, logged)")
+    unix_socket: str | None = Field(None, description="serve on this Unix socket instead of TCP")
+    token: str | None = Field(None, description="bearer token for everything but /healthz "
+                                                "(prefer token_sha256)")
+    token_sha256: str | None = Field(None, description="hex SHA-256 of the bearer token")
+    token_file: str | None = Field(None, description="with no token configured, a random one is "
+                                                     "generated and written here (mode 0600); "
+                                                     "default: admin.token beside the socket")
+    tree_dump_max_nodes: int = Field(10_000, ge=1, description="most nodes /v1/tree returns")
+    tenant_label_limit: int = Field(64, ge=1, description="most tenants given their own metric "
+                                                          "labels; the rest are summed as _other")
+
+    @field_validator("host")
+    @classmethod
+    def _loopback(cls, v: str) -> str:
+        if v not in _LOOPBACK:
+            raise ValueError(f"the admin endpoint binds loopback only ({', '.join(_LOOPBACK)}), "
+                             f"got {v!r}")
+        return v
+
+    @field_validator("token_sha256")
+    @classmethod
+    def _hex(cls, v: str | None) -> str | None:
+        return _hex_digest(v)
+
+
+def _hex_digest(v: str | None) -> str | None:
+    if v is not None:
+        v = v.lower()
+        if len(v) != 64 or any(c not in "0123456789abcdef" for c in v):
+            raise ValueError("must be 64 hex digits (sha256 of the token)")
+    return v
+
+
 class CheckerConfig(_Section):
     interval_s: float = Field(5.0, gt=0, description="seconds between background checks")
     strict: bool = Field(False, description="stop the daemon on the first violation (tests)")
@@ -136,11 +176,7 @@ class TenantConfig(_Section):
     @field_validator("token_sha256")
     @classmethod
     def _hex(cls, v: str | None) -> str | None:
-        if v is not None:
-            v = v.lower()
-            if len(v) != 64 or any(c not in "0123456789abcdef" for c in v):
-                raise ValueError("must be 64 hex digits (sha256 of the token)")
-        return v
+        return _hex_digest(v)
 
     @model_validator(mode="after")
     def _one_token(self) -> TenantConfig:
@@ -158,6 +194,7 @@ class TenantConfig(_Section):
 
 class Config(_Section):
     server: ServerConfig = Field(default_factory=ServerConfig)
+    admin: AdminConfig = Field(default_factory=AdminConfig)
     checker: CheckerConfig = Field(default_factory=CheckerConfig)
     models: list[ModelConfig] = Field(default_factory=lambda: [ModelConfig()])
     tenants: list[TenantConfig] = Field(default_factory=list)
@@ -184,7 +221,7 @@ class Config(_Section):
 
 
 ENV_PREFIX = "RADIXD_"
-_ENV_SECTIONS = {"SERVER": "server", "CHECKER": "checker"}
+_ENV_SECTIONS = {"SERVER": "server", "ADMIN": "admin", "CHECKER": "checker"}
 
 
 def _env_overrides(env: dict[str, str]) -> dict[str, Any]:

@@ -20,12 +20,15 @@ import stat
 import struct
 import time
 from pathlib import Path
+from time import perf_counter
 from typing import Any
 
 import msgspec
 from radixd_client import protocol as P
 
 from .config import Config
+from .metrics import OpStats
+from .sdnotify import Notifier, listen_fds, watchdog_interval
 from .service import Peer, Service, ServiceError, Session, error_of
 
 log = logging.getLogger("radixd.server")
@@ -128,6 +131,8 @@ class Connection(asyncio.Protocol):
             self._bad_frame(body, exc)
             return
         rid = req.id
+        op = req.__struct_config__.tag
+        t0 = perf_counter()
         try:
             self.server.ops += 1
             if self.server.stopping:
@@ -148,13 +153,15 @@ class Connection(asyncio.Protocol):
                 raise ServiceError(P.Code.ALREADY_AUTHENTICATED,
                                    f"this connection is already session {self.session.id}")
             else:
-                handler = Service.HANDLERS[req.__struct_config__.tag]
+                handler = Service.HANDLERS[op]
                 self._write(P.ok_frame(rid, handler(self.service, self.session, req)))
+            self.server.op_stats.observe(op, perf_counter() - t0)
         except Exception as exc:  # every refusal becomes a response; the session survives
             code, message, details = error_of(exc)
             if code == P.Code.INTERNAL:
                 log.exception("internal error handling %s", type(req).__name__)
             self._write(P.error_frame(rid, code, message, details))
+            self.server.op_stats.observe(op, perf_counter() - t0, code)
             if code == P.Code.AUTH_FAILED and self.auth_failures >= \
                     self.server.config.server.max_auth_failures:
                 self.transport.close()  # type: ignore[union-attr]
@@ -195,18 +202,23 @@ class Connection(asyncio.Protocol):
         items: list[P.BatchItem] = []
         failed = False
         enc = P.encode_body
+        stats = self.server.op_stats
         for op in req.ops:
             if failed and req.stop_on_error:
                 items.append(P.BatchItem(ok=False, error=P.Error(
                     code=P.Code.NOT_EXECUTED,
                     message="not executed: an earlier operation of the batch failed")))
                 continue
+            tag = op.__struct_config__.tag
+            t0 = perf_counter()
             try:
-                handler = Service.HANDLERS[op.__struct_config__.tag]
+                handler = Service.HANDLERS[tag]
                 result = handler(self.service, self.session, op)
                 items.append(P.BatchItem(ok=True, result=msgspec.Raw(enc(result))))
+                stats.observe(tag, perf_counter() - t0)
             except Exception as exc:
                 code, message, details = error_of(exc)
+                stats.observe(tag, perf_counter() - t0, code)
                 if code == P.Code.INTERNAL:
                     log.exception("internal error in a batch")
                 items.append(P.BatchItem(ok=False, error=P.Error(code=code, message=message,
@@ -256,9 +268,12 @@ class Connection(asyncio.Protocol):
 
 
 class Server:
-    def __init__(self, config: Config, service: Service):
+    def __init__(self, config: Config, service: Service, notifier: Notifier | None = None):
         self.config = config
         self.service = service
+        self.notifier = notifier or Notifier(None)
+        self.ready = False  # pools and socket exist and the daemon is not shutting down
+        self._owns_socket = True
         self.connections: set[Connection] = set()
         self.ops = 0
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]
@@ -266,34 +281,69 @@ class Server:
         self._stopping: asyncio.Event | None = None
         self.exit_code = 0
         self.stopping = False
+        self.started = time.time()
+        self.op_stats = OpStats()
         self.last_check: dict[str, Any] = {"ok": None, "violations": [], "at": None}
+        self.socket_path = config.server.socket
         self.checks_requested = 0
 
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
         self._stopping = asyncio.Event()
         path = self.config.server.socket
-        sock = _bind_socket(path, self.config.server.socket_mode_int)
+        passed = listen_fds()
+        if passed:  # socket activation: systemd owns the socket file
+            sock = passed[0]
+            sock.setblocking(False)
+            self._owns_socket = False
+            path = sock.getsockname() or path
+            for extra in passed[1:]:
+                log.warning("ignoring extra socket passed by systemd: fd %d", extra.fileno())
+                extra.close()
+        else:
+            sock = _bind_socket(path, self.config.server.socket_mode_int)
         self._server = await self.loop.create_unix_server(lambda: Connection(self), sock=sock)
-        log.info("serving on %s (models: %s)", path, ", ".join(self.service.models))
+        self.socket_path = path
+        log.info("serving on %s (models: %s)%s", path, ", ".join(self.service.models),
+                 " (socket passed by systemd)" if passed else "")
 
     async def serve(self) -> int:
         await self.start()
         for sig in (signal.SIGTERM, signal.SIGINT):
             self.loop.add_signal_handler(sig, self.stop)
         self.loop.add_signal_handler(signal.SIGUSR1, self._requested_check)
-        checker = self.loop.create_task(self._checker())
+        tasks = [self.loop.create_task(self._checker())]
+        interval = watchdog_interval()
+        if interval is not None:
+            tasks.append(self.loop.create_task(self._watchdog(interval)))
+        self.ready = True
+        self.notifier.ready(self._status_line())
         try:
             await self._stopping.wait()  # type: ignore[union-attr]
         finally:
-            checker.cancel()
+            for t in tasks:
+                t.cancel()
             await self.shutdown()
         return self.exit_code
+
+    def _status_line(self) -> str:
+        return (f"serving {len(self.service.models)} model(s) to {len(self.service.sessions)} "
+                f"session(s) on {self.socket_path}")
+
+    async def _watchdog(self, interval: float) -> None:
+        """WATCHDOG=1 from the event loop itself: a stuck loop stops the pings and systemd
+        restarts the daemon."""
+        while True:
+            self.notifier.watchdog()
+            await asyncio.sleep(interval)
 
     def stop(self, exit_code: int | None = None) -> None:
         if exit_code is not None:
             self.exit_code = exit_code
+        if not self.stopping:
+            self.notifier.stopping("stopping: ending sessions")
         self.stopping = True
+        self.ready = False
         if self._stopping is not None:
             self._stopping.set()
 
@@ -310,8 +360,9 @@ class Server:
         if self._server is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._server.wait_closed(), 1.0)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.config.server.socket)
+        if self._owns_socket:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.config.server.socket)
         violations = self.service.check(deep=False)
         if violations:
             log.error("invariant violations at shutdown: %s", violations)
@@ -397,8 +448,10 @@ def run(config: Config) -> int:
         uvloop.install()
     except ImportError:  # pragma: no cover - uvloop is a dependency; asyncio works too
         log.warning("uvloop not available; using the default asyncio loop")
+    notifier = Notifier.from_env()
+    notifier.status("allocating KV pools")
     service = Service(config)
-    server = Server(config, service)
+    server = Server(config, service, notifier)
     _tune_gc()
     return asyncio.run(server.serve())
 

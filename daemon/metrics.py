@@ -1,0 +1,54 @@
+"""Operation counters and latency histograms, recorded on the hot path.
+
+Recording must cost next to nothing per operation (it runs on every request): fixed buckets, a
+bisect and two integer additions. Rendering to the Prometheus text format happens elsewhere, on
+scrape (daemon/exposition.py).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from dataclasses import dataclass, field
+
+# seconds; fine at the bottom, where the daemon's operations live (microseconds)
+LATENCY_BUCKETS: tuple[float, ...] = (
+    5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 5e-2, 0.1, 0.5, 1.0,
+)
+
+
+@dataclass
+class Histogram:
+    buckets: tuple[float, ...] = LATENCY_BUCKETS
+    counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
+    total: float = 0.0
+    n: int = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.buckets, value)] += 1
+        self.total += value
+        self.n += 1
+
+    def cumulative(self) -> list[tuple[float, int]]:
+        """(upper bound, cumulative count) per bucket, +Inf last, as Prometheus wants them."""
+        out = []
+        acc = 0
+        for bound, c in zip((*self.buckets, float("inf")), self.counts, strict=True):
+            acc += c
+            out.append((bound, acc))
+        return out
+
+
+class OpStats:
+    """Per operation: a latency histogram and a count per result code ("ok" or an error code)."""
+
+    def __init__(self) -> None:
+        self.latency: dict[str, Histogram] = {}
+        self.results: dict[tuple[str, str], int] = {}
+
+    def observe(self, op: str, seconds: float, code: str = "ok") -> None:
+        h = self.latency.get(op)
+        if h is None:
+            h = self.latency[op] = Histogram()
+        h.observe(seconds)
+        key = (op, code)
+        self.results[key] = self.results.get(key, 0) + 1
