@@ -210,6 +210,10 @@ class Config(_Section):
         tnames = [t.name for t in self.tenants]
         if len(set(tnames)) != len(tnames):
             raise ValueError(f"tenants: duplicate tenant names {tnames}")
+        digests = [t.token_digest() for t in self.tenants]
+        if len(set(digests)) != len(digests):
+            raise ValueError("tenants: two tenants have the same token (the second could never "
+                             "authenticate)")
         for t in self.tenants:
             if t.token is None and t.token_sha256 is None:
                 raise ValueError(f"tenants: tenant {t.name!r} needs token or token_sha256 "

@@ -158,10 +158,10 @@ class ModelCache:
         a = self.alloc_state
         need_full = max(0, n - a.full.available)
         need_swa = max(0, n - a.swa.available) if a.swa is not None else 0
-        if need_full > self.tree.full_evictable or need_swa > self.tree.swa_evictable:
+        if not self.can_alloc(n):
             # it cannot succeed: refuse before evicting anyone's cache for nothing
             self.counters["alloc_failures"] += 1
-            raise self._oom(n)
+            raise self.oom_error(n)
         if need_full or need_swa:
             ev = self.tree.evict(need_full, need_swa, reason="alloc")
             self.counters["evicted_for_alloc_full"] += ev.full_pages
@@ -170,7 +170,7 @@ class ModelCache:
             full, swa = a.alloc(n)
         except OutOfPages as exc:
             self.counters["alloc_failures"] += 1
-            raise self._oom(n) from exc
+            raise self.oom_error(n) from exc
         self.counters["allocs"] += 1
         h = self._holding(owner)
         for p in full:
@@ -181,7 +181,14 @@ class ModelCache:
         h.swa.update(swa)
         return full, swa
 
-    def _oom(self, n: int) -> OutOfPages:
+    def can_alloc(self, n: int) -> bool:
+        """Whether ``n`` pages of each pool are free or can be made free by evicting."""
+        a = self.alloc_state
+        if n > a.full.available + self.tree.full_evictable:
+            return False
+        return a.swa is None or n <= a.swa.available + self.tree.swa_evictable
+
+    def oom_error(self, n: int) -> OutOfPages:
         a = self.alloc_state
         t = self.tree
         held_full = len(self._full_owner)
@@ -314,6 +321,12 @@ class ModelCache:
                 v.append(f"owner {owner!r}: holding and page owner maps disagree")
         if sum(len(h.full) for h in self.holdings.values()) != len(self._full_owner):
             v.append("full page owner map holds pages no holding lists")
+        if sum(len(h.swa) for h in self.holdings.values()) != len(self._swa_owner):
+            v.append("swa page owner map holds pages no holding lists")
+        listed = {rid: o for o, h in self.holdings.items() for rid in h.receipts}
+        if listed != {rid: o for rid, (o, _) in self._receipts.items()}:
+            v.append("receipt registry and the owners' holdings disagree (a receipt no session "
+                     "can release, or one listed for the wrong session)")
         live = {id(r) for _, r in self._receipts.values()}
         if live != {id(r) for r in self.tree.receipts}:
             v.append(f"receipt registry ({len(live)}) and the tree's active locks "

@@ -539,7 +539,6 @@ class RadixTree:
         n = len(tokens) // pb
         prev, f = self._check_insert_args(n, full_pages, swa_pages, prev_prefix_len,
                                           swa_evicted_len)
-        self._advance((n - prev) * P)
         swa = self.swa_enabled
         # a path whose new part would end without live SWA takes no new device pages
         adopt = (not swa) or f < n
@@ -559,6 +558,10 @@ class RadixTree:
             if i < prev < i + m:
                 m = prev - i  # process the tree-owned part and the caller's part separately
             e = i + m
+            if e < prev and m * pb < len(child.tokens):
+                raise BadArgument(
+                    f"prev_prefix_len={prev * P} is longer than the cached prefix "
+                    f"({e * P} tokens) of this sequence (lock the prefix you reuse)")
             if e <= prev:
                 if child.full is None:
                     raise BadArgument(
@@ -590,6 +593,8 @@ class RadixTree:
         if i < prev:
             raise BadArgument(f"prev_prefix_len={prev * P} is longer than the cached prefix "
                               f"({i * P} tokens) of this sequence (lock the prefix you reuse)")
+        # nothing may change before this point: every refusal above leaves the tree as it was
+        self._advance((n - prev) * P)
         if i < n and adopt:
             new = self._append(node, tokens, i, n, f, full_pages[i - prev :],
                                swa_pages[i - prev :] if swa else None)
