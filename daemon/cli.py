@@ -3,21 +3,34 @@
 Subcommands import their implementation lazily, so ``radixd --help`` stays fast and does not pull
 in torch.
 
-Exit codes: 0 success; 1 runtime failure (e.g. the socket is taken); 2 usage or configuration
-error; 3 the daemon stopped on an invariant violation (strict mode).
+Exit codes: 0 success; 1 runtime failure (e.g. the socket is taken, the daemon is unreachable);
+2 usage or configuration error; 3 the daemon stopped on an invariant violation (strict mode);
+4 ``radixd check`` found invariant violations.
+
+``status`` and ``check`` talk to the admin HTTP endpoint with the standard library only (TCP, or
+a Unix socket when ``admin.unix_socket`` is set), so they work without aiohttp and start fast.
 """
 
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import logging
+import socket
 import sys
+import time
+import urllib.parse
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 from daemon import __version__
 
-EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INVARIANT = 0, 1, 2, 3
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INVARIANT, EXIT_VIOLATIONS = 0, 1, 2, 3, 4
+
+_ADMIN_EXIT_CODES = ("exit codes: 0 ok; 1 the admin endpoint is unreachable, refused the token, "
+                     "or answered an error; 2 usage or configuration error")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="radixd",
         description="KV-cache and prefix radix tree daemon for LLM inference engines.",
         epilog="exit codes: 0 ok, 1 runtime failure, 2 usage or configuration error, "
-               "3 stopped on an invariant violation (strict mode)",
+               "3 stopped on an invariant violation (strict mode), 4 radixd check found "
+               "invariant violations",
     )
     parser.add_argument("--version", action="version", version=f"radixd {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -46,13 +60,55 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     serve.set_defaults(handler=_serve)
 
-    config = sub.add_parser("config", help="show the effective configuration")
+    status = sub.add_parser(
+        "status", help="a summary of a running daemon (from its admin endpoint)",
+        description="Ask a running daemon's admin endpoint (GET /v1/stats) and print models, "
+                    "pool usage, hit rates, sessions, tenants and the last invariant check. The "
+                    "endpoint and token come from the configuration unless given.",
+        epilog=_ADMIN_EXIT_CODES)
+    _admin_args(status)
+    status.add_argument("--json", action="store_true",
+                        help="print the raw /v1/stats JSON instead of the summary")
+    status.set_defaults(handler=_status)
+
+    check = sub.add_parser(
+        "check", help="run the full invariant check in a running daemon now",
+        description="POST /v1/check on the admin endpoint: the daemon walks its whole tree and "
+                    "pools and reports every violated invariant.",
+        epilog="exit codes: 0 clean; 4 violations found (each printed); 1 the admin endpoint "
+               "is unreachable, refused the token, or answered an error; 2 usage or "
+               "configuration error")
+    _admin_args(check)
+    check.set_defaults(handler=_check)
+
+    config = sub.add_parser("config", help="show the effective configuration, or an example")
     csub = config.add_subparsers(dest="config_command", metavar="ACTION")
     show = csub.add_parser("show", help="print the effective configuration as JSON "
                                         "(tokens redacted)")
     _config_args(show)
     show.set_defaults(handler=_config_show)
+    example = csub.add_parser("example", help="print an example /etc/radixd/radixd.toml, every "
+                                              "key documented")
+    example.set_defaults(handler=_config_example)
     return parser
+
+
+def _admin_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE", help="TOML configuration file of the daemon "
+                                                    "(default: $RADIXD_CONFIG if set)")
+    p.add_argument("--socket", metavar="PATH", help="the daemon's engine socket (locates the "
+                                                    "default token file beside it)")
+    p.add_argument("--admin", metavar="URL",
+                   help="admin endpoint: http://HOST:PORT or unix:/PATH (default: from the "
+                        "configuration's [admin] section)")
+    tok = p.add_mutually_exclusive_group()
+    tok.add_argument("--token", metavar="TOKEN", help="admin bearer token (default: admin.token "
+                                                      "if configured, else the token file)")
+    tok.add_argument("--token-file", metavar="FILE",
+                     help="file holding the admin token (default: admin.token_file, or "
+                          "admin.token beside the engine socket, which the daemon writes)")
+    p.add_argument("--timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="seconds to wait for the answer (default 10)")
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
@@ -99,12 +155,285 @@ def _config_show(args: argparse.Namespace) -> int:
     config = _load(args)
     if config is None:
         return EXIT_USAGE
-    data = config.model_dump()
-    for t in data["tenants"]:
-        if t.get("token") is not None:
-            t["token"] = "<redacted>"
+    data = config.model_dump(mode="json")
+    for section in (data.get("admin", {}), *data.get("tenants", [])):
+        for key in ("token", "token_sha256"):
+            if section.get(key) is not None:
+                section[key] = "<redacted>"
     print(json.dumps(data, indent=2))
     return EXIT_OK
+
+
+def _config_example(args: argparse.Namespace) -> int:
+    import importlib.resources
+
+    res = importlib.resources.files("daemon").joinpath("data").joinpath("radixd.example.toml")
+    try:
+        text = res.read_text(encoding="utf-8")
+    except OSError:
+        print("radixd: the example configuration (daemon/data/radixd.example.toml) is not "
+              "installed with this radixd", file=sys.stderr)
+        return EXIT_FAILURE
+    sys.stdout.write(text if text.endswith("\n") else text + "\n")
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------------------- the admin client
+
+class AdminError(Exception):
+    """The admin endpoint could not be reached or refused the request; the message says why."""
+
+
+class _UnixHTTPConnection(http.client.HTTPConnection):
+    def __init__(self, path: str, timeout: float):
+        super().__init__("localhost", timeout=timeout)
+        self._path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(self._path)
+        except BaseException:
+            sock.close()
+            raise
+        self.sock = sock
+
+
+class AdminClient:
+    """A small blocking client of the admin endpoint: ``http://host:port`` or ``unix:/path``."""
+
+    def __init__(self, url: str, token: str | None, timeout: float = 10.0):
+        self.url = url.rstrip("/")
+        self.token = token
+        self.timeout = timeout
+        if self.url.startswith("unix:"):
+            self._unix: str | None = self.url[len("unix:"):]
+            if not self._unix:
+                raise AdminError(f"admin URL {url!r}: no socket path after unix:")
+        else:
+            self._unix = None
+            parts = urllib.parse.urlsplit(self.url)
+            if parts.scheme != "http" or not parts.hostname:
+                raise AdminError(f"admin URL {url!r}: give http://HOST:PORT or unix:/PATH")
+            try:
+                self._host, self._port = parts.hostname, parts.port or 80
+            except ValueError as exc:
+                raise AdminError(f"admin URL {url!r}: {exc}") from None
+
+    def request(self, method: str, path: str, body: Any = None) -> tuple[int, dict[str, str],
+                                                                          bytes]:
+        """(status, headers, body); raises AdminError when the endpoint cannot be reached."""
+        if self._unix is not None:
+            conn: http.client.HTTPConnection = _UnixHTTPConnection(self._unix, self.timeout)
+        else:
+            conn = http.client.HTTPConnection(self._host, self._port, timeout=self.timeout)
+        headers = {"Accept": "application/json"}
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        data = None
+        if body is not None:
+            data = json.dumps(body).encode()
+            headers["Content-Type"] = "application/json"
+        try:
+            conn.request(method, path, body=data, headers=headers)
+            resp = conn.getresponse()
+            return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
+        except (OSError, http.client.HTTPException) as exc:
+            why = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+            raise AdminError(f"cannot reach the radixd admin endpoint at {self.url}: {why} (is "
+                             "the daemon running, with the admin endpoint enabled? see --admin)"
+                             ) from None
+        finally:
+            conn.close()
+
+    def json(self, method: str, path: str, body: Any = None) -> Any:
+        """The decoded JSON answer of a 2xx; AdminError with the daemon's message otherwise."""
+        status, _, raw = self.request(method, path, body)
+        try:
+            data = json.loads(raw) if raw else None
+        except ValueError:
+            data = None
+        if 200 <= status < 300 and data is not None:
+            return data
+        message = ""
+        if isinstance(data, dict) and isinstance(data.get("error"), dict):
+            message = str(data["error"].get("message", ""))
+        if status == 401:
+            raise AdminError(f"the admin endpoint at {self.url} refused the token ({message}); "
+                             "pass --token or --token-file (the daemon writes a generated token "
+                             "to admin.token beside its socket)")
+        raise AdminError(f"{method} {path} at {self.url}: HTTP {status}"
+                         + (f": {message}" if message else ""))
+
+
+def admin_url(config: Any) -> str:
+    """The admin endpoint's URL per the configuration."""
+    a = config.admin
+    if a.unix_socket:
+        return f"unix:{a.unix_socket}"
+    if a.port == 0:
+        raise AdminError("admin.port is 0 (the daemon picks a free port and logs it as "
+                         "'admin endpoint on URL'): pass --admin URL")
+    host = f"[{a.host}]" if ":" in a.host else a.host
+    return f"http://{host}:{a.port}"
+
+
+def _admin_token(args: argparse.Namespace, config: Any) -> str | None:
+    if args.token:
+        return str(args.token)
+    path = args.token_file
+    if path is None:
+        if config.admin.token:
+            return str(config.admin.token)
+        path = config.admin.token_file or str(Path(config.server.socket).parent / "admin.token")
+    try:
+        token = Path(path).read_text(encoding="utf-8").strip()
+    except OSError as exc:
+        raise AdminError(f"cannot read the admin token from {path}: {exc.strerror or exc} (the "
+                         "daemon writes it at start when no admin token is configured; pass "
+                         "--token or --token-file, or run as the daemon's user)") from None
+    if not token:
+        raise AdminError(f"the admin token file {path} is empty")
+    return token
+
+
+def _admin_client(args: argparse.Namespace) -> AdminClient | None:
+    """The client per the flags, the configuration filling in what they leave out; None when
+    the configuration is invalid (already reported)."""
+    if args.admin and args.token:  # nothing left to look up
+        return AdminClient(args.admin, args.token, timeout=args.timeout)
+    config = _load(args)
+    if config is None:
+        return None
+    url = args.admin or admin_url(config)
+    return AdminClient(url, _admin_token(args, config), timeout=args.timeout)
+
+
+def _fail(exc: Exception) -> int:
+    print(f"radixd: {exc}", file=sys.stderr)
+    return EXIT_FAILURE
+
+
+def _status(args: argparse.Namespace) -> int:
+    try:
+        client = _admin_client(args)
+        if client is None:
+            return EXIT_USAGE
+        stats = client.json("GET", "/v1/stats")
+    except AdminError as exc:
+        return _fail(exc)
+    if args.json:
+        print(json.dumps(stats, indent=2))
+    else:
+        print(format_status(stats, client.url))
+    return EXIT_OK
+
+
+def _check(args: argparse.Namespace) -> int:
+    try:
+        client = _admin_client(args)
+        if client is None:
+            return EXIT_USAGE
+        res = client.json("POST", "/v1/check")
+    except AdminError as exc:
+        return _fail(exc)
+    violations = res.get("violations") or []
+    seconds = float(res.get("seconds") or 0.0)
+    if not violations:
+        print(f"ok: no invariant violations (full check in {seconds:.3f}s)")
+        return EXIT_OK
+    print(f"{len(violations)} invariant violation(s) (full check in {seconds:.3f}s):")
+    for v in violations:
+        print(f"  - {v}")
+    return EXIT_VIOLATIONS
+
+
+# ---------------------------------------------------------------------------- the summary
+
+def _pct(part: float, whole: float) -> str:
+    return f"{100.0 * part / whole:.1f}%" if whole else "-"
+
+
+def _duration(seconds: float) -> str:
+    s = int(seconds)
+    d, s = divmod(s, 86400)
+    h, s = divmod(s, 3600)
+    m, s = divmod(s, 60)
+    if d:
+        return f"{d}d {h}h {m:02d}m"
+    if h:
+        return f"{h}h {m:02d}m"
+    if m:
+        return f"{m}m {s:02d}s"
+    return f"{s}s"
+
+
+def _table(rows: list[list[str]], left: int = 1, indent: str = "  ") -> list[str]:
+    """Aligned columns: the first ``left`` ones to the left, numbers to the right."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    out = []
+    for r in rows:
+        cells = [c.ljust(w) if i < left else c.rjust(w)
+                 for i, (c, w) in enumerate(zip(r, widths, strict=True))]
+        out.append(indent + "  ".join(cells).rstrip())
+    return out
+
+
+def format_status(stats: dict[str, Any], url: str = "") -> str:
+    """The human summary ``radixd status`` prints, from a /v1/stats document."""
+    lines = []
+    ready = "ready" if stats.get("ready") else "NOT READY"
+    lines.append(f"radixd {stats.get('version', '?')}  instance {stats.get('instance', '?')}  "
+                 f"up {_duration(float(stats.get('uptime_s', 0)))}  {ready}"
+                 + (f"  ({url})" if url else ""))
+    lines.append(f"sessions {stats.get('sessions', 0)}  operations {stats.get('ops_total', 0)}")
+    chk = stats.get("checker") or {}
+    if chk.get("ok") is None:
+        lines.append("last check: none yet")
+    else:
+        ago = _duration(max(0.0, time.time() - float(chk.get("at") or 0)))
+        verdict = "ok" if chk["ok"] else f"{chk.get('violation_count', 0)} VIOLATION(S)"
+        lines.append(f"last check: {verdict} ({chk.get('kind') or 'full'} check, {ago} ago)")
+        for v in (chk.get("violations") or [])[:10]:
+            lines.append(f"  - {v}")
+    for name, m in (stats.get("models") or {}).items():
+        lines.append("")
+        window = m.get("sliding_window")
+        lines.append(f"model {name}: page {m.get('page_size')} tokens, "
+                     + (f"window {window} tokens, " if window else "no sliding window, ")
+                     + f"policy {m.get('policy')}, {m.get('nodes', 0)} tree nodes")
+        rows = [["pool", "used/capacity", "used", "free", "tree", "evictable", "locked", "held"]]
+        for pool, p in (m.get("pools") or {}).items():
+            cap = int(p.get("capacity", 0))
+            used = cap - int(p.get("free", 0))
+            rows.append([pool, f"{used}/{cap}", _pct(used, cap), str(p.get("free", 0)),
+                         str(p.get("tree", 0)), str(p.get("evictable", 0)),
+                         str(p.get("locked", 0)), str(p.get("held", 0))])
+        lines += _table(rows)
+        lines.append(f"  hits: {m.get('hit_tokens', 0)} of {m.get('match_tokens', 0)} tokens "
+                     f"({100.0 * float(m.get('hit_rate', 0)):.1f}%) in {m.get('matches', 0)} "
+                     "matches")
+        ev = {r: v for r, v in (m.get("evictions") or {}).items()
+              if v.get("full") or v.get("swa")}
+        if ev:
+            lines.append("  evicted pages (full/swa): " + ", ".join(
+                f"{r} {v.get('full', 0)}/{v.get('swa', 0)}" for r, v in ev.items()))
+        else:
+            lines.append("  evicted pages: none")
+    tenants = stats.get("tenants") or []
+    if tenants:
+        lines.append("")
+        lines.append("tenants:")
+        rows = [["name", "namespace", "sessions", "hit rate", "hit/match tokens",
+                 "quota refusals"]]
+        for t in tenants:
+            rows.append([str(t.get("name")), str(t.get("namespace")), str(t.get("sessions", 0)),
+                         f"{100.0 * float(t.get('hit_rate', 0)):.1f}%",
+                         f"{t.get('hit_tokens', 0)}/{t.get('match_tokens', 0)}",
+                         str(t.get("quota_refusals", 0))])
+        lines += _table(rows, left=2)
+    return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -138,6 +138,11 @@ class ModelConfig(_Section):
     export_pools: bool = Field(True, description="allocate the KV pools and share them with "
                                                  "engines (off: bookkeeping only)")
 
+    @field_validator("sliding_window")
+    @classmethod
+    def _window(cls, v: int | None) -> int | None:
+        return None if v == 0 else v  # TOML has no null: 0 means "no sliding-window layers"
+
     @field_validator("eviction_policy")
     @classmethod
     def _policy(cls, v: str) -> str:
@@ -152,12 +157,13 @@ class ModelConfig(_Section):
 
     def profile(self) -> ModelProfile:
         try:
+            window = self.sliding_window if self.num_swa_layers else None
             return ModelProfile(
-                name=self.name, page_size=self.page_size, sliding_window=self.sliding_window,
+                name=self.name, page_size=self.page_size, sliding_window=window,
                 num_full_layers=self.num_full_layers, num_swa_layers=self.num_swa_layers,
                 num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, dtype=self.dtype,
                 device=self.device, full_pages=self.full_pages,
-                swa_pages=self.swa_pages if self.sliding_window is not None else 0)
+                swa_pages=self.swa_pages if window is not None else 0)
         except ProfileError as exc:
             raise ValueError(str(exc)) from None
 

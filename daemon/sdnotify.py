@@ -8,9 +8,13 @@ here is a no-op, so the daemon runs the same way by hand.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
+import threading
+import time
+from collections.abc import Iterator
 
 log = logging.getLogger("radixd.systemd")
 
@@ -66,6 +70,40 @@ class Notifier:
         """Start-up work that may outlast TimeoutStartSec (allocating large pools)."""
         return self.notify(extend_timeout_usec=int(seconds * 1e6))
 
+    @contextlib.contextmanager
+    def extending_timeout(self, step: float = 30.0, limit: float = 1800.0) -> Iterator[None]:
+        """Keep the start (or stop) timeout from firing while a slow, blocking block runs.
+
+        For as long as the block runs, a thread sends ``EXTEND_TIMEOUT_USEC=<step>`` every
+        ``step / 3`` seconds, so systemd waits ``step`` seconds past the latest message instead of
+        killing a daemon that is still allocating pools. It gives up after ``limit`` seconds, so
+        an allocation stuck in the driver still ends in a timeout. A no-op outside systemd::
+
+            with notifier.extending_timeout():
+                service = Service(config)   # allocates the KV pools
+        """
+        if self._sock is None:
+            yield
+            return
+        done = threading.Event()
+
+        def extend() -> None:
+            deadline = time.monotonic() + limit
+            while time.monotonic() < deadline:
+                self.extend_timeout(step)
+                if done.wait(step / 3):
+                    return
+            log.warning("still starting after %.0f s; no longer extending the systemd timeout",
+                        limit)
+
+        thread = threading.Thread(target=extend, name="sd-extend-timeout", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+            thread.join()
+
     def close(self) -> None:
         if self._sock is not None:
             self._sock.close()
@@ -89,13 +127,14 @@ def watchdog_interval(env: dict[str, str] | None = None) -> float | None:
 def listen_fds(env: dict[str, str] | None = None, *, unset: bool = True) -> list[socket.socket]:
     """Listening sockets passed by systemd socket activation (none when not activated).
 
-    The variables are removed afterwards (as sd_listen_fds(1) does) so child processes do not
-    think the sockets are theirs.
+    As sd_listen_fds(3): the fds are ours only when ``LISTEN_PID`` is set and names this process
+    (a missing ``LISTEN_PID`` means the variables were inherited, not meant for us). The
+    variables are removed afterwards so child processes do not think the sockets are theirs.
     """
     env = os.environ if env is None else env
     pid = env.get("LISTEN_PID")
     count = env.get("LISTEN_FDS")
-    if not count or (pid and pid != str(os.getpid())):
+    if not count or pid != str(os.getpid()):
         return []
     try:
         n = int(count)

@@ -34,6 +34,7 @@ from .service import Peer, Service, ServiceError, Session, error_of
 log = logging.getLogger("radixd.server")
 
 _PEEK = msgspec.msgpack.Decoder(dict)
+ATTACH_SEND_TIMEOUT_S = 30.0
 
 
 class Connection(asyncio.Protocol):
@@ -83,7 +84,8 @@ class Connection(asyncio.Protocol):
     def resume_writing(self) -> None:
         if self.transport is not None and self.paused:
             self.paused = False
-            self.transport.resume_reading()
+            if not self.holding:
+                self.transport.resume_reading()
 
     def data_received(self, data: bytes) -> None:
         self.buf += data
@@ -111,6 +113,9 @@ class Connection(asyncio.Protocol):
             body = mv[off + 4 : end]
             try:
                 self._handle(body)
+            except Exception:  # a daemon bug: answer it, keep the session and the loop alive
+                log.exception("internal error handling a frame")
+                self._write(P.error_frame(0, P.Code.INTERNAL, "internal error handling a frame"))
             finally:  # the buffer is resized below: no view of it may outlive this frame
                 body.release()
                 mv.release()
@@ -127,7 +132,7 @@ class Connection(asyncio.Protocol):
     def _handle(self, body: memoryview) -> None:
         try:
             req = P.decode_request(body)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        except Exception as exc:  # malformed, wrong types, or nested past the decoder's limit
             self._bad_frame(body, exc)
             return
         rid = req.id
@@ -141,6 +146,7 @@ class Connection(asyncio.Protocol):
             if self.session is None:
                 if isinstance(req, P.Hello):
                     self._hello(req)
+                    self.server.op_stats.observe(op, perf_counter() - t0)
                     return
                 raise ServiceError(P.Code.NOT_AUTHENTICATED,
                                    "send hello (with the tenant token) before anything else")
@@ -173,7 +179,7 @@ class Connection(asyncio.Protocol):
             peek = _PEEK.decode(body)
             rid = peek.get("id", 0) if isinstance(peek.get("id", 0), int) else 0
             op = peek.get("op")
-        if op is not None and op not in P.OPS:
+        if isinstance(op, str) and op not in P.OPS:
             self._write(P.error_frame(rid, P.Code.UNKNOWN_OP,
                                       f"unknown operation {op!r}; known: {sorted(P.OPS)}"))
         else:
@@ -235,28 +241,34 @@ class Connection(asyncio.Protocol):
         # SCM_RIGHTS needs sendmsg on the socket itself, after everything the transport still
         # buffers: until then later frames wait, so responses stay in request order
         self.holding = True
+        self.transport.pause_reading()  # type: ignore[union-attr]  # nothing piles up meanwhile
         self.server.loop.create_task(self._send_with_fds(frame, fds))
 
     async def _send_with_fds(self, frame: bytes, fds: list[int]) -> None:
         transport = self.transport
         assert transport is not None
+        loop = self.server.loop
+        deadline = loop.time() + ATTACH_SEND_TIMEOUT_S
+        rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack(f"{len(fds)}i", *fds))]
         try:
-            while transport.get_write_buffer_size() and not transport.is_closing():
-                await asyncio.sleep(0.001)
-            if transport.is_closing():
-                return
             raw = transport.get_extra_info("socket")
-            sock = socket.socket(fileno=os.dup(raw.fileno()))
-            try:
-                sock.setblocking(True)
-                sock.settimeout(5.0)
-                sent = sock.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
-                                               struct.pack(f"{len(fds)}i", *fds))])
-                if sent < len(frame):
-                    sock.sendall(frame[sent:])
-            finally:
-                sock.close()
-        except OSError as exc:
+            # a dup shares the file status flags: it stays non-blocking, as the loop needs it
+            with socket.socket(fileno=os.dup(raw.fileno())) as sock:
+                while True:
+                    if transport.is_closing():
+                        return
+                    if not transport.get_write_buffer_size():
+                        try:
+                            sent = sock.sendmsg([frame], rights)
+                            break
+                        except (BlockingIOError, InterruptedError):
+                            pass
+                    if loop.time() > deadline:
+                        raise TimeoutError(f"the client read nothing for {ATTACH_SEND_TIMEOUT_S}s")
+                    await asyncio.sleep(0.005)
+            if sent < len(frame):  # the fds went with the first bytes; the rest is plain data
+                transport.write(frame[sent:])
+        except (OSError, TimeoutError) as exc:
             log.warning("could not send pool fds to session %s: %s",
                         self.session.id if self.session else "?", exc)
             transport.close()
@@ -264,6 +276,8 @@ class Connection(asyncio.Protocol):
         finally:
             self.holding = False
             if not self.closed:
+                if not self.paused:
+                    transport.resume_reading()
                 self._process()
 
 
@@ -286,6 +300,9 @@ class Server:
         self.last_check: dict[str, Any] = {"ok": None, "violations": [], "at": None}
         self.socket_path = config.server.socket
         self.checks_requested = 0
+        # invariant checks run, by kind ("full", "counters"): radixd_invariant_checks_total
+        self.checks_run: dict[str, int] = {"full": 0, "counters": 0}
+        self.admin: Any = None  # daemon.admin.AdminHandle while the admin endpoint serves
 
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
@@ -294,6 +311,9 @@ class Server:
         passed = listen_fds()
         if passed:  # socket activation: systemd owns the socket file
             sock = passed[0]
+            if sock.family != socket.AF_UNIX or sock.type != socket.SOCK_STREAM:
+                raise OSError(errno.EINVAL, "the socket systemd passed is not a Unix stream "
+                                            "socket (radixd.socket needs ListenStream=/path)")
             sock.setblocking(False)
             self._owns_socket = False
             path = sock.getsockname() or path
@@ -309,15 +329,22 @@ class Server:
 
     async def serve(self) -> int:
         await self.start()
+        # handlers first: the socket exists now, and a signal before them would kill the process
         for sig in (signal.SIGTERM, signal.SIGINT):
             self.loop.add_signal_handler(sig, self.stop)
         self.loop.add_signal_handler(signal.SIGUSR1, self._requested_check)
+        try:
+            await self._start_admin()
+        except BaseException:
+            await self.shutdown()
+            raise
         tasks = [self.loop.create_task(self._checker())]
         interval = watchdog_interval()
         if interval is not None:
             tasks.append(self.loop.create_task(self._watchdog(interval)))
-        self.ready = True
-        self.notifier.ready(self._status_line())
+        if not self.stopping:  # (a SIGTERM during start-up: straight to shutdown)
+            self.ready = True
+            self.notifier.ready(self._status_line())
         try:
             await self._stopping.wait()  # type: ignore[union-attr]
         finally:
@@ -325,6 +352,29 @@ class Server:
                 t.cancel()
             await self.shutdown()
         return self.exit_code
+
+    async def _start_admin(self) -> None:
+        """The admin HTTP endpoint, before READY. A port that was configured (file, environment)
+        and cannot be bound stops the daemon; the built-in default port being taken (another
+        daemon on this machine) only costs this one its admin endpoint, loudly."""
+        if not self.config.admin.enabled:
+            log.info("admin endpoint disabled (admin.enabled = false)")
+            return
+        from .admin import TokenFileError, start_admin
+
+        try:
+            self.admin = await start_admin(self)
+        except TokenFileError:
+            raise
+        except OSError as exc:
+            cfg = self.config.admin
+            if cfg.unix_socket is not None or "port" in cfg.model_fields_set:
+                where = cfg.unix_socket or f"{cfg.host}:{cfg.port}"
+                raise OSError(exc.errno, f"admin endpoint {where}: {exc.strerror or exc}"
+                              ) from exc
+            log.error("admin endpoint not started: cannot bind %s:%d (%s); set admin.port "
+                      "(0 picks a free port) or admin.unix_socket", cfg.host, cfg.port,
+                      exc.strerror or exc)
 
     def _status_line(self) -> str:
         return (f"serving {len(self.service.models)} model(s) to {len(self.service.sessions)} "
@@ -334,7 +384,7 @@ class Server:
         """WATCHDOG=1 from the event loop itself: a stuck loop stops the pings and systemd
         restarts the daemon."""
         while True:
-            self.notifier.watchdog()
+            self.notifier.notify(watchdog=1, status=self._status_line())
             await asyncio.sleep(interval)
 
     def stop(self, exit_code: int | None = None) -> None:
@@ -349,6 +399,10 @@ class Server:
 
     async def shutdown(self) -> None:
         """Stop accepting, end every session (releasing what it held), remove the socket."""
+        if self.admin is not None:
+            admin, self.admin = self.admin, None
+            with contextlib.suppress(Exception):
+                await admin.stop()
         if self._server is not None:
             self._server.close()
         for conn in list(self.connections):
@@ -373,6 +427,7 @@ class Server:
         deep = self.config.checker.deep if deep is None else deep
         t0 = time.perf_counter()
         violations = self.service.check(deep=deep)
+        self.checks_run["full"] = self.checks_run.get("full", 0) + 1
         self.last_check = {"ok": not violations, "violations": violations, "at": time.time(),
                            "kind": "full", "seconds": time.perf_counter() - t0}
         return violations
@@ -400,6 +455,7 @@ class Server:
                 violations = self.run_check()
             else:
                 violations = self.service.quick_check()
+                self.checks_run["counters"] = self.checks_run.get("counters", 0) + 1
                 self.last_check = {"ok": not violations, "violations": violations,
                                    "at": time.time(), "kind": "counters"}
             seen = self.ops
@@ -450,7 +506,8 @@ def run(config: Config) -> int:
         log.warning("uvloop not available; using the default asyncio loop")
     notifier = Notifier.from_env()
     notifier.status("allocating KV pools")
-    service = Service(config)
+    with notifier.extending_timeout():  # large pools can take longer than TimeoutStartSec
+        service = Service(config)
     server = Server(config, service, notifier)
     _tune_gc()
     return asyncio.run(server.serve())

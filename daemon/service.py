@@ -282,6 +282,9 @@ class Service:
         if r.n < 0 or r.n > cap:
             raise ServiceError(P.Code.BAD_ARGUMENT,
                                f"n must be between 0 and the pools' {cap} pages, got {r.n}")
+        if not entry.cache.can_alloc(r.n):  # refuse before any quota eviction, for nothing
+            entry.cache.counters["alloc_failures"] += 1
+            raise entry.cache.oom_error(r.n)
         self._enforce_quota(s, entry, r.n)
         full, swa = entry.cache.alloc(s.id, r.n)
         s.tenant.counters["allocated_pages"] += r.n
@@ -411,6 +414,72 @@ class Service:
         for entry in self.models.values():
             if entry.pools is not None:
                 entry.pools.close()
+
+    # ------------------------------------------------------------------ snapshots (read-only)
+    # For the admin endpoint and the metrics: they read state, never change it, and run on the
+    # event loop like every operation, so each snapshot is consistent.
+
+    def pool_usage(self, model: str) -> dict[str, dict[str, int]]:
+        """Per pool ("full", and "swa" when the model has SWA): capacity (usable pages, page 0
+        excluded), free, tree (evictable + locked), evictable, locked, held (by sessions)."""
+        c = self.models[model].cache
+        a = c.alloc_state
+        t = c.tree
+        out = {"full": {"capacity": a.full.usable, "free": a.full.available,
+                        "tree": t.full_evictable + t.full_protected,
+                        "evictable": t.full_evictable, "locked": t.full_protected,
+                        "held": len(c._full_owner)}}
+        if a.swa is not None:
+            out["swa"] = {"capacity": a.swa.usable, "free": a.swa.available,
+                          "tree": t.swa_evictable + t.swa_protected,
+                          "evictable": t.swa_evictable, "locked": t.swa_protected,
+                          "held": len(c._swa_owner)}
+        return out
+
+    def tree_nodes(self, model: str) -> int:
+        """Nodes holding tokens (namespace roots not counted)."""
+        t = self.models[model].cache.tree
+        return len(t.nodes) - len(t.namespaces)
+
+    def live_sessions(self) -> dict[str, int]:
+        """Open sessions per tenant name (every tenant listed, 0 when none)."""
+        out = {t.name: 0 for t in self.tenants}
+        for s in self.sessions.values():
+            out[s.tenant.name] = out.get(s.tenant.name, 0) + 1
+        return out
+
+    def tenant_models(self, tenant: Tenant) -> list[str]:
+        """The models a tenant may use, in configuration order."""
+        return [n for n in self.models if tenant.models is None or n in tenant.models]
+
+    def tenant_usage(self, model: str) -> dict[str, dict[str, int]]:
+        """Per tenant name, in one model: tree_full_pages and tree_swa_pages (pages of the
+        tenant's namespace; tenants sharing a namespace report the same pages) and
+        held_full_pages and held_swa_pages (pages its open sessions hold)."""
+        c = self.models[model].cache
+        out: dict[str, dict[str, int]] = {}
+        for t in self.tenants:
+            ns = c.tree.namespaces.get(t.namespace)
+            out[t.name] = {"tree_full_pages": ns.full_pages if ns is not None else 0,
+                           "tree_swa_pages": ns.swa_pages if ns is not None else 0,
+                           "held_full_pages": 0, "held_swa_pages": 0}
+        for owner, h in c.holdings.items():
+            s = self.sessions.get(owner)
+            if s is not None and s.tenant.name in out:
+                u = out[s.tenant.name]
+                u["held_full_pages"] += len(h.full)
+                u["held_swa_pages"] += len(h.swa)
+        return out
+
+    def session_holdings(self, session: Session) -> dict[str, dict[str, int]]:
+        """Per model the session may use: full_pages, swa_pages and receipts it holds."""
+        out: dict[str, dict[str, int]] = {}
+        for name in self.tenant_models(session.tenant):
+            h = self.models[name].cache.holdings.get(session.id)
+            out[name] = {"full_pages": len(h.full) if h else 0,
+                         "swa_pages": len(h.swa) if h else 0,
+                         "receipts": len(h.receipts) if h else 0}
+        return out
 
 
 def _cuda_ipc_handle(pool: Any) -> bytes:

@@ -92,3 +92,13 @@ radixd_redis() {
     _radixd_log "redis-server did not answer on 127.0.0.1:6379"
     return 1
 }
+
+radixd_chromium() {
+    # The status-page test renders the admin page in headless Chromium (Debian's `chromium`).
+    if [[ -x /usr/bin/chromium ]]; then
+        return 0
+    fi
+    _radixd_log "installing chromium (headless browser for the status-page test)"
+    _radixd_as_root env DEBIAN_FRONTEND=noninteractive apt-get update -qq
+    _radixd_as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium
+}

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -48,6 +50,9 @@ def test_config_show_redacts_tokens(tmp_path: Path, capsys: pytest.CaptureFixtur
         ("[[models]]\nname = \"m\"\neviction_policy = \"fifo\"\n", "eviction_policy"),
         ("[[tenants]]\nname = \"t\"\n", "token"),
         ("[checker]\ninterval_s = -1\n", "checker.interval_s"),
+        ("[[tenants]]\nname = \"a\"\ntoken = \"x\"\n[[tenants]]\nname = \"b\"\ntoken = \"x\"\n",
+         "same token"),
+        ("[admin]\nhost = \"0.0.0.0\"\n", "admin.host"),
     ],
 )
 def test_bad_config_is_rejected_naming_the_key(tmp_path: Path, capsys, toml: str, key: str) -> None:
@@ -85,3 +90,199 @@ def test_console_script_help_runs() -> None:
     out = subprocess.run([sys.executable, "-m", "daemon.cli", "serve", "--help"],
                          capture_output=True, text=True, cwd=REPO_ROOT, check=True).stdout
     assert "--config" in out and "RADIXD_" in out
+
+
+# ------------------------------------------------------------------ status, check, example
+# Against a real daemon with its admin endpoint (tests/ops/conftest.py's AdminDaemon).
+
+def _ops_conftest():
+    import importlib.util
+
+    name = "radixd_tests_ops_conftest"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "tests/ops/conftest.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+@pytest.fixture
+def live(tmp_path: Path):
+    """``live(config)``: a running daemon (admin on a free port, token generated beside the
+    socket), checked clean and stopped at teardown."""
+    ops = _ops_conftest()
+    daemons = []
+
+    def start(config: dict | None = None):
+        d = tmp_path / f"d{len(daemons)}"
+        d.mkdir()
+        daemons.append(ops.AdminDaemon(d, config or {}))
+        return daemons[-1]
+
+    yield start
+    for d in daemons:
+        if d.proc.poll() is None:
+            d.check()
+        assert d.stop() == 0, d.log()[-4000:]
+        assert "internal error" not in d.log() and "Traceback" not in d.log()
+
+
+def _cache(sock: str, n_pages: int, base: int = 1) -> None:
+    from array import array
+
+    from radixd_client import Client
+
+    with Client(sock) as c:
+        tokens = array("i", range(base, base + n_pages * 4)).tobytes()
+        a = c.alloc("m", n_pages)
+        c.insert("m", tokens, a.full_pages, a.swa_pages)
+        assert c.match("m", tokens).prefix_len == n_pages * 4
+
+
+def test_status_against_a_live_daemon(live, capsys) -> None:
+    d = live()
+    _cache(d.socket, 3)
+    # the token comes from the file the daemon wrote beside the socket named in the config
+    assert cli.main(["check", "--config", str(d.config_path), "--admin", d.admin_url]) == 0
+    capsys.readouterr()
+    assert cli.main(["status", "--config", str(d.config_path), "--admin", d.admin_url]) == 0
+    out = capsys.readouterr().out
+    assert f"radixd {daemon.__version__}" in out and "ready" in out and "NOT READY" not in out
+    assert "model m: page 4 tokens, window 8 tokens, policy lru-depth" in out
+    assert re.search(r"full\s+3/63\s+4\.8%", out), out
+    assert re.search(r"swa\s+3/31\s+9\.7%", out), out
+    assert "hits: 12 of 12 tokens (100.0%) in 1 matches" in out
+    assert "tenants:" in out and re.search(r"default\s+default\s+0\s+100\.0%\s+12/12", out)
+    assert "last check: ok" in out
+
+    assert cli.main(["status", "--config", str(d.config_path), "--admin", d.admin_url,
+                     "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert stats["models"]["m"]["pools"]["full"]["tree"] == 3
+
+    token = d.token_file.read_text().strip()
+    assert cli.main(["status", "--admin", d.admin_url, "--token", token]) == 0
+    assert cli.main(["status", "--admin", d.admin_url, "--token-file", str(d.token_file),
+                     "--config", str(d.config_path)]) == 0
+    capsys.readouterr()
+
+
+def test_status_and_check_find_the_endpoint_in_the_config(live, tmp_path: Path, capsys) -> None:
+    sock = tmp_path / "admin-http.sock"
+    d = live({"admin": {"unix_socket": str(sock), "token": "cli-admin-token"}})
+    assert d.admin_url == f"unix:{sock}"
+    assert cli.main(["status", "--config", str(d.config_path)]) == 0
+    assert "model m" in capsys.readouterr().out
+    assert cli.main(["check", "--config", str(d.config_path)]) == 0
+    assert capsys.readouterr().out.startswith("ok: no invariant violations")
+
+
+def test_check_against_a_live_daemon(live, capsys) -> None:
+    d = live()
+    _cache(d.socket, 2)
+    assert cli.main(["check", "--config", str(d.config_path), "--admin", d.admin_url]) == 0
+    assert "ok: no invariant violations (full check in" in capsys.readouterr().out
+    assert cli.main(["check", "--config", str(d.config_path), "--admin", d.admin_url,
+                     "--token", "wrong"]) == cli.EXIT_FAILURE
+    assert "refused the token" in capsys.readouterr().err
+
+
+def test_check_exits_4_on_violations(capsys) -> None:
+    """A stand-in endpoint that reports violations (a real daemon has none to report)."""
+    import http.server
+    import threading
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 - the stdlib's name
+            ok = self.headers.get("Authorization") == "Bearer t" and self.path == "/v1/check"
+            body = json.dumps({"ok": False, "violations": ["m: full pool: pages [3] are free "
+                                                           "and in the tree", "second"],
+                               "seconds": 0.5} if ok else {"error": {"message": "no"}}).encode()
+            self.send_response(200 if ok else 401)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    srv = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    try:
+        url = f"http://127.0.0.1:{srv.server_address[1]}"
+        assert cli.main(["check", "--admin", url, "--token", "t"]) == cli.EXIT_VIOLATIONS == 4
+        out = capsys.readouterr().out
+        assert out.startswith("2 invariant violation(s)")
+        assert "  - m: full pool: pages [3] are free and in the tree" in out and "  - second" in out
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_unreachable_daemon_is_a_clear_error(tmp_path: Path, capsys) -> None:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nothing listens there now
+    for cmd in ("status", "check"):
+        assert cli.main([cmd, "--admin", f"http://127.0.0.1:{port}", "--token", "x",
+                         "--timeout", "2"]) == cli.EXIT_FAILURE
+        err = capsys.readouterr().err
+        assert f"cannot reach the radixd admin endpoint at http://127.0.0.1:{port}" in err
+        assert "is the daemon running" in err
+    assert cli.main(["status", "--admin", f"unix:{tmp_path / 'nope.sock'}", "--token", "x"]) == 1
+    assert "cannot reach the radixd admin endpoint at unix:" in capsys.readouterr().err
+    assert cli.main(["status", "--admin", "ftp://x", "--token", "x"]) == 1
+    assert "give http://HOST:PORT or unix:/PATH" in capsys.readouterr().err
+
+
+def test_missing_token_file_and_unknown_port(tmp_path: Path, capsys) -> None:
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'[server]\nsocket = "{tmp_path}/radixd.sock"\n')
+    assert cli.main(["status", "--config", str(cfg)]) == cli.EXIT_FAILURE
+    err = capsys.readouterr().err
+    assert f"cannot read the admin token from {tmp_path}/admin.token" in err
+    cfg.write_text(f'[server]\nsocket = "{tmp_path}/radixd.sock"\n[admin]\nport = 0\n')
+    assert cli.main(["check", "--config", str(cfg), "--token", "x"]) == cli.EXIT_FAILURE
+    assert "pass --admin URL" in capsys.readouterr().err
+    cfg.write_text("[admin]\nport = -1\n")
+    assert cli.main(["status", "--config", str(cfg)]) == cli.EXIT_USAGE
+
+
+def test_help_documents_the_exit_codes() -> None:
+    for cmd in ("status", "check"):
+        out = subprocess.run([sys.executable, "-m", "daemon.cli", cmd, "--help"],
+                             capture_output=True, text=True, cwd=REPO_ROOT, check=True).stdout
+        assert "exit codes:" in out and "--admin" in out and "--token-file" in out
+    out = subprocess.run([sys.executable, "-m", "daemon.cli", "check", "--help"],
+                         capture_output=True, text=True, cwd=REPO_ROOT, check=True).stdout
+    assert "4 violations found" in " ".join(out.split())
+
+
+def test_config_example(capsys, monkeypatch, tmp_path: Path) -> None:
+    example = REPO_ROOT / "daemon" / "data" / "radixd.example.toml"
+    if example.exists():
+        assert cli.main(["config", "example"]) == 0
+        out = capsys.readouterr().out
+        assert out.rstrip("\n") == example.read_text().rstrip("\n")
+    import importlib.resources
+
+    monkeypatch.setattr(importlib.resources, "files", lambda _pkg: tmp_path)
+    assert cli.main(["config", "example"]) == cli.EXIT_FAILURE
+    assert "radixd.example.toml) is not installed" in capsys.readouterr().err
+
+
+def test_config_show_redacts_the_admin_token(tmp_path: Path, capsys) -> None:
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[admin]\ntoken = "adm1n-s3cret"\n[[tenants]]\nname = "a"\n'
+                   'token_sha256 = "' + "ab" * 32 + '"\n')
+    assert cli.main(["config", "show", "--config", str(cfg)]) == 0
+    out = capsys.readouterr().out
+    assert "adm1n-s3cret" not in out and "ab" * 32 not in out
+    data = json.loads(out)
+    assert data["admin"]["token"] == "<redacted>"
+    assert data["tenants"][0]["token_sha256"] == "<redacted>"

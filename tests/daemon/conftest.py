@@ -66,6 +66,7 @@ class Daemon:
         config.setdefault("server", {})
         config["server"] = {"socket": self.socket, **config["server"]}
         config.setdefault("checker", {"interval_s": 0.2, "strict": True})
+        config.setdefault("admin", {"port": 0})  # several daemons run at once
         config.setdefault("models", [SMALL_MODEL])
         config.setdefault("log_level", "info")
         self.config = config

@@ -301,3 +301,23 @@ def test_session_limit_and_restart_detection(make_daemon) -> None:
         assert ei.value.code == "too_many_sessions"
     with Client(d.socket) as c:  # sessions that ended free their slots
         assert c.ping(b"x").payload == b"x"
+
+
+def test_a_model_without_sliding_window_layers(make_daemon) -> None:
+    """num_swa_layers = 0 (TOML cannot say null): no SWA pool, plain prefix caching."""
+    model = {"name": "dense", "page_size": 4, "num_full_layers": 1, "num_swa_layers": 0,
+             "num_kv_heads": 1, "head_dim": 4, "dtype": "float32", "device": "cpu",
+             "full_pages": 32}
+    d = make_daemon({"models": [model]})
+    with Client(d.socket) as c:
+        assert c.models["dense"].sliding_window is None and c.models["dense"].swa_pages == 0
+        a = c.alloc("dense", 3)
+        assert a.swa_pages == b"" and len(pages(a.full_pages)) == 3
+        t = toks(3 * P)
+        c.insert("dense", t, a.full_pages)
+        m = c.match("dense", t + toks(2, 900), lock=True)
+        assert m.prefix_len == 3 * P and m.swa_pages == b""
+        c.unlock("dense", m.receipt)
+        pools = c.attach("dense")
+        assert pools.swa is None
+    d.check()

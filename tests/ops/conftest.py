@@ -1,0 +1,162 @@
+"""A real radixd with its admin endpoint on, per test (tests/daemon/conftest.py's Daemon, extended).
+
+``admin_daemon(config)`` starts one with ``admin.port = 0`` (a free port; the URL is read from the
+daemon's "admin endpoint on URL" log line) unless the config says otherwise. At teardown every
+daemon gets a full invariant check that must be clean, then SIGTERM, which must exit 0 with no
+violation, internal error or traceback in its log: every test that drives the admin endpoint is
+also a test that the cache stayed consistent.
+"""
+
+from __future__ import annotations
+
+import http.client
+import importlib.util
+import json
+import re
+import socket
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+ADMIN_TOKEN = "ops-admin-token-0123456789"
+
+
+def _daemon_conftest() -> Any:
+    """tests/daemon/conftest.py under the name pytest gives it (loaded once)."""
+    name = "tests.daemon.conftest"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, REPO / "tests/daemon/conftest.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+_dc = _daemon_conftest()
+Daemon = _dc.Daemon
+SMALL_MODEL = _dc.SMALL_MODEL
+
+_URL = re.compile(r"admin endpoint on (\S+)")
+
+
+class Response:
+    def __init__(self, status: int, headers: dict[str, str], body: bytes):
+        self.status = status
+        self.headers = headers  # lower-case names
+        self.body = body
+
+    @property
+    def text(self) -> str:
+        return self.body.decode("utf-8", "replace")
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+    def __repr__(self) -> str:
+        return f"<{self.status} {self.text[:300]!r}>"
+
+
+def http_request(url: str, method: str, path: str, *, headers: dict[str, str] | None = None,
+         body: bytes | None = None, timeout: float = 30.0) -> Response:
+    """One raw HTTP request to an admin URL (``http://host:port`` or ``unix:/path``)."""
+    if url.startswith("unix:"):
+        conn: http.client.HTTPConnection = http.client.HTTPConnection("localhost",
+                                                                      timeout=timeout)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout)
+        sock.connect(url[len("unix:"):])
+        conn.sock = sock
+    else:
+        host, _, port = url[len("http://"):].rpartition(":")
+        conn = http.client.HTTPConnection(host.strip("[]"), int(port), timeout=timeout)
+    try:
+        conn.request(method, path, body=body, headers=headers or {})
+        resp = conn.getresponse()
+        return Response(resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read())
+    finally:
+        conn.close()
+
+
+class AdminDaemon(Daemon):
+    """A Daemon with the admin endpoint; ``get``/``post`` send the bearer token by default."""
+
+    def __init__(self, tmp: Path, config: dict[str, Any]):
+        config = dict(config)
+        config["admin"] = {"port": 0, **config.get("admin", {})}
+        super().__init__(tmp, config)
+        self.admin_url = self._wait_admin()
+
+    def _wait_admin(self, timeout: float = 30.0) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            m = _URL.search(self.log())
+            if m:
+                return m.group(1)
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"radixd exited with {self.proc.returncode}:\n{self.log()}")
+            time.sleep(0.02)
+        raise RuntimeError(f"no admin endpoint came up:\n{self.log()}")
+
+    @property
+    def token_file(self) -> Path:
+        return Path(self.config["admin"].get("token_file") or self.tmp / "admin.token")
+
+    @property
+    def token(self) -> str:
+        configured = self.config["admin"].get("token")
+        return configured if configured else self.token_file.read_text().strip()
+
+    def request(self, method: str, path: str, *, token: str | None | bool = True,
+                json_body: Any = None, body: bytes | None = None,
+                headers: dict[str, str] | None = None) -> Response:
+        h = dict(headers or {})
+        if token is True:
+            token = self.token
+        if token:
+            h["Authorization"] = f"Bearer {token}"
+        if json_body is not None:
+            body = json.dumps(json_body).encode()
+            h.setdefault("Content-Type", "application/json")
+        return http_request(self.admin_url, method, path, headers=h, body=body)
+
+    def get(self, path: str, **kw: Any) -> Response:
+        return self.request("GET", path, **kw)
+
+    def post(self, path: str, **kw: Any) -> Response:
+        return self.request("POST", path, **kw)
+
+    def get_json(self, path: str) -> Any:
+        r = self.get(path)
+        assert r.status == 200, r
+        return r.json()
+
+
+@pytest.fixture
+def admin_daemon(tmp_path: Path) -> Iterator:
+    """``admin_daemon(config_dict)`` starts a daemon with the admin endpoint; each is checked and
+    stopped at teardown."""
+    daemons: list[AdminDaemon] = []
+
+    def factory(config: dict[str, Any] | None = None, name: str = "a") -> AdminDaemon:
+        d = tmp_path / f"{name}{len(daemons)}"
+        d.mkdir()
+        daemon = AdminDaemon(d, config or {})
+        daemons.append(daemon)
+        return daemon
+
+    yield factory
+    for daemon in daemons:
+        if daemon.proc.poll() is None:
+            daemon.check()
+        code = daemon.stop()
+        log = daemon.log()
+        assert code == 0, f"radixd exited with {code}:\n{log[-4000:]}"
+        for bad in ("invariant violations", "internal error", "Traceback",
+                    "Error handling request"):
+            assert bad not in log, log[-4000:]
