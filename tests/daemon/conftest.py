@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from radixd_client import protocol
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -125,6 +127,50 @@ class Daemon:
         return self.proc.returncode
 
 
+FORBIDDEN_IN_LOG = ("invariant violations", "internal error", "Traceback",
+                    "Error handling request")
+
+
+def check_and_stop(daemons: list[Daemon]) -> None:
+    """Teardown of every daemon fixture: a clean full check, a clean exit, a clean log."""
+    for daemon in daemons:
+        if daemon.proc.poll() is None:
+            daemon.check()
+        code = daemon.stop()
+        log = daemon.log()
+        assert code == 0, f"radixd exited with {code}:\n{log[-4000:]}"
+        for bad in FORBIDDEN_IN_LOG:
+            assert bad not in log, log[-4000:]
+
+
+class Raw:
+    """A hand-driven session: frames exactly as the test writes them."""
+
+    def __init__(self, path: str, hello: bool = True):
+        self.s = socket.socket(socket.AF_UNIX)
+        self.s.settimeout(10)
+        self.s.connect(path)
+        if hello:
+            assert self.call(protocol.Hello(id=0)).ok
+
+    def send(self, body: bytes) -> None:
+        self.s.sendall(struct.pack("<I", len(body)) + body)
+
+    def recv(self) -> protocol.Response:
+        head = self.s.recv(4, socket.MSG_WAITALL)
+        if len(head) < 4:
+            raise ConnectionError("closed")
+        (n,) = struct.unpack("<I", head)
+        return protocol.decode_response(self.s.recv(n, socket.MSG_WAITALL))
+
+    def call(self, req: Any) -> protocol.Response:
+        self.send(protocol.encode_body(req))
+        return self.recv()
+
+    def close(self) -> None:
+        self.s.close()
+
+
 @pytest.fixture
 def make_daemon(tmp_path: Path) -> Iterator:
     """``make_daemon(config_dict)`` starts a daemon; each is checked and stopped at teardown."""
@@ -138,14 +184,7 @@ def make_daemon(tmp_path: Path) -> Iterator:
         return daemon
 
     yield factory
-    for daemon in daemons:
-        if daemon.proc.poll() is None:
-            daemon.check()
-        code = daemon.stop()
-        log = daemon.log()
-        assert code == 0, f"radixd exited with {code}:\n{log[-4000:]}"
-        assert "invariant violations" not in log, log[-4000:]
-        assert "internal error" not in log, log[-4000:]
+    check_and_stop(daemons)
 
 
 @pytest.fixture

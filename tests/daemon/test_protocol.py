@@ -12,6 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from radixd_client import Client, errors, pages, protocol
 
+from .conftest import Raw
+
 P = 4
 MODEL = "m"
 
@@ -20,32 +22,6 @@ def toks(n: int, base: int = 1) -> bytes:
     return array("i", range(base, base + n)).tobytes()
 
 
-class Raw:
-    """A hand-driven session: frames exactly as the test writes them."""
-
-    def __init__(self, path: str, hello: bool = True):
-        self.s = socket.socket(socket.AF_UNIX)
-        self.s.settimeout(10)
-        self.s.connect(path)
-        if hello:
-            assert self.call(protocol.Hello(id=0)).ok
-
-    def send(self, body: bytes) -> None:
-        self.s.sendall(struct.pack("<I", len(body)) + body)
-
-    def recv(self) -> protocol.Response:
-        head = self.s.recv(4, socket.MSG_WAITALL)
-        if len(head) < 4:
-            raise ConnectionError("closed")
-        (n,) = struct.unpack("<I", head)
-        return protocol.decode_response(self.s.recv(n, socket.MSG_WAITALL))
-
-    def call(self, req) -> protocol.Response:
-        self.send(protocol.encode_body(req))
-        return self.recv()
-
-    def close(self) -> None:
-        self.s.close()
 
 
 def test_every_operation_round_trip(daemon) -> None:

@@ -4,8 +4,6 @@ against and passes since the fix), plus properties that were in doubt and hold."
 from __future__ import annotations
 
 import os
-import socket
-import struct
 import time
 from array import array
 
@@ -18,34 +16,12 @@ from daemon.model_cache import ModelCache
 from daemon.tree import BadArgument, CollectingSink, RadixTree, as_token_bytes
 from daemon.tree.invariants import check_tree
 
+from .conftest import Raw
+
 P = 4
 MODEL = "m"
 
 
-class Raw:
-    def __init__(self, path: str, hello: bool = True):
-        self.s = socket.socket(socket.AF_UNIX)
-        self.s.settimeout(10)
-        self.s.connect(path)
-        if hello:
-            assert self.call(protocol.Hello(id=0)).ok
-
-    def send(self, body: bytes) -> None:
-        self.s.sendall(struct.pack("<I", len(body)) + body)
-
-    def recv(self) -> protocol.Response:
-        head = self.s.recv(4, socket.MSG_WAITALL)
-        if len(head) < 4:
-            raise ConnectionError("closed")
-        (n,) = struct.unpack("<I", head)
-        return protocol.decode_response(self.s.recv(n, socket.MSG_WAITALL))
-
-    def call(self, req) -> protocol.Response:
-        self.send(protocol.encode_body(req))
-        return self.recv()
-
-    def close(self) -> None:
-        self.s.close()
 
 
 # ---------------------------------------------------------------------------- server framing

@@ -151,12 +151,4 @@ def admin_daemon(tmp_path: Path) -> Iterator:
         return daemon
 
     yield factory
-    for daemon in daemons:
-        if daemon.proc.poll() is None:
-            daemon.check()
-        code = daemon.stop()
-        log = daemon.log()
-        assert code == 0, f"radixd exited with {code}:\n{log[-4000:]}"
-        for bad in ("invariant violations", "internal error", "Traceback",
-                    "Error handling request"):
-            assert bad not in log, log[-4000:]
+    _dc.check_and_stop(daemons)
