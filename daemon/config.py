@@ -57,6 +57,12 @@ class ServerConfig(_Section):
                                           "largest batch, and the unsent responses before the "
                                           "daemon stops reading from it")
     max_sessions: int = Field(1024, ge=1, description="most concurrent sessions")
+    max_locks_per_session: int = Field(65536, ge=1,
+                                       description="most lock receipts one session may hold "
+                                                   "(per model)")
+    hello_timeout_s: float = Field(10.0, gt=0,
+                                   description="seconds a connection may stay without a "
+                                               "successful hello before it is closed")
     max_auth_failures: int = Field(3, ge=1,
                                    description="failed hellos before the connection is closed")
 

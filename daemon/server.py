@@ -46,6 +46,7 @@ class Connection(asyncio.Protocol):
         self.session: Session | None = None
         self.peer = Peer()
         self.auth_failures = 0
+        self._hello_timer: asyncio.TimerHandle | None = None
         self.paused = False
         self.closed = False
         self.holding = False  # an attach is sending fds: later frames wait, in order
@@ -67,9 +68,21 @@ class Connection(asyncio.Protocol):
                 self.peer = Peer(pid, uid, gid)
         # backpressure: a client that does not read its responses stops being read from
         transport.set_write_buffer_limits(high=self.max_inflight * 64 * 1024)  # type: ignore
+        self._hello_timer = self.server.loop.call_later(
+            self.server.config.server.hello_timeout_s, self._hello_expired)
+
+    def _hello_expired(self) -> None:
+        """A connection that never authenticates does not hold buffers and a slot forever."""
+        if self.session is None and not self.closed and self.transport is not None:
+            self._write(P.error_frame(0, P.Code.NOT_AUTHENTICATED,
+                                      "no successful hello in time; closing the connection"))
+            self.transport.close()
+            self.closed = True
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        if self._hello_timer is not None:
+            self._hello_timer.cancel()
         self.server.connections.discard(self)
         if self.session is not None:
             self.service.close_session(self.session)
@@ -196,6 +209,8 @@ class Connection(asyncio.Protocol):
             self.auth_failures += 1
             raise
         self.session = self.service.open_session(tenant, self.peer, req.client)
+        if self._hello_timer is not None:
+            self._hello_timer.cancel()
         log.debug("session %d opened: tenant %s, peer %s, client %r", self.session.id,
                   tenant.name, self.peer, req.client)
         self._write(P.ok_frame(req.id, self.service.hello_result(self.session)))

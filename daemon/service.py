@@ -250,9 +250,22 @@ class Service:
     def ping(self, s: Session, r: P.Ping) -> P.PingResult:
         return P.PingResult(payload=r.payload)
 
+    def _lock_budget(self, s: Session, entry: ModelEntry) -> None:
+        """A session may hold at most max_locks_per_session receipts (memory, and the time its
+        end takes to release them all)."""
+        h = entry.cache.holdings.get(s.id)
+        limit = self.config.server.max_locks_per_session
+        if h is not None and len(h.receipts) >= limit:
+            raise ServiceError(P.Code.TOO_MANY_LOCKS,
+                               f"this session holds {len(h.receipts)} lock receipts on model "
+                               f"{entry.name!r}; the limit is {limit}: unlock some first",
+                               limit=limit)
+
     def match(self, s: Session, r: P.Match) -> P.MatchResult:
         entry = self._model(s, r.model)
         tokens = self._tokens(r.tokens)
+        if r.lock:
+            self._lock_budget(s, entry)
         res, rid = entry.cache.match(s.id, s.tenant.namespace, tokens, lock=r.lock)
         c = s.tenant.counters
         c["matches"] += 1
@@ -265,6 +278,7 @@ class Service:
 
     def lock(self, s: Session, r: P.Lock) -> P.LockResult:
         entry = self._model(s, r.model)
+        self._lock_budget(s, entry)
         return P.LockResult(receipt=entry.cache.lock(s.id, s.tenant.namespace, r.node))
 
     def unlock(self, s: Session, r: P.Unlock) -> P.Empty:
@@ -304,6 +318,8 @@ class Service:
 
     def insert(self, s: Session, r: P.Insert) -> P.InsertResult:
         entry = self._model(s, r.model)
+        if r.lock:
+            self._lock_budget(s, entry)
         res, rid = entry.cache.insert(
             s.id, s.tenant.namespace, self._tokens(r.tokens),
             self._pages(r.full_pages, "full_pages"), self._pages(r.swa_pages, "swa_pages"),
@@ -312,6 +328,8 @@ class Service:
 
     def cache_unfinished(self, s: Session, r: P.CacheUnfinished) -> P.InsertResult:
         entry = self._model(s, r.model)
+        if r.receipt is None:  # with a receipt, the new lock replaces it
+            self._lock_budget(s, entry)
         res, rid = entry.cache.cache_unfinished(
             s.id, s.tenant.namespace, self._tokens(r.tokens),
             self._pages(r.full_pages, "full_pages"), self._pages(r.swa_pages, "swa_pages"),

@@ -18,7 +18,8 @@ FAMILIES: dict[type[E.RadixdError], set[str]] = {
     E.PageError: {"page_not_held", "bad_page"},
     E.OutOfMemory: {"out_of_memory"},
     E.QuotaExceeded: {"quota_exceeded"},
-    E.LimitExceeded: {"too_many_tokens", "too_many_inflight", "too_many_sessions"},
+    E.LimitExceeded: {"too_many_tokens", "too_many_inflight", "too_many_sessions",
+                      "too_many_locks"},
     E.BatchSkipped: {"not_executed"},
     E.BadArgument: {"bad_argument"},
     E.ShuttingDown: {"shutting_down"},
@@ -28,7 +29,7 @@ FAMILIES: dict[type[E.RadixdError], set[str]] = {
 
 def test_every_code_is_mapped_exactly_as_specified() -> None:
     assert set(E.CODE_TO_ERROR) == set(P.ALL_CODES)
-    assert len(P.ALL_CODES) == len(set(P.ALL_CODES)) == 23
+    assert len(P.ALL_CODES) == len(set(P.ALL_CODES)) == 24
     for cls, codes in FAMILIES.items():
         assert {c for c, k in E.CODE_TO_ERROR.items() if k is cls} == codes
     assert set().union(*FAMILIES.values()) == set(P.ALL_CODES)

@@ -297,3 +297,36 @@ def test_a_model_without_sliding_window_layers(make_daemon) -> None:
         pools = c.attach("dense")
         assert pools.swa is None
     d.check()
+
+
+def test_lock_receipts_per_session_are_capped(make_daemon) -> None:
+    d = make_daemon({"server": {"max_locks_per_session": 3}})
+    with Client(d.socket) as c:
+        a = c.alloc(MODEL, 2)
+        t = toks(2 * P)
+        c.insert(MODEL, t, a.full_pages, a.swa_pages)
+        receipts = [c.match(MODEL, t, lock=True).receipt for _ in range(3)]
+        with pytest.raises(errors.LimitExceeded) as ei:
+            c.match(MODEL, t, lock=True)
+        assert ei.value.code == "too_many_locks" and ei.value.details["limit"] == 3
+        with pytest.raises(errors.LimitExceeded):
+            c.lock(MODEL, c.match(MODEL, t).node)
+        assert c.match(MODEL, t).prefix_len == 2 * P  # unlocked matches still work
+        c.unlock(MODEL, receipts[0])
+        c.unlock(MODEL, c.match(MODEL, t, lock=True).receipt)  # a slot is free again
+    d.check()
+
+
+def test_a_connection_without_hello_is_closed_after_the_timeout(make_daemon) -> None:
+    d = make_daemon({"server": {"hello_timeout_s": 0.3}})
+    raw = Raw(d.socket, hello=False)
+    r = raw.recv()  # nothing sent: the daemon gives up on it
+    assert (r.id, r.error.code) == (0, "not_authenticated")
+    with pytest.raises(ConnectionError):
+        raw.recv()
+    raw.close()
+    with Client(d.socket) as c:  # an authenticated session is not affected by the timer
+        import time as _t
+
+        _t.sleep(0.5)
+        assert c.ping(b"x").payload == b"x"

@@ -179,6 +179,7 @@ CODE_TO_ERROR: dict[str, type[RadixdError]] = {
     Code.TOO_MANY_TOKENS: LimitExceeded,
     Code.TOO_MANY_INFLIGHT: LimitExceeded,
     Code.TOO_MANY_SESSIONS: LimitExceeded,
+    Code.TOO_MANY_LOCKS: LimitExceeded,
     Code.BAD_ARGUMENT: BadArgument,
     Code.SHUTTING_DOWN: ShuttingDown,
     Code.INTERNAL: InternalError,

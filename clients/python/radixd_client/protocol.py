@@ -50,6 +50,7 @@ class Code:
     TOO_MANY_TOKENS = "too_many_tokens"  # details: limit
     TOO_MANY_INFLIGHT = "too_many_inflight"  # a batch longer than max_inflight; details: limit
     TOO_MANY_SESSIONS = "too_many_sessions"  # the daemon serves max_sessions already
+    TOO_MANY_LOCKS = "too_many_locks"  # the session holds max_locks_per_session receipts
     NOT_EXECUTED = "not_executed"  # a batch item skipped after an earlier one failed
     SHUTTING_DOWN = "shutting_down"  # the daemon is stopping; reconnect to its successor
     INTERNAL = "internal"  # a daemon bug; the cache stays consistent and the session survives
