@@ -7,8 +7,9 @@ newer daemon) becomes a plain :class:`RadixdError` with that code, so ``except R
 catches it.
 
 Errors raised by the client itself, with no daemon response behind them, use codes that are not
-in ``protocol.ALL_CODES``: ``connection_lost`` (and its subclasses), ``connect_failed``,
-``not_executed`` and ``pool_error``.
+in ``protocol.ALL_CODES``: ``connection_lost`` (and its subclasses), ``connect_failed`` and
+``pool_error``. ``not_executed`` (a batch item that did not run) is a protocol code, also used by
+the client for items of a batch that was never sent.
 """
 
 from __future__ import annotations
@@ -135,7 +136,8 @@ class QuotaExceeded(RadixdError):
 
 
 class LimitExceeded(RadixdError):
-    """too_many_tokens, too_many_inflight: a per-session limit from ``HelloResult.limits``."""
+    """too_many_tokens, too_many_inflight, too_many_sessions, too_many_locks: a daemon limit
+    (the per-request ones are in ``HelloResult.limits``)."""
 
     default_code = Code.TOO_MANY_TOKENS
 
