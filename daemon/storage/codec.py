@@ -39,6 +39,7 @@ import struct
 import sys
 import time
 import zlib
+from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -91,9 +92,8 @@ def _token_bytes(tokens: bytes | bytearray | memoryview | Iterable[int]) -> byte
     if isinstance(tokens, (bytearray, memoryview)):
         return bytes(memoryview(tokens).cast("B"))
     try:
-        return struct.pack(f"<{len(tokens)}i", *tokens) if isinstance(tokens, (list, tuple)) \
-            else _token_bytes(list(tokens))
-    except struct.error as exc:
+        return array("i", tokens).tobytes()
+    except OverflowError as exc:
         raise ValueError("token ids must fit in int32") from exc
 
 

@@ -1,0 +1,256 @@
+"""Page copies between a device pool (L1, layer-first) and a host pool (L2, page-first).
+
+A device pool is ``[layers, 2, pages, T]`` and a host pool ``[slots, layers, 2, T]``, where
+``T = page_size x kv_heads x head_dim`` elements is one contiguous *row* in both: the K (or V) of
+one layer of one page. Both are therefore viewed as 2-D row matrices, and a copy of ``n`` pages is
+a gather/scatter of ``n x layers x 2`` rows whose row numbers are computed with tensor arithmetic:
+
+* device row of (page ``p``, layer/kv ``j``) = ``j * pages + p``;
+* host row of (slot ``s``, layer/kv ``j``)   = ``s * layers * 2 + j``.
+
+Listing the rows slot-major makes the layer-first -> page-first permute part of the same pass:
+
+* on CPU, for a run of consecutive slots (the allocator hands out low slots first, so a batch is
+  usually one run), ``device_to_host`` is one ``index_select`` written straight into the host run
+  (``out=``), and ``host_to_device`` one scatter of the host run's rows (a numpy fancy assignment
+  on byte views: torch's CPU ``index_copy_`` measured at half of memcpy speed for these rows): one
+  pass over the bytes, no staging copy. Non-consecutive slots are handled run by run (a loop
+  over runs, not pages).
+* on CUDA, the device side is gathered (or scattered) with one ``index_select`` / ``index_copy_``
+  on the device into a page-first staging tensor, and each slot run is one DMA transfer to or from
+  the pinned host pool (``non_blocking``), all on the caller's current stream: :func:`run_copy`
+  makes that a dedicated copy stream and awaits its event without blocking the event loop.
+
+:func:`run_copy` runs a copy off the event loop: a dedicated single thread on CPU (torch releases
+the GIL while it copies), a dedicated CUDA stream plus an event polled with ``event.query()`` on
+CUDA.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import math
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import torch
+
+from daemon.gpu.pools import Pool
+from daemon.storage.host_pool import HostPool
+
+__all__ = ["CopyError", "device_to_host", "host_to_device", "run_copy"]
+
+T = TypeVar("T")
+
+# Polling of the copy event on CUDA: start short (a small copy is done in microseconds), back off
+# to a ceiling so that a long copy costs the loop a wake-up per millisecond at most.
+_POLL_FIRST_S = 50e-6
+_POLL_MAX_S = 1e-3
+
+
+class CopyError(ValueError):
+    """A copy request that does not fit its pools (layout, kinds, ids, lengths)."""
+
+    code = "bad_copy"
+
+
+# -- row arithmetic ------------------------------------------------------------------------------
+
+
+def _check_pair(pool: Pool, host: HostPool) -> None:
+    if pool.kind != host.kind:
+        raise CopyError(f"pool kinds differ: device {pool.kind!r}, host {host.kind!r}")
+    if pool.dtype != host.dtype:
+        raise CopyError(f"dtypes differ: device {pool.dtype}, host {host.dtype}")
+    device_page = (pool.shape[0], pool.shape[1], *pool.shape[3:])
+    if device_page != host.page_shape:
+        raise CopyError(
+            f"page shapes differ: device {list(device_page)}, host {list(host.page_shape)}"
+        )
+
+
+def _ids(values: Sequence[int] | torch.Tensor, limit: int, what: str) -> torch.Tensor:
+    """``values`` as an int64 CPU tensor, checked to be distinct and within 1..limit-1."""
+    ids = torch.as_tensor(values, dtype=torch.int64, device="cpu").reshape(-1)
+    if ids.numel():
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 1 or hi >= limit:
+            bad = lo if lo < 1 else hi
+            raise CopyError(f"{what}: {bad} is out of range 1..{limit - 1}")
+        if torch.unique(ids).numel() != ids.numel():
+            raise CopyError(f"{what}: an id is listed twice")
+    return ids
+
+
+def _prepare(
+    pool: Pool, page_ids: Any, host: HostPool, slots: Any
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[tuple[int, int]]]:
+    """Validate; return (device rows, device row matrix, host row matrix, slot runs).
+
+    Device rows are listed in batch order, each page's ``layers x 2`` rows together (that is
+    page-first). A slot run ``(i, k, h)`` covers batch positions ``i..k-1``, whose slots are
+    consecutive, and starts at host row ``h``.
+    """
+    _check_pair(pool, host)
+    pages = _ids(page_ids, pool.num_pages, "page_ids")
+    slot_ids = _ids(slots, host.capacity, "slots")
+    if pages.numel() != slot_ids.numel():
+        raise CopyError(f"{pages.numel()} page ids but {slot_ids.numel()} slots")
+    per_page = pool.num_layers * 2
+    row = math.prod(pool.shape[3:])
+    device_rows = pool.buffer.view(per_page * pool.num_pages, row)
+    host_rows = host.buffer.view(host.capacity * per_page, row)
+    j = torch.arange(per_page, dtype=torch.int64) * pool.num_pages
+    rows = (pages[:, None] + j[None, :]).reshape(-1)
+    runs: list[tuple[int, int, int]] = []
+    n = slot_ids.numel()
+    if n:
+        breaks = (torch.nonzero(slot_ids[1:] != slot_ids[:-1] + 1).reshape(-1) + 1).tolist()
+        bounds = [0, *breaks, n]
+        runs = [
+            (i, k, int(slot_ids[i]) * per_page)
+            for i, k in zip(bounds[:-1], bounds[1:], strict=True)
+        ]
+    return rows, device_rows, host_rows, runs
+
+
+# -- copies -----------------------------------------------------------------------------------
+
+
+def device_to_host(pool: Pool, page_ids: Any, host: HostPool, slots: Any) -> None:
+    """Copy device pages ``page_ids`` into host ``slots`` (same length, positionally).
+
+    On CUDA the copy is only *enqueued* on the current stream; see :func:`run_copy`.
+    """
+    rows, device_rows, host_rows, runs = _prepare(pool, page_ids, host, slots)
+    if not runs:
+        return
+    per_page = pool.num_layers * 2
+    if pool.device.type == "cuda":
+        staged = device_rows.index_select(0, rows.to(pool.device, non_blocking=False))
+        for i, j, h in runs:
+            host_rows[h : h + (j - i) * per_page].copy_(
+                staged[i * per_page : j * per_page], non_blocking=True
+            )
+        return
+    for i, j, h in runs:
+        torch.index_select(
+            device_rows, 0, rows[i * per_page : j * per_page],
+            out=host_rows[h : h + (j - i) * per_page],
+        )
+
+
+def host_to_device(host: HostPool, slots: Any, pool: Pool, page_ids: Any) -> None:
+    """Copy host ``slots`` into device pages ``page_ids`` (same length, positionally).
+
+    On CUDA the copy is only *enqueued* on the current stream; see :func:`run_copy`.
+    """
+    rows, device_rows, host_rows, runs = _prepare(pool, page_ids, host, slots)
+    if not runs:
+        return
+    per_page = pool.num_layers * 2
+    if pool.device.type == "cuda":
+        staged = torch.empty(
+            (rows.numel(), device_rows.shape[1]), dtype=device_rows.dtype, device=pool.device
+        )
+        for i, j, h in runs:
+            staged[i * per_page : j * per_page].copy_(
+                host_rows[h : h + (j - i) * per_page], non_blocking=True
+            )
+        device_rows.index_copy_(0, rows.to(pool.device), staged)
+        return
+    # torch's CPU index_copy_ runs at about half of memcpy speed for rows this size; numpy's
+    # fancy assignment copies each row with one memcpy (and releases the GIL while it does).
+    # Big batches are split over torch's intra-op thread count, as torch's own copies are.
+    device_np = device_rows.view(torch.uint8).numpy()
+    host_np = host_rows.view(torch.uint8).numpy()
+    rows_np = rows.numpy()
+    parts: list[tuple[Any, Any]] = []
+    for i, j, h in runs:
+        src = host_np[h : h + (j - i) * per_page]
+        dst_rows = rows_np[i * per_page : j * per_page]
+        step = max(1, -(-_SPLIT_BYTES // max(1, src.shape[1])))
+        parts.extend((dst_rows[a : a + step], src[a : a + step])
+                     for a in range(0, len(dst_rows), step))
+    threads = min(torch.get_num_threads(), len(parts))
+    if threads <= 1:
+        for dst_rows, src in parts:
+            device_np[dst_rows] = src
+        return
+
+    def scatter(part: tuple[Any, Any]) -> None:
+        device_np[part[0]] = part[1]
+
+    list(_scatter_executor(threads).map(scatter, parts))
+
+
+# -- off the event loop -------------------------------------------------------------------------
+
+_executor: ThreadPoolExecutor | None = None
+_scatter: ThreadPoolExecutor | None = None
+_SPLIT_BYTES = 16 << 20  # a scatter part of at least this many bytes goes to a helper thread
+
+
+def _scatter_executor(threads: int) -> ThreadPoolExecutor:
+    global _scatter
+    with _executor_lock:
+        if _scatter is None or _scatter._max_workers < threads:
+            _scatter = ThreadPoolExecutor(max_workers=threads,
+                                          thread_name_prefix="radixd-scatter")
+        return _scatter
+
+_executor_lock = threading.Lock()
+_streams: dict[int, Any] = {}
+
+
+def _cpu_executor() -> ThreadPoolExecutor:
+    global _executor
+    with _executor_lock:
+        if _executor is None:
+            _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="radixd-copy")
+        return _executor
+
+
+def _copy_device(args: Sequence[Any]) -> torch.device:
+    """The device of the first pool (device or host) among the copy's arguments that is on CUDA,
+    else cpu."""
+    for arg in args:
+        device = getattr(arg, "device", None)
+        if isinstance(device, torch.device) and device.type == "cuda":
+            return device
+    return torch.device("cpu")
+
+
+def _copy_stream(device: torch.device) -> Any:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = _streams.get(index)
+    if stream is None:
+        stream = _streams[index] = torch.cuda.Stream(device=index)
+    return stream
+
+
+async def run_copy(fn: Callable[..., T], *args: Any) -> T:
+    """Run ``fn(*args)`` (a copy of this module) without blocking the event loop.
+
+    CPU: on a dedicated single thread, so copies run one at a time and in submission order.
+    CUDA: enqueued on a dedicated copy stream (after the work already on the current stream),
+    then an event recorded behind it is polled with ``event.query()`` until the copy is done.
+    """
+    device = _copy_device(args)
+    if device.type == "cuda":
+        stream = _copy_stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            result = fn(*args)
+            event = torch.cuda.Event()
+            event.record(stream)
+        delay = _POLL_FIRST_S
+        while not event.query():
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, _POLL_MAX_S)
+        return result
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(_cpu_executor(), functools.partial(fn, *args))

@@ -1,0 +1,335 @@
+"""The host tier (L2): a page-first pool of host memory, content-addressed by page hash.
+
+One ``HostPool`` holds the pages of one pool kind (``full`` or ``swa``) of one model layout. Its
+memory is a single tensor shaped ``[pages, layers, 2, page_size, kv_heads, head_dim]``: the
+page-first layout of DESIGN.md section 6, so one page of all layers is one contiguous block of
+``page_nbytes`` bytes that can go to Redis as one value (:meth:`HostPool.page_bytes`, zero-copy)
+and come back without re-layout (:meth:`HostPool.write_page_bytes`).
+
+Memory: pinned (page-locked) when CUDA is available, so device<->host copies are DMA transfers
+that can run asynchronously on a stream; otherwise a sealed memfd mapped shared, exactly like the
+CPU device pools (``daemon.gpu.pools``), so a later step can hand it to another process.
+
+Slots are handed out by a :class:`~daemon.gpu.allocator.PageAllocator`; slot 0 is reserved (never
+handed out, zeroed). Slots are content-addressed: an index maps a 32-byte page hash to the slot
+holding that content, with a reference count, so the same page stored by two trees (namespaces
+of the same model profile) is held once:
+
+* :meth:`acquire` -- the slot already holding ``hash`` (reference + 1), or None;
+* :meth:`store` -- a new slot for ``hash`` (reference 1); the caller then fills it;
+* :meth:`release` -- reference - 1; the slot is freed and its hash forgotten at 0.
+
+This module is bookkeeping plus memory; the copies between device pools and a host pool are in
+:mod:`daemon.storage.copies`. Not thread-safe: the daemon calls it from its event loop only.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import weakref
+from typing import Any
+
+import torch
+
+from daemon.gpu.allocator import AllocatorError, OutOfPages, PageAllocator
+from daemon.gpu.pools import PoolError, _available_host_bytes, _create_memfd, _tensor_over
+from daemon.gpu.profile import DTYPE_ITEMSIZE, ModelProfile, torch_dtype
+
+__all__ = ["HASH_BYTES", "HOST_POOL_LAYOUT", "AllocatorError", "HostPool", "OutOfPages",
+           "PoolError"]
+
+#: Axis names of a host pool tensor, outermost first (page-first).
+HOST_POOL_LAYOUT: tuple[str, ...] = ("page", "layer", "kv", "token", "kv_head", "head_dim")
+#: Length of a page hash (SHA-256).
+HASH_BYTES = 32
+_KINDS = ("full", "swa")
+
+
+def _check_hash(page_hash: object) -> bytes:
+    if not isinstance(page_hash, bytes) or len(page_hash) != HASH_BYTES:
+        raise ValueError(
+            f"page_hash: expected {HASH_BYTES} bytes, got "
+            f"{type(page_hash).__name__}"
+            + (f" of length {len(page_hash)}" if isinstance(page_hash, bytes) else "")
+        )
+    return page_hash
+
+
+class HostPool:
+    """Page-first host memory for one pool kind of one model profile, indexed by page hash.
+
+    ``capacity_pages`` counts slots including the reserved slot 0 (as device pool capacities
+    count the padding page), so at most ``capacity_pages - 1`` pages are held at a time.
+    ``pin_memory``: None (the default) pins when CUDA is available; True/False force it.
+    """
+
+    def __init__(
+        self,
+        profile: ModelProfile,
+        capacity_pages: int,
+        kind: str,
+        *,
+        pin_memory: bool | None = None,
+    ) -> None:
+        if kind not in _KINDS:
+            raise ValueError(f"kind: expected one of {_KINDS}, got {kind!r}")
+        if isinstance(capacity_pages, bool) or not isinstance(capacity_pages, int):
+            raise ValueError(f"capacity_pages: expected an int, got {capacity_pages!r}")
+        if capacity_pages < 2:
+            raise ValueError(
+                f"capacity_pages: must be >= 2 (slot 0 is reserved), got {capacity_pages}"
+            )
+        layers = profile.num_full_layers if kind == "full" else profile.num_swa_layers
+        if layers < 1:
+            raise PoolError(f"{profile.name}: the model has no {kind} pool")
+        self.kind = kind
+        self.model = profile.name
+        self.dtype_name = profile.dtype
+        self.dtype = torch_dtype(profile.dtype)
+        self.layout_fingerprint = profile.layout_fingerprint()
+        self.num_layers = layers
+        self.page_size = profile.page_size
+        self.num_kv_heads = profile.num_kv_heads
+        self.head_dim = profile.head_dim
+        self.capacity = capacity_pages
+        #: Shape of one page: ``[layers, 2, page_size, kv_heads, head_dim]``.
+        self.page_shape: tuple[int, ...] = (
+            layers, 2, profile.page_size, profile.num_kv_heads, profile.head_dim
+        )
+        self.shape: tuple[int, ...] = (capacity_pages, *self.page_shape)
+        self.page_nbytes = math.prod(self.page_shape) * DTYPE_ITEMSIZE[profile.dtype]
+        self.nbytes = capacity_pages * self.page_nbytes
+        if pin_memory is None:
+            pin_memory = torch.cuda.is_available()
+        self.pinned = bool(pin_memory)
+        self.fd: int | None = None
+        self._finalizer: weakref.finalize | None = None
+        label = f"{profile.name} {kind} host pool"
+        available = _available_host_bytes()
+        if available is not None and self.nbytes > available:
+            raise PoolError(
+                f"{label}: {capacity_pages} pages x {self.page_nbytes} B = {self.nbytes} B but "
+                f"only {available} bytes of host memory are available; lower its capacity"
+            )
+        if self.pinned:
+            try:
+                buffer = torch.empty(self.shape, dtype=self.dtype, pin_memory=True)
+            except RuntimeError as exc:
+                raise PoolError(f"{label}: cannot pin {self.nbytes} bytes ({exc})") from exc
+        else:
+            fd, mapping = _create_memfd(f"radixd-{profile.name}-{kind}-host", self.nbytes)
+            self._finalizer = weakref.finalize(self, os.close, fd)
+            self.fd = fd
+            buffer = _tensor_over(mapping, self.dtype, self.shape)
+        self._buffer: torch.Tensor | None = buffer
+        # A flat byte view of the whole pool for zero-copy page access (numpy keeps the tensor,
+        # and so the memory, alive for as long as a memoryview of it exists).
+        self._bytes = buffer.view(-1).view(torch.uint8).numpy()
+        self._bytes[: self.page_nbytes] = 0  # slot 0: reserved, zero
+        self._alloc = PageAllocator(capacity_pages, label)
+        self._slot_of: dict[bytes, int] = {}  # page hash -> slot
+        self._hash_of: dict[int, bytes] = {}  # slot -> page hash
+        self._refs: dict[int, int] = {}  # slot -> reference count (>= 1)
+
+    # -- memory -----------------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self._buffer is None
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        """The whole pool tensor ``[pages, layers, 2, page_size, kv_heads, head_dim]``."""
+        if self._buffer is None:
+            raise PoolError(f"{self.model} {self.kind} host pool is closed")
+        return self._buffer
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def _check_slot(self, slot: int) -> int:
+        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 < slot < self.capacity:
+            raise AllocatorError(
+                f"{self.model} {self.kind} host pool: slot {slot!r} is not a slot of this pool "
+                f"(1..{self.capacity - 1})"
+            )
+        return slot
+
+    def _check_held(self, slot: int) -> int:
+        self._check_slot(slot)
+        if slot not in self._refs:
+            raise AllocatorError(
+                f"{self.model} {self.kind} host pool: slot {slot} is not held"
+            )
+        return slot
+
+    def page(self, slot: int) -> torch.Tensor:
+        """One slot (0, the reserved zero slot, included) as a contiguous
+        ``[layers, 2, page_size, kv_heads, head_dim]`` view."""
+        if slot != 0:
+            self._check_slot(slot)
+        return self.buffer[slot]
+
+    def page_bytes(self, slot: int) -> memoryview:
+        """The bytes of a held slot, zero-copy: one contiguous block of ``page_nbytes``."""
+        self.buffer  # noqa: B018 - raises when closed
+        self._check_held(slot)
+        start = slot * self.page_nbytes
+        return self._bytes[start : start + self.page_nbytes].data
+
+    def write_page_bytes(self, slot: int, data: Any) -> None:
+        """Overwrite a held slot with ``data`` (any buffer of exactly ``page_nbytes`` bytes)."""
+        self.buffer  # noqa: B018 - raises when closed
+        self._check_held(slot)
+        view = memoryview(data).cast("B")
+        if view.nbytes != self.page_nbytes:
+            raise ValueError(
+                f"data: {view.nbytes} bytes, a page of the {self.kind} host pool is "
+                f"{self.page_nbytes}"
+            )
+        start = slot * self.page_nbytes
+        self._bytes[start : start + self.page_nbytes] = view
+
+    # -- content-addressed slots ---------------------------------------------------------------
+
+    @property
+    def used(self) -> int:
+        """Slots holding a page."""
+        return len(self._refs)
+
+    @property
+    def available(self) -> int:
+        """Free slots."""
+        return self._alloc.available
+
+    @property
+    def usable(self) -> int:
+        """Slots that can ever hold a page (capacity minus the reserved slot 0)."""
+        return self._alloc.usable
+
+    def lookup(self, page_hash: bytes) -> int | None:
+        """The slot holding ``page_hash``, or None; no reference is taken."""
+        return self._slot_of.get(_check_hash(page_hash))
+
+    def refcount(self, slot: int) -> int:
+        """References held on ``slot`` (0 when it is free)."""
+        return self._refs.get(self._check_slot(slot), 0)
+
+    def hash_of(self, slot: int) -> bytes | None:
+        return self._hash_of.get(self._check_slot(slot))
+
+    def acquire(self, page_hash: bytes) -> int | None:
+        """The slot already holding ``page_hash`` with one more reference, or None."""
+        slot = self._slot_of.get(_check_hash(page_hash))
+        if slot is not None:
+            self._refs[slot] += 1
+        return slot
+
+    def store(self, page_hash: bytes) -> int:
+        """A new slot for ``page_hash`` with one reference; the caller fills it.
+
+        Raises :class:`OutOfPages` when no slot is free and ``ValueError`` when the hash is
+        already held (use :meth:`acquire`: content is stored once).
+        """
+        _check_hash(page_hash)
+        if page_hash in self._slot_of:
+            raise ValueError(
+                f"page_hash {page_hash.hex()[:16]}... is already held in slot "
+                f"{self._slot_of[page_hash]}; acquire it instead"
+            )
+        slot = int(self._alloc.alloc(1)[0])
+        self._slot_of[page_hash] = slot
+        self._hash_of[slot] = page_hash
+        self._refs[slot] = 1
+        return slot
+
+    def release(self, slot: int) -> None:
+        """Drop one reference; at 0 the slot is freed and its hash forgotten."""
+        self._check_held(slot)
+        left = self._refs[slot] - 1
+        if left:
+            self._refs[slot] = left
+            return
+        del self._refs[slot]
+        del self._slot_of[self._hash_of.pop(slot)]
+        self._alloc.free((slot,))
+
+    def audit(self) -> list[str]:
+        """Violations: index, reverse index, reference counts and allocator must agree."""
+        name = f"{self.model} {self.kind} host pool"
+        v: list[str] = list(self._alloc.audit())
+        for page_hash, slot in self._slot_of.items():
+            if not isinstance(page_hash, bytes) or len(page_hash) != HASH_BYTES:
+                v.append(f"{name}: index key {page_hash!r} is not a {HASH_BYTES}-byte hash")
+            if self._hash_of.get(slot) != page_hash:
+                v.append(f"{name}: hash {page_hash.hex()[:16]}... maps to slot {slot}, "
+                         f"which is recorded for another hash")
+        if len(set(self._slot_of.values())) != len(self._slot_of):
+            v.append(f"{name}: a slot is indexed under two hashes")
+        for slot, page_hash in self._hash_of.items():
+            if self._slot_of.get(page_hash) != slot:
+                v.append(f"{name}: slot {slot} records a hash the index does not map to it")
+        if set(self._refs) != set(self._hash_of):
+            v.append(f"{name}: reference counts and held slots disagree on "
+                     f"{sorted(set(self._refs) ^ set(self._hash_of))[:10]}")
+        bad = sorted(s for s, n in self._refs.items() if not isinstance(n, int) or n < 1)
+        if bad:
+            v.append(f"{name}: slots {bad[:10]} have a reference count below 1")
+        out_of_range = sorted(s for s in self._refs if not 0 < s < self.capacity)
+        if out_of_range:
+            v.append(f"{name}: slots {out_of_range[:10]} are outside 1..{self.capacity - 1}")
+        free = self._alloc.free_set()
+        both = sorted(free & set(self._refs))
+        if both:
+            v.append(f"{name}: slots {both[:10]} are both free and held")
+        allocated = set(range(1, self.capacity)) - free
+        lost = sorted(allocated - set(self._refs))
+        if lost:
+            v.append(f"{name}: slots {lost[:10]} are allocated but held by no hash (leak)")
+        return v
+
+    # -- lifetime ---------------------------------------------------------------------------
+
+    def describe(self) -> dict[str, Any]:
+        """JSON-able summary: layout, sizes, memory kind and occupancy."""
+        return {
+            "model": self.model,
+            "kind": self.kind,
+            "memory": "pinned" if self.pinned else "memfd",
+            "dtype": self.dtype_name,
+            "shape": list(self.shape),
+            "layout": list(HOST_POOL_LAYOUT),
+            "page_nbytes": self.page_nbytes,
+            "nbytes": self.nbytes,
+            "capacity": self.capacity,
+            "used": self.used,
+            "available": self.available,
+            "layout_fingerprint": self.layout_fingerprint.hex(),
+        }
+
+    def close(self) -> None:
+        """Drop the pool's references to its memory and close the fd; idempotent.
+
+        As for device pools, the mapping is unmapped once the last view of it is gone.
+        """
+        self._buffer = None
+        self._bytes = None  # type: ignore[assignment]
+        if self._finalizer is not None:
+            self._finalizer()
+            self._finalizer = None
+        self.fd = None
+
+    def __enter__(self) -> HostPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"{self.used}/{self.usable} slots used"
+        memory = "pinned" if self.pinned else "memfd"
+        return (f"<HostPool {self.model}/{self.kind} {list(self.shape)} {self.dtype_name} "
+                f"{memory} {state}>")
+

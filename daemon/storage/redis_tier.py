@@ -1,0 +1,424 @@
+"""L3: pages in Redis (standalone or Cluster) through redis-py's asyncio client.
+
+One key per page per pool: ``prefix + page_hash.hex()`` for a full-attention page and the same key
+with ``:swa`` appended for its SWA twin (DESIGN section 6). The value is one self-verifying blob
+(daemon/storage/codec.py), so there is no metadata key that can outlive or race its payload.
+
+Failure model: Redis being down, slow, flushed or full is a *miss*, never an exception to the
+caller. Every pipeline runs under ``asyncio.wait_for(op_timeout)`` on top of the socket timeouts;
+redis-py's own retry is set explicitly to one quick retry (it re-dials a pooled connection that a
+restarted server dropped) instead of its defaults of ten; and a circuit breaker stops calling a
+Redis that keeps failing:
+
+* closed: calls go through; ``breaker_threshold`` consecutive failed calls (timeouts, connection
+  errors) open it;
+* open: every call is answered at once as a miss (exists 0, get all None, set dropped and counted)
+  for ``breaker_open_seconds``;
+* half-open: the next call is let through as the one probe (concurrent calls still miss); its
+  success closes the breaker, its failure opens it again for another period.
+
+Corrupt values (any check of ``decode_page`` failing) are counted, deleted and returned as misses.
+A server-side error reply to one command (for example OOM under ``maxmemory-policy noeviction``)
+fails that page only and is counted in ``errors``; it does not trip the breaker, since the server
+is up and answering.
+
+Cluster: pages spread over all slots (no ``{hash tag}`` in the prefix, which would pin every page
+of the daemon to one node), and batches go through the cluster pipeline, which groups the single-key
+commands per node and runs the groups concurrently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from daemon.storage.codec import (
+    POOL_SWA,
+    CorruptPage,
+    PageValue,
+    decode_page,
+    peek_header,
+    pool_code,
+)
+
+CLOSED = "closed"
+OPEN = "open"
+HALF_OPEN = "half_open"
+
+_CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+
+
+def namespace_prefix(namespace_digest: bytes, root: str = "radixd") -> str:
+    """The key prefix of one namespace: ``radixd:<digest hex>:``."""
+    return f"{root}:{namespace_digest.hex()}:"
+
+
+class CircuitBreaker:
+    """Consecutive-failure breaker with a single half-open probe."""
+
+    def __init__(self, threshold: int, open_seconds: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if threshold < 1:
+            raise ValueError("breaker threshold must be >= 1")
+        self.threshold = threshold
+        self.open_seconds = open_seconds
+        self._clock = clock
+        self.state = CLOSED
+        self.failures = 0
+        self.opens = 0
+        self._opened_at = 0.0
+        self._probe_in_flight = False
+        # Recent transitions, oldest first (for tests and the admin view).
+        self.history: deque[str] = deque([CLOSED], maxlen=32)
+
+    def _set(self, state: str) -> None:
+        if state != self.state:
+            self.state = state
+            self.history.append(state)
+
+    def admit(self) -> str | None:
+        """'call' or 'probe' when the caller may go to Redis, None when it must miss."""
+        if self.state == CLOSED:
+            return "call"
+        if self.state == OPEN:
+            if self._clock() - self._opened_at < self.open_seconds:
+                return None
+            self._set(HALF_OPEN)
+        if self._probe_in_flight:
+            return None
+        self._probe_in_flight = True
+        return "probe"
+
+    def _open(self) -> None:
+        self._opened_at = self._clock()
+        self.opens += 1
+        self._set(OPEN)
+
+    def record(self, ticket: str, ok: bool) -> None:
+        if ticket == "probe":
+            self._probe_in_flight = False
+            self.failures = 0 if ok else self.failures + 1
+            if ok:
+                self._set(CLOSED)
+            else:
+                self._open()
+            return
+        if self.state != CLOSED:
+            return  # a call admitted before the breaker opened: the probe decides now
+        if ok:
+            self.failures = 0
+        else:
+            self.failures += 1
+            if self.failures >= self.threshold:
+                self._open()
+
+    def abandon(self, ticket: str) -> None:
+        """The admitted call was cancelled: let another call probe."""
+        if ticket == "probe":
+            self._probe_in_flight = False
+
+
+class _CallFailed(Exception):
+    """A pipeline of this call failed in a way that counts against the breaker."""
+
+
+class RedisTier:
+    """Pipelined, verified, fail-soft page store on Redis or Redis Cluster."""
+
+    def __init__(
+        self,
+        url: str = "redis://127.0.0.1:6379/0",
+        *,
+        key_prefix: str,
+        cluster: bool | None = None,
+        ttl_seconds: int = 0,
+        op_timeout: float = 0.5,
+        connect_timeout: float = 0.5,
+        max_pipeline: int = 64,
+        max_pipeline_bytes: int = 16 << 20,
+        concurrency: int = 4,
+        max_connections: int = 32,
+        health_check_interval: int = 30,
+        breaker_threshold: int = 3,
+        breaker_open_seconds: float = 5.0,
+        client: Any | None = None,
+    ) -> None:
+        """``url``: redis://[user:password@]host:port/db, rediss:// for TLS; a ``+cluster``
+        scheme (redis+cluster://, rediss+cluster://) or ``cluster=True`` for Redis Cluster,
+        the URL naming any one startup node. ``ttl_seconds`` 0 means no expiry (leave eviction
+        to Redis ``maxmemory-policy allkeys-lru``). ``op_timeout`` bounds each pipeline;
+        ``max_pipeline`` commands and ``max_pipeline_bytes`` of values at most go in one, and at
+        most ``concurrency`` pipelines of one call run at once. ``client`` replaces the client
+        built from the URL (tests)."""
+        if max_pipeline < 1 or concurrency < 1:
+            raise ValueError("max_pipeline and concurrency must be >= 1")
+        if ttl_seconds < 0:
+            raise ValueError("ttl_seconds must be >= 0")
+        scheme = urlsplit(url).scheme
+        if scheme in _CLUSTER_SCHEMES:
+            cluster = True if cluster is None else cluster
+            if not cluster:
+                raise ValueError(f"{scheme}:// names a cluster but cluster=False was passed")
+            url = urlunsplit((_CLUSTER_SCHEMES[scheme],) + tuple(urlsplit(url))[1:])
+        elif scheme not in ("redis", "rediss", "unix"):
+            raise ValueError(f"unsupported Redis URL scheme {scheme!r}")
+        self.cluster = bool(cluster)
+        if self.cluster and "{" in key_prefix:
+            raise ValueError("a '{' in the key prefix is a Redis Cluster hash tag: every page "
+                             "would land in one slot; leave it out")
+        self.key_prefix = key_prefix
+        self.ttl = int(ttl_seconds)
+        self.op_timeout = float(op_timeout)
+        self.max_pipeline = int(max_pipeline)
+        self.max_pipeline_bytes = int(max_pipeline_bytes)
+        self._sem = asyncio.Semaphore(concurrency)
+        self.breaker = CircuitBreaker(breaker_threshold, breaker_open_seconds)
+        self._stats = dict.fromkeys(
+            ("gets", "hits", "misses", "sets", "set_failures", "corrupt", "timeouts", "errors",
+             "breaker_rejects", "exists_calls", "deletes", "bytes_read", "bytes_written"), 0)
+        if client is not None:
+            self._client = client
+            return
+        # One quick retry re-dials a connection a restarted server dropped; the breaker and the
+        # wait_for bound handle everything longer. No silent retry loops.
+        common: dict[str, Any] = dict(
+            socket_timeout=self.op_timeout,
+            socket_connect_timeout=min(connect_timeout, self.op_timeout),
+            retry=Retry(ExponentialBackoff(cap=0.05, base=0.005), retries=1,
+                        supported_errors=(RedisConnectionError, RedisTimeoutError)),
+            health_check_interval=health_check_interval,
+            socket_keepalive=True,
+            decode_responses=False,
+        )
+        if self.cluster:
+            self._client = RedisCluster.from_url(url, max_connections=max_connections,
+                                                 **common)
+        else:
+            # Blocking pool: a burst waits (bounded by op_timeout) for a free connection
+            # instead of failing with "too many connections".
+            pool = aioredis.BlockingConnectionPool.from_url(
+                url, max_connections=max_connections, timeout=self.op_timeout, **common)
+            self._client = aioredis.Redis.from_pool(pool)  # the client owns (closes) its pool
+
+    # -- keys and stats -----------------------------------------------------------------------
+
+    def key(self, page_hash: bytes, pool: str = "full") -> str:
+        pool_code(pool)
+        k = self.key_prefix + page_hash.hex()
+        return k + ":swa" if pool == POOL_SWA else k
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = dict(self._stats)
+        out["breaker_state"] = self.breaker.state
+        out["breaker_opens"] = self.breaker.opens
+        return out
+
+    async def aclose(self) -> None:
+        try:
+            await self._client.aclose()
+        except Exception:  # noqa: BLE001 - closing a dead connection must not raise either
+            pass
+
+    # -- plumbing -----------------------------------------------------------------------------
+
+    async def _pipeline(self, queue: Callable[[Any], None]) -> list[Any]:
+        """Run one pipeline (commands queued by ``queue``) under the timeout; per-command error
+        replies come back as exception objects in the result list."""
+        async def run() -> list[Any]:
+            pipe = self._client.pipeline(transaction=False)
+            queue(pipe)
+            return await pipe.execute(raise_on_error=False)
+
+        async with self._sem:
+            try:
+                return await asyncio.wait_for(run(), self.op_timeout)
+            except (asyncio.TimeoutError, RedisTimeoutError) as exc:
+                self._stats["timeouts"] += 1
+                raise _CallFailed("timeout") from exc
+            except (RedisError, OSError) as exc:
+                self._stats["errors"] += 1
+                raise _CallFailed(type(exc).__name__) from exc
+
+    async def _guarded(self, body: Callable[[], Awaitable[Any]], on_reject: Any) -> Any:
+        """Run ``body`` under the breaker; a failure or a rejection yields ``on_reject()``."""
+        ticket = self.breaker.admit()
+        if ticket is None:
+            self._stats["breaker_rejects"] += 1
+            return on_reject()
+        ok = False
+        try:
+            result = await body()
+            ok = True
+            return result
+        except _CallFailed:
+            return on_reject()
+        except asyncio.CancelledError:
+            self.breaker.abandon(ticket)
+            ticket = ""
+            raise
+        except Exception:  # noqa: BLE001 - an L3 failure must never reach the engine
+            self._stats["errors"] += 1
+            return on_reject()
+        finally:
+            if ticket:
+                self.breaker.record(ticket, ok)
+
+    def _chunks(self, n: int) -> list[range]:
+        step = self.max_pipeline
+        return [range(i, min(i + step, n)) for i in range(0, n, step)]
+
+    @staticmethod
+    def _is_error(reply: Any) -> bool:
+        return isinstance(reply, BaseException)
+
+    def _reply_errors(self, replies: list[Any]) -> None:
+        """Connection-level failures inside a pipeline's replies fail the call (breaker)."""
+        for r in replies:
+            if isinstance(r, (RedisConnectionError, RedisTimeoutError, OSError)):
+                self._stats["errors"] += 1
+                raise _CallFailed(type(r).__name__)
+
+    # -- operations ---------------------------------------------------------------------------
+
+    async def exists_prefix(self, hashes: Sequence[bytes], pool: str = "full") -> int:
+        """How many leading pages of this chain are stored (pipelined EXISTS, stops at a miss)."""
+        keys = [self.key(h, pool) for h in hashes]
+        self._stats["exists_calls"] += 1
+
+        async def body() -> int:
+            found = 0
+            for chunk in self._chunks(len(keys)):
+                replies = await self._pipeline(
+                    lambda p, c=chunk: [p.exists(keys[i]) for i in c])
+                self._reply_errors(replies)
+                for r in replies:
+                    if self._is_error(r) or not r:
+                        self._stats["errors"] += self._is_error(r)
+                        return found
+                    found += 1
+            return found
+
+        return await self._guarded(body, lambda: 0) if keys else 0
+
+    async def get_pages(self, hashes: Sequence[bytes], pool: str,
+                        fingerprint: bytes) -> list[PageValue | None]:
+        """The stored, verified pages (None for a miss or a corrupt value, which is deleted)."""
+        n = len(hashes)
+        keys = [self.key(h, pool) for h in hashes]
+        out: list[PageValue | None] = [None] * n
+        self._stats["gets"] += n
+        if not n:
+            return out
+        corrupt: list[str] = []
+
+        async def one(chunk: range) -> None:
+            replies = await self._pipeline(lambda p: [p.get(keys[i]) for i in chunk])
+            self._reply_errors(replies)
+            for i, raw in zip(chunk, replies, strict=True):
+                if raw is None:
+                    continue
+                if self._is_error(raw):
+                    self._stats["errors"] += 1
+                    continue
+                self._stats["bytes_read"] += len(raw)
+                try:
+                    out[i] = decode_page(raw, hashes[i], fingerprint, pool)
+                except CorruptPage:
+                    self._stats["corrupt"] += 1
+                    corrupt.append(keys[i])
+
+        async def body() -> None:
+            results = await asyncio.gather(*(one(c) for c in self._chunks(n)),
+                                           return_exceptions=True)
+            failed = [r for r in results if isinstance(r, BaseException)]
+            if corrupt:
+                await self._delete_keys(corrupt)
+            for r in failed:
+                if isinstance(r, _CallFailed):
+                    raise r
+                raise _CallFailed(type(r).__name__) from r
+
+        await self._guarded(body, lambda: None)
+        hits = sum(v is not None for v in out)
+        self._stats["hits"] += hits
+        self._stats["misses"] += n - hits
+        return out
+
+    async def set_pages(self, values: Sequence[bytes]) -> int:
+        """Store encoded page values (codec.encode_page), each under the key its header names;
+        SET with EX when a TTL is configured. Returns how many were stored; the rest (Redis down,
+        breaker open, error replies) are counted in ``set_failures``."""
+        items: list[tuple[str, bytes]] = []
+        for v in values:
+            pool, page_hash = peek_header(v)
+            items.append((self.key(page_hash, pool), v))
+        if not items:
+            return 0
+        # Pipelines bounded by command count and by bytes.
+        chunks: list[list[tuple[str, bytes]]] = [[]]
+        size = 0
+        for kv in items:
+            cur = chunks[-1]
+            full = len(cur) >= self.max_pipeline or size + len(kv[1]) > self.max_pipeline_bytes
+            if cur and full:
+                chunks.append([])
+                size = 0
+            chunks[-1].append(kv)
+            size += len(kv[1])
+        ex = self.ttl or None
+
+        stored = 0
+
+        async def one(chunk: list[tuple[str, bytes]]) -> None:
+            nonlocal stored
+            replies = await self._pipeline(lambda p: [p.set(k, v, ex=ex) for k, v in chunk])
+            self._reply_errors(replies)
+            for (_k, v), r in zip(chunk, replies, strict=True):
+                if self._is_error(r) or not r:
+                    self._stats["errors"] += isinstance(r, ResponseError)
+                    continue
+                stored += 1
+                self._stats["bytes_written"] += len(v)
+
+        async def body() -> None:
+            results = await asyncio.gather(*(one(c) for c in chunks), return_exceptions=True)
+            for r in results:
+                if isinstance(r, BaseException):
+                    raise r if isinstance(r, _CallFailed) else _CallFailed(type(r).__name__)
+
+        await self._guarded(body, lambda: None)
+        self._stats["sets"] += stored
+        self._stats["set_failures"] += len(items) - stored
+        return stored
+
+    async def delete(self, hashes: Sequence[bytes], pool: str = "full") -> int:
+        """Remove these pages of this pool; returns how many keys existed (0 when unreachable)."""
+        keys = [self.key(h, pool) for h in hashes]
+        if not keys:
+            return 0
+        return await self._guarded(lambda: self._delete_keys(keys), lambda: 0)
+
+    async def _delete_keys(self, keys: list[str]) -> int:
+        removed = 0
+        for chunk in self._chunks(len(keys)):
+            # UNLINK frees large values off the server's main thread. Sent as a raw single-key
+            # command: the cluster pipeline's unlink() is a multi-key coroutine, not a queued one.
+            replies = await self._pipeline(
+                lambda p, c=chunk: [p.execute_command("UNLINK", keys[i]) for i in c])
+            self._reply_errors(replies)
+            removed += sum(r for r in replies if isinstance(r, int))
+        self._stats["deletes"] += removed
+        return removed

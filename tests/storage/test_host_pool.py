@@ -1,0 +1,356 @@
+"""Host pool (L2): page-first layout, content-addressed slots, copies to and from device pools."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from daemon.gpu.allocator import AllocatorError, OutOfPages
+from daemon.gpu.pools import KVPools, Pool
+from daemon.gpu.profile import ModelProfile
+from daemon.storage.copies import CopyError, device_to_host, host_to_device, run_copy
+from daemon.storage.host_pool import HOST_POOL_LAYOUT, HostPool
+
+
+def make_profile(**overrides: Any) -> ModelProfile:
+    fields: dict[str, Any] = dict(
+        name="tiny",
+        page_size=4,
+        sliding_window=6,
+        num_full_layers=3,
+        num_swa_layers=2,
+        num_kv_heads=2,
+        head_dim=8,
+        dtype="bfloat16",
+        device="cpu",
+        full_pages=12,
+        swa_pages=9,
+    )
+    fields.update(overrides)
+    return ModelProfile(**fields)
+
+
+def h(i: int) -> bytes:
+    return hashlib.sha256(str(i).encode()).digest()
+
+
+def as_bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def fill_random(pool: Pool, seed: int) -> None:
+    """Random bytes in every page but the padding page (NaN patterns included for floats)."""
+    g = torch.Generator().manual_seed(seed)
+    raw = pool.buffer.view(torch.uint8)
+    raw[:, :, 1:].copy_(torch.randint(0, 256, raw[:, :, 1:].shape, generator=g,
+                                      dtype=torch.uint8))
+
+
+# -- layout and memory -----------------------------------------------------------------------
+
+
+def test_page_first_layout_and_reserved_slot() -> None:
+    p = make_profile()
+    with HostPool(p, 5, "full", pin_memory=False) as host:
+        assert host.buffer.shape == (5, 3, 2, 4, 2, 8)
+        assert host.buffer.is_contiguous() and host.buffer.dtype == torch.bfloat16
+        assert host.page_nbytes == p.full_page_bytes
+        assert host.nbytes == 5 * p.full_page_bytes
+        assert host.fd is not None and not host.pinned
+        assert host.describe()["layout"] == list(HOST_POOL_LAYOUT)
+        assert as_bytes(host.page(0)) == bytes(host.page_nbytes)
+        assert host.usable == 4 and host.available == 4
+        base = host.buffer.data_ptr()
+        for slot in range(5):
+            assert host.page(slot).data_ptr() == base + slot * host.page_nbytes
+    with HostPool(p, 3, "swa", pin_memory=False) as host:
+        assert host.buffer.shape == (3, 2, 2, 4, 2, 8)
+        assert host.page_nbytes == p.swa_page_bytes
+
+
+def test_rejects_bad_arguments() -> None:
+    p = make_profile()
+    with pytest.raises(ValueError, match="kind"):
+        HostPool(p, 4, "mamba")
+    with pytest.raises(ValueError, match="capacity_pages"):
+        HostPool(p, 1, "full")
+    with pytest.raises(ValueError, match="capacity_pages"):
+        HostPool(p, True, "full")  # type: ignore[arg-type]
+    no_swa = make_profile(sliding_window=None, num_swa_layers=0, swa_pages=0)
+    with pytest.raises(Exception, match="no swa pool"):
+        HostPool(no_swa, 4, "swa")
+
+
+def test_close_is_idempotent_and_blocks_access() -> None:
+    host = HostPool(make_profile(), 3, "full", pin_memory=False)
+    slot = host.store(h(1))
+    host.close()
+    host.close()
+    assert host.closed and host.fd is None
+    with pytest.raises(Exception, match="closed"):
+        host.page_bytes(slot)
+
+
+# -- content-addressed slots -------------------------------------------------------------------
+
+
+def test_dedup_by_hash_with_refcounts() -> None:
+    with HostPool(make_profile(), 4, "full", pin_memory=False) as host:
+        assert host.acquire(h(1)) is None
+        a = host.store(h(1))  # tree A stores the page
+        assert host.acquire(h(1)) == a  # tree B finds the same content
+        assert host.refcount(a) == 2 and host.used == 1 and host.available == 2
+        with pytest.raises(ValueError, match="already held"):
+            host.store(h(1))
+        b = host.store(h(2))
+        assert b != a and host.lookup(h(2)) == b and host.hash_of(b) == h(2)
+        host.release(a)
+        assert host.refcount(a) == 1 and host.lookup(h(1)) == a
+        host.release(a)
+        assert host.refcount(a) == 0 and host.lookup(h(1)) is None and host.hash_of(a) is None
+        assert host.available == 2 and host.used == 1
+        with pytest.raises(AllocatorError, match="not held"):
+            host.release(a)
+        with pytest.raises(AllocatorError):
+            host.release(0)
+        with pytest.raises(ValueError, match="32 bytes"):
+            host.store(b"short")
+        assert host.audit() == []
+        host.release(b)
+        assert host.used == 0 and host.available == 3 and host.audit() == []
+
+
+def test_out_of_slots() -> None:
+    with HostPool(make_profile(), 3, "full", pin_memory=False) as host:
+        host.store(h(1))
+        host.store(h(2))
+        with pytest.raises(OutOfPages):
+            host.store(h(3))
+        assert host.lookup(h(3)) is None and host.audit() == []
+        assert host.acquire(h(1)) is not None  # acquiring needs no slot
+
+
+@pytest.mark.parametrize("plant", ["refs_zero", "index_points_elsewhere", "free_and_held",
+                                   "leak", "double_index"])
+def test_audit_finds_planted_corruption(plant: str) -> None:
+    with HostPool(make_profile(), 6, "full", pin_memory=False) as host:
+        a, b = host.store(h(1)), host.store(h(2))
+        assert host.audit() == []
+        if plant == "refs_zero":
+            host._refs[a] = 0
+        elif plant == "index_points_elsewhere":
+            host._slot_of[h(1)] = b
+        elif plant == "free_and_held":
+            host._alloc.free([a])
+        elif plant == "leak":
+            host._alloc.alloc(1)
+        elif plant == "double_index":
+            host._slot_of[h(3)] = a
+        assert host.audit(), plant
+
+
+# -- page bytes ---------------------------------------------------------------------------------
+
+
+def test_page_bytes_zero_copy_and_write() -> None:
+    with HostPool(make_profile(), 4, "full", pin_memory=False) as host:
+        slot = host.store(h(1))
+        data = bytes(range(256)) * (host.page_nbytes // 256) + bytes(host.page_nbytes % 256)
+        host.write_page_bytes(slot, data)
+        view = host.page_bytes(slot)
+        assert isinstance(view, memoryview) and view.nbytes == host.page_nbytes
+        assert bytes(view) == data == as_bytes(host.page(slot))
+        host.page(slot).view(torch.uint8).view(-1)[0] = 77  # zero-copy: the view sees it
+        assert view[0] == 77
+        with pytest.raises(ValueError, match="bytes"):
+            host.write_page_bytes(slot, data[:-1])
+        with pytest.raises(AllocatorError, match="not held"):
+            host.page_bytes(slot + 1)
+        with pytest.raises(AllocatorError):
+            host.write_page_bytes(0, data)
+
+
+# -- copies -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_round_trip_device_host_device_byte_exact(dtype: str, page_size: int) -> None:
+    p = make_profile(dtype=dtype, page_size=page_size, sliding_window=2 * page_size)
+    with KVPools(p) as kv:
+        for kind, seed in (("full", 1), ("swa", 2)):
+            pool = kv.pool(kind)
+            fill_random(pool, seed)
+            before = as_bytes(pool.buffer)
+            with HostPool(p, 8, kind, pin_memory=False) as host:
+                pages = [7, 2, 5, 3, 1]
+                slots = [host.store(h(i)) for i in range(len(pages))]
+                device_to_host(pool, pages, host, slots)
+                for pg, slot in zip(pages, slots, strict=True):
+                    # one slot is that page across all layers, layer by layer, K then V
+                    whole = b"".join(as_bytes(pool.buffer[layer, kv_, pg])
+                                     for layer in range(pool.num_layers) for kv_ in range(2))
+                    assert bytes(host.page_bytes(slot)) == whole
+                # wipe the device pages, bring them back into other pages too
+                pool.buffer.view(torch.uint8)[:, :, 1:].zero_()
+                host_to_device(host, slots, pool, pages)
+                for pg in pages:
+                    assert as_bytes(pool.page(pg)) == as_bytes(
+                        torch.frombuffer(bytearray(before), dtype=torch.uint8)
+                        .view(pool.buffer.view(torch.uint8).shape)[:, :, pg]
+                    )
+                target = [x for x in range(1, pool.num_pages) if x not in pages][: len(pages)]
+                host_to_device(host, slots[: len(target)], pool, target)
+                for pg, slot in zip(target, slots, strict=False):
+                    assert as_bytes(pool.page(pg)) == bytes(host.page_bytes(slot))
+                assert host.audit() == []
+
+
+def test_copies_with_scattered_slots_and_empty_batches() -> None:
+    p = make_profile()
+    with KVPools(p) as kv, HostPool(p, 10, "full", pin_memory=False) as host:
+        pool = kv.full
+        fill_random(pool, 3)
+        slots = [host.store(h(i)) for i in range(9)]
+        for s in (2, 3, 6):  # free a few so that the next batch gets non-consecutive slots
+            host.release(s)
+        scattered = [9, 2, 3, 6, 1]
+        pages = [11, 4, 8, 1, 6]
+        for s in (2, 3, 6):
+            host.store(h(100 + s))
+        device_to_host(pool, pages, host, scattered)
+        for pg, slot in zip(pages, scattered, strict=True):
+            assert as_bytes(host.page(slot)) == as_bytes(pool.page(pg))
+        pool.buffer.view(torch.uint8)[:, :, 1:].zero_()
+        host_to_device(host, scattered, pool, pages)
+        for pg, slot in zip(pages, scattered, strict=True):
+            assert as_bytes(pool.page(pg)) == as_bytes(host.page(slot))
+        device_to_host(pool, [], host, [])
+        host_to_device(host, [], pool, [])
+        assert len(slots) == 9
+
+
+def test_copy_rejects_mismatches() -> None:
+    p = make_profile()
+    with KVPools(p) as kv, HostPool(p, 4, "full", pin_memory=False) as host:
+        with pytest.raises(CopyError, match="kinds"):
+            device_to_host(kv.pool("swa"), [1], host, [1])
+        with pytest.raises(CopyError, match="out of range"):
+            device_to_host(kv.full, [0], host, [1])
+        with pytest.raises(CopyError, match="out of range"):
+            host_to_device(host, [4], kv.full, [1])
+        with pytest.raises(CopyError, match="twice"):
+            host_to_device(host, [1, 2], kv.full, [3, 3])
+        with pytest.raises(CopyError, match="slots"):
+            device_to_host(kv.full, [1, 2], host, [1])
+        other = make_profile(head_dim=16)
+        with HostPool(other, 3, "full", pin_memory=False) as wrong:
+            with pytest.raises(CopyError, match="page shapes"):
+                device_to_host(kv.full, [1], wrong, [1])
+        with HostPool(make_profile(dtype="float32"), 3, "full", pin_memory=False) as wrong:
+            with pytest.raises(CopyError, match="dtypes"):
+                device_to_host(kv.full, [1], wrong, [1])
+
+
+@pytest.mark.asyncio
+async def test_copies_run_off_the_event_loop() -> None:
+    """A ticking task keeps being served while large copies run."""
+    p = make_profile(name="big", page_size=16, num_full_layers=8, num_kv_heads=8, head_dim=128,
+                     sliding_window=None, num_swa_layers=0, swa_pages=0, full_pages=257)
+    # 256 pages x 512 KiB = 128 MiB each way
+    with KVPools(p) as kv, HostPool(p, 257, "full", pin_memory=False) as host:
+        pool = kv.full
+        pages = list(range(1, 257))
+        slots = [host.store(h(i)) for i in range(256)]
+        loop_thread = threading.get_ident()
+        copy_threads: set[int] = set()
+
+        def copies_for(seconds: float) -> int:
+            copy_threads.add(threading.get_ident())
+            end, n = time.monotonic() + seconds, 0
+            while time.monotonic() < end or n < 2:
+                device_to_host(pool, pages, host, slots)
+                host_to_device(host, slots, pool, pages)
+                n += 2
+            return n
+
+        ticks: list[float] = []
+        stop = asyncio.Event()
+
+        async def ticker() -> None:
+            while not stop.is_set():
+                ticks.append(time.monotonic())
+                await asyncio.sleep(0.002)
+
+        task = asyncio.create_task(ticker())
+        await asyncio.sleep(0.01)
+        start = time.monotonic()
+        n = await run_copy(copies_for, 0.5)
+        elapsed = time.monotonic() - start
+        stop.set()
+        await task
+        during = [t for t in ticks if start <= t <= start + elapsed]
+        assert n >= 2 and elapsed >= 0.5
+        assert copy_threads and loop_thread not in copy_threads
+        # served about every 2 ms; demand a tenth of that rate to stay robust on a busy machine
+        assert len(during) >= 25, (len(during), elapsed)
+        gaps = [b - a for a, b in zip(during, during[1:], strict=False)]
+        assert max(gaps) < 0.2
+
+        # and run_copy of the module's own copies returns their result
+        assert await run_copy(device_to_host, pool, pages[:4], host, slots[:4]) is None
+        assert as_bytes(host.page(slots[0])) == as_bytes(pool.page(1))
+
+
+# -- CUDA ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.asyncio
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+async def test_cuda_round_trip_on_copy_stream(dtype: str) -> None:
+    p = make_profile(device="cuda", dtype=dtype, page_size=16, sliding_window=32,
+                     full_pages=64, swa_pages=40)
+    with KVPools(p) as kv:
+        for kind in ("full", "swa"):
+            pool = kv.pool(kind)
+            assert pool.device.type == "cuda"
+            raw = pool.buffer.view(torch.uint8)
+            raw[:, :, 1:].copy_(torch.randint(0, 256, raw[:, :, 1:].shape, dtype=torch.uint8,
+                                              device=pool.device))
+            torch.cuda.synchronize()
+            with HostPool(p, 32, kind) as host:
+                assert host.pinned and host.buffer.is_pinned()
+                pages = list(range(pool.num_pages - 1, pool.num_pages - 21, -1))
+                slots = [host.store(h(i)) for i in range(20)]
+                for s in slots[5:8]:  # make the slots non-consecutive
+                    host.release(s)
+                slots = slots[:5] + slots[8:] + [host.store(h(100 + i)) for i in range(3)]
+                ticks = 0
+
+                async def tick() -> None:
+                    nonlocal ticks
+                    while True:
+                        ticks += 1
+                        await asyncio.sleep(0)
+
+                task = asyncio.create_task(tick())
+                await run_copy(device_to_host, pool, pages, host, slots)
+                for pg, slot in zip(pages, slots, strict=True):
+                    assert bytes(host.page_bytes(slot)) == as_bytes(pool.page(pg).cpu())
+                saved = as_bytes(pool.buffer.cpu())
+                raw[:, :, 1:].zero_()
+                await run_copy(host_to_device, host, slots, pool, pages)
+                task.cancel()
+                after = pool.buffer.cpu()
+                before = torch.frombuffer(bytearray(saved), dtype=torch.uint8).view(raw.shape)
+                for pg in pages:
+                    assert as_bytes(after[:, :, pg]) == as_bytes(before[:, :, pg])
+                assert ticks >= 1
+                assert host.audit() == []

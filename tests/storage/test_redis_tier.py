@@ -1,0 +1,404 @@
+"""RedisTier against real Redis: round trips, verification, TTL, Redis down/slow, Cluster."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import socket
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+import redis as redis_sync
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from daemon.storage.codec import encode_page
+from daemon.storage.redis_tier import CLOSED, HALF_OPEN, OPEN, CircuitBreaker, RedisTier
+
+SHARED_URL = "redis://127.0.0.1:6379/0"
+FP = bytes(range(32))
+OP_TIMEOUT = 0.3
+
+pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None,
+                                reason="redis-server is not installed")
+
+
+def _hashes(n: int, salt: bytes) -> list[bytes]:
+    import hashlib
+
+    return [hashlib.sha256(salt + i.to_bytes(4, "little")).digest() for i in range(n)]
+
+
+def _page(h: bytes, pool: str = "full", size: int = 8192, page_size: int = 16) -> bytes:
+    payload = (h * (size // 32 + 1))[:size]
+    return encode_page(pool=pool, page_hash=h, fingerprint=FP,
+                       tokens=list(range(page_size)), payload=payload)
+
+
+def _prefix() -> str:
+    return f"radixd-test:{uuid.uuid4().hex}:"
+
+
+def _cleanup(client: redis_sync.Redis, prefix: str) -> None:
+    keys = list(client.scan_iter(match=prefix + "*", count=1000))
+    if keys:
+        client.delete(*keys)
+
+
+@pytest_asyncio.fixture
+async def shared():
+    prefix = _prefix()
+    tier = RedisTier(SHARED_URL, key_prefix=prefix, ttl_seconds=0, op_timeout=2.0,
+                     connect_timeout=2.0, max_pipeline=8)
+    raw = redis_sync.Redis.from_url(SHARED_URL)
+    try:
+        yield tier, raw
+    finally:
+        await tier.aclose()
+        _cleanup(raw, prefix)
+        raw.close()
+
+
+# -- servers this test file starts itself ----------------------------------------------------
+
+
+def _free_port(also_bus: bool = False) -> int:
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port > 55000 and also_bus:
+            continue
+        if also_bus:
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port + 10000))
+                except OSError:
+                    continue
+        return port
+    raise RuntimeError("no free port")
+
+
+class Server:
+    def __init__(self, port: int, workdir: Path, *extra: str) -> None:
+        self.port = port
+        self.workdir = workdir
+        self.extra = extra
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
+             "--save", "", "--appendonly", "no", "--dir", str(self.workdir), *self.extra],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                if redis_sync.Redis(port=self.port, socket_timeout=0.5).ping():
+                    return
+            except redis_sync.RedisError:
+                time.sleep(0.02)
+        raise RuntimeError(f"redis-server on port {self.port} did not start")
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        self.proc = None
+
+
+@pytest.fixture
+def own_server(tmp_path):
+    srv = Server(_free_port(), tmp_path, "--enable-debug-command", "yes")
+    try:
+        srv.start()
+        yield srv
+    finally:
+        srv.kill()
+
+
+# -- against the shared server ---------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_round_trip_byte_exact(shared) -> None:
+    tier, raw = shared
+    hs = _hashes(20, b"rt")
+    full = [_page(h, "full", size=4096 + i) for i, h in enumerate(hs)]
+    swa = [_page(h, "swa", size=1024 + i) for i, h in enumerate(hs[-4:])]
+    assert await tier.set_pages(full + swa) == 24
+    assert raw.exists(tier.key(hs[0])) and raw.exists(tier.key(hs[-1], "swa"))
+    assert tier.key(hs[-1], "swa") == tier.key(hs[-1]) + ":swa"
+    assert raw.get(tier.key(hs[3])) == full[3]  # one key, the encoded value as is
+
+    got = await tier.get_pages(hs, "full", FP)
+    assert all(p is not None for p in got)
+    for p, v, h in zip(got, full, hs, strict=True):
+        assert p.page_hash == h and bytes(p.payload) == v[-len(p.payload):]
+        assert p.token_ids() == list(range(16))
+    got_swa = await tier.get_pages(hs, "swa", FP)
+    assert [p is not None for p in got_swa] == [False] * 16 + [True] * 4
+    assert bytes(got_swa[-1].payload) == swa[-1][-len(got_swa[-1].payload):]
+
+    assert await tier.exists_prefix(hs) == 20
+    assert await tier.exists_prefix(hs, "swa") == 0
+    assert await tier.exists_prefix(hs[-4:], "swa") == 4
+    assert await tier.exists_prefix([]) == 0
+
+    s = tier.stats
+    assert s["sets"] == 24 and s["gets"] == 40 and s["hits"] == 24 and s["misses"] == 16
+    assert s["bytes_written"] == sum(map(len, full + swa))
+    assert s["bytes_read"] == s["bytes_written"]
+    assert s["corrupt"] == s["timeouts"] == s["errors"] == 0
+    assert s["breaker_state"] == CLOSED
+
+    assert await tier.delete(hs[:2]) == 2
+    again = await tier.get_pages(hs[:3], "full", FP)
+    assert again[:2] == [None, None] and bytes(again[2].payload) == bytes(got[2].payload)
+    assert not raw.exists(tier.key(hs[0]))
+    assert raw.ttl(tier.key(hs[5])) == -1  # no TTL configured: persistent
+
+
+@pytest.mark.asyncio
+async def test_exists_prefix_counts_leading_run_only(shared) -> None:
+    tier, _ = shared
+    hs = _hashes(30, b"lead")
+    # stored: 0..11, 13..29 (a gap at 12) -> leading run is 12, across pipeline chunks of 8
+    assert await tier.set_pages([_page(h) for i, h in enumerate(hs) if i != 12]) == 29
+    assert await tier.exists_prefix(hs) == 12
+    assert await tier.exists_prefix(hs[13:]) == 17
+    assert await tier.exists_prefix(hs[12:]) == 0
+    assert await tier.exists_prefix(list(reversed(hs[:12]))) == 12
+
+
+@pytest.mark.asyncio
+async def test_ttl_applied() -> None:
+    prefix = _prefix()
+    tier = RedisTier(SHARED_URL, key_prefix=prefix, ttl_seconds=120)
+    raw = redis_sync.Redis.from_url(SHARED_URL)
+    try:
+        hs = _hashes(3, b"ttl")
+        assert await tier.set_pages([_page(h) for h in hs] + [_page(hs[0], "swa")]) == 4
+        for key in [tier.key(h) for h in hs] + [tier.key(hs[0], "swa")]:
+            assert 100 < raw.ttl(key) <= 120
+    finally:
+        await tier.aclose()
+        _cleanup(raw, prefix)
+        raw.close()
+
+
+@pytest.mark.asyncio
+async def test_corrupt_value_is_counted_deleted_and_missed(shared) -> None:
+    tier, raw = shared
+    hs = _hashes(5, b"bad")
+    values = [_page(h) for h in hs]
+    assert await tier.set_pages(values) == 5
+    flipped = bytearray(values[1])
+    flipped[-100] ^= 0x40
+    raw.set(tier.key(hs[1]), bytes(flipped))                      # payload bit flip
+    raw.set(tier.key(hs[2]), values[2][:-10])                     # truncated
+    raw.set(tier.key(hs[3]), values[4])                           # another page's value
+    other_fp = encode_page(pool="full", page_hash=hs[4], fingerprint=bytes(32),
+                           tokens=list(range(16)), payload=b"z" * 64)
+    raw.set(tier.key(hs[4]), other_fp)                            # another model layout
+
+    got = await tier.get_pages(hs, "full", FP)
+    assert got[0] is not None and got[1:] == [None] * 4
+    assert tier.stats["corrupt"] == 4 and tier.stats["hits"] == 1
+    assert [raw.exists(tier.key(h)) for h in hs] == [1, 0, 0, 0, 0]
+    # a swa value under the full key is a wrong-pool mismatch
+    raw.set(tier.key(hs[0]), _page(hs[0], "swa"))
+    assert (await tier.get_pages(hs[:1], "full", FP)) == [None]
+    assert tier.stats["corrupt"] == 5 and not raw.exists(tier.key(hs[0]))
+    assert tier.stats["breaker_state"] == CLOSED and tier.stats["errors"] == 0
+
+
+def test_cluster_prefix_without_hash_tag_and_url_checks() -> None:
+    with pytest.raises(ValueError):
+        RedisTier("redis+cluster://127.0.0.1:7000", key_prefix="radixd:{ns}:")
+    with pytest.raises(ValueError):
+        RedisTier("http://127.0.0.1:6379", key_prefix="p:")
+    t = RedisTier("rediss://user:secret@127.0.0.1:6390/2", key_prefix="p:")
+    kw = t._client.connection_pool.connection_kwargs
+    assert kw["username"] == "user" and kw["password"] == "secret" and kw["db"] == 2
+    assert kw["socket_timeout"] == t.op_timeout and kw["retry"].get_retries() == 1
+    assert t._client.connection_pool.connection_class.__name__ == "SSLConnection"
+
+
+# -- Redis down, slow, and back --------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_redis_down_breaker_opens_and_recovers(own_server) -> None:
+    url = f"redis://127.0.0.1:{own_server.port}/0"
+    tier = RedisTier(url, key_prefix=_prefix(), op_timeout=OP_TIMEOUT, connect_timeout=OP_TIMEOUT,
+                     breaker_threshold=3, breaker_open_seconds=0.5)
+    hs = _hashes(6, b"down")
+    values = [_page(h) for h in hs]
+    try:
+        assert await tier.set_pages(values) == 6
+        assert await tier.exists_prefix(hs) == 6
+
+        own_server.kill()
+        # closed -> failures: every call is a miss within the timeout bound, never an exception
+        for _ in range(3):
+            t0 = time.monotonic()
+            assert await tier.exists_prefix(hs) == 0
+            assert time.monotonic() - t0 < OP_TIMEOUT + 0.5
+        assert tier.stats["breaker_state"] == OPEN and tier.stats["breaker_opens"] == 1
+        # open: answered at once, without touching the network
+        t0 = time.monotonic()
+        assert await tier.get_pages(hs, "full", FP) == [None] * 6
+        assert await tier.set_pages(values) == 0
+        assert await tier.delete(hs) == 0
+        assert time.monotonic() - t0 < 0.05
+        s = tier.stats
+        assert s["breaker_rejects"] >= 3 and s["set_failures"] == 6 and s["misses"] == 6
+
+        # half-open probe while still down: fails and re-opens
+        await asyncio.sleep(0.55)
+        assert await tier.exists_prefix(hs) == 0
+        assert tier.stats["breaker_state"] == OPEN and tier.stats["breaker_opens"] == 2
+
+        own_server.start()  # same port, empty (no persistence)
+        await asyncio.sleep(0.55)
+        assert await tier.set_pages(values) == 6  # the probe: succeeds and closes
+        assert tier.stats["breaker_state"] == CLOSED
+        assert list(tier.breaker.history)[-3:] == [OPEN, HALF_OPEN, CLOSED]
+        got = await tier.get_pages(hs, "full", FP)
+        assert [bytes(p.payload) for p in got] == [v[-len(p.payload):] for p, v in
+                                                   zip(got, values, strict=True)]
+        assert tier.stats["timeouts"] + tier.stats["errors"] >= 4
+    finally:
+        await tier.aclose()
+
+
+@pytest.mark.asyncio
+async def test_slow_redis_is_a_miss_within_timeout(own_server) -> None:
+    url = f"redis://127.0.0.1:{own_server.port}/0"
+    tier = RedisTier(url, key_prefix=_prefix(), op_timeout=OP_TIMEOUT, breaker_threshold=5,
+                     breaker_open_seconds=0.5)
+    hs = _hashes(4, b"slow")
+    try:
+        assert await tier.set_pages([_page(h) for h in hs]) == 4
+        blocker = redis_sync.Redis(port=own_server.port, socket_timeout=5)
+        sleeper = asyncio.get_running_loop().run_in_executor(
+            None, lambda: blocker.execute_command("DEBUG", "SLEEP", "2.0"))
+        # wait until the server is inside DEBUG SLEEP (it stops answering)
+        # (no retries: redis-py's default would retry the timed-out PING through the sleep)
+        probe = redis_sync.Redis(port=own_server.port, socket_timeout=0.05,
+                                 retry=Retry(NoBackoff(), 0))
+        deadline = time.monotonic() + 2
+        while time.monotonic() < deadline:
+            try:
+                probe.ping()
+                await asyncio.sleep(0.01)
+            except redis_sync.TimeoutError:
+                break
+        probe.close()
+        for call in (tier.exists_prefix(hs), tier.get_pages(hs, "full", FP),
+                     tier.set_pages([_page(hs[0])])):
+            t0 = time.monotonic()
+            result = await call
+            assert time.monotonic() - t0 < OP_TIMEOUT + 0.2
+            assert result in (0, [None] * 4)
+        assert tier.stats["timeouts"] >= 3 and tier.stats["breaker_state"] == CLOSED
+        await sleeper
+        blocker.close()
+        # the server is responsive again; the timed-out connections did not poison the pool
+        got = await tier.get_pages(hs, "full", FP)
+        assert all(p is not None for p in got)
+        assert await tier.exists_prefix(hs) == 4
+    finally:
+        await tier.aclose()
+
+
+# -- Redis Cluster ---------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_cluster_round_trip(tmp_path) -> None:
+    servers: list[Server] = []
+    try:
+        ports: list[int] = []
+        while len(ports) < 3:
+            p = _free_port(also_bus=True)
+            if p not in ports:
+                ports.append(p)
+        for i, p in enumerate(ports):
+            d = tmp_path / f"n{i}"
+            d.mkdir()
+            srv = Server(p, d, "--cluster-enabled", "yes", "--cluster-config-file",
+                         str(d / "nodes.conf"), "--cluster-node-timeout", "2000")
+            servers.append(srv)
+            srv.start()
+        subprocess.run(["redis-cli", "--cluster", "create",
+                        *(f"127.0.0.1:{p}" for p in ports),
+                        "--cluster-replicas", "0", "--cluster-yes"],
+                       check=True, capture_output=True, timeout=30)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            infos = [redis_sync.Redis(port=p).execute_command("CLUSTER", "INFO") for p in ports]
+            if all(b"cluster_state:ok" in (i if isinstance(i, bytes) else str(i).encode())
+                   for i in infos):
+                break
+            await asyncio.sleep(0.1)
+        else:
+            pytest.fail("cluster did not reach cluster_state:ok")
+
+        tier = RedisTier(f"redis+cluster://127.0.0.1:{ports[0]}", key_prefix=_prefix(),
+                         op_timeout=2.0, connect_timeout=2.0, ttl_seconds=60, max_pipeline=16)
+        try:
+            assert tier.cluster
+            hs = _hashes(48, b"cluster")
+            values = [_page(h, size=2048) for h in hs] + [_page(h, "swa", 512) for h in hs[-8:]]
+            assert await tier.set_pages(values) == 56
+            assert await tier.exists_prefix(hs) == 48
+            assert await tier.exists_prefix(hs[-8:], "swa") == 8
+            got = await tier.get_pages(hs, "full", FP)
+            assert [bytes(p.payload) for p in got] == [v[-2048:] for v in values[:48]]
+            # the pages spread over the three nodes
+            per_node = [redis_sync.Redis(port=p).dbsize() for p in ports]
+            assert all(n > 0 for n in per_node) and sum(per_node) == 56
+            assert await tier.delete(hs[:10]) == 10
+            assert await tier.exists_prefix(hs) == 0
+            assert tier.stats["errors"] == tier.stats["timeouts"] == 0
+        finally:
+            await tier.aclose()
+    finally:
+        for srv in servers:
+            srv.kill()
+
+
+def test_environment_has_redis_cli() -> None:
+    assert shutil.which("redis-cli") is not None, os.environ.get("PATH")
+
+
+def test_breaker_state_machine_single_probe() -> None:
+    now = [0.0]
+    b = CircuitBreaker(threshold=2, open_seconds=1.0, clock=lambda: now[0])
+    b.record(b.admit(), ok=False)
+    b.record(b.admit(), ok=True)  # success resets the consecutive count
+    b.record(b.admit(), ok=False)
+    assert b.state == CLOSED
+    b.record(b.admit(), ok=False)
+    assert b.state == OPEN and b.opens == 1 and b.admit() is None
+    now[0] = 1.0
+    assert b.admit() == "probe" and b.state == HALF_OPEN
+    assert b.admit() is None  # only one probe at a time
+    b.abandon("probe")  # the probe was cancelled: another call may probe
+    t = b.admit()
+    assert t == "probe"
+    b.record(t, ok=False)
+    assert b.state == OPEN and b.opens == 2
+    now[0] = 2.5
+    t = b.admit()
+    b.record("call", ok=False)  # a straggler admitted earlier does not change half-open
+    b.record(t, ok=True)
+    assert b.state == CLOSED and b.failures == 0
+    assert list(b.history) == [CLOSED, OPEN, HALF_OPEN, OPEN, HALF_OPEN, CLOSED]
