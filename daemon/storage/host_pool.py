@@ -232,6 +232,10 @@ class HostPool:
 
         Raises :class:`OutOfPages` when no slot is free and ``ValueError`` when the hash is
         already held (use :meth:`acquire`: content is stored once).
+
+        The hash is indexed at once, before the caller's copy has filled the slot: whoever wires
+        this to the tree must keep such slots pending until the copy completes, or a second tree
+        could ``acquire`` a slot that is still being written.
         """
         _check_hash(page_hash)
         if page_hash in self._slot_of:
