@@ -93,6 +93,19 @@ radixd_redis() {
     return 1
 }
 
+radixd_systemd_tools() {
+    # The systemd tests verify the unit files and drive socket activation with the real tools.
+    local tool
+    for tool in systemd-analyze systemd-socket-activate systemd-sysusers systemd-tmpfiles; do
+        if ! command -v "${tool}" >/dev/null 2>&1; then
+            _radixd_log "installing systemd's tools (unit verification, socket activation)"
+            _radixd_as_root env DEBIAN_FRONTEND=noninteractive apt-get update -qq
+            _radixd_as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq systemd
+            return 0
+        fi
+    done
+}
+
 radixd_chromium() {
     # The status-page test renders the admin page in headless Chromium (Debian's `chromium`).
     if [[ -x /usr/bin/chromium ]]; then

@@ -9,5 +9,6 @@ source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 radixd_venv
 radixd_redis
 radixd_chromium
+radixd_systemd_tools
 cd "${RADIXD_ROOT}"
 exec "${RADIXD_PY}" -m pytest "$@"

@@ -265,9 +265,8 @@ def _fields(info: P.PoolInfo) -> dict[str, Any]:
     return {f: getattr(info, f) for f in info.__struct_fields__}
 
 
+@pytest.mark.cpu_only
 def test_cuda_ipc_without_cuda_is_a_clear_error() -> None:
-    if torch.cuda.is_available():
-        pytest.skip("this machine has CUDA; see test_cuda_ipc_attach")
     info = P.PoolInfo(pool="full", kind="cuda_ipc", fd_index=-1, dtype="bfloat16",
                       shape=[1, 2, 2, 4, 1, 8], nbytes=256, device="cuda:0", handle=b"x")
     with pytest.raises(PoolError, match="needs torch with CUDA"):

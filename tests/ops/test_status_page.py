@@ -11,7 +11,7 @@ A screenshot goes to ``$RADIXD_ARTIFACTS/status_page.png`` (default ``build/arti
 by git); its path is printed in the test output.
 
 Chromium is Debian's ``chromium`` package; ``scripts/test.sh`` installs it (``radixd_chromium`` in
-``scripts/_env.sh``). Without it the browser tests are skipped, the static checks still run.
+``scripts/_env.sh``), so the browser tests require it.
 """
 
 from __future__ import annotations
@@ -41,9 +41,6 @@ CHROMIUM = "/usr/bin/chromium"
 ADMIN_TOKEN = "test-admin-token"
 P = SMALL_MODEL["page_size"]
 
-needs_chromium = pytest.mark.skipif(
-    not os.access(CHROMIUM, os.X_OK),
-    reason=f"{CHROMIUM} missing (Debian package chromium; scripts/test.sh installs it)")
 
 
 # ---------------------------------------------------------------------------------------- helpers
@@ -255,7 +252,6 @@ def drive_traffic(sock: str) -> Client:
     return open_session
 
 
-@needs_chromium
 def test_status_page_renders_what_the_api_says(admin_daemon, tmp_path: Path,
                                                capsys: pytest.CaptureFixture[str]) -> None:
     d = admin_daemon({
@@ -321,7 +317,6 @@ def test_status_page_renders_what_the_api_says(admin_daemon, tmp_path: Path,
         open_session.close()
 
 
-@needs_chromium
 def test_status_page_asks_for_a_token(admin_daemon, tmp_path: Path) -> None:
     """No token in the fragment or storage: a form; a wrong one: rejected, no data shown."""
     base = admin_daemon({"admin": {"token": ADMIN_TOKEN}}).admin_url

@@ -24,8 +24,6 @@ SHARED_URL = "redis://127.0.0.1:6379/0"
 FP = bytes(range(32))
 OP_TIMEOUT = 0.3
 
-pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None,
-                                reason="redis-server is not installed")
 
 
 def _hashes(n: int, salt: bytes) -> list[bytes]:
