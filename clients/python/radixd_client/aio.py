@@ -21,14 +21,13 @@ import contextlib
 import logging
 import os
 import socket
-from array import array
 from collections.abc import AsyncIterator
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from .client import MAX_FDS, _BatchBuilder
+from .client import _MIN_RESPONSE_CAP, MAX_FDS, _apply_hello, _BatchBuilder, _take_fds
 from .errors import (
     ConnectFailed,
     ConnectionLost,
@@ -82,7 +81,6 @@ __all__ = ["AsyncClient", "AsyncClientBatch"]
 log = logging.getLogger("radixd_client")
 
 _INITIAL_BUFFER = 64 * 1024
-_MIN_RESPONSE_CAP = 1 << 30
 
 
 class _Broken(Exception):
@@ -195,16 +193,7 @@ class AsyncClient:
         except BaseException:
             await self.close()
             raise
-        self.hello_result = hello
-        self.session = hello.session
-        self.instance = hello.instance
-        self.version = hello.version
-        self.tenant = hello.tenant
-        self.namespace = hello.namespace
-        self.models = {m.name: m for m in hello.models}
-        self.limits = hello.limits
-        self._max_request = hello.limits.max_frame_bytes
-        self._max_response = max(_MIN_RESPONSE_CAP, 4 * hello.limits.max_frame_bytes)
+        _apply_hello(self, hello)
         if hello.limits.max_inflight > 0:
             self._slots = asyncio.Semaphore(hello.limits.max_inflight)
         return self
@@ -287,11 +276,7 @@ class AsyncClient:
             except (BlockingIOError, InterruptedError):
                 await self._readable()
                 continue
-            for level, kind, cdata in ancdata:
-                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                    usable = len(cdata) - len(cdata) % 4
-                    fds.extend(array("i", cdata[:usable]))
-            if msg_flags & getattr(socket, "MSG_CTRUNC", 0):
+            if not _take_fds(ancdata, msg_flags, fds):
                 raise _Broken(f"an attach response carried more than {MAX_FDS} descriptors")
             if not data:
                 raise _Broken("the daemon closed the connection during attach")

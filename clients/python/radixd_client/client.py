@@ -89,6 +89,30 @@ _INITIAL_BUFFER = 64 * 1024
 _MIN_RESPONSE_CAP = 1 << 30
 
 
+def _apply_hello(client: Any, hello: HelloResult) -> None:
+    """What a session learns from its hello, as attributes (shared by both clients)."""
+    client.hello_result = hello
+    client.session = hello.session
+    client.instance = hello.instance
+    client.version = hello.version
+    client.tenant = hello.tenant
+    client.namespace = hello.namespace
+    client.models = {m.name: m for m in hello.models}
+    client.limits = hello.limits
+    client._max_request = hello.limits.max_frame_bytes
+    client._max_response = max(_MIN_RESPONSE_CAP, 4 * hello.limits.max_frame_bytes)
+
+
+def _take_fds(ancdata: list[tuple[int, int, bytes]], msg_flags: int, fds: list[int]) -> bool:
+    """Append the SCM_RIGHTS descriptors of one recvmsg to ``fds``; False if some were cut off
+    (the caller treats that as a broken stream)."""
+    for level, kind, cdata in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            usable = len(cdata) - len(cdata) % 4
+            fds.extend(array("i", cdata[:usable]))
+    return not msg_flags & getattr(socket, "MSG_CTRUNC", 0)
+
+
 def pages(data: bytes | bytearray | memoryview) -> array:
     """Page ids (or tokens) as returned by the daemon, as an ``array('i')``.
 
@@ -363,16 +387,7 @@ class Client:
         except BaseException:
             self.close()
             raise
-        self.hello_result = hello
-        self.session = hello.session
-        self.instance = hello.instance
-        self.version = hello.version
-        self.tenant = hello.tenant
-        self.namespace = hello.namespace
-        self.models = {m.name: m for m in hello.models}
-        self.limits = hello.limits
-        self._max_request = hello.limits.max_frame_bytes
-        self._max_response = max(_MIN_RESPONSE_CAP, 4 * hello.limits.max_frame_bytes)
+        _apply_hello(self, hello)
 
     # -- frame I/O ------------------------------------------------------------------------------
 
@@ -630,11 +645,7 @@ class Client:
         flags = getattr(socket, "MSG_CMSG_CLOEXEC", 0)
         while len(out) < n:
             data, ancdata, msg_flags, _addr = sock.recvmsg(n - len(out), space, flags)
-            for level, kind, cdata in ancdata:
-                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                    usable = len(cdata) - len(cdata) % 4
-                    fds.extend(array("i", cdata[:usable]))
-            if msg_flags & getattr(socket, "MSG_CTRUNC", 0):
+            if not _take_fds(ancdata, msg_flags, fds):
                 raise self._broken(f"the attach response carried more than {MAX_FDS} "
                                    "descriptors")
             if not data:
