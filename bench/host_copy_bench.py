@@ -26,7 +26,6 @@ if _ROOT not in sys.path:
 
 import argparse  # noqa: E402
 import hashlib  # noqa: E402
-import json  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
@@ -34,6 +33,7 @@ from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 
+from bench._common import write_json  # noqa: E402
 from daemon.gpu.pools import KVPools  # noqa: E402
 from daemon.gpu.profile import ModelProfile  # noqa: E402
 from daemon.storage.copies import device_to_host, host_to_device  # noqa: E402
@@ -114,9 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         shown = f"{value:.3f}" if isinstance(value, float) else str(value)
         print(f"{key:<{width}}  {shown}")
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(figures, f, indent=2, sort_keys=True)
-            f.write("\n")
+        write_json(args.json, figures)
     return 0 if figures["verified"] else 1
 
 

@@ -19,7 +19,6 @@ for _p in (_ROOT, os.path.join(_ROOT, "clients", "python")):
 
 import argparse  # noqa: E402
 import gc  # noqa: E402
-import json  # noqa: E402
 import multiprocessing as mp  # noqa: E402
 import random  # noqa: E402
 import signal  # noqa: E402
@@ -31,6 +30,8 @@ import time  # noqa: E402
 from array import array  # noqa: E402
 
 from radixd_client import Client  # noqa: E402
+
+from bench._common import write_json  # noqa: E402
 
 MODEL = "bench"
 PAGE = 64
@@ -137,19 +138,24 @@ def _mixed_ops(c: Client, tokens: bytes) -> int:
     return 3
 
 
+def _mixed_loop(c: Client, reqs: list[bytes], seconds: float) -> tuple[int, float]:
+    """Mixed operations for ``seconds``: (operations done, seconds taken)."""
+    ops = i = 0
+    t0 = time.perf_counter()
+    deadline = t0 + seconds
+    while time.perf_counter() < deadline:
+        ops += _mixed_ops(c, reqs[i % len(reqs)])
+        i += 1
+    return ops, time.perf_counter() - t0
+
+
 def _client_worker(path: str, seconds: float, seed: int, q: mp.Queue) -> None:
     rng = random.Random(seed)
     with Client(path, client_name=f"bench-{seed}") as c:
         prefixes = [[rng.randrange(1, 100_000) for _ in range(4 * PAGE)] for _ in range(8)]
         for p in prefixes:
             _cache_prompt(c, array("i", p).tobytes())
-        reqs = _requests(rng, prefixes)
-        ops = i = 0
-        deadline = time.perf_counter() + seconds
-        while time.perf_counter() < deadline:
-            ops += _mixed_ops(c, reqs[i % len(reqs)])
-            i += 1
-        q.put(ops)
+        q.put(_mixed_loop(c, _requests(rng, prefixes), seconds)[0])
 
 
 def _throughput(path: str, clients: int, seconds: float) -> float:
@@ -213,14 +219,8 @@ def run(quick: bool, pin: bool = True) -> dict[str, float]:
             prefixes = [[rng.randrange(1, 100_000) for _ in range(4 * PAGE)] for _ in range(8)]
             for p in prefixes:
                 _cache_prompt(c, array("i", p).tobytes())
-            reqs = _requests(rng, prefixes)
-            ops = i = 0
-            deadline = time.perf_counter() + seconds
-            t0 = time.perf_counter()
-            while time.perf_counter() < deadline:
-                ops += _mixed_ops(c, reqs[i % len(reqs)])
-                i += 1
-            ops1 = ops / (time.perf_counter() - t0)
+            ops, elapsed = _mixed_loop(c, _requests(rng, prefixes), seconds)
+            ops1 = ops / elapsed
         if pin:
             os.sched_setaffinity(0, all_cpus)
             for tid in os.listdir(f"/proc/{d.proc.pid}/task"):
@@ -267,10 +267,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         print(f"{k.ljust(width)}  {v:>12}{mark}")
     print(f"total {time.perf_counter() - t:.1f} s")
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as fh:
-            json.dump(figures, fh, indent=1, sort_keys=True)
-            fh.write("\n")
+        write_json(args.json, figures)
     return figures
 
 

@@ -32,7 +32,6 @@ if _ROOT not in sys.path:
 
 import argparse  # noqa: E402
 import gc  # noqa: E402
-import json  # noqa: E402
 import random  # noqa: E402
 import time  # noqa: E402
 import tracemalloc  # noqa: E402
@@ -40,6 +39,7 @@ from array import array  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 
+from bench._common import write_json  # noqa: E402
 from daemon.gpu.allocator import PairedAllocator  # noqa: E402
 from daemon.tree import RadixTree  # noqa: E402
 
@@ -542,11 +542,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     print(format_table(figures, args.quick))
     print(f"total {time.perf_counter() - t:.1f} s")
     if args.json:
-        d = os.path.dirname(os.path.abspath(args.json))
-        os.makedirs(d, exist_ok=True)
-        with open(args.json, "w") as fh:
-            json.dump(figures, fh, indent=1, sort_keys=True)
-            fh.write("\n")
+        write_json(args.json, figures)
     return figures
 
 

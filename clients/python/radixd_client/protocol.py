@@ -115,33 +115,26 @@ class Free(Request, tag="free"):
     swa_pages: bytes = b""
 
 
-class Insert(Request, tag="insert"):
+class _Computed(Request):
+    """The fields of every request that hands computed pages to the tree (not an operation)."""
+
     model: str
     tokens: bytes
     full_pages: bytes
     swa_pages: bytes = b""
     prev_prefix_len: int = 0
     swa_evicted_len: int = 0
+
+
+class Insert(_Computed, tag="insert"):
     lock: bool = False
 
 
-class CacheUnfinished(Request, tag="cache_unfinished"):
-    model: str
-    tokens: bytes
-    full_pages: bytes
-    swa_pages: bytes = b""
-    prev_prefix_len: int = 0
-    swa_evicted_len: int = 0
+class CacheUnfinished(_Computed, tag="cache_unfinished"):
     receipt: int | None = None
 
 
-class CacheFinished(Request, tag="cache_finished"):
-    model: str
-    tokens: bytes
-    full_pages: bytes
-    swa_pages: bytes = b""
-    prev_prefix_len: int = 0
-    swa_evicted_len: int = 0
+class CacheFinished(_Computed, tag="cache_finished"):
     receipt: int | None = None
 
 
