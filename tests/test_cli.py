@@ -53,6 +53,9 @@ def test_config_show_redacts_tokens(tmp_path: Path, capsys: pytest.CaptureFixtur
         ("[[tenants]]\nname = \"a\"\ntoken = \"x\"\n[[tenants]]\nname = \"b\"\ntoken = \"x\"\n",
          "same token"),
         ("[admin]\nhost = \"0.0.0.0\"\n", "admin.host"),
+        ("[server]\nhello_timeout_s = 0\n", "server.hello_timeout_s"),
+        ("[server]\nmax_locks_per_session = 0\n", "server.max_locks_per_session"),
+        ("[[models]]\nname = \"m\"\nnum_swa_layers = 1\nsliding_window = 0\n", "num_swa_layers"),
     ],
 )
 def test_bad_config_is_rejected_naming_the_key(tmp_path: Path, capsys, toml: str, key: str) -> None:
