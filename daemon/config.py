@@ -143,6 +143,18 @@ class ModelConfig(_Section):
     eviction_policy: str = Field("lru-depth", description="lru-depth (default) or lru")
     export_pools: bool = Field(True, description="allocate the KV pools and share them with "
                                                  "engines (off: bookkeeping only)")
+    host_pages: int = Field(4096, ge=0, description="host (L2) pages for the full pool, each one "
+                                                    "page of every full layer; 0: no host tier "
+                                                    "(nor with export_pools = false)")
+    host_swa_pages: int = Field(1024, ge=0, description="host (L2) pages for the SWA pool (only "
+                                                        "the trailing window of a path is kept)")
+    write_policy: Literal["write_through", "write_through_selective", "write_back"] = Field(
+        "write_through", description="when device pages are copied to host: on insert, once a "
+                                     "node was hit write_through_threshold times, or when "
+                                     "evicted from device")
+    write_through_threshold: int = Field(2, ge=1, description="hits before a node is copied to "
+                                                              "host (write_through_selective)")
+    l3: bool = Field(True, description="use the L3 (Redis) tier for this model when l3.url is set")
 
     @field_validator("sliding_window")
     @classmethod
@@ -159,6 +171,9 @@ class ModelConfig(_Section):
     @model_validator(mode="after")
     def _profile(self) -> ModelConfig:
         self.profile()  # raises ProfileError naming the field
+        if self.host_pages == 1 or self.host_swa_pages == 1:
+            raise ValueError("host_pages and host_swa_pages: 0 (off) or at least 2 (page 0 is "
+                             "reserved)")
         return self
 
     def profile(self) -> ModelProfile:
@@ -174,6 +189,43 @@ class ModelConfig(_Section):
             raise ValueError(str(exc)) from None
 
 
+class L3Config(_Section):
+    url: str = Field("", description="Redis URL: redis://[user:password@]host:port/db, rediss:// "
+                                     "for TLS, redis+cluster:// for Redis Cluster; empty: no L3")
+    key_prefix: str = Field("radixd", description="prefix of every key (keys are "
+                                                  "<prefix>:<page hash>[:swa])")
+    ttl_s: int = Field(0, ge=0, description="expiry of stored pages in seconds; 0: none (leave "
+                                            "eviction to Redis maxmemory-policy allkeys-lru)")
+    write_policy: Literal["write_through", "write_back"] = Field(
+        "write_through", description="pages go to Redis when they reach host (write_through) or "
+                                     "when host evicts them (write_back)")
+    op_timeout_ms: int = Field(500, ge=1, description="bound on every Redis pipeline")
+    breaker_threshold: int = Field(3, ge=1, description="consecutive failed calls that open the "
+                                                        "circuit breaker")
+    breaker_open_s: float = Field(5.0, gt=0, description="seconds the breaker stays open before "
+                                                         "one half-open probe")
+    prefetch_timeout_ms: int = Field(200, ge=1, description="the wait of a prefetch with policy "
+                                                            "'timeout' and no timeout_ms")
+    max_connections: int = Field(32, ge=1, description="Redis connections in the pool")
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        if v and v.split("://", 1)[0] not in ("redis", "rediss", "unix", "redis+cluster",
+                                                "rediss+cluster"):
+            raise ValueError("must start with redis://, rediss://, unix://, redis+cluster:// or "
+                             f"rediss+cluster://, got {v.split('://', 1)[0]!r}")
+        return v
+
+    @field_validator("key_prefix")
+    @classmethod
+    def _prefix(cls, v: str) -> str:
+        if not v or "{" in v or "}" in v:
+            raise ValueError("must be non-empty and without braces (a Redis Cluster hash tag "
+                             "would put every page in one slot)")
+        return v
+
+
 class TenantConfig(_Section):
     name: str
     token: str | None = Field(None, description="the tenant's token (prefer token_sha256)")
@@ -184,6 +236,10 @@ class TenantConfig(_Section):
                               description="models the tenant may use ('*': all)")
     quota_full_pages: int = Field(0, ge=0, description="per model; 0: unlimited")
     quota_swa_pages: int = Field(0, ge=0, description="per model; 0: unlimited")
+    quota_host_pages: int = Field(0, ge=0, description="host (L2) pages of the tenant's "
+                                                       "namespace, per model; 0: unlimited")
+    quota_l3_bytes: int = Field(0, ge=0, description="bytes this daemon keeps in L3 for the "
+                                                     "tenant's namespace, per model; 0: unlimited")
 
     @field_validator("token_sha256")
     @classmethod
@@ -208,6 +264,7 @@ class Config(_Section):
     server: ServerConfig = Field(default_factory=ServerConfig)
     admin: AdminConfig = Field(default_factory=AdminConfig)
     checker: CheckerConfig = Field(default_factory=CheckerConfig)
+    l3: L3Config = Field(default_factory=L3Config)
     models: list[ModelConfig] = Field(default_factory=lambda: [ModelConfig()])
     tenants: list[TenantConfig] = Field(default_factory=list)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
@@ -237,7 +294,7 @@ class Config(_Section):
 
 
 ENV_PREFIX = "RADIXD_"
-_ENV_SECTIONS = {"SERVER": "server", "ADMIN": "admin", "CHECKER": "checker"}
+_ENV_SECTIONS = {"SERVER": "server", "ADMIN": "admin", "CHECKER": "checker", "L3": "l3"}
 
 
 def _env_overrides(env: dict[str, str]) -> dict[str, Any]:

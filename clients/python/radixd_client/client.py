@@ -54,6 +54,8 @@ from .protocol import (
     Insert,
     InsertResult,
     Limits,
+    Load,
+    LoadResult,
     Lock,
     LockResult,
     Match,
@@ -61,6 +63,8 @@ from .protocol import (
     ModelInfo,
     Ping,
     PingResult,
+    Prefetch,
+    PrefetchResult,
     ReleaseSwa,
     Request,
     Response,
@@ -561,6 +565,27 @@ class Client:
 
     def stats(self, model: str | None = None) -> StatsResult:
         return self._call("stats", Stats(model=model))  # type: ignore[no-any-return]
+
+    def load(self, model: str, tokens: Any, lock: bool = False) -> LoadResult:
+        """Copy the host (L2) part of the match of ``tokens`` back to device, then match.
+
+        Answered only once the data is on device; the result is a match (``lock`` as in
+        :meth:`match`) plus ``loaded_len``. Not allowed in a batch.
+        """
+        return self._call(  # type: ignore[no-any-return]
+            "load", Load(model=model, tokens=int32_bytes(tokens), lock=lock))
+
+    def prefetch(self, model: str, tokens: Any, policy: str = "best_effort",
+                 timeout_ms: int = 0) -> PrefetchResult:
+        """Fetch the pages of ``tokens`` that only L3 (Redis) holds into L2 (host).
+
+        ``policy``: ``best_effort`` answers once L3 was asked what it holds and fetches in the
+        background; ``wait_complete`` answers when the fetch is done; ``timeout`` answers when it
+        is done or after ``timeout_ms``. Not allowed in a batch.
+        """
+        return self._call(  # type: ignore[no-any-return]
+            "prefetch", Prefetch(model=model, tokens=int32_bytes(tokens), policy=policy,
+                                 timeout_ms=timeout_ms))
 
     # -- batches and receipts -------------------------------------------------------------------
 

@@ -148,6 +148,26 @@ class Stats(Request, tag="stats"):
     model: str | None = None
 
 
+class Load(Request, tag="load"):
+    """Host (L2) copies of the matched path back to device; answered once the data is there."""
+
+    model: str
+    tokens: bytes
+    lock: bool = False
+
+
+PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+
+
+class Prefetch(Request, tag="prefetch"):
+    """Pages of ``tokens`` that only L3 (Redis) holds, fetched into L2 (host)."""
+
+    model: str
+    tokens: bytes
+    policy: str = "best_effort"  # one of PREFETCH_POLICIES
+    timeout_ms: int = 0  # policy "timeout": the wait; 0 takes the daemon's prefetch_timeout_ms
+
+
 # operations allowed inside a batch (everything but hello, attach and batch itself)
 BatchOp = Union[  # noqa: UP007 - msgspec needs a real Union of tagged structs
     Ping, Match, Lock, Unlock, ReleaseSwa, Alloc, Free, Insert, CacheUnfinished, CacheFinished,
@@ -162,7 +182,7 @@ class Batch(Request, tag="batch"):
 
 AnyRequest = Union[  # noqa: UP007
     Hello, Ping, Attach, Match, Lock, Unlock, ReleaseSwa, Alloc, Free, Insert, CacheUnfinished,
-    CacheFinished, Evict, Stats, Batch,
+    CacheFinished, Evict, Stats, Load, Prefetch, Batch,
 ]
 
 OPS: dict[str, type[Request]] = {
@@ -236,6 +256,16 @@ class MatchResult(Result):
     receipt: int | None = None
 
 
+class LoadResult(MatchResult):
+    loaded_len: int = 0  # tokens copied from host to device by this load
+
+
+class PrefetchResult(Result):
+    status: str  # "none" | "started" | "complete" | "timeout" | "unavailable" (L3 off or down)
+    l3_hit_len: int  # tokens past what L1/L2 hold that L3 holds (ending on a complete window)
+    fetched_len: int  # of those, tokens on host (L2) when this response was sent
+
+
 class LockResult(Result):
     receipt: int
 
@@ -300,6 +330,8 @@ RESULT_TYPES: dict[str, type[Result]] = {
     "cache_finished": InsertResult,
     "evict": EvictResult,
     "stats": StatsResult,
+    "load": LoadResult,
+    "prefetch": PrefetchResult,
     "batch": BatchResult,
 }
 
