@@ -207,6 +207,9 @@ class L3Config(_Section):
     prefetch_timeout_ms: int = Field(200, ge=1, description="the wait of a prefetch with policy "
                                                             "'timeout' and no timeout_ms")
     max_connections: int = Field(32, ge=1, description="Redis connections in the pool")
+    drain_timeout_s: float = Field(5.0, ge=0, description="at shutdown, the longest wait for "
+                                                          "copies in flight and the host and L3 "
+                                                          "writes the policies owe")
 
     @field_validator("url")
     @classmethod

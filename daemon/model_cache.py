@@ -30,6 +30,7 @@ from .tree.policy import DEFAULT_POLICY
 if TYPE_CHECKING:
     from .gpu.pools import KVPools
     from .gpu.profile import ModelProfile
+    from .storage.host_tier import HostTier
 
 Owner = Hashable
 
@@ -47,6 +48,45 @@ class Holding:
     receipts: set[int] = field(default_factory=set)
 
 
+class Watch:
+    """Device pages a background copy reads; those the tree frees meanwhile are tainted."""
+
+    __slots__ = ("full", "swa", "tainted_full", "tainted_swa")
+
+    def __init__(self, full: Iterable[int], swa: Iterable[int]):
+        self.full = set(full)
+        self.swa = set(swa)
+        self.tainted_full: set[int] = set()
+        self.tainted_swa: set[int] = set()
+
+
+class TreeSink:
+    """The tree's page sink: the allocators, plus the watches of copies in flight."""
+
+    def __init__(self, alloc: PairedAllocator):
+        self.alloc = alloc
+        self.watches: list[Watch] = []
+
+    def free_full(self, pages: array) -> None:
+        for w in self.watches:
+            w.tainted_full.update(p for p in pages if p in w.full)
+        self.alloc.free_full(pages)
+
+    def free_swa(self, pages: array) -> None:
+        for w in self.watches:
+            w.tainted_swa.update(p for p in pages if p in w.swa)
+        self.alloc.free_swa(pages)
+
+    def watch(self, full: Iterable[int], swa: Iterable[int]) -> Watch:
+        w = Watch(full, swa)
+        self.watches.append(w)
+        return w
+
+    def unwatch(self, w: Watch) -> tuple[set[int], set[int]]:
+        self.watches.remove(w)
+        return w.tainted_full, w.tainted_swa
+
+
 class ModelCache:
     """Tree + allocators (+ pools) of one model profile, with per-owner accounting."""
 
@@ -56,14 +96,16 @@ class ModelCache:
         self.profile = profile
         self.pools = pools
         self.alloc_state = PairedAllocator(profile.full_pages, profile.swa_pages or 0)
+        self.sink = TreeSink(self.alloc_state)
         self.tree = RadixTree(
             profile.page_size,
             profile.sliding_window,
-            self.alloc_state,
+            self.sink,
             layout_fingerprint=profile.layout_fingerprint(),
             policy=policy,
         )
         self.swa_enabled = self.tree.swa_enabled
+        self.host: HostTier | None = None  # set by the tier manager when L2 is on
         self.holdings: dict[Owner, Holding] = {}
         self._full_owner: dict[int, Owner] = {}
         self._swa_owner: dict[int, Owner] = {}
@@ -180,6 +222,45 @@ class ModelCache:
         h.full.update(full)
         h.swa.update(swa)
         return full, swa
+
+    def alloc_unpaired(self, owner: Owner, n_full: int, n_swa: int) -> tuple[array, array]:
+        """``n_full`` full and ``n_swa`` SWA pages (a load needs fewer SWA pages than full ones),
+        evicting unlocked, unpinned cached pages if the pools are short."""
+        a = self.alloc_state
+        swa_free = a.swa.available if a.swa is not None else 0
+        if n_swa and a.swa is None:
+            raise BadArgument("this model has no SWA pool")
+        need_full = max(0, n_full - a.full.available)
+        need_swa = max(0, n_swa - swa_free)
+        if need_full > self.tree.full_evictable or need_swa > self.tree.swa_evictable:
+            raise self.oom_error(max(n_full, n_swa))
+        if need_full or need_swa:
+            ev = self.tree.evict(need_full, need_swa, reason="load")
+            self.counters["evicted_for_alloc_full"] += ev.full_pages
+            self.counters["evicted_for_alloc_swa"] += ev.swa_pages
+        if n_full > a.full.available or (n_swa and n_swa > a.swa.available):  # type: ignore
+            raise self.oom_error(max(n_full, n_swa))  # the evictable pages were pinned
+        full = a.full.alloc(n_full)
+        swa = a.swa.alloc(n_swa) if n_swa else array("i")  # type: ignore[union-attr]
+        h = self._holding(owner)
+        for p in full:
+            self._full_owner[p] = owner
+        for p in swa:
+            self._swa_owner[p] = owner
+        h.full.update(full)
+        h.swa.update(swa)
+        return full, swa
+
+    def disown(self, owner: Owner) -> tuple[array, array]:
+        """Every page ``owner`` holds, no longer held by it (the caller hands them on)."""
+        h = self.holdings.pop(owner, None)
+        if h is None:
+            return array("i"), array("i")
+        for p in h.full:
+            del self._full_owner[p]
+        for p in h.swa:
+            del self._swa_owner[p]
+        return array("i", sorted(h.full)), array("i", sorted(h.swa))
 
     def can_alloc(self, n: int) -> bool:
         """Whether ``n`` pages of each pool are free or can be made free by evicting."""
@@ -323,6 +404,10 @@ class ModelCache:
             v.append("full page owner map holds pages no holding lists")
         if sum(len(h.swa) for h in self.holdings.values()) != len(self._swa_owner):
             v.append("swa page owner map holds pages no holding lists")
+        if self.host is not None:
+            v += self.host.audit({"full": audit.host_slots, "swa": audit.host_swa_slots})
+        elif audit.host_slots or audit.host_swa_slots:
+            v.append("host slots in the tree of a model without a host tier")
         listed = {rid: o for o, h in self.holdings.items() for rid in h.receipts}
         if listed != {rid: o for rid, (o, _) in self._receipts.items()}:
             v.append("receipt registry and the owners' holdings disagree (a receipt no session "

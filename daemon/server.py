@@ -171,6 +171,10 @@ class Connection(asyncio.Protocol):
             elif isinstance(req, P.Hello):
                 raise ServiceError(P.Code.ALREADY_AUTHENTICATED,
                                    f"this connection is already session {self.session.id}")
+            elif op in Service.ASYNC_HANDLERS:
+                self._run_async(rid, op, Service.ASYNC_HANDLERS[op](self.service, self.session,
+                                                                     req), t0)
+                return
             else:
                 handler = Service.HANDLERS[op]
                 self._write(P.ok_frame(rid, handler(self.service, self.session, req)))
@@ -247,6 +251,35 @@ class Connection(asyncio.Protocol):
                 failed = True
         return P.BatchResult(results=items)
 
+    def _run_async(self, rid: int, op: str, coro: Any, t0: float) -> None:
+        """An operation that waits (a copy, Redis): other sessions are served meanwhile; this
+        session's later frames wait, so its responses stay in request order."""
+        self.holding = True
+        self.transport.pause_reading()  # type: ignore[union-attr]
+        task = self.server.loop.create_task(self._finish_async(rid, op, coro, t0))
+        self.server.async_ops.add(task)
+        task.add_done_callback(self.server.async_ops.discard)
+
+    async def _finish_async(self, rid: int, op: str, coro: Any, t0: float) -> None:
+        try:
+            result = await coro
+            frame = P.ok_frame(rid, result)
+            self.server.op_stats.observe(op, perf_counter() - t0)
+        except Exception as exc:
+            code, message, details = error_of(exc)
+            if code == P.Code.INTERNAL:
+                log.exception("internal error handling %s", op)
+            frame = P.error_frame(rid, code, message, details)
+            self.server.op_stats.observe(op, perf_counter() - t0, code)
+        finally:
+            self.holding = False
+        if self.closed or self.transport is None:
+            return
+        self._write(frame)
+        if not self.paused:
+            self.transport.resume_reading()
+        self._process()
+
     def _attach(self, req: P.Attach) -> None:
         result, fds = self.service.attach(self.session, req)  # type: ignore[arg-type]
         frame = P.ok_frame(req.id, result)
@@ -318,6 +351,7 @@ class Server:
         # invariant checks run, by kind ("full", "counters"): radixd_invariant_checks_total
         self.checks_run: dict[str, int] = {"full": 0, "counters": 0}
         self.admin: Any = None  # daemon.admin.AdminHandle while the admin endpoint serves
+        self.async_ops: set[asyncio.Task] = set()  # load/prefetch in flight
 
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
@@ -338,6 +372,7 @@ class Server:
         else:
             sock = _bind_socket(path, self.config.server.socket_mode_int)
         self._server = await self.loop.create_unix_server(lambda: Connection(self), sock=sock)
+        self.service.start_tiers()
         self.socket_path = path
         log.info("serving on %s (models: %s)%s", path, ", ".join(self.service.models),
                  " (socket passed by systemd)" if passed else "")
@@ -432,6 +467,12 @@ class Server:
         if self._owns_socket:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.config.server.socket)
+        if self.async_ops:  # copies in flight write into the pools: let them land first
+            await asyncio.wait(list(self.async_ops), timeout=self.config.l3.drain_timeout_s)
+        try:
+            await self.service.stop_tiers(self.config.l3.drain_timeout_s)
+        except Exception:  # noqa: BLE001 - a failing drain must not keep the daemon up
+            log.exception("stopping the memory tiers")
         violations = self.service.check(deep=False)
         if violations:
             log.error("invariant violations at shutdown: %s", violations)

@@ -45,6 +45,8 @@ class Tenant:
     models: frozenset[str] | None  # None: every model
     quota_full: int = 0
     quota_swa: int = 0
+    quota_host: int = 0
+    quota_l3: int = 0
     counters: dict[str, int] = field(default_factory=lambda: {
         "sessions": 0, "matches": 0, "match_tokens": 0, "hit_tokens": 0, "inserted_tokens": 0,
         "allocated_pages": 0, "quota_evicted_pages": 0, "quota_refusals": 0})
@@ -73,6 +75,7 @@ class ModelEntry:
     cache: ModelCache
     info: P.ModelInfo
     pools: Any = None  # daemon.gpu.pools.KVPools when exported
+    tiers: Any = None  # daemon.tiers.TierManager when the host tier is on
 
 
 class Service:
@@ -98,12 +101,30 @@ class Service:
         self.tenants: list[Tenant] = [
             Tenant(t.name, t.token_digest(), t.namespace or t.name,
                    None if "*" in t.models else frozenset(t.models),
-                   t.quota_full_pages, t.quota_swa_pages)
+                   t.quota_full_pages, t.quota_swa_pages, t.quota_host_pages, t.quota_l3_bytes)
             for t in config.tenants
         ]
         self.open_mode = not self.tenants
         if self.open_mode:
             self.tenants = [Tenant(DEFAULT_TENANT, None, DEFAULT_TENANT, None)]
+        self.l3 = None
+        if config.l3.url and any(m.l3 and m.host_pages for m in config.models):
+            from .storage.redis_tier import RedisTier
+
+            c = config.l3
+            self.l3 = RedisTier(c.url, key_prefix=c.key_prefix + ":", ttl_seconds=c.ttl_s,
+                                op_timeout=c.op_timeout_ms / 1000,
+                                breaker_threshold=c.breaker_threshold,
+                                breaker_open_seconds=c.breaker_open_s,
+                                max_connections=c.max_connections)
+        for mc in config.models:
+            entry = self.models[mc.name]
+            if entry.pools is not None and mc.host_pages:
+                from .tiers import TierManager
+
+                entry.tiers = TierManager(entry.cache, entry.pools, mc,
+                                          self.l3 if mc.l3 else None, config.l3,
+                                          self._quotas("quota_host"), self._quotas("quota_l3"))
         self.sessions: dict[int, Session] = {}
         self._next_session = 1
         self.instance = secrets.token_hex(8)
@@ -111,6 +132,30 @@ class Service:
         self.limits = P.Limits(max_frame_bytes=config.server.max_frame_bytes,
                                max_tokens=config.server.max_tokens,
                                max_inflight=config.server.max_inflight)
+
+    def _quotas(self, attr: str) -> dict[str, int]:
+        """Per namespace, the smallest non-zero quota of the tenants sharing it."""
+        out: dict[str, int] = {}
+        for t in self.tenants:
+            q = getattr(t, attr)
+            if q:
+                out[t.namespace] = min(q, out.get(t.namespace, q))
+        return out
+
+    def start_tiers(self) -> None:
+        """Start the tiers' background workers (needs the running event loop)."""
+        for entry in self.models.values():
+            if entry.tiers is not None:
+                entry.tiers.start()
+
+    async def stop_tiers(self, timeout: float) -> None:
+        """Finish what the write policies owe to host and L3 (bounded), then stop."""
+        for entry in self.models.values():
+            if entry.tiers is not None:
+                await entry.tiers.drain(timeout)
+                await entry.tiers.aclose()
+        if self.l3 is not None:
+            await self.l3.aclose()
 
     # ------------------------------------------------------------------ sessions
 
@@ -271,6 +316,8 @@ class Service:
         c["matches"] += 1
         c["match_tokens"] += len(tokens) // 4
         c["hit_tokens"] += res.prefix_len
+        if entry.tiers is not None:
+            entry.tiers.used(res.node_id, inserted=False)
         return P.MatchResult(prefix_len=res.prefix_len, full_pages=res.full_pages.tobytes(),
                              swa_pages=res.swa_pages.tobytes(), node=res.node_id,
                              full_hit_len=res.full_hit_len, host_hit_len=res.host_hit_len,
@@ -310,8 +357,11 @@ class Service:
                          self._pages(r.swa_pages, "swa_pages"))
         return P.Empty()
 
-    def _insert_result(self, s: Session, res: Any, rid: int | None) -> P.InsertResult:
+    def _insert_result(self, s: Session, entry: ModelEntry, res: Any, rid: int | None
+                       ) -> P.InsertResult:
         s.tenant.counters["inserted_tokens"] += max(0, res.inserted_len - res.prefix_len)
+        if entry.tiers is not None:
+            entry.tiers.used(res.node_id, inserted=True)
         return P.InsertResult(prefix_len=res.prefix_len, inserted_len=res.inserted_len,
                               full_pages=res.full_pages.tobytes(),
                               swa_pages=res.swa_pages.tobytes(), node=res.node_id, receipt=rid)
@@ -324,7 +374,7 @@ class Service:
             s.id, s.tenant.namespace, self._tokens(r.tokens),
             self._pages(r.full_pages, "full_pages"), self._pages(r.swa_pages, "swa_pages"),
             r.prev_prefix_len, r.swa_evicted_len, lock=r.lock)
-        return self._insert_result(s, res, rid)
+        return self._insert_result(s, entry, res, rid)
 
     def cache_unfinished(self, s: Session, r: P.CacheUnfinished) -> P.InsertResult:
         entry = self._model(s, r.model)
@@ -334,7 +384,7 @@ class Service:
             s.id, s.tenant.namespace, self._tokens(r.tokens),
             self._pages(r.full_pages, "full_pages"), self._pages(r.swa_pages, "swa_pages"),
             r.prev_prefix_len, r.swa_evicted_len, r.receipt)
-        return self._insert_result(s, res, rid)
+        return self._insert_result(s, entry, res, rid)
 
     def cache_finished(self, s: Session, r: P.CacheFinished) -> P.InsertResult:
         entry = self._model(s, r.model)
@@ -342,7 +392,7 @@ class Service:
             s.id, s.tenant.namespace, self._tokens(r.tokens),
             self._pages(r.full_pages, "full_pages"), self._pages(r.swa_pages, "swa_pages"),
             r.prev_prefix_len, r.swa_evicted_len, r.receipt)
-        return self._insert_result(s, res, None)
+        return self._insert_result(s, entry, res, None)
 
     def evict(self, s: Session, r: P.Evict) -> P.EvictResult:
         """An engine may make room only from its own namespace."""
@@ -366,6 +416,9 @@ class Service:
                 "held_swa_pages": held_swa,
                 "quota_full_pages": t.quota_full,
                 "quota_swa_pages": t.quota_swa,
+                "tree_host_pages": ns.host_pages if ns else 0,
+                "quota_host_pages": t.quota_host,
+                "quota_l3_bytes": t.quota_l3,
                 **t.counters,
             }
         return P.StatsResult(tenant=t.name, namespace=t.namespace, models=out)
@@ -391,6 +444,41 @@ class Service:
                                     description=desc, handle=handle))
         return P.AttachResult(pools=infos), fds
 
+    async def load(self, s: Session, r: P.Load) -> P.LoadResult:
+        """Host copies of the path back to device, then a match: answered once the data is
+        there. Other sessions are served meanwhile (this session's later frames wait)."""
+        entry = self._model(s, r.model)
+        tokens = self._tokens(r.tokens)
+        if r.lock:
+            self._lock_budget(s, entry)
+        loaded = 0
+        if entry.tiers is not None:
+            loaded = await entry.tiers.load(s.tenant.namespace, tokens)
+        if s.id not in self.sessions:  # the session ended during the copy: nothing to lock for
+            raise ServiceError(P.Code.SHUTTING_DOWN, "the session ended during the load")
+        m = self.match(s, P.Match(model=r.model, tokens=tokens, lock=r.lock))
+        return P.LoadResult(prefix_len=m.prefix_len, full_pages=m.full_pages,
+                            swa_pages=m.swa_pages, node=m.node, full_hit_len=m.full_hit_len,
+                            host_hit_len=m.host_hit_len, receipt=m.receipt, loaded_len=loaded)
+
+    async def prefetch(self, s: Session, r: P.Prefetch) -> P.PrefetchResult:
+        """Pages only L3 holds, to host. Never an error caused by L3: a miss instead."""
+        entry = self._model(s, r.model)
+        tokens = self._tokens(r.tokens)
+        if r.policy not in P.PREFETCH_POLICIES:
+            raise ServiceError(P.Code.BAD_ARGUMENT,
+                               f"policy must be one of {list(P.PREFETCH_POLICIES)}, "
+                               f"got {r.policy!r}")
+        if not isinstance(r.timeout_ms, int) or r.timeout_ms < 0 or r.timeout_ms > 600_000:
+            raise ServiceError(P.Code.BAD_ARGUMENT,
+                               f"timeout_ms must be between 0 and 600000, got {r.timeout_ms!r}")
+        if entry.tiers is None:
+            return P.PrefetchResult(status="unavailable", l3_hit_len=0, fetched_len=0)
+        timeout = (r.timeout_ms or self.config.l3.prefetch_timeout_ms) / 1000
+        return await entry.tiers.prefetch(s.tenant.namespace, tokens, r.policy, timeout)
+
+    ASYNC_HANDLERS = {"load": load, "prefetch": prefetch}
+
     HANDLERS = {
         "ping": ping, "match": match, "lock": lock, "unlock": unlock, "release_swa": release_swa,
         "alloc": alloc, "free": free, "insert": insert, "cache_unfinished": cache_unfinished,
@@ -404,7 +492,8 @@ class Service:
         v: list[str] = []
         for name, entry in self.models.items():
             v += [f"{name}: {x}" for x in entry.cache.check(deep=deep)]
-            ghosts = [o for o in entry.cache.holdings if o not in self.sessions]
+            ghosts = [o for o in entry.cache.holdings
+                      if o not in self.sessions and not _is_job(o)]
             if ghosts:
                 v.append(f"{name}: pages or receipts held by sessions that are gone: {ghosts[:10]}")
         return v
@@ -430,6 +519,8 @@ class Service:
         for s in list(self.sessions.values()):
             self.close_session(s)
         for entry in self.models.values():
+            if entry.tiers is not None:
+                entry.tiers.host.close()
             if entry.pools is not None:
                 entry.pools.close()
 
@@ -498,6 +589,11 @@ class Service:
                          "swa_pages": len(h.swa) if h else 0,
                          "receipts": len(h.receipts) if h else 0}
         return out
+
+
+def _is_job(owner: Any) -> bool:
+    """Owners of pages a tier copy holds while it runs (not sessions)."""
+    return isinstance(owner, tuple) and owner[:1] == ("load",)
 
 
 def _cuda_ipc_handle(pool: Any) -> bytes:

@@ -213,6 +213,10 @@ class HostPool:
         """The slot holding ``page_hash``, or None; no reference is taken."""
         return self._slot_of.get(_check_hash(page_hash))
 
+    def held(self) -> set[int]:
+        """The slots holding a page."""
+        return set(self._refs)
+
     def refcount(self, slot: int) -> int:
         """References held on ``slot`` (0 when it is free)."""
         return self._refs.get(self._check_slot(slot), 0)

@@ -313,6 +313,23 @@ class RedisTier:
 
         return await self._guarded(body, lambda: 0) if keys else 0
 
+    async def exists_each(self, hashes: Sequence[bytes], pool: str = "full") -> list[bool]:
+        """Whether each page is stored (pipelined EXISTS); all False when Redis cannot answer."""
+        keys = [self.key(h, pool) for h in hashes]
+        self._stats["exists_calls"] += 1
+        out = [False] * len(keys)
+
+        async def body() -> list[bool]:
+            for chunk in self._chunks(len(keys)):
+                replies = await self._pipeline(
+                    lambda p, c=chunk: [p.exists(keys[i]) for i in c])
+                self._reply_errors(replies)
+                for i, r in zip(chunk, replies, strict=True):
+                    out[i] = not self._is_error(r) and bool(r)
+            return out
+
+        return await self._guarded(body, lambda: [False] * len(keys)) if keys else []
+
     async def get_pages(self, hashes: Sequence[bytes], pool: str,
                         fingerprint: bytes) -> list[PageValue | None]:
         """The stored, verified pages (None for a miss or a corrupt value, which is deleted)."""

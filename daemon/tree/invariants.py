@@ -23,6 +23,7 @@ class TreeAudit:
     full_pages: set[int] = field(default_factory=set)
     swa_pages: set[int] = field(default_factory=set)
     host_slots: set[int] = field(default_factory=set)
+    host_swa_slots: set[int] = field(default_factory=set)
     nodes: int = 0
 
 
@@ -39,6 +40,7 @@ def audit_tree(tree: RadixTree, *, deep: bool = True) -> TreeAudit:
     full_owner: Counter[int] = Counter()
     swa_owner: Counter[int] = Counter()
     host_owner: Counter[int] = Counter()
+    host_swa_owner: Counter[int] = Counter()
 
     for name, ns in tree.namespaces.items():
         root = ns.root
@@ -77,6 +79,9 @@ def audit_tree(tree: RadixTree, *, deep: bool = True) -> TreeAudit:
                     swa_owner[p] += 1
                 for p in n.host or ():
                     host_owner[p] += 1
+                for p in n.host_swa or ():
+                    if p:
+                        host_swa_owner[p] += 1
 
     a.nodes = len(reachable)
     if set(reachable) != set(tree.nodes):
@@ -88,7 +93,8 @@ def audit_tree(tree: RadixTree, *, deep: bool = True) -> TreeAudit:
         if i.id != k:
             v.append(f"node registry maps {k} to node {i.id}")
 
-    for pool, owners in (("full", full_owner), ("swa", swa_owner), ("host", host_owner)):
+    for pool, owners in (("full", full_owner), ("swa", swa_owner), ("host", host_owner),
+                         ("host swa", host_swa_owner)):
         dup = [p for p, c in owners.items() if c > 1]
         if dup:
             v.append(f"{pool} pages owned by more than one node: {sorted(dup)[:10]}")
@@ -98,6 +104,7 @@ def audit_tree(tree: RadixTree, *, deep: bool = True) -> TreeAudit:
     a.full_pages = set(full_owner)
     a.swa_pages = set(swa_owner)
     a.host_slots = set(host_owner)
+    a.host_swa_slots = set(host_swa_owner)
 
     _check_locks(tree, reachable, v)
     _check_queues(tree, reachable, v)
@@ -126,16 +133,19 @@ def _check_node(tree: RadixTree, n: Node, v: list[str], deep: bool) -> None:
         v.append(f"node {n.id}: SWA KV without full KV on device")
     if n.swa is not None and not tree.swa_enabled:
         v.append(f"node {n.id}: SWA pages in a model without SWA layers")
-    for label, arr in (("full", n.full), ("swa", n.swa), ("host", n.host)):
+    for label, arr in (("full", n.full), ("swa", n.swa), ("host", n.host),
+                       ("host swa", n.host_swa)):
         if arr is not None and len(arr) != np_:
             v.append(f"node {n.id}: {len(arr)} {label} ids for {np_} pages")
     parent = n.parent
     if n.full is not None and parent.full is None:
         v.append(f"node {n.id}: on device under a parent that is not (prefix closure)")
+    if n.host_swa is not None and (n.host is None or not any(n.host_swa)):
+        v.append(f"node {n.id}: host SWA copies without a host copy, or an all-zero list")
     if n.host is not None and parent.host is None:
         v.append(f"node {n.id}: host copy under a parent without one (prefix closure)")
     if (tree.swa_enabled and n.full is not None and n.swa is None and n.dev_children == 0
-            and n.full_lock == 0):
+            and n.full_lock == 0 and n.pin == 0):
         v.append(f"node {n.id}: unlocked tombstone left as a device leaf")
     if n.full is None and n.full_lock:
         v.append(f"node {n.id}: locked but not on device")
@@ -177,13 +187,26 @@ def _check_locks(tree: RadixTree, reachable: dict[int, Node], v: list[str]) -> N
                      f"{full[n.id]}/{swa[n.id]} (a lost or doubled receipt)")
         if n.swa_lock and n.swa is None:
             v.append(f"node {n.id}: SWA-locked tombstone")
+    pins: Counter[int] = Counter()
+    for p in tree.pins:
+        a = p.anchor
+        if not p.active or reachable.get(a.id) is not a:
+            v.append(f"pin {p!r}: inactive, or anchored at a node not in the tree")
+            continue
+        while a.parent is not None:
+            pins[a.id] += 1
+            a = a.parent
+    for n in reachable.values():
+        if n.parent is not None and n.pin != pins[n.id]:
+            v.append(f"node {n.id}: pin count {n.pin}, pins in flight account for {pins[n.id]}")
 
 
 def _check_queues(tree: RadixTree, reachable: dict[int, Node], v: list[str]) -> None:
     pol = tree.policy
     keys = {"full": pol.full_key, "swa": pol.swa_key, "host": pol.host_key}
     for name, ns in tree.namespaces.items():
-        nodes = [n for n in reachable.values() if n.parent is not None and n.ns is ns]
+        every = [n for n in reachable.values() if n.parent is not None and n.ns is ns]
+        nodes = [n for n in every if not n.pin]  # a pinned node is in no queue
         want = {
             "full": {n.id for n in nodes
                      if n.full is not None and n.full_lock == 0 and n.dev_children == 0},
@@ -194,6 +217,7 @@ def _check_queues(tree: RadixTree, reachable: dict[int, Node], v: list[str]) -> 
         }
         for label, q in (("full", ns.full_q), ("swa", ns.swa_q), ("host", ns.host_q)):
             _check_queue(f"{name}/{label}", q, want[label], keys[label], reachable, v)
+        nodes = every
         counted = (ns.full_pages, ns.swa_pages, ns.host_pages)
         full = sum(len(n.full) for n in nodes if n.full is not None)
         swa = sum(len(n.swa) for n in nodes if n.swa is not None)
@@ -230,7 +254,7 @@ def _check_queue(label: str, q: EvictionQueue, want: set[int], key: Callable[[No
 
 
 def _check_counters(tree: RadixTree, reachable: dict[int, Node], v: list[str]) -> None:
-    fe = fp = se = sp = hp = 0
+    fe = fp = se = sp = hp = hs = 0
     for n in reachable.values():
         if n.parent is None:
             continue
@@ -247,8 +271,10 @@ def _check_counters(tree: RadixTree, reachable: dict[int, Node], v: list[str]) -
                 se += np_
         if n.host is not None:
             hp += np_
+        if n.host_swa is not None:
+            hs += sum(1 for p in n.host_swa if p)
     got = (tree.full_evictable, tree.full_protected, tree.swa_evictable, tree.swa_protected,
-           tree.host_pages)
-    if got != (fe, fp, se, sp, hp):
-        v.append(f"page counters (full evictable/protected, swa evictable/protected, host) are "
-                 f"{got}, recomputed {(fe, fp, se, sp, hp)}")
+           tree.host_pages, tree.host_swa_pages)
+    if got != (fe, fp, se, sp, hp, hs):
+        v.append(f"page counters (full evictable/protected, swa evictable/protected, host, "
+                 f"host swa) are {got}, recomputed {(fe, fp, se, sp, hp, hs)}")

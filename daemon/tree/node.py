@@ -10,7 +10,12 @@ Tier state of a node:
   host (demoted);
 * ``swa``: device page ids of the SWA pool, or ``None``: a *tombstone* when ``full`` is set (the
   SWA KV was freed early; the full KV stays) and simply absent when the node is host-only;
-* ``host``: host (L2) slot ids when the node has a host copy, else ``None``.
+* ``host``: host (L2) slot ids when the node has a host copy, else ``None``;
+* ``host_swa``: host slot ids of its SWA pages beside ``host`` (0 for a page without an SWA copy:
+  only the trailing window of what was backed up is kept), or ``None``.
+
+``pin`` counts the tier copies in flight that read or fill this node or a node below it: a pinned
+node is in no eviction queue, so its pages stay where the copy expects them.
 """
 
 from __future__ import annotations
@@ -32,8 +37,10 @@ class Node:
         "full",
         "swa",
         "host",
+        "host_swa",
         "full_lock",
         "swa_lock",
+        "pin",
         "dev_children",
         "ts",
         "swa_ts",
@@ -54,8 +61,10 @@ class Node:
         self.full: array | None = None
         self.swa: array | None = None
         self.host: array | None = None
+        self.host_swa: array | None = None
         self.full_lock = 0
         self.swa_lock = 0
+        self.pin = 0
         # number of children whose full KV is on device: a node is a device leaf when this is 0
         self.dev_children = 0
         self.ts = 0  # last use, on the tree's churn clock (full and host queues)
@@ -72,7 +81,7 @@ class Node:
         state = "host" if self.full is None else ("tomb" if self.swa is None else "live")
         return (
             f"Node(id={self.id}, pages={len(self.hashes) // 32}, {state}, "
-            f"host={self.host is not None}, locks={self.full_lock}/{self.swa_lock})"
+            f"host={self.host is not None}, locks={self.full_lock}/{self.swa_lock}, pin={self.pin})"
         )
 
 
@@ -98,3 +107,16 @@ class Receipt:
             f"Receipt(anchor={self.anchor.id}, swa_pages={self.swa_pages}, active={self.active}, "
             f"swa_released={self.swa_released})"
         )
+
+
+class Pin:
+    """A tier copy in flight over the path from the root to ``anchor`` (see ``Node.pin``)."""
+
+    __slots__ = ("anchor", "active")
+
+    def __init__(self, anchor: Node):
+        self.anchor = anchor
+        self.active = True
+
+    def __repr__(self) -> str:
+        return f"Pin(anchor={self.anchor.id}, active={self.active})"

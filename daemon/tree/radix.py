@@ -21,15 +21,16 @@ Rules (DESIGN.md section 5), with the choices this implementation makes:
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from .errors import BadArgument, NodeNotUsable, ReceiptError, UnknownNode
 from .hashing import HASH_BYTES, chain_hashes, namespace_seed
 from .lru import EvictionQueue
-from .node import EMPTY, Node, Receipt
+from .node import EMPTY, Node, Pin, Receipt
 from .policy import DEFAULT_POLICY, EvictionPolicy, make_policy
+from .tiering import usable_end, walk
 
 
 class PageSink(Protocol):
@@ -45,6 +46,8 @@ class HostSink(Protocol):
 
     def free_host(self, slots: array) -> None: ...
 
+    def free_host_swa(self, slots: array) -> None: ...
+
 
 class CollectingSink:
     """A sink that just records what was freed (tests, benchmarks, simulations)."""
@@ -53,6 +56,7 @@ class CollectingSink:
         self.full: list[int] = []
         self.swa: list[int] = []
         self.host: list[int] = []
+        self.host_swa: list[int] = []
 
     def free_full(self, pages: array) -> None:
         self.full.extend(pages)
@@ -62,6 +66,9 @@ class CollectingSink:
 
     def free_host(self, slots: array) -> None:
         self.host.extend(slots)
+
+    def free_host_swa(self, slots: array) -> None:
+        self.host_swa.extend(slots)
 
 
 @dataclass(slots=True)
@@ -73,7 +80,7 @@ class MatchResult:
     swa_pages: array  # SWA page ids of the trailing window of the prefix (all live)
     node_id: int  # the node that ends exactly at prefix_len (a root id when prefix_len == 0)
     full_hit_len: int  # device full KV matched, possibly beyond prefix_len through tombstones
-    host_hit_len: int  # tokens beyond the device full KV that have a host copy
+    host_hit_len: int  # tokens past prefix_len that a load from host would make usable
     receipt: Receipt | None = None
 
 
@@ -94,6 +101,7 @@ class EvictResult:
     full_pages: int = 0
     swa_pages: int = 0
     host_slots: int = 0
+    host_swa_slots: int = 0
 
 
 class Namespace:
@@ -144,6 +152,12 @@ class RadixTree:
         self.namespaces: dict[str, Namespace] = {}
         self.nodes: dict[int, Node] = {}
         self.receipts: set[Receipt] = set()
+        self.pins: set[Pin] = set()
+        # write_back: called with a device node about to lose its last device copy and without a
+        # host copy; it may give the node one (set_host) so that it is demoted, not deleted
+        self.demote: Callable[[Node], None] | None = None
+        # L3 write_back: called with a host-only leaf about to be dropped from host
+        self.host_dropped: Callable[[Node], None] | None = None
         self._next_id = 1
         self._clock = 0
         # page counters, kept incrementally and recomputed by the checker
@@ -152,6 +166,7 @@ class RadixTree:
         self.swa_evictable = 0
         self.swa_protected = 0
         self.host_pages = 0
+        self.host_swa_pages = 0
         # pages evicted per trigger ("alloc", "quota", "explicit"): [full, swa]
         self.evictions_by_reason: dict[str, list[int]] = {}
         self.stats = {
@@ -206,6 +221,9 @@ class RadixTree:
             return
         pol = self.policy
         ns = n.ns
+        if n.pin:
+            self._unqueue(n)
+            return
         if n.full is not None:
             if n.full_lock == 0 and n.dev_children == 0:
                 ns.full_q.push(n, pol.full_key(n))
@@ -276,8 +294,13 @@ class RadixTree:
         if node.host is not None:
             up.host = node.host[:k]
             node.host = node.host[k:]
+        if node.host_swa is not None:
+            hs = node.host_swa
+            up.host_swa = hs[:k] if any(hs[:k]) else None  # an all-zero list is kept as None
+            node.host_swa = hs[k:] if any(hs[k:]) else None
         up.full_lock = node.full_lock
         up.swa_lock = node.swa_lock
+        up.pin = node.pin
         up.ts = node.ts
         up.swa_ts = node.swa_ts
         up.hits = node.hits
@@ -325,7 +348,6 @@ class RadixTree:
         run = 0
         tomb = False
         dev_off = 0
-        host_len = 0
         children = node.children
         while off < n_pages * pb and children:
             child = children.get(tokens[off : off + pb])
@@ -335,7 +357,6 @@ class RadixTree:
             if child.full is None:
                 if child.host is None:
                     break
-                host_len += m * self.page_size
                 host_path.append(child)
             else:
                 path.append(child)
@@ -373,6 +394,10 @@ class RadixTree:
         full_pages = _concat(n.full for n in usable)
         swa_pages = self._window_swa(usable) if swa else EMPTY
         prefix_len = best.depth
+        host_len = 0
+        if host_path or (swa and any(n.host_swa is not None for n in path[best_i + 1 :])):
+            end = usable_end(self, walk(self, namespace, tokens))
+            host_len = max(0, end * self.page_size - prefix_len)
         receipt = self._lock(best, tag) if lock else None
         return MatchResult(
             prefix_len,
@@ -878,13 +903,14 @@ class RadixTree:
         by[1] += res.swa_pages
         return res
 
-    def evict_host(self, slots: int, namespace: str | None = None) -> EvictResult:
-        """Drop host-only leaves until ``slots`` host slots are free."""
+    def evict_host(self, slots: int, namespace: str | None = None, swa_slots: int = 0
+                   ) -> EvictResult:
+        """Drop host-only leaves until ``slots`` full and ``swa_slots`` SWA host slots are free."""
         res = EvictResult()
         ns = self.namespaces.get(namespace) if namespace is not None else None
         if namespace is not None and ns is None:
             return res
-        while res.host_slots < slots:
+        while res.host_slots < slots or res.host_swa_slots < swa_slots:
             node = self._pop("host_q", ns)
             if node is None:
                 break
@@ -906,6 +932,8 @@ class RadixTree:
         """Free the device KV of an unlocked device leaf, demote or delete it, clean upward."""
         while True:
             parent = n.parent
+            if n.host is None and self.demote is not None:
+                self.demote(n)
             np_ = len(n.full)
             self.sink.free_full(n.full)
             self.full_evictable -= np_
@@ -944,6 +972,7 @@ class RadixTree:
             and n.swa is None
             and n.dev_children == 0
             and n.full_lock == 0
+            and n.pin == 0
         )
 
     def _drop_dead_leaf(self, n: Node) -> None:
@@ -951,12 +980,19 @@ class RadixTree:
             self._evict_leaf(n, EvictResult())
 
     def _delete_host_leaf(self, n: Node, res: EvictResult) -> None:
+        if self.host_dropped is not None:
+            self.host_dropped(n)
         host = n.host
+        hswa = array("i", (p for p in n.host_swa if p)) if n.host_swa is not None else EMPTY
         if self.host_sink is not None:
             self.host_sink.free_host(host)
+            if hswa:
+                self.host_sink.free_host_swa(hswa)
         self.host_pages -= len(host)
+        self.host_swa_pages -= len(hswa)
         n.ns.host_pages -= len(host)
         res.host_slots += len(host)
+        res.host_swa_slots += len(hswa)
         self.stats["evicted_host_pages"] += len(host)
         parent = n.parent
         self._unqueue(n)
@@ -968,8 +1004,10 @@ class RadixTree:
 
     # ------------------------------------------------------------------ host tier hooks
 
-    def set_host(self, node_id: int, slots: array) -> None:
-        """Record that a device node now has a host copy (its parent must have one already)."""
+    def set_host(self, node_id: int, slots: array, swa_slots: array | None = None) -> None:
+        """Record that a device node now has a host copy (its parent must have one already).
+
+        ``swa_slots`` are the host copies of its SWA pages, 0 for a page without one."""
         n = self.get_node(node_id)
         if n.parent is None:
             raise BadArgument("the root has no pages")
@@ -978,13 +1016,50 @@ class RadixTree:
         if n.parent.host is None:
             raise BadArgument(
                 f"node {node_id}: back up the parent first (host copies are prefix-closed)")
-        if len(slots) != self.npages(n):
+        if len(slots) != self.npages(n) or (swa_slots is not None
+                                            and len(swa_slots) != self.npages(n)):
             raise BadArgument(
                 f"node {node_id} has {self.npages(n)} pages, got {len(slots)} host slots")
-        n.host = array("i", slots)
+        self._give_host(n, array("i", slots),
+                        array("i", swa_slots) if swa_slots is not None else None)
+        self._requeue(n)
+
+    def _give_host(self, n: Node, slots: array, swa_slots: array | None) -> None:
+        n.host = slots
         self.host_pages += len(slots)
         n.ns.host_pages += len(slots)
-        self._requeue(n)
+        if swa_slots is not None and any(swa_slots):
+            n.host_swa = swa_slots
+            self.host_swa_pages += sum(1 for p in swa_slots if p)
+
+    # ------------------------------------------------------------------ pins (tier copies)
+
+    def pin(self, anchor: Node) -> Pin:
+        """Keep every page of the path root..anchor where it is while a tier copy runs."""
+        n = anchor
+        while n.parent is not None:
+            n.pin += 1
+            if n.pin == 1:
+                self._unqueue(n)
+            n = n.parent
+        p = Pin(anchor)
+        self.pins.add(p)
+        return p
+
+    def unpin(self, p: Pin) -> None:
+        if not p.active:
+            raise ReceiptError("this pin was already released")
+        n = p.anchor
+        while n.parent is not None:
+            if n.pin <= 0:
+                raise AssertionError(f"unpin walked onto an unpinned node {n!r}")
+            n.pin -= 1
+            if n.pin == 0:
+                self._requeue(n)
+            n = n.parent
+        p.active = False
+        self.pins.discard(p)
+        self._drop_dead_leaf(p.anchor)
 
     # ------------------------------------------------------------------ views
 

@@ -31,6 +31,8 @@ REQUESTS: list[P.Request] = [
                     prev_prefix_len=0, swa_evicted_len=0, receipt=None),
     P.Evict(id=13, model="m", full_pages=5, swa_pages=6),
     P.Stats(id=14, model="m"),
+    P.Load(id=16, model="m", tokens=TOK, lock=True),
+    P.Prefetch(id=17, model="m", tokens=TOK, policy="timeout", timeout_ms=50),
     P.Batch(id=15, stop_on_error=False, ops=[
         P.Ping(payload=b"x"), P.Match(model="m", tokens=TOK), P.Lock(model="m", node=1),
         P.Unlock(model="m", receipt=2), P.ReleaseSwa(model="m", receipt=3),
@@ -80,6 +82,9 @@ RESULTS: dict[str, P.Result] = {
     "evict": P.EvictResult(full_pages=3, swa_pages=1),
     "stats": P.StatsResult(tenant="t", namespace="n",
                            models={"m": {"full_pages": 3, "matches": 10}}),
+    "load": P.LoadResult(prefix_len=16, full_pages=PAGES, swa_pages=PAGES[:4], node=9,
+                         full_hit_len=16, host_hit_len=0, receipt=7, loaded_len=8),
+    "prefetch": P.PrefetchResult(status="complete", l3_hit_len=32, fetched_len=32),
     "batch": P.BatchResult(results=[
         P.BatchItem(ok=True, result=msgspec.Raw(P.encode_body(P.LockResult(receipt=1)))),
         P.BatchItem(ok=False, error=P.Error(code=P.Code.BAD_RECEIPT, message="no",

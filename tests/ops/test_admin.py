@@ -321,8 +321,11 @@ def test_a_configured_port_in_use_stops_the_daemon(admin_daemon) -> None:
 
 # ---------------------------------------------------------------------------- metrics
 
+DEVICE_ONLY = [{**SMALL_MODEL, "host_pages": 0}]  # no demotion to host: exact tree shapes
+
+
 def test_metrics_follow_real_traffic(admin_daemon) -> None:
-    d = admin_daemon({"admin": {"token": ADMIN_TOKEN}})
+    d = admin_daemon({"admin": {"token": ADMIN_TOKEN}, "models": DEVICE_ONLY})
     r = d.get("/metrics")
     assert r.status == 200
     assert r.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
@@ -578,7 +581,8 @@ def test_views_tenants_sessions_models_stats(admin_daemon) -> None:
 
 
 def test_tree_dump_is_bounded(admin_daemon) -> None:
-    d = admin_daemon({"admin": {"token": ADMIN_TOKEN, "tree_dump_max_nodes": 4}})
+    d = admin_daemon({"admin": {"token": ADMIN_TOKEN, "tree_dump_max_nodes": 4},
+                      "models": DEVICE_ONLY})
     assert d.get("/v1/tree").status == 404  # nothing cached yet
     a = toks(2, base=1)
     with Client(d.socket) as c:

@@ -862,6 +862,12 @@ def test_eviction_demotes_host_backed_nodes(P):
     assert na.id in h.tree.nodes and na.full is None and na.swa is None
     assert list(na.host) == list(ha)
     m = h.match(s)
+    # a host copy without the window's SWA could not be used after a load: no host hit
+    assert m.prefix_len == 0 and m.full_hit_len == 0 and m.host_hit_len == 0
+    na.host_swa = h.host(2)  # the window (two pages) has SWA copies now
+    h.tree.host_swa_pages += 2
+    h.ok()
+    m = h.match(s)
     assert m.prefix_len == 0 and m.full_hit_len == 0 and m.host_hit_len == 2 * P
     # a fresh device copy brings the host-only node back to the device, same node
     res, cfull, cswa = h.insert(a)
@@ -872,6 +878,7 @@ def test_eviction_demotes_host_backed_nodes(P):
     ev = h.tree.evict_host(100)
     h.ok()
     assert ev.host_slots == 2 and sorted(h.sink.host) == sorted(ha)
+    assert len(h.sink.host_swa) == 2 and h.tree.host_swa_pages == 0
     assert set(h.tree.nodes) == {h.root().id} and h.tree.host_pages == 0
 
 
@@ -884,8 +891,8 @@ def test_host_only_chain_and_evict_host_drops_leaves_first(P):
     h.insert(s, prev=2 * P)
     na, nb = h.path(s)
     ha, hb = h.host(2), h.host(2)
-    h.tree.set_host(na.id, ha)
-    h.tree.set_host(nb.id, hb)
+    h.tree.set_host(na.id, ha, h.host(2))  # each node keeps SWA copies of its window
+    h.tree.set_host(nb.id, hb, h.host(2))
     h.ok()
     h.evict(full=100)
     assert na.full is None and nb.full is None and set(h.tree.nodes) == {

@@ -1,0 +1,147 @@
+"""The host tier of one model: its full and SWA host pools, and the slots a copy is still filling.
+
+The tree records which node holds which host slot; this object owns the memory and the slot
+references, and is the tree's :class:`~daemon.tree.radix.HostSink`: slots the tree lets go of
+come back here. A slot handed out by :meth:`take` is *pending* until the copy that fills it is
+done (:meth:`filled`): it is indexed by its hash at once (``HostPool.store``), so the pending set
+is what keeps anyone from reading it early, and what the conservation check counts as "in flight".
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from daemon.gpu.allocator import OutOfPages
+from daemon.gpu.profile import ModelProfile
+
+from .host_pool import HostPool
+
+
+class HostTier:
+    def __init__(self, profile: ModelProfile, full_pages: int, swa_pages: int,
+                 *, pin_memory: bool | None = None) -> None:
+        self.full = HostPool(profile, full_pages, "full", pin_memory=pin_memory)
+        self.swa: HostPool | None = None
+        if profile.sliding_window is not None and profile.num_swa_layers and swa_pages:
+            self.swa = HostPool(profile, swa_pages, "swa", pin_memory=pin_memory)
+        self.pending: dict[str, set[int]] = {"full": set(), "swa": set()}
+        # references taken by readers that outlive the tree's hold (the L3 writer)
+        self.readers: dict[str, Counter[int]] = {"full": Counter(), "swa": Counter()}
+
+    def pool(self, kind: str) -> HostPool:
+        p = self.full if kind == "full" else self.swa
+        if p is None:
+            raise ValueError(f"no {kind} host pool")
+        return p
+
+    # -- slots ----------------------------------------------------------------------------------
+
+    def take(self, kind: str, hashes: Sequence[bytes]) -> array:
+        """New pending slots for these page hashes, all or none (OutOfPages)."""
+        pool = self.pool(kind)
+        if len(hashes) > pool.available:
+            raise OutOfPages(f"{kind} host pool: {len(hashes)} slots wanted, "
+                             f"{pool.available} free", requested=len(hashes),
+                             available=pool.available)
+        out = array("i")
+        try:
+            for h in hashes:
+                out.append(pool.store(h))
+        except ValueError:  # the hash is held already (a stale copy): give back what we took
+            for s in out:
+                pool.release(s)
+            raise
+        self.pending[kind].update(out)
+        return out
+
+    def filled(self, kind: str, slots: Iterable[int]) -> None:
+        """The copy into these slots is done: they may be read."""
+        self.pending[kind].difference_update(slots)
+
+    def drop(self, kind: str, slots: Iterable[int]) -> None:
+        """Release slots nobody adopted (pending or not)."""
+        pool = self.pool(kind)
+        pend = self.pending[kind]
+        for s in slots:
+            if s:
+                pend.discard(s)
+                pool.release(s)
+
+    def hold(self, kind: str, slots: Iterable[int]) -> list[int]:
+        """One more reference on each slot, so its bytes stay valid after the tree drops it."""
+        pool = self.pool(kind)
+        out = []
+        for s in slots:
+            h = pool.hash_of(s)
+            if h is not None and s not in self.pending[kind]:
+                pool.acquire(h)
+                self.readers[kind][s] += 1
+                out.append(s)
+        return out
+
+    def unhold(self, kind: str, slots: Iterable[int]) -> None:
+        pool = self.pool(kind)
+        readers = self.readers[kind]
+        for s in slots:
+            readers[s] -= 1
+            if not readers[s]:
+                del readers[s]
+            pool.release(s)
+
+    def available(self, kind: str) -> int:
+        p = self.full if kind == "full" else self.swa
+        return p.available if p is not None else 0
+
+    # -- the tree's HostSink ----------------------------------------------------------------------
+
+    def free_host(self, slots: array) -> None:
+        self.drop("full", slots)
+
+    def free_host_swa(self, slots: array) -> None:
+        self.drop("swa", slots)
+
+    # -- checking and reporting -------------------------------------------------------------------
+
+    def audit(self, in_tree: dict[str, set[int]]) -> list[str]:
+        """Conservation per host pool: every held slot is in the tree or pending, never both."""
+        v: list[str] = []
+        for kind, pool in (("full", self.full), ("swa", self.swa)):
+            if pool is None:
+                if in_tree.get(kind):
+                    v.append(f"{kind} host slots in the tree but no {kind} host pool")
+                continue
+            v += pool.audit()
+            held = pool.held()
+            tree = in_tree.get(kind, set())
+            pend = self.pending[kind]
+            readers = self.readers[kind]
+            for s in held:
+                want = (s in tree) + (s in pend) + readers.get(s, 0)
+                if pool.refcount(s) != want:
+                    v.append(f"{kind} host slot {s}: {pool.refcount(s)} references, the tree, "
+                             f"copies and readers account for {want}")
+                    break
+            if tree & pend:
+                v.append(f"{kind} host slots {sorted(tree & pend)[:10]} are in the tree and "
+                         "pending a copy")
+            if held != tree | pend | set(readers):
+                v.append(f"{kind} host pool: held {len(held)} != tree {len(tree)} + pending "
+                         f"{len(pend)} + read {len(readers)}; unaccounted "
+                         f"{sorted(held ^ (tree | pend | set(readers)))[:10]}")
+        return v
+
+    def describe(self) -> dict[str, Any]:
+        out = {"full": self.full.describe()}
+        if self.swa is not None:
+            out["swa"] = self.swa.describe()
+        out["pending"] = {k: len(v) for k, v in self.pending.items()}
+        out["read"] = {k: len(v) for k, v in self.readers.items()}
+        return out
+
+    def close(self) -> None:
+        self.full.close()
+        if self.swa is not None:
+            self.swa.close()

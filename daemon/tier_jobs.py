@@ -1,0 +1,294 @@
+"""The synchronous halves of the tier copies: what a copy moves, the slots and pages it needs, and
+how its result lands in the tree.
+
+A copy runs off the event loop between a ``begin_*`` and its ``finish_*``; everything here runs
+on the loop, so each half is atomic with respect to every other operation. Between the two, the
+path is pinned (the tree keeps its pages where the copy expects them) and the destination pages or
+slots are held by the job (a synthetic owner for device pages, the host tier's pending set for
+host slots), so the conservation checks account for them and a session that dies meanwhile
+cannot free them under the copy.
+"""
+
+from __future__ import annotations
+
+import itertools
+from array import array
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from .gpu.allocator import OutOfPages
+from .model_cache import ModelCache, Watch
+from .tree.hashing import HASH_BYTES, chain_hashes
+from .tree.node import Node, Pin
+from .tree.radix import Namespace
+from .tree.tiering import LoadPlan, adopt_host, commit_load, host_prefix, plan_load
+
+_load_ids = itertools.count(1)
+
+
+# ------------------------------------------------------------------------------- device -> host
+
+@dataclass
+class BackupRecord:
+    """One chain of nodes copied to host: ``pages`` pages walked up from ``anchor``."""
+
+    anchor: Node
+    pages: int
+    full_slots: array  # root-first, one per page
+    swa_slots: array  # per page, 0 where the page gets no SWA copy
+    dev_full: array  # the device pages read, root-first
+    dev_swa: array  # per page, the SWA page read (0: none)
+
+
+@dataclass
+class BackupJob:
+    records: list[BackupRecord] = field(default_factory=list)
+    dev_full: array = field(default_factory=lambda: array("i"))
+    host_full: array = field(default_factory=lambda: array("i"))
+    dev_swa: array = field(default_factory=lambda: array("i"))
+    host_swa: array = field(default_factory=lambda: array("i"))
+    watch: Watch | None = None  # None: a synchronous copy (nothing can free pages under it)
+
+
+def page_hashes(n: Node) -> list[bytes]:
+    h = n.hashes
+    return [h[i : i + HASH_BYTES] for i in range(0, len(h), HASH_BYTES)]
+
+
+def reserve_host(mc: ModelCache, ns: Namespace, kind: str, hashes: list[bytes],
+                 quota: int = 0) -> array | None:
+    """Pending host slots for ``hashes`` in namespace ``ns``: first within the tenant's
+    host quota (its own cold host pages go first), then within the pool (the coldest host-only
+    pages go). None when they cannot be had: the copy is skipped, never forced."""
+    host = mc.host
+    tree = mc.tree
+    want = len(hashes)
+    if host is None or not want:
+        return None
+    if kind == "full" and quota:
+        over = ns.host_pages + want - quota
+        if over > 0:
+            tree.evict_host(over, namespace=ns.name)
+            if ns.host_pages + want > quota:
+                return None
+    short = want - host.available(kind)
+    if short > 0:
+        if kind == "full":
+            tree.evict_host(short)
+        else:
+            tree.evict_host(0, swa_slots=short)
+    try:
+        return host.take(kind, hashes)
+    except (OutOfPages, ValueError):
+        return None
+
+
+def _chain(node: Node, exclude: set[int]) -> list[Node]:
+    """The device nodes from the highest ancestor without a host copy down to ``node``."""
+    chain: list[Node] = []
+    n = node
+    while n.parent is not None and n.host is None and id(n) not in exclude:
+        chain.append(n)
+        n = n.parent
+    chain.reverse()
+    return chain
+
+
+def plan_backup(mc: ModelCache, node: Node, exclude: set[int], quota: int = 0,
+                job: BackupJob | None = None) -> BackupRecord | None:
+    """Slots for ``node`` and the ancestors it needs (host copies are prefix-closed), added to
+    ``job``'s copy lists. Only the trailing window of each node gets SWA copies."""
+    tree = mc.tree
+    chain = _chain(node, exclude)
+    if not chain or any(n.full is None for n in chain):
+        return None
+    hashes = [h for n in chain for h in page_hashes(n)]
+    full_slots = reserve_host(mc, node.ns, "full", hashes, quota)
+    if full_slots is None:
+        return None
+    pb = tree.page_bytes
+    wp = tree.window_pages
+    swa_pos: list[int] = []  # page positions in the chain that get an SWA copy
+    dev_swa = array("i")
+    off = 0
+    for n in chain:
+        k = len(n.tokens) // pb
+        if n.swa is not None and mc.host is not None and mc.host.swa is not None:
+            for j in range(max(0, k - wp), k):
+                swa_pos.append(off + j)
+                dev_swa.append(n.swa[j])
+        off += k
+    swa_slots = array("i", bytes(4 * off))
+    swa_read = array("i", bytes(4 * off))
+    got_swa = (reserve_host(mc, node.ns, "swa", [hashes[i] for i in swa_pos]) if swa_pos
+               else None)
+    if got_swa is not None:
+        for i, s, d in zip(swa_pos, got_swa, dev_swa, strict=True):
+            swa_slots[i] = s
+            swa_read[i] = d
+    dev_full = array("i")
+    for n in chain:
+        dev_full += n.full  # type: ignore[arg-type]
+    if job is not None:
+        job.dev_full += dev_full
+        job.host_full += full_slots
+        if got_swa is not None:
+            job.dev_swa += dev_swa
+            job.host_swa += got_swa
+    exclude.update(id(n) for n in chain)
+    return BackupRecord(node, off, full_slots, swa_slots, dev_full, swa_read)
+
+
+def begin_backup(mc: ModelCache, nodes: Iterable[Node], quotas: dict[str, int]) -> BackupJob:
+    """One copy job for every node still on device without a host copy.
+
+    The nodes are not pinned: a background backup must never make pages unevictable (an
+    ``alloc`` would fail for a copy that is only an optimisation). Instead the device pages it
+    reads are watched, and a page the tree frees meanwhile taints its copy, which is dropped."""
+    tree = mc.tree
+    job = BackupJob()
+    seen: set[int] = set()
+    for node in nodes:
+        if tree.nodes.get(node.id) is not node or node.full is None or node.host is not None:
+            continue
+        rec = plan_backup(mc, node, seen, quotas.get(node.ns.name, 0), job)
+        if rec is not None:
+            job.records.append(rec)
+    job.watch = mc.sink.watch(job.dev_full, job.dev_swa)
+    return job
+
+
+def finish_backup(mc: ModelCache, job: BackupJob, ok: bool) -> list[tuple[Node, array, array]]:
+    """Give the copied nodes their host slots (or drop the slots when the copy failed or a page
+    it read was freed meanwhile).
+
+    Returns (node, full slots, SWA slots) of every node that got a host copy, for L3."""
+    tree = mc.tree
+    host = mc.host
+    assert host is not None
+    tainted_full: set[int] = set()
+    tainted_swa: set[int] = set()
+    if job.watch is not None:
+        tainted_full, tainted_swa = mc.sink.unwatch(job.watch)
+    done: list[tuple[Node, array, array]] = []
+    for rec in job.records:
+        nodes: list[Node] = []
+        n, left = rec.anchor, rec.pages
+        while left > 0 and n.parent is not None:
+            nodes.append(n)
+            left -= len(n.tokens) // tree.page_bytes
+            n = n.parent
+        nodes.reverse()
+        off = 0
+        for n in nodes:
+            k = len(n.tokens) // tree.page_bytes
+            fs = rec.full_slots[off : off + k]
+            ss = rec.swa_slots[off : off + k]
+            read = rec.dev_full[off : off + k]
+            clean = (n.full == read and not any(p in tainted_full for p in read)
+                     and not any(p in tainted_swa for p in rec.dev_swa[off : off + k] if p))
+            off += k
+            if (ok and clean and left == 0 and n.host is None and n.full is not None
+                    and n.parent.host is not None and tree.nodes.get(n.id) is n):
+                host.filled("full", fs)
+                host.filled("swa", (s for s in ss if s))
+                tree._give_host(n, fs, ss if any(ss) else None)
+                tree._requeue(n)
+                done.append((n, fs, ss))
+            else:
+                host.drop("full", fs)
+                host.drop("swa", ss)
+    return done
+
+
+# ------------------------------------------------------------------------------- host -> device
+
+@dataclass
+class LoadJob:
+    plan: LoadPlan
+    pin: Pin
+    owner: tuple[str, int]
+    full_pages: array  # device pages, positionally for plan.full
+    swa_pages: array  # device pages, positionally for plan.swa
+
+    @property
+    def host_full(self) -> list[int]:
+        return [s for _, s in self.plan.full]
+
+    @property
+    def host_swa(self) -> list[int]:
+        return [s for _, s in self.plan.swa]
+
+
+def begin_load(mc: ModelCache, namespace: str, tokens: bytes, device_len: int) -> LoadJob | None:
+    """Pin the path and take device pages for what host holds past ``device_len`` tokens; None
+    when there is nothing to load. Raises OutOfPages (with nothing changed) when the pools
+    cannot make room."""
+    plan = plan_load(mc.tree, namespace, tokens, device_len)
+    if plan is None:
+        return None
+    pin = mc.tree.pin(plan.anchor)
+    owner = ("load", next(_load_ids))
+    try:
+        full, swa = mc.alloc_unpaired(owner, len(plan.full), len(plan.swa))
+    except BaseException:
+        mc.tree.unpin(pin)
+        raise
+    return LoadJob(plan, pin, owner, full, swa)
+
+
+def finish_load(mc: ModelCache, namespace: str, tokens: bytes, job: LoadJob, ok: bool) -> int:
+    """Hand the copied pages to the tree (or free them when the copy failed); returns the pages
+    that became resident."""
+    mc.disown(job.owner)
+    fd = {i: p for (i, _), p in zip(job.plan.full, job.full_pages, strict=True)}
+    sd = {i: p for (i, _), p in zip(job.plan.swa, job.swa_pages, strict=True)}
+    loaded = commit_load(mc.tree, namespace, tokens, job.plan, fd, sd) if ok else 0
+    if fd:
+        mc.alloc_state.free_full(array("i", fd.values()))
+    if sd:
+        mc.alloc_state.free_swa(array("i", sd.values()))
+    mc.tree.unpin(job.pin)
+    return loaded
+
+
+# ------------------------------------------------------------------------------- L3 -> host
+
+@dataclass
+class FetchJob:
+    """Pages [start, ...) of ``tokens`` that L3 may hold, under a pinned host prefix."""
+
+    start: int
+    hashes: list[bytes]  # every page of tokens, from the root
+    pin: Pin | None
+    full_slots: dict[int, int] = field(default_factory=dict)  # page index -> pending slot
+    swa_slots: dict[int, int] = field(default_factory=dict)
+
+
+def begin_fetch(mc: ModelCache, namespace: str, tokens: bytes) -> FetchJob:
+    tree = mc.tree
+    start, last = host_prefix(tree, namespace, tokens)
+    pb = tree.page_bytes
+    n = len(tokens) // pb
+    seed = tree.namespace(namespace).seed
+    hashes = chain_hashes(seed, tokens[: n * pb], pb)
+    hl = [hashes[i : i + HASH_BYTES] for i in range(0, len(hashes), HASH_BYTES)]
+    return FetchJob(start, hl, tree.pin(last) if last is not None else None)
+
+
+def finish_fetch(mc: ModelCache, namespace: str, tokens: bytes, job: FetchJob, end: int
+                 ) -> int:
+    """Attach the fetched pages [start, end) under the host prefix; returns pages attached."""
+    host = mc.host
+    assert host is not None
+    fs, ss = dict(job.full_slots), dict(job.swa_slots)
+    got = 0
+    if end > job.start:
+        got, _ = adopt_host(mc.tree, namespace, tokens, job.start, end, fs, ss)
+    host.drop("full", fs.values())
+    host.drop("swa", ss.values())
+    host.filled("full", (s for i, s in job.full_slots.items() if i not in fs))
+    host.filled("swa", (s for i, s in job.swa_slots.items() if i not in ss))
+    if job.pin is not None:
+        mc.tree.unpin(job.pin)
+    return got

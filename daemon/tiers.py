@@ -1,0 +1,474 @@
+"""The memory tiers of one model at run time: host (L2) backups, loads back to device, and the L3
+(Redis) writer and fetcher.
+
+It composes the model's :class:`ModelCache` with its :class:`HostTier` and the daemon's shared
+:class:`RedisTier`, and runs the copies off the event loop (a copy thread on CPU, a copy stream on
+CUDA, :func:`daemon.storage.copies.run_copy`). The synchronous halves of each copy (which pages,
+which slots, how the result lands in the tree) are in :mod:`daemon.tier_jobs`.
+
+Write policies (``[[models]] write_policy``):
+
+* ``write_through``: every node handed to the tree is copied to host in the background;
+* ``write_through_selective``: a node is copied once a match or insert has used it
+  ``write_through_threshold`` times;
+* ``write_back``: a node is copied when eviction takes its device copy, synchronously inside the
+  eviction (the only way to demote instead of delete without holding device pages longer).
+
+L3 (``[l3] write_policy``): pages reach Redis when they reach host (``write_through``) or when the
+host tier drops them (``write_back``). Everything that touches Redis is fail-soft: a miss, never an
+error to the engine (the :class:`RedisTier` bounds every call and trips a breaker).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from array import array
+from collections import OrderedDict
+from collections.abc import Iterable
+from typing import Any
+
+from radixd_client import protocol as P
+
+from .config import L3Config, ModelConfig
+from .model_cache import ModelCache
+from .storage.codec import encode_page
+from .storage.copies import device_to_host, host_to_device, run_copy
+from .storage.host_tier import HostTier
+from .storage.redis_tier import RedisTier
+from .tier_jobs import (
+    BackupJob,
+    FetchJob,
+    begin_backup,
+    begin_fetch,
+    begin_load,
+    finish_backup,
+    finish_fetch,
+    finish_load,
+    page_hashes,
+    plan_backup,
+    reserve_host,
+)
+from .tree.node import Node
+
+log = logging.getLogger("radixd.tiers")
+
+#: Most pages one L3 write batch carries (bounds the bytes encoded at once).
+L3_WRITE_BATCH = 256
+
+
+def _copy_out(dev_full: Any, dev_swa: Any, host: HostTier, job: BackupJob) -> None:
+    if job.dev_full:
+        device_to_host(dev_full, job.dev_full, host.full, job.host_full)
+    if job.dev_swa:
+        device_to_host(dev_swa, job.dev_swa, host.swa, job.host_swa)  # type: ignore[arg-type]
+
+
+def _copy_in(dev_full: Any, dev_swa: Any, host: HostTier, slots_full: list[int],
+             pages_full: array, slots_swa: list[int], pages_swa: array) -> None:
+    if pages_full:
+        host_to_device(host.full, slots_full, dev_full, pages_full)
+    if pages_swa:
+        host_to_device(host.swa, slots_swa, dev_swa, pages_swa)  # type: ignore[arg-type]
+
+
+class TierManager:
+    """L2 (and L3 when configured) of one model."""
+
+    def __init__(self, cache: ModelCache, pools: Any, mc: ModelConfig, l3: RedisTier | None,
+                 l3cfg: L3Config, host_quotas: dict[str, int], l3_quotas: dict[str, int]):
+        self.cache = cache
+        self.pools = pools
+        self.profile = cache.profile
+        self.fingerprint = self.profile.layout_fingerprint()
+        self.host = HostTier(self.profile, mc.host_pages, mc.host_swa_pages)
+        cache.host = self.host
+        cache.tree.host_sink = self.host
+        self.write_policy = mc.write_policy
+        self.threshold = mc.write_through_threshold
+        self.l3 = l3
+        self.l3cfg = l3cfg
+        self.host_quotas = host_quotas
+        self.l3_quotas = l3_quotas
+        self._ledger: dict[str, OrderedDict[bytes, int]] = {}
+        if self.write_policy == "write_back":
+            cache.tree.demote = self._demote
+        if l3 is not None and l3cfg.write_policy == "write_back":
+            cache.tree.host_dropped = self._host_dropped
+        self._backlog: list[Node] = []
+        self._l3_queue: list[tuple[str, Any, int, bytes, bytes]] = []
+        self._tasks: list[asyncio.Task] = []
+        self._wake_backup: asyncio.Event | None = None
+        self._wake_l3: asyncio.Event | None = None
+        self._inflight: set[asyncio.Task] = set()
+        self.counters = dict.fromkeys((
+            "backups", "backup_pages", "backup_skipped", "demoted_sync_pages", "loads",
+            "load_pages", "load_failures", "prefetches", "prefetch_pages", "prefetch_timeouts",
+            "l3_hit_pages", "l3_write_pages", "l3_write_failures", "l3_quota_deleted_pages",
+            "copy_errors"), 0)
+        self.copy_seconds = {"to_host": 0.0, "to_device": 0.0}
+        self.copy_bytes = {"to_host": 0, "to_device": 0}
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        """Start the background workers (on the running loop)."""
+        self._wake_backup = asyncio.Event()
+        self._wake_l3 = asyncio.Event()
+        self._tasks.append(asyncio.create_task(self._backup_worker(), name="radixd-backup"))
+        if self.l3 is not None:
+            self._tasks.append(asyncio.create_task(self._l3_writer(), name="radixd-l3-writer"))
+
+    async def drain(self, timeout: float) -> None:
+        """Finish queued backups and L3 writes, within ``timeout`` seconds (shutdown)."""
+        deadline = time.monotonic() + timeout
+        while (self._backlog or self._l3_queue or self._inflight) and \
+                time.monotonic() < deadline:
+            for ev in (self._wake_backup, self._wake_l3):
+                if ev is not None:
+                    ev.set()
+            await asyncio.sleep(0.01)
+
+    async def aclose(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        self._tasks.clear()
+
+    # ------------------------------------------------------------------ write policies
+
+    def used(self, node_id: int, inserted: bool) -> None:
+        """A match or insert ended at ``node_id``: schedule its host copy if the policy says."""
+        if self.write_policy == "write_back":
+            return
+        node = self.cache.tree.nodes.get(node_id)
+        if node is None or node.parent is None or node.full is None or node.host is not None:
+            return
+        if self.write_policy == "write_through" and not inserted:
+            return
+        if self.write_policy == "write_through_selective" and node.hits < self.threshold:
+            return
+        self._backlog.append(node)
+        if self._wake_backup is not None:
+            self._wake_backup.set()
+
+    async def _backup_worker(self) -> None:
+        assert self._wake_backup is not None
+        while True:
+            await self._wake_backup.wait()
+            self._wake_backup.clear()
+            while self._backlog:
+                nodes, self._backlog = self._backlog, []
+                try:
+                    await self._backup(nodes)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:  # a daemon bug: the job already cleaned up after itself
+                    log.exception("host backup failed")
+
+    async def _backup(self, nodes: list[Node]) -> None:
+        job = begin_backup(self.cache, nodes, self.host_quotas)
+        self.counters["backup_skipped"] += len(nodes) - len(job.records)
+        if not job.records:
+            return
+        ok = True
+        t0 = time.perf_counter()
+        task = asyncio.current_task()
+        if task is not None:
+            self._inflight.add(task)
+        try:
+            await run_copy(_copy_out, self.pools.full, self.pools.swa, self.host, job)
+        except Exception:
+            ok = False
+            self.counters["copy_errors"] += 1
+            log.exception("device-to-host copy failed")
+        finally:
+            if task is not None:
+                self._inflight.discard(task)
+        self.copy_seconds["to_host"] += time.perf_counter() - t0
+        self.copy_bytes["to_host"] += len(job.host_full) * self.host.full.page_nbytes
+        done = finish_backup(self.cache, job, ok)
+        self.counters["backups"] += len(job.records)
+        self.counters["backup_pages"] += sum(len(fs) for _, fs, _ in done)
+        if self.l3 is not None and self.l3cfg.write_policy == "write_through":
+            for node, fs, ss in done:
+                self._queue_l3(node, fs, ss)
+
+    def _demote(self, node: Node) -> None:
+        """write_back: copy a node losing its device copy (and the ancestors it needs) to host,
+        synchronously, so the eviction demotes it instead of deleting it."""
+        job = BackupJob()
+        rec = plan_backup(self.cache, node, set(), self.host_quotas.get(node.ns.name, 0), job)
+        if rec is None:
+            self.counters["backup_skipped"] += 1
+            return
+        job.records.append(rec)
+        ok = True
+        try:
+            _copy_out(self.pools.full, self.pools.swa, self.host, job)
+            if self.pools.device.type == "cuda":
+                import torch
+
+                torch.cuda.synchronize(self.pools.device)
+        except Exception:
+            ok = False
+            self.counters["copy_errors"] += 1
+            log.exception("device-to-host copy failed (write_back)")
+        done = finish_backup(self.cache, job, ok)
+        self.counters["demoted_sync_pages"] += sum(len(fs) for _, fs, _ in done)
+        if self.l3 is not None and self.l3cfg.write_policy == "write_through":
+            for n, fs, ss in done:
+                self._queue_l3(n, fs, ss)
+
+    # ------------------------------------------------------------------ load (L2 -> L1)
+
+    async def load(self, namespace: str, tokens: bytes) -> int:
+        """Copy what host holds of ``tokens``' path back to device; returns tokens loaded.
+
+        The caller matches afterwards: the response is built only once the data is on device."""
+        cache = self.cache
+        probe = cache.tree.match(namespace, tokens)
+        job = begin_load(cache, namespace, tokens, probe.prefix_len)
+        if job is None:
+            return 0
+        self.counters["loads"] += 1
+        ok = True
+        t0 = time.perf_counter()
+        try:
+            await run_copy(_copy_in, self.pools.full, self.pools.swa, self.host, job.host_full,
+                           job.full_pages, job.host_swa, job.swa_pages)
+        except Exception:
+            ok = False
+            self.counters["load_failures"] += 1
+            self.counters["copy_errors"] += 1
+            log.exception("host-to-device copy failed")
+        self.copy_seconds["to_device"] += time.perf_counter() - t0
+        self.copy_bytes["to_device"] += len(job.full_pages) * self.host.full.page_nbytes
+        loaded = finish_load(cache, namespace, tokens, job, ok)
+        self.counters["load_pages"] += loaded
+        return loaded * self.profile.page_size
+
+    # ------------------------------------------------------------------ L3 write
+
+    def _queue_l3(self, node: Node, full_slots: Iterable[int], swa_slots: Iterable[int]) -> None:
+        """Queue a node's host pages for Redis, holding the slots until they are encoded."""
+        ns = node.ns.name
+        pb = self.cache.tree.page_bytes
+        hashes = page_hashes(node)
+        for j, (fs, ss) in enumerate(zip(full_slots, swa_slots, strict=True)):
+            toks = node.tokens[j * pb : (j + 1) * pb]
+            if self.host.hold("full", (fs,)):
+                self._l3_queue.append(("full", ns, fs, hashes[j], toks))
+            if ss and self.host.hold("swa", (ss,)):
+                self._l3_queue.append(("swa", ns, ss, hashes[j], toks))
+        if self._wake_l3 is not None:
+            self._wake_l3.set()
+
+    def _host_dropped(self, node: Node) -> None:
+        """L3 write_back: a host-only page leaves host; send it to Redis first."""
+        swa = node.host_swa if node.host_swa is not None else array("i", bytes(4 * len(node.host)))
+        self._queue_l3(node, node.host, swa)  # type: ignore[arg-type]
+
+    async def _l3_writer(self) -> None:
+        assert self._wake_l3 is not None and self.l3 is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._wake_l3.wait()
+            self._wake_l3.clear()
+            while self._l3_queue:
+                batch = self._l3_queue[:L3_WRITE_BATCH]
+                del self._l3_queue[:L3_WRITE_BATCH]
+                task = asyncio.current_task()
+                if task is not None:
+                    self._inflight.add(task)
+                try:
+                    values = await loop.run_in_executor(None, self._encode, batch)
+                finally:
+                    for kind, _, slot, _, _ in batch:
+                        self.host.unhold(kind, (slot,))
+                try:
+                    await self._l3_store(batch, values)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    log.exception("L3 write failed")
+                finally:
+                    if task is not None:
+                        self._inflight.discard(task)
+
+    def _encode(self, batch: list[tuple[str, str, int, bytes, bytes]]) -> list[bytes]:
+        """Runs in a worker thread: the slots are held, so their bytes cannot change."""
+        return [encode_page(pool=kind, page_hash=h, fingerprint=self.fingerprint, tokens=toks,
+                            payload=self.host.pool(kind).page_bytes(slot))
+                for kind, _, slot, h, toks in batch]
+
+    async def _l3_store(self, batch: list[tuple[str, str, int, bytes, bytes]],
+                        values: list[bytes]) -> None:
+        assert self.l3 is not None
+        before = self.l3.stats["set_failures"]
+        written = await self.l3.set_pages(values)
+        self.counters["l3_write_pages"] += written
+        self.counters["l3_write_failures"] += self.l3.stats["set_failures"] - before
+        over: dict[str, list[bytes]] = {}
+        for (_kind, ns, _, h, _), v in zip(batch, values, strict=True):
+            quota = self.l3_quotas.get(ns, 0)
+            if not quota:
+                continue
+            ledger = self._ledger.setdefault(ns, OrderedDict())
+            ledger[h] = ledger.get(h, 0) + len(v)
+            ledger.move_to_end(h)
+            total = sum(ledger.values())
+            while total > quota and ledger:
+                old, size = ledger.popitem(last=False)
+                total -= size
+                over.setdefault(ns, []).append(old)
+        for hashes in over.values():
+            self.counters["l3_quota_deleted_pages"] += len(hashes)
+            await self.l3.delete(hashes, "full")
+            await self.l3.delete(hashes, "swa")
+
+    # ------------------------------------------------------------------ prefetch (L3 -> L2)
+
+    async def prefetch(self, namespace: str, tokens: bytes, policy: str, timeout_s: float
+                       ) -> P.PrefetchResult:
+        if self.l3 is None:
+            return P.PrefetchResult(status="unavailable", l3_hit_len=0, fetched_len=0)
+        if self.l3.breaker.state == "open":
+            return P.PrefetchResult(status="unavailable", l3_hit_len=0, fetched_len=0)
+        self.counters["prefetches"] += 1
+        job = begin_fetch(self.cache, namespace, tokens)
+        if job.start >= len(job.hashes):
+            finish_fetch(self.cache, namespace, tokens, job, job.start)
+            return P.PrefetchResult(status="none", l3_hit_len=0, fetched_len=0)
+        known: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        task = asyncio.create_task(self._fetch(namespace, tokens, job, known))
+        self._inflight.add(task)
+        task.add_done_callback(self._inflight.discard)
+        P_ = self.profile.page_size
+        if policy == "best_effort":
+            hit = await asyncio.shield(known)
+            return P.PrefetchResult(status="started" if hit else "none", l3_hit_len=hit * P_,
+                                    fetched_len=0)
+        try:
+            if policy == "wait_complete":
+                got = await asyncio.shield(task)
+            else:
+                got = await asyncio.wait_for(asyncio.shield(task), timeout_s)
+        except asyncio.TimeoutError:
+            self.counters["prefetch_timeouts"] += 1
+            hit = known.result() if known.done() else 0
+            return P.PrefetchResult(status="timeout", l3_hit_len=hit * P_, fetched_len=0)
+        hit = known.result() if known.done() else 0
+        return P.PrefetchResult(status="complete" if hit else "none", l3_hit_len=hit * P_,
+                                fetched_len=got * P_)
+
+    async def _fetch(self, namespace: str, tokens: bytes, job: FetchJob,
+                     known: asyncio.Future[int]) -> int:
+        """The whole fetch; sets ``known`` to the pages L3 holds once that is known. Returns
+        pages attached to the tree. Every path ends in finish_fetch (unpin, slots back)."""
+        end = job.start
+        try:
+            end = await self._fetch_pages(namespace, tokens, job, known)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("L3 fetch failed")
+            for kind, slots in (("full", job.full_slots), ("swa", job.swa_slots)):
+                self.host.drop(kind, slots.values())
+                slots.clear()
+            end = job.start
+        finally:
+            if not known.done():
+                known.set_result(0)
+        got = finish_fetch(self.cache, namespace, tokens, job, end)
+        self.counters["prefetch_pages"] += got
+        return got
+
+    def _window_end(self, start: int, end: int, swa_present: list[bool]) -> int:
+        """The largest end <= ``end`` whose SWA window (within [start, end)) L3 holds whole."""
+        if not self.cache.tree.swa_enabled:
+            return end
+        wp = self.cache.tree.window_pages
+        for e in range(end, start, -1):
+            lo = max(start, e - wp)
+            if all(swa_present[i - start] for i in range(lo, e)):
+                return e
+        return start
+
+    async def _fetch_pages(self, namespace: str, tokens: bytes, job: FetchJob,
+                           known: asyncio.Future[int]) -> int:
+        l3 = self.l3
+        assert l3 is not None
+        start = job.start
+        hashes = job.hashes
+        end = start + await l3.exists_prefix(hashes[start:], "full")
+        if end > start and self.cache.tree.swa_enabled:
+            present = await l3.exists_each(hashes[start:end], "swa")
+            end = self._window_end(start, end, present)
+        known.set_result(end - start)
+        if end <= start:
+            return start
+        ns = self.cache.tree.namespace(namespace)
+        wp = self.cache.tree.window_pages
+        swa_lo = max(start, end - wp) if self.cache.tree.swa_enabled else end
+        full_slots = reserve_host(self.cache, ns, "full", hashes[start:end],
+                                  self.host_quotas.get(namespace, 0))
+        if full_slots is None:
+            return start
+        job.full_slots = {start + i: s for i, s in enumerate(full_slots)}
+        if swa_lo < end:
+            swa_slots = reserve_host(self.cache, ns, "swa", hashes[swa_lo:end])
+            if swa_slots is None:
+                return start
+            job.swa_slots = {swa_lo + i: s for i, s in enumerate(swa_slots)}
+        pb = self.cache.tree.page_bytes
+        full_vals = await l3.get_pages(hashes[start:end], "full", self.fingerprint)
+        swa_vals = (await l3.get_pages(hashes[swa_lo:end], "swa", self.fingerprint)
+                    if swa_lo < end else [])
+        good = start
+        for i, v in enumerate(full_vals):
+            if v is None or v.tokens != tokens[(start + i) * pb : (start + i + 1) * pb]:
+                break
+            good = start + i + 1
+        swa_ok = [v is not None and v.tokens == tokens[(swa_lo + i) * pb : (swa_lo + i + 1) * pb]
+                  for i, v in enumerate(swa_vals)]
+        present = [True] * (swa_lo - start) + swa_ok
+        good = self._window_end(start, good, present[: good - start])
+        writes: list[tuple[Any, int, memoryview]] = []
+        for i in range(start, end):
+            if i < good:
+                writes.append((self.host.full, job.full_slots[i], full_vals[i - start].payload))
+            else:
+                self.host.drop("full", (job.full_slots.pop(i),))
+        for i in range(swa_lo, end):
+            if i < good and swa_ok[i - swa_lo]:
+                writes.append((self.host.swa, job.swa_slots[i], swa_vals[i - swa_lo].payload))
+            elif i in job.swa_slots:
+                self.host.drop("swa", (job.swa_slots.pop(i),))
+        if writes:
+            await asyncio.get_running_loop().run_in_executor(None, _write_slots, writes)
+        self.counters["l3_hit_pages"] += good - start
+        return good
+
+    # ------------------------------------------------------------------ reporting
+
+    def stats(self) -> dict[str, int]:
+        h = self.host
+        out = dict(self.counters)
+        out["host_pages_used"] = h.full.used
+        out["host_pages_capacity"] = h.full.usable
+        out["host_swa_pages_used"] = h.swa.used if h.swa is not None else 0
+        out["host_swa_pages_capacity"] = h.swa.usable if h.swa is not None else 0
+        out["host_pages_in_tree"] = self.cache.tree.host_pages
+        out["backup_queue"] = len(self._backlog)
+        out["l3_write_queue"] = len(self._l3_queue)
+        return out
+
+
+def _write_slots(writes: list[tuple[Any, int, memoryview]]) -> None:
+    for pool, slot, payload in writes:
+        pool.write_page_bytes(slot, payload)
