@@ -344,6 +344,7 @@ class _Admin:
                 "hit_tokens": c["hit_tokens"],
                 "hit_rate": _rate(c["hit_tokens"], c["match_tokens"]),
                 "evictions": self._evictions(name),
+                "tiers": entry.tiers.stats() if entry.tiers is not None else None,
             }
         live = svc.live_sessions()
         tenants = [{"name": t.name, "namespace": t.namespace, "sessions": live.get(t.name, 0),
@@ -361,6 +362,7 @@ class _Admin:
             "checker": self._checker(),
             "models": models,
             "tenants": tenants,
+            "l3": svc.l3.stats if svc.l3 is not None else None,
         })
 
     async def tenants(self, request: web.Request) -> web.Response:
@@ -635,6 +637,8 @@ def openapi_document() -> dict[str, Any]:
         "hit_tokens": _UINT_S, "hit_rate": {**_NUM, "minimum": 0, "maximum": 1},
         "evictions": {"type": "object", "description": "pages evicted per trigger",
                       "additionalProperties": _obj({"full": _UINT_S, "swa": _UINT_S})},
+        "tiers": {"type": "object", "nullable": True, "additionalProperties": _INT,
+                  "description": "host (L2) and L3 counters; null without a host tier"},
     })
     tenant_stats = _obj({
         "name": _STR, "namespace": _STR, "sessions": _UINT_S, "hit_tokens": _UINT_S,
@@ -646,6 +650,8 @@ def openapi_document() -> dict[str, Any]:
         "sessions": _UINT_S, "ops_total": _UINT_S, "checker": _ref("Checker"),
         "models": {"type": "object", "additionalProperties": _ref("ModelStats")},
         "tenants": {"type": "array", "items": _ref("TenantStats")},
+        "l3": {"type": "object", "nullable": True, "additionalProperties": True,
+               "description": "the Redis client's counters and breaker_state; null without L3"},
     })
     usage = _obj({k: _UINT_S for k in ("tree_full_pages", "tree_swa_pages", "held_full_pages",
                                        "held_swa_pages")})

@@ -164,6 +164,10 @@ def collect(server: Server) -> Registry:
         matches.add(c["matches"], model=m)
         match_tokens.add(c["match_tokens"], model=m)
         hit_tokens.add(c["hit_tokens"], model=m, tier="device")
+        tiers = entry.tiers
+        P_ = entry.info.page_size
+        hit_tokens.add(tiers.counters["load_pages"] * P_ if tiers else 0, model=m, tier="host")
+        hit_tokens.add(tiers.counters["l3_hit_pages"] * P_ if tiers else 0, model=m, tier="l3")
         by_reason = entry.cache.tree.evictions_by_reason
         reasons = list(EVICTION_REASONS) + sorted(set(by_reason) - set(EVICTION_REASONS))
         for reason in reasons:
@@ -172,6 +176,8 @@ def collect(server: Server) -> Registry:
             if "swa" in usage[m]:
                 evicted.add(swa, model=m, pool="swa", reason=reason)
         nodes.add(service.tree_nodes(m), model=m)
+
+    _tier_families(reg, server, models)
 
     # -- operations
     ops = reg.family("radixd_operations_total", "counter",
@@ -218,6 +224,82 @@ def collect(server: Server) -> Registry:
 
     _tenant_families(reg, server, models)
     return reg
+
+
+#: L3 client events, as RedisTier.stats names them: (key, family, help)
+_L3_COUNTERS = (
+    ("gets", "radixd_l3_get_pages_total", "Pages asked of Redis."),
+    ("hits", "radixd_l3_hit_pages_total", "Pages Redis returned and that verified."),
+    ("sets", "radixd_l3_set_pages_total", "Pages written to Redis."),
+    ("set_failures", "radixd_l3_set_failures_total",
+     "Page writes dropped (Redis down, slow, full, or the breaker open)."),
+    ("corrupt", "radixd_l3_corrupt_pages_total",
+     "Values that failed verification (checksum, layout, tokens): deleted, served as misses."),
+    ("timeouts", "radixd_l3_timeouts_total", "Redis calls that ran past l3.op_timeout_ms."),
+    ("errors", "radixd_l3_errors_total", "Redis calls or replies that failed otherwise."),
+    ("breaker_rejects", "radixd_l3_breaker_rejects_total",
+     "Calls answered as misses at once because the circuit breaker was open."),
+    ("breaker_opens", "radixd_l3_breaker_opens_total", "Times the circuit breaker opened."),
+    ("bytes_read", "radixd_l3_read_bytes_total", "Value bytes read from Redis."),
+    ("bytes_written", "radixd_l3_written_bytes_total", "Value bytes written to Redis."),
+)
+_BREAKER_STATES = ("closed", "half_open", "open")
+
+
+def _tier_families(reg: Registry, server: Server, models: list[str]) -> None:
+    """The host tier per model (pages, copies, loads, prefetches) and the shared L3 client."""
+    service = server.service
+    cap = reg.family("radixd_host_pool_capacity_pages", "gauge",
+                     "Host (L2) slots a model's host pool can hold, by pool (0: no host tier).")
+    used = reg.family("radixd_host_pool_used_pages", "gauge",
+                      "Host (L2) slots holding a page (in the tree, being copied, or being "
+                      "written to L3).")
+    pages = reg.family("radixd_tier_pages_total", "counter",
+                       "Pages moved between tiers, by direction (to_host: device copies backed "
+                       "up; to_device: loaded back; from_l3: fetched into host; to_l3: written "
+                       "to Redis).")
+    copy_s = reg.family("radixd_tier_copy_seconds_total", "counter",
+                        "Wall time of device<->host copies (off the event loop), by direction.")
+    copy_b = reg.family("radixd_tier_copy_bytes_total", "counter",
+                        "Bytes of full-pool pages copied between device and host, by direction.")
+    loads = reg.family("radixd_loads_total", "counter",
+                       "Loads that copied pages from host, by result (ok, failed).")
+    prefetch = reg.family("radixd_prefetches_total", "counter",
+                          "Prefetch operations that asked L3, and those whose wait timed out.")
+    skipped = reg.family("radixd_host_backups_skipped_total", "counter",
+                         "Host copies not made (host pool or the tenant's host quota full of "
+                         "pages that cannot go, or a copy error).")
+    for m in models:
+        t = service.models[m].tiers
+        c = t.counters if t is not None else {}
+        h = t.host if t is not None else None
+        for pool in ("full", "swa") if service.models[m].cache.swa_enabled else ("full",):
+            hp = (h.full if pool == "full" else h.swa) if h is not None else None
+            cap.add(hp.usable if hp is not None else 0, model=m, pool=pool)
+            used.add(hp.used if hp is not None else 0, model=m, pool=pool)
+        for direction, key in (("to_host", "backup_pages"), ("to_device", "load_pages"),
+                               ("from_l3", "prefetch_pages"), ("to_l3", "l3_write_pages")):
+            n = c.get(key, 0) + (c.get("demoted_sync_pages", 0) if key == "backup_pages" else 0)
+            pages.add(n, model=m, direction=direction)
+        for direction in ("to_host", "to_device"):
+            copy_s.add(t.copy_seconds[direction] if t else 0.0, model=m, direction=direction)
+            copy_b.add(t.copy_bytes[direction] if t else 0, model=m, direction=direction)
+        loads.add(c.get("loads", 0) - c.get("load_failures", 0), model=m, result="ok")
+        loads.add(c.get("load_failures", 0), model=m, result="failed")
+        prefetch.add(c.get("prefetches", 0), model=m, result="asked")
+        prefetch.add(c.get("prefetch_timeouts", 0), model=m, result="timeout")
+        skipped.add(c.get("backup_skipped", 0), model=m)
+    l3 = service.l3
+    st = l3.stats if l3 is not None else {}
+    reg.family("radixd_l3_enabled", "gauge", "1 when an L3 (Redis) tier is configured.").add(
+        l3 is not None)
+    state = reg.family("radixd_l3_breaker_state", "gauge",
+                       "The L3 circuit breaker: 1 for its current state (open: every call is a "
+                       "miss until a half-open probe succeeds).")
+    for s_ in _BREAKER_STATES:
+        state.add(st.get("breaker_state") == s_, state=s_)
+    for key, name, text in _L3_COUNTERS:
+        reg.family(name, "counter", text).add(st.get(key, 0))
 
 
 def _tenant_families(reg: Registry, server: Server, models: list[str]) -> None:

@@ -397,8 +397,15 @@ class Service:
     def evict(self, s: Session, r: P.Evict) -> P.EvictResult:
         """An engine may make room only from its own namespace."""
         entry = self._model(s, r.model)
+        if not isinstance(r.host_pages, int) or r.host_pages < 0:
+            raise ServiceError(P.Code.BAD_ARGUMENT,
+                               f"host_pages must be a non-negative int, got {r.host_pages!r}")
         res = entry.cache.evict(r.full_pages, r.swa_pages, namespace=s.tenant.namespace)
-        return P.EvictResult(full_pages=res.full_pages, swa_pages=res.swa_pages)
+        host = 0
+        if r.host_pages:
+            host = entry.cache.tree.evict_host(r.host_pages, namespace=s.tenant.namespace
+                                               ).host_slots
+        return P.EvictResult(full_pages=res.full_pages, swa_pages=res.swa_pages, host_pages=host)
 
     def stats(self, s: Session, r: P.Stats) -> P.StatsResult:
         t = s.tenant

@@ -436,7 +436,7 @@ class TierManager:
             good = start + i + 1
         swa_ok = [v is not None and v.tokens == tokens[(swa_lo + i) * pb : (swa_lo + i + 1) * pb]
                   for i, v in enumerate(swa_vals)]
-        present = [True] * (swa_lo - start) + swa_ok
+        present = [False] * (swa_lo - start) + swa_ok  # below swa_lo: not fetched
         good = self._window_end(start, good, present[: good - start])
         writes: list[tuple[Any, int, memoryview]] = []
         for i in range(start, end):

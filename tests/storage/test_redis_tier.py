@@ -5,11 +5,8 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-import socket
-import subprocess
 import time
 import uuid
-from pathlib import Path
 
 import pytest
 import pytest_asyncio
@@ -19,8 +16,8 @@ from redis.retry import Retry
 
 from daemon.storage.codec import encode_page
 from daemon.storage.redis_tier import CLOSED, HALF_OPEN, OPEN, CircuitBreaker, RedisTier
+from tests.redis_procs import SHARED_URL, Server, free_port, start_cluster
 
-SHARED_URL = "redis://127.0.0.1:6379/0"
 FP = bytes(range(32))
 OP_TIMEOUT = 0.3
 
@@ -65,54 +62,9 @@ async def shared():
 # -- servers this test file starts itself ----------------------------------------------------
 
 
-def _free_port(also_bus: bool = False) -> int:
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port > 55000 and also_bus:
-            continue
-        if also_bus:
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", port + 10000))
-                except OSError:
-                    continue
-        return port
-    raise RuntimeError("no free port")
-
-
-class Server:
-    def __init__(self, port: int, workdir: Path, *extra: str) -> None:
-        self.port = port
-        self.workdir = workdir
-        self.extra = extra
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
-             "--save", "", "--appendonly", "no", "--dir", str(self.workdir), *self.extra],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                if redis_sync.Redis(port=self.port, socket_timeout=0.5).ping():
-                    return
-            except redis_sync.RedisError:
-                time.sleep(0.02)
-        raise RuntimeError(f"redis-server on port {self.port} did not start")
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-        self.proc = None
-
-
 @pytest.fixture
 def own_server(tmp_path):
-    srv = Server(_free_port(), tmp_path, "--enable-debug-command", "yes")
+    srv = Server(free_port(), tmp_path, "--enable-debug-command", "yes")
     try:
         srv.start()
         yield srv
@@ -322,34 +274,8 @@ async def test_slow_redis_is_a_miss_within_timeout(own_server) -> None:
 
 @pytest.mark.asyncio
 async def test_cluster_round_trip(tmp_path) -> None:
-    servers: list[Server] = []
+    servers, ports = start_cluster(tmp_path)
     try:
-        ports: list[int] = []
-        while len(ports) < 3:
-            p = _free_port(also_bus=True)
-            if p not in ports:
-                ports.append(p)
-        for i, p in enumerate(ports):
-            d = tmp_path / f"n{i}"
-            d.mkdir()
-            srv = Server(p, d, "--cluster-enabled", "yes", "--cluster-config-file",
-                         str(d / "nodes.conf"), "--cluster-node-timeout", "2000")
-            servers.append(srv)
-            srv.start()
-        subprocess.run(["redis-cli", "--cluster", "create",
-                        *(f"127.0.0.1:{p}" for p in ports),
-                        "--cluster-replicas", "0", "--cluster-yes"],
-                       check=True, capture_output=True, timeout=30)
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline:
-            infos = [redis_sync.Redis(port=p).execute_command("CLUSTER", "INFO") for p in ports]
-            if all(b"cluster_state:ok" in (i if isinstance(i, bytes) else str(i).encode())
-                   for i in infos):
-                break
-            await asyncio.sleep(0.1)
-        else:
-            pytest.fail("cluster did not reach cluster_state:ok")
-
         tier = RedisTier(f"redis+cluster://127.0.0.1:{ports[0]}", key_prefix=_prefix(),
                          op_timeout=2.0, connect_timeout=2.0, ttl_seconds=60, max_pipeline=16)
         try:

@@ -519,9 +519,10 @@ class AsyncClient:
             swa_pages=int32_bytes(swa_pages), prev_prefix_len=prev_prefix_len,
             swa_evicted_len=swa_evicted_len, receipt=receipt))
 
-    async def evict(self, model: str, full_pages: int = 0, swa_pages: int = 0) -> EvictResult:
+    async def evict(self, model: str, full_pages: int = 0, swa_pages: int = 0,
+                    host_pages: int = 0) -> EvictResult:
         return await self._call("evict", Evict(  # type: ignore[no-any-return]
-            model=model, full_pages=full_pages, swa_pages=swa_pages))
+            model=model, full_pages=full_pages, swa_pages=swa_pages, host_pages=host_pages))
 
     async def stats(self, model: str | None = None) -> StatsResult:
         return await self._call("stats", Stats(model=model))  # type: ignore[no-any-return]

@@ -283,9 +283,10 @@ class _BatchBuilder:
             swa_pages=int32_bytes(swa_pages), prev_prefix_len=prev_prefix_len,
             swa_evicted_len=swa_evicted_len, receipt=receipt))
 
-    def evict(self, model: str, full_pages: int = 0, swa_pages: int = 0
+    def evict(self, model: str, full_pages: int = 0, swa_pages: int = 0, host_pages: int = 0
               ) -> BatchFuture[EvictResult]:
-        return self._add("evict", Evict(model=model, full_pages=full_pages, swa_pages=swa_pages))
+        return self._add("evict", Evict(model=model, full_pages=full_pages, swa_pages=swa_pages,
+                                        host_pages=host_pages))
 
     def stats(self, model: str | None = None) -> BatchFuture[StatsResult]:
         return self._add("stats", Stats(model=model))
@@ -559,9 +560,11 @@ class Client:
             swa_pages=int32_bytes(swa_pages), prev_prefix_len=prev_prefix_len,
             swa_evicted_len=swa_evicted_len, receipt=receipt))
 
-    def evict(self, model: str, full_pages: int = 0, swa_pages: int = 0) -> EvictResult:
+    def evict(self, model: str, full_pages: int = 0, swa_pages: int = 0,
+              host_pages: int = 0) -> EvictResult:
+        """Free up to these pages of this session's namespace (unlocked, coldest first)."""
         return self._call("evict", Evict(  # type: ignore[no-any-return]
-            model=model, full_pages=full_pages, swa_pages=swa_pages))
+            model=model, full_pages=full_pages, swa_pages=swa_pages, host_pages=host_pages))
 
     def stats(self, model: str | None = None) -> StatsResult:
         return self._call("stats", Stats(model=model))  # type: ignore[no-any-return]

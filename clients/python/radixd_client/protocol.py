@@ -142,6 +142,7 @@ class Evict(Request, tag="evict"):
     model: str
     full_pages: int = 0
     swa_pages: int = 0
+    host_pages: int = 0  # host (L2) copies to drop (with L3 write_back they go to Redis first)
 
 
 class Stats(Request, tag="stats"):
@@ -291,6 +292,7 @@ class InsertResult(Result):
 class EvictResult(Result):
     full_pages: int
     swa_pages: int
+    host_pages: int = 0
 
 
 class StatsResult(Result):

@@ -1,0 +1,421 @@
+"""The memory tiers through a real daemon: KV written by a client into the mapped device pools goes
+to host (L2) and Redis (L3) and comes back byte-exact, for full and SWA pages; Redis dying,
+corrupt values, two daemons sharing Redis, a three-node Cluster; the checker stays clean (every
+daemon fixture ends with a strict full check)."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis as redis_sync
+import torch
+from radixd_client import Client
+from radixd_client.errors import RadixdError
+from radixd_client.protocol import Code, Load, Prefetch, int32_list
+
+from tests.redis_procs import SHARED_URL, Server, free_port, start_cluster
+
+from .conftest import SMALL_MODEL, Raw
+
+P = SMALL_MODEL["page_size"]
+WINDOW_PAGES = SMALL_MODEL["sliding_window"] // P
+
+
+@pytest.fixture
+def prefix() -> Iterator[str]:
+    """A key prefix of this test's own on the shared Redis, removed afterwards."""
+    p = f"radixd-test-{uuid.uuid4().hex[:12]}"
+    yield p
+    raw = redis_sync.Redis.from_url(SHARED_URL)
+    keys = list(raw.scan_iter(match=p + ":*", count=1000))
+    if keys:
+        raw.delete(*keys)
+    raw.close()
+
+
+def l3_config(url: str, prefix: str, **model: Any) -> dict[str, Any]:
+    return {"models": [{**SMALL_MODEL, **model}],
+            "l3": {"url": url, "key_prefix": prefix, "op_timeout_ms": 300,
+                   "breaker_open_s": 0.5, "breaker_threshold": 2}}
+
+
+class Engine:
+    """A client that writes known KV into the pages it allocates and remembers it per page."""
+
+    def __init__(self, socket: str, seed: int = 0):
+        self.c = Client(socket, timeout=20)
+        self.pools = self.c.attach("m")
+        self.gen = torch.Generator().manual_seed(seed)
+        self.full: dict[bytes, torch.Tensor] = {}  # page tokens (as bytes) -> its KV
+        self.swa: dict[bytes, torch.Tensor] = {}
+
+    def _rand(self, t: torch.Tensor) -> torch.Tensor:
+        return torch.randn(t.shape, generator=self.gen)
+
+    def cache(self, tokens: list[int]) -> None:
+        """Compute (random KV) and insert ``tokens`` whole, as an engine after a prefill."""
+        n = len(tokens) // P
+        a = self.c.alloc("m", n)
+        fp, sp = int32_list(a.full_pages), int32_list(a.swa_pages)
+        for i, (f, s) in enumerate(zip(fp, sp, strict=True)):
+            key = page_key(tokens, i)
+            self.pools.full[:, :, f] = self._rand(self.pools.full[:, :, f])
+            self.pools.swa[:, :, s] = self._rand(self.pools.swa[:, :, s])
+            self.full[key] = self.pools.full[:, :, f].clone()
+            self.swa[key] = self.pools.swa[:, :, s].clone()
+        self.c.insert("m", tokens, fp, sp)
+
+    def verify(self, tokens: list[int], result: Any, expect: dict | None = None) -> int:
+        """The pages a match or load reports hold exactly the KV written for those tokens
+        (by this engine, or ``expect``, another engine's record). Returns pages checked."""
+        full_want, swa_want = expect or (self.full, self.swa)
+        fp, sp = int32_list(result.full_pages), int32_list(result.swa_pages)
+        n = result.prefix_len // P
+        assert len(fp) == n
+        for i, f in enumerate(fp):
+            assert torch.equal(self.pools.full[:, :, f], full_want[page_key(tokens, i)]), i
+        for j, s in enumerate(sp):  # the trailing window
+            i = n - len(sp) + j
+            assert torch.equal(self.pools.swa[:, :, s], swa_want[page_key(tokens, i)]), i
+        return len(fp) + len(sp)
+
+    def close(self) -> None:
+        self.c.close()
+
+
+def page_key(tokens: list[int], i: int) -> bytes:
+    return bytes(str(tokens[: (i + 1) * P]), "ascii")
+
+
+def wait_for(fn: Any, what: str, timeout: float = 10.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = fn()
+        if got:
+            return got
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def admin_stats(d: Any) -> dict[str, Any]:
+    """GET /v1/stats of the daemon's admin endpoint (its port is in the log, its token beside
+    the socket)."""
+    url = re.findall(r"admin endpoint on (http://\S+)", d.log())[-1]
+    token = (d.tmp / "admin.token").read_text().strip()
+    req = urllib.request.Request(url + "/v1/stats", headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(req, timeout=5) as r:
+        return json.loads(r.read())
+
+
+def l3_stats(d: Any) -> dict[str, Any]:
+    return admin_stats(d)["l3"]
+
+
+def l3_pages(prefix: str, port: int = 6379) -> int:
+    """Keys (page values) stored under a key prefix."""
+    raw = redis_sync.Redis(port=port, socket_timeout=2)
+    try:
+        return sum(1 for _ in raw.scan_iter(match=prefix + ":*", count=1000))
+    finally:
+        raw.close()
+
+
+def tier_stats(d: Any) -> dict[str, int]:
+    with Client(d.socket) as c:
+        return c.stats("m").models["m"]
+
+
+def seq(n_pages: int, base: int = 1) -> list[int]:
+    return list(range(base, base + n_pages * P))
+
+
+# ---------------------------------------------------------------------------- L1 <-> L2
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_through_selective", "write_back"])
+def test_device_host_device_round_trip(make_daemon, policy: str) -> None:
+    d = make_daemon({"models": [{**SMALL_MODEL, "write_policy": policy,
+                                 "write_through_threshold": 2}]})
+    e = Engine(d.socket)
+    try:
+        toks = seq(10)
+        e.cache(toks)
+        if policy == "write_through_selective":
+            assert tier_stats(d)["tree_host_pages"] == 0  # one use: below the threshold
+            e.c.match("m", toks)
+        if policy != "write_back":  # copied in the background, before any eviction
+            wait_for(lambda: tier_stats(d)["tree_host_pages"] == 10, "the host copy")
+        ev = e.c.evict("m", full_pages=1000, swa_pages=1000)
+        assert ev.full_pages == 10
+        m = e.c.match("m", toks)
+        assert (m.prefix_len, m.host_hit_len) == (0, 10 * P)  # demoted, not deleted
+        r = e.c.load("m", toks, lock=True)
+        assert (r.prefix_len, r.loaded_len, r.host_hit_len) == (10 * P, 10 * P, 0)
+        assert e.verify(toks, r) == 10 + WINDOW_PAGES
+        e.c.unlock("m", r.receipt)
+        # a second load has nothing to copy: a plain match
+        r2 = e.c.load("m", toks)
+        assert (r2.prefix_len, r2.loaded_len) == (10 * P, 0)
+    finally:
+        e.close()
+
+
+def test_load_extends_a_device_prefix_with_the_host_tail(make_daemon) -> None:
+    """Device holds the head, host the tail: only the tail is copied. A longer prompt loads the
+    whole cached part; one diverging inside the host part loads nothing there, because host
+    keeps SWA copies of a node's trailing window only, and a usable end needs a whole window."""
+    d = make_daemon({"models": [{**SMALL_MODEL, "host_pages": 64, "host_swa_pages": 16}]})
+    e = Engine(d.socket)
+    try:
+        head, full = seq(4), seq(12)
+        e.cache(full)
+        wait_for(lambda: tier_stats(d)["tree_host_pages"] == 12, "the host copy")
+        e.c.evict("m", full_pages=8)  # the 8 tail pages (deepest first)
+        m = e.c.match("m", full)
+        assert m.prefix_len == 4 * P and m.host_hit_len == 8 * P
+        diverging = full[: 9 * P] + [999] * (3 * P)
+        r = e.c.load("m", diverging)
+        assert (r.prefix_len, r.loaded_len) == (4 * P, 0)
+        longer = full + [7] * (5 * P)
+        r = e.c.load("m", longer)
+        assert (r.prefix_len, r.loaded_len) == (12 * P, 8 * P)
+        e.verify(longer, r)
+        assert e.c.match("m", head).prefix_len == 4 * P
+    finally:
+        e.close()
+
+
+def test_host_tier_off_and_bad_requests(make_daemon) -> None:
+    d = make_daemon({"models": [{**SMALL_MODEL, "host_pages": 0}]})
+    e = Engine(d.socket)
+    try:
+        toks = seq(4)
+        e.cache(toks)
+        e.c.evict("m", full_pages=100)
+        r = e.c.load("m", toks)
+        assert (r.prefix_len, r.loaded_len) == (0, 0)
+        assert e.c.prefetch("m", toks).status == "unavailable"
+        for call, code in ((lambda: e.c.load("nope", toks), Code.UNKNOWN_MODEL),
+                           (lambda: e.c.prefetch("m", toks, policy="eager"), Code.BAD_ARGUMENT),
+                           (lambda: e.c.prefetch("m", toks, policy="timeout", timeout_ms=-1),
+                            Code.BAD_ARGUMENT),
+                           (lambda: e.c.evict("m", host_pages=-1), Code.BAD_ARGUMENT)):
+            with pytest.raises(RadixdError) as info:
+                call()
+            assert info.value.code == code
+        assert e.c.ping().payload == b""  # the session survived every refusal
+    finally:
+        e.close()
+    raw = Raw(d.socket)
+    try:
+        resp = raw.call(Load(id=3, model="m", tokens=b"\x01\x02\x03"))  # not int32
+        assert not resp.ok and resp.error.code == Code.BAD_ARGUMENT and resp.id == 3
+        resp = raw.call(Prefetch(id=4, model="m", tokens=b"\x01\x00\x00\x00" * P))
+        assert resp.ok
+    finally:
+        raw.close()
+
+
+def test_load_and_prefetch_are_not_batch_operations(make_daemon) -> None:
+    d = make_daemon()
+    raw = Raw(d.socket)
+    try:
+        import msgspec
+
+        body = msgspec.msgpack.encode({"op": "batch", "id": 5, "ops": [
+            {"op": "load", "model": "m", "tokens": b"\x01\x00\x00\x00" * P}]})
+        raw.send(body)
+        resp = raw.recv()
+        assert not resp.ok and resp.error.code == Code.BAD_FRAME and resp.id == 5
+    finally:
+        raw.close()
+
+
+def test_host_quota_bounds_a_tenants_host_pages(make_daemon) -> None:
+    d = make_daemon({"tenants": [{"name": "t", "token": "tok", "quota_host_pages": 6}]})
+    c = Client(d.socket, token="tok")
+    try:
+        pools = c.attach("m")
+        assert pools is not None
+        for base in (1, 1000, 2000):  # 3 conversations of 4 pages: 12 > 6
+            toks = seq(4, base)
+            a = c.alloc("m", 4)
+            c.insert("m", toks, a.full_pages, a.swa_pages)
+            time.sleep(0.05)
+        wait_for(lambda: c.stats("m").models["m"]["tree_host_pages"] > 0, "host copies")
+        time.sleep(0.2)
+        st = c.stats("m").models["m"]
+        assert 0 < st["tree_host_pages"] <= 6 and st["quota_host_pages"] == 6
+    finally:
+        c.close()
+
+
+# ---------------------------------------------------------------------------- L3
+
+
+def test_round_trip_through_redis(make_daemon, prefix: str) -> None:
+    """L1 -> L2 -> L3 -> (L1 and L2 evicted) -> L2 -> L1, byte-exact, full and SWA."""
+    d = make_daemon(l3_config(SHARED_URL, prefix))
+    e = Engine(d.socket)
+    try:
+        toks = seq(10)
+        e.cache(toks)
+        wait_for(lambda: l3_pages(prefix) >= 10 + WINDOW_PAGES, "the L3 write")
+        ev = e.c.evict("m", full_pages=1000, swa_pages=1000, host_pages=1000)
+        assert (ev.full_pages, ev.host_pages) == (10, 10)
+        assert e.c.match("m", toks).host_hit_len == 0
+        pr = e.c.prefetch("m", toks, policy="wait_complete")
+        assert (pr.status, pr.l3_hit_len, pr.fetched_len) == ("complete", 10 * P, 10 * P)
+        m = e.c.match("m", toks)
+        assert (m.prefix_len, m.host_hit_len) == (0, 10 * P)
+        r = e.c.load("m", toks, lock=True)
+        assert r.prefix_len == 10 * P
+        assert e.verify(toks, r) == 10 + WINDOW_PAGES
+        e.c.unlock("m", r.receipt)
+        st = tier_stats(d)
+        assert st["tree_host_pages"] == 10
+    finally:
+        e.close()
+
+
+def test_l3_write_back_on_host_eviction(make_daemon, prefix: str) -> None:
+    d = make_daemon({**l3_config(SHARED_URL, prefix),
+                     "l3": {**l3_config(SHARED_URL, prefix)["l3"], "write_policy": "write_back"}})
+    e = Engine(d.socket)
+    try:
+        toks = seq(6)
+        e.cache(toks)
+        wait_for(lambda: tier_stats(d)["tree_host_pages"] == 6, "the host copy")
+        time.sleep(0.1)
+        assert l3_pages(prefix) == 0  # write_back: nothing in Redis yet
+        e.c.evict("m", full_pages=100, swa_pages=100, host_pages=100)
+        wait_for(lambda: l3_pages(prefix) >= 6, "the write-back")
+        pr = e.c.prefetch("m", toks, policy="wait_complete")
+        assert pr.fetched_len == 6 * P
+        r = e.c.load("m", toks)
+        e.verify(toks, r)
+    finally:
+        e.close()
+
+
+def test_two_daemons_share_redis(make_daemon, prefix: str) -> None:
+    a = make_daemon(l3_config(SHARED_URL, prefix), name="a")
+    b = make_daemon(l3_config(SHARED_URL, prefix), name="b")
+    ea, eb = Engine(a.socket, seed=1), Engine(b.socket, seed=2)
+    try:
+        toks = seq(8)
+        ea.cache(toks)
+        wait_for(lambda: l3_pages(prefix) >= 8 + WINDOW_PAGES, "the L3 write")
+        assert eb.c.match("m", toks).prefix_len == 0
+        for policy in ("best_effort", "timeout"):
+            pr = eb.c.prefetch("m", toks, policy=policy, timeout_ms=2000)
+            assert pr.l3_hit_len == 8 * P
+        wait_for(lambda: eb.c.match("m", toks).host_hit_len == 8 * P, "the fetch")
+        r = eb.c.load("m", toks)
+        assert r.prefix_len == 8 * P
+        assert eb.verify(toks, r, expect=(ea.full, ea.swa)) == 8 + WINDOW_PAGES
+    finally:
+        ea.close()
+        eb.close()
+
+
+def test_a_corrupt_value_is_a_counted_miss(make_daemon, prefix: str) -> None:
+    a = make_daemon(l3_config(SHARED_URL, prefix), name="a")
+    ea = Engine(a.socket)
+    raw = redis_sync.Redis.from_url(SHARED_URL)
+    try:
+        toks = seq(8)
+        ea.cache(toks)
+        wait_for(lambda: l3_pages(prefix) >= 8 + WINDOW_PAGES, "the L3 write")
+        keys = sorted(k for k in raw.scan_iter(match=prefix + ":*") if not k.endswith(b":swa"))
+        # the value of page 5 (find it by its tokens) gets one payload byte flipped
+        bad = next(k for k in keys if raw.get(k).find(
+            bytes(memoryview(__import__("array").array("i", toks[5 * P: 6 * P])))) >= 0)
+        value = raw.get(bad)
+        raw.setrange(bad, len(value) - 1, bytes([value[-1] ^ 0xFF]))
+        b = make_daemon(l3_config(SHARED_URL, prefix), name="b")
+        eb = Engine(b.socket)
+        try:
+            pr = eb.c.prefetch("m", toks, policy="wait_complete")
+            # exists() saw 8 pages; the read stopped at the bad one, and pages 0-4 alone end
+            # without a stored SWA window (L3 keeps the trailing window only): nothing usable
+            assert pr.l3_hit_len == 8 * P and pr.fetched_len == 0
+            assert not raw.exists(bad)  # deleted, never served
+            assert l3_stats(b)["corrupt"] == 1
+            r = eb.c.load("m", toks)
+            assert (r.prefix_len, r.host_hit_len) == (0, 0)
+            # the engine recomputes and re-caches; the good copy goes back to Redis
+            eb.cache(toks)
+            wait_for(lambda: raw.exists(bad), "the rewrite")
+            eb.c.evict("m", full_pages=100, swa_pages=100, host_pages=100)
+            assert eb.c.prefetch("m", toks, policy="wait_complete").fetched_len == 8 * P
+            r = eb.c.load("m", toks)
+            assert r.prefix_len == 8 * P
+            eb.verify(toks, r)
+        finally:
+            eb.close()
+    finally:
+        ea.close()
+        raw.close()
+
+
+def test_redis_dies_and_returns(make_daemon, tmp_path) -> None:
+    srv = Server(free_port(), tmp_path)
+    srv.start()
+    try:
+        d = make_daemon(l3_config(srv.url, "died"))
+        e = Engine(d.socket)
+        try:
+            e.cache(seq(4))
+            wait_for(lambda: l3_stats(d)["sets"] >= 4, "the first L3 write")
+            srv.kill()
+            # everything keeps working, L3 is a miss; the breaker opens
+            for i in range(4):
+                toks = seq(4, 1000 + 100 * i)
+                e.cache(toks)
+                assert e.c.match("m", toks).prefix_len == 4 * P
+                pr = e.c.prefetch("m", seq(6, 5000 + i * 100), policy="wait_complete")
+                assert pr.fetched_len == 0 and pr.status in ("unavailable", "none")
+            wait_for(lambda: l3_stats(d)["breaker_state"] == "open", "the breaker to open")
+            assert l3_stats(d)["set_failures"] > 0
+            srv.start()  # back, empty
+            time.sleep(0.6)  # breaker_open_s: the next call is the half-open probe
+            e.cache(seq(4, 9000))
+            wait_for(lambda: l3_stats(d)["breaker_state"] == "closed", "the breaker to close")
+            wait_for(lambda: l3_pages("died", port=srv.port) >= 4, "writes after recovery")
+        finally:
+            e.close()
+    finally:
+        srv.kill()
+
+
+def test_cluster_round_trip(make_daemon, tmp_path) -> None:
+    servers, ports = start_cluster(tmp_path)
+    try:
+        url = f"redis+cluster://127.0.0.1:{ports[0]}"
+        a = make_daemon(l3_config(url, "clu"), name="a")
+        ea = Engine(a.socket)
+        try:
+            toks = seq(12)
+            ea.cache(toks)
+            per_node = lambda: [redis_sync.Redis(port=p).dbsize() for p in ports]  # noqa: E731
+            wait_for(lambda: sum(per_node()) >= 12 + WINDOW_PAGES, "the L3 write")
+            assert sum(1 for n in per_node() if n) >= 2  # the pages spread over the nodes
+            ea.c.evict("m", full_pages=100, swa_pages=100, host_pages=100)
+            pr = ea.c.prefetch("m", toks, policy="wait_complete")
+            assert pr.fetched_len == 12 * P
+            r = ea.c.load("m", toks)
+            assert r.prefix_len == 12 * P
+            ea.verify(toks, r)
+        finally:
+            ea.close()
+    finally:
+        for s in servers:
+            s.kill()
