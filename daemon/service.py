@@ -458,12 +458,13 @@ class Service:
         tokens = self._tokens(r.tokens)
         if r.lock:
             self._lock_budget(s, entry)
-        loaded = 0
+        before = None
         if entry.tiers is not None:
-            loaded = await entry.tiers.load(s.tenant.namespace, tokens)
+            before = await entry.tiers.load(s.tenant.namespace, tokens)
         if s.id not in self.sessions:  # the session ended during the copy: nothing to lock for
             raise ServiceError(P.Code.SHUTTING_DOWN, "the session ended during the load")
         m = self.match(s, P.Match(model=r.model, tokens=tokens, lock=r.lock))
+        loaded = max(0, m.prefix_len - before) if before is not None else 0
         return P.LoadResult(prefix_len=m.prefix_len, full_pages=m.full_pages,
                             swa_pages=m.swa_pages, node=m.node, full_hit_len=m.full_hit_len,
                             host_hit_len=m.host_hit_len, receipt=m.receipt, loaded_len=loaded)
@@ -526,6 +527,11 @@ class Service:
         for s in list(self.sessions.values()):
             self.close_session(s)
         for entry in self.models.values():
+            if entry.tiers is not None and entry.tiers.copying:
+                # a copy outlived the drain: leave the memory mapped, the process is ending
+                log.warning("%s: %d copies still running at shutdown; pools left mapped",
+                            entry.name, entry.tiers.copying)
+                continue
             if entry.tiers is not None:
                 entry.tiers.host.close()
             if entry.pools is not None:

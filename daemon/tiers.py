@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import time
 from array import array
@@ -57,6 +58,23 @@ log = logging.getLogger("radixd.tiers")
 
 #: Most pages one L3 write batch carries (bounds the bytes encoded at once).
 L3_WRITE_BATCH = 256
+#: Most nodes waiting for a host copy: past it the oldest requests are dropped (counted as
+#: skipped); a backlog that long means the copies cannot keep up and older ones matter least.
+MAX_BACKUP_BACKLOG = 65536
+#: Most pages waiting for Redis. Each holds its host slot, so a slow Redis must not pin the
+#: whole host pool: past it the oldest writes are dropped (counted as L3 write failures).
+MAX_L3_QUEUE = 16384
+
+
+async def _copy(fn: Any, *args: Any) -> None:
+    """A copy that a cancellation cannot abandon halfway: the pages it writes must not be reused
+    (or the pools closed) while a thread or a stream still writes them."""
+    fut = asyncio.ensure_future(run_copy(fn, *args))
+    try:
+        await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        await asyncio.wait([fut])
+        raise
 
 
 def _copy_out(dev_full: Any, dev_swa: Any, host: HostTier, job: BackupJob) -> None:
@@ -83,6 +101,11 @@ class TierManager:
         self.pools = pools
         self.profile = cache.profile
         self.fingerprint = self.profile.layout_fingerprint()
+        # The tree's page hashes name a page by namespace, layout and tokens, not by the weights
+        # that computed it: two models of one layout (a base model and its fine-tune) would share
+        # Redis keys. Keys and stored headers use the hash salted with the model's name, which
+        # operators keep equal across daemons for the same weights only.
+        self._l3_salt = hashlib.sha256(b"radixd-l3-model\x00" + mc.name.encode()).digest()
         self.host = HostTier(self.profile, mc.host_pages, mc.host_swa_pages)
         cache.host = self.host
         cache.tree.host_sink = self.host
@@ -93,8 +116,7 @@ class TierManager:
         self.host_quotas = host_quotas
         self.l3_quotas = l3_quotas
         self._ledger: dict[str, OrderedDict[bytes, int]] = {}
-        if self.write_policy == "write_back":
-            cache.tree.demote = self._demote
+        cache.tree.demote = self._demote
         if l3 is not None and l3cfg.write_policy == "write_back":
             cache.tree.host_dropped = self._host_dropped
         self._backlog: list[Node] = []
@@ -103,11 +125,12 @@ class TierManager:
         self._wake_backup: asyncio.Event | None = None
         self._wake_l3: asyncio.Event | None = None
         self._inflight: set[asyncio.Task] = set()
+        self.copying = 0  # copies running in a thread or on a stream (the pools must stay open)
         self.counters = dict.fromkeys((
             "backups", "backup_pages", "backup_skipped", "demoted_sync_pages", "loads",
             "load_pages", "load_failures", "prefetches", "prefetch_pages", "prefetch_timeouts",
             "l3_hit_pages", "l3_write_pages", "l3_write_failures", "l3_quota_deleted_pages",
-            "copy_errors"), 0)
+            "prefetch_no_room", "copy_errors"), 0)
         self.copy_seconds = {"to_host": 0.0, "to_device": 0.0}
         self.copy_bytes = {"to_host": 0, "to_device": 0}
 
@@ -153,6 +176,10 @@ class TierManager:
         if self.write_policy == "write_through_selective" and node.hits < self.threshold:
             return
         self._backlog.append(node)
+        if len(self._backlog) > MAX_BACKUP_BACKLOG:
+            drop = len(self._backlog) - MAX_BACKUP_BACKLOG
+            del self._backlog[:drop]
+            self.counters["backup_skipped"] += drop
         if self._wake_backup is not None:
             self._wake_backup.set()
 
@@ -180,13 +207,15 @@ class TierManager:
         task = asyncio.current_task()
         if task is not None:
             self._inflight.add(task)
+        self.copying += 1
         try:
-            await run_copy(_copy_out, self.pools.full, self.pools.swa, self.host, job)
+            await _copy(_copy_out, self.pools.full, self.pools.swa, self.host, job)
         except Exception:
             ok = False
             self.counters["copy_errors"] += 1
             log.exception("device-to-host copy failed")
         finally:
+            self.copying -= 1
             if task is not None:
                 self._inflight.discard(task)
         self.copy_seconds["to_host"] += time.perf_counter() - t0
@@ -199,8 +228,15 @@ class TierManager:
                 self._queue_l3(node, fs, ss)
 
     def _demote(self, node: Node) -> None:
-        """write_back: copy a node losing its device copy (and the ancestors it needs) to host,
-        synchronously, so the eviction demotes it instead of deleting it."""
+        """A node losing its device copy without a host copy: copy it (and the ancestors it
+        needs) to host synchronously, so the eviction demotes it instead of deleting it.
+
+        Always under write_back; under the write-through policies only for a node the policy
+        says belongs on host whose background copy has not happened yet (eviction overtook the
+        copier). A node whose background copy is running is not copied twice: its host slots
+        are already taken, so it is deleted and that copy is dropped."""
+        if self.write_policy == "write_through_selective" and node.hits < self.threshold:
+            return
         job = BackupJob()
         rec = plan_backup(self.cache, node, set(), self.host_quotas.get(node.ns.name, 0), job)
         if rec is None:
@@ -227,32 +263,40 @@ class TierManager:
     # ------------------------------------------------------------------ load (L2 -> L1)
 
     async def load(self, namespace: str, tokens: bytes) -> int:
-        """Copy what host holds of ``tokens``' path back to device; returns tokens loaded.
+        """Copy what host holds of ``tokens``' path back to device; returns the usable device
+        prefix (tokens) before the load, so the caller's match tells what the load added.
 
         The caller matches afterwards: the response is built only once the data is on device."""
         cache = self.cache
         probe = cache.tree.match(namespace, tokens)
         job = begin_load(cache, namespace, tokens, probe.prefix_len)
         if job is None:
-            return 0
+            return probe.prefix_len
         self.counters["loads"] += 1
         ok = True
         t0 = time.perf_counter()
+        self.copying += 1
         try:
-            await run_copy(_copy_in, self.pools.full, self.pools.swa, self.host, job.host_full,
-                           job.full_pages, job.host_swa, job.swa_pages)
+            await _copy(_copy_in, self.pools.full, self.pools.swa, self.host, job.host_full,
+                        job.full_pages, job.host_swa, job.swa_pages)
         except Exception:
             ok = False
             self.counters["load_failures"] += 1
             self.counters["copy_errors"] += 1
             log.exception("host-to-device copy failed")
+        finally:
+            self.copying -= 1
         self.copy_seconds["to_device"] += time.perf_counter() - t0
         self.copy_bytes["to_device"] += len(job.full_pages) * self.host.full.page_nbytes
         loaded = finish_load(cache, namespace, tokens, job, ok)
         self.counters["load_pages"] += loaded
-        return loaded * self.profile.page_size
+        return probe.prefix_len
 
     # ------------------------------------------------------------------ L3 write
+
+    def _l3_id(self, page_hash: bytes) -> bytes:
+        """The page's name in L3: its tree hash salted with the model's identity."""
+        return hashlib.sha256(self._l3_salt + page_hash).digest()
 
     def _queue_l3(self, node: Node, full_slots: Iterable[int], swa_slots: Iterable[int]) -> None:
         """Queue a node's host pages for Redis, holding the slots until they are encoded."""
@@ -262,9 +306,15 @@ class TierManager:
         for j, (fs, ss) in enumerate(zip(full_slots, swa_slots, strict=True)):
             toks = node.tokens[j * pb : (j + 1) * pb]
             if self.host.hold("full", (fs,)):
-                self._l3_queue.append(("full", ns, fs, hashes[j], toks))
+                self._l3_queue.append(("full", ns, fs, self._l3_id(hashes[j]), toks))
             if ss and self.host.hold("swa", (ss,)):
-                self._l3_queue.append(("swa", ns, ss, hashes[j], toks))
+                self._l3_queue.append(("swa", ns, ss, self._l3_id(hashes[j]), toks))
+        if len(self._l3_queue) > MAX_L3_QUEUE:
+            drop = len(self._l3_queue) - MAX_L3_QUEUE
+            for kind, _, slot, _, _ in self._l3_queue[:drop]:
+                self.host.unhold(kind, (slot,))
+            del self._l3_queue[:drop]
+            self.counters["l3_write_failures"] += drop
         if self._wake_l3 is not None:
             self._wake_l3.set()
 
@@ -405,9 +455,11 @@ class TierManager:
         assert l3 is not None
         start = job.start
         hashes = job.hashes
-        end = start + await l3.exists_prefix(hashes[start:], "full")
+        ids = [self._l3_id(h) for h in hashes]
+        end = start + await l3.exists_prefix(ids[start:], "full")
+        present: list[bool] = []
         if end > start and self.cache.tree.swa_enabled:
-            present = await l3.exists_each(hashes[start:end], "swa")
+            present = await l3.exists_each(ids[start:end], "swa")
             end = self._window_end(start, end, present)
         known.set_result(end - start)
         if end <= start:
@@ -415,10 +467,21 @@ class TierManager:
         ns = self.cache.tree.namespace(namespace)
         wp = self.cache.tree.window_pages
         swa_lo = max(start, end - wp) if self.cache.tree.swa_enabled else end
-        full_slots = reserve_host(self.cache, ns, "full", hashes[start:end],
-                                  self.host_quotas.get(namespace, 0))
-        if full_slots is None:
-            return start
+        quota = self.host_quotas.get(namespace, 0)
+        full_slots = reserve_host(self.cache, ns, "full", hashes[start:end], quota)
+        if full_slots is None:  # what the host pool can take, if it still ends on a window
+            room = min(end - 1, start + self.host.available("full"))
+            fit = self._window_end(start, room, present) if self.cache.tree.swa_enabled \
+                else room
+            if fit <= start:
+                self.counters["prefetch_no_room"] += 1
+                return start
+            end = fit
+            swa_lo = max(start, end - wp) if self.cache.tree.swa_enabled else end
+            full_slots = reserve_host(self.cache, ns, "full", hashes[start:end], quota)
+            if full_slots is None:
+                self.counters["prefetch_no_room"] += 1
+                return start
         job.full_slots = {start + i: s for i, s in enumerate(full_slots)}
         if swa_lo < end:
             swa_slots = reserve_host(self.cache, ns, "swa", hashes[swa_lo:end])
@@ -426,8 +489,8 @@ class TierManager:
                 return start
             job.swa_slots = {swa_lo + i: s for i, s in enumerate(swa_slots)}
         pb = self.cache.tree.page_bytes
-        full_vals = await l3.get_pages(hashes[start:end], "full", self.fingerprint)
-        swa_vals = (await l3.get_pages(hashes[swa_lo:end], "swa", self.fingerprint)
+        full_vals = await l3.get_pages(ids[start:end], "full", self.fingerprint)
+        swa_vals = (await l3.get_pages(ids[swa_lo:end], "swa", self.fingerprint)
                     if swa_lo < end else [])
         good = start
         for i, v in enumerate(full_vals):

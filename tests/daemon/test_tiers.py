@@ -419,3 +419,22 @@ def test_cluster_round_trip(make_daemon, tmp_path) -> None:
     finally:
         for s in servers:
             s.kill()
+
+
+def test_models_of_one_layout_do_not_share_l3_pages(make_daemon, prefix: str) -> None:
+    """A base model and its fine-tune have the same layout: the same tokens must not fetch the
+    other's KV (L3 names pages by model as well as by tokens)."""
+    cfg = l3_config(SHARED_URL, prefix)
+    cfg["models"] = [{**SMALL_MODEL, "name": "m"}, {**SMALL_MODEL, "name": "tuned"}]
+    d = make_daemon(cfg)
+    e = Engine(d.socket)
+    try:
+        toks = seq(6)
+        e.cache(toks)
+        wait_for(lambda: l3_pages(prefix) >= 6 + WINDOW_PAGES, "the L3 write")
+        pr = e.c.prefetch("tuned", toks, policy="wait_complete")
+        assert (pr.l3_hit_len, pr.fetched_len) == (0, 0)
+        e.c.evict("m", full_pages=100, swa_pages=100, host_pages=100)
+        assert e.c.prefetch("m", toks, policy="wait_complete").fetched_len == 6 * P
+    finally:
+        e.close()

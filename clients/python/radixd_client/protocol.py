@@ -258,7 +258,7 @@ class MatchResult(Result):
 
 
 class LoadResult(MatchResult):
-    loaded_len: int = 0  # tokens copied from host to device by this load
+    loaded_len: int = 0  # tokens of usable prefix this load added (KV copied from host)
 
 
 class PrefetchResult(Result):
