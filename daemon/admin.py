@@ -36,6 +36,7 @@ import msgspec
 from aiohttp import web
 
 from . import __version__, exposition
+from .config import redacted
 from .exposition import EVICTION_REASONS
 
 if TYPE_CHECKING:
@@ -43,7 +44,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("radixd.admin")
 
-REDACTED = "<redacted>"
 MAX_TREE_DEPTH = 64
 DEFAULT_TREE_DEPTH = 3
 MAX_EVICT_PAGES = (1 << 31) - 1
@@ -402,7 +402,7 @@ class _Admin:
 
     async def config_view(self, request: web.Request) -> web.Response:
         self._query(request, ())
-        return web.json_response(redacted_config(self.config))
+        return web.json_response(redacted(self.config))
 
     async def openapi(self, request: web.Request) -> web.Response:
         self._query(request, ())
@@ -572,20 +572,6 @@ def dump_tree(tree: Any, root: Any, depth: int, limit: int) -> tuple[dict[str, A
             count += 1
             queue.append((child, cjs, level + 1))
     return out, count, truncated
-
-
-def redacted_config(config: Any) -> dict[str, Any]:
-    """The effective configuration as JSON, every token and token digest replaced."""
-    data = config.model_dump(mode="json")
-    admin = data.get("admin", {})
-    for key in ("token", "token_sha256"):
-        if admin.get(key) is not None:
-            admin[key] = REDACTED
-    for t in data.get("tenants", []):
-        for key in ("token", "token_sha256"):
-            if t.get(key) is not None:
-                t[key] = REDACTED
-    return data
 
 
 # ---------------------------------------------------------------------------- OpenAPI

@@ -319,12 +319,9 @@ def _config_show(args: argparse.Namespace) -> int:
     config = _load(args)
     if config is None:
         return EXIT_USAGE
-    data = config.model_dump(mode="json")
-    for section in (data.get("admin", {}), *data.get("tenants", [])):
-        for key in ("token", "token_sha256"):
-            if section.get(key) is not None:
-                section[key] = "<redacted>"
-    print(json.dumps(data, indent=2))
+    from .config import redacted
+
+    print(json.dumps(redacted(config), indent=2))
     return EXIT_OK
 
 

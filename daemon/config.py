@@ -12,6 +12,7 @@ import os
 import sys
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -294,6 +295,27 @@ class Config(_Section):
                 if m != "*" and m not in names:
                     raise ValueError(f"tenants: tenant {t.name!r} names unknown model {m!r}")
         return self
+
+
+REDACTED = "<redacted>"
+
+
+def redacted(config: Config) -> dict[str, Any]:
+    """The effective configuration as JSON with every secret replaced: tokens, token digests
+    and the password of the Redis URL (an ACL password travels in it)."""
+    data = config.model_dump(mode="json")
+    for section in (data.get("admin", {}), *data.get("tenants", [])):
+        for key in ("token", "token_sha256"):
+            if section.get(key) is not None:
+                section[key] = REDACTED
+    l3 = data.get("l3", {})
+    if l3.get("url"):
+        parts = urlsplit(l3["url"])
+        if parts.password is not None:
+            host = parts.netloc.rpartition("@")[2]
+            user = f"{parts.username}:" if parts.username else ":"
+            l3["url"] = urlunsplit(parts._replace(netloc=f"{user}{REDACTED}@{host}"))
+    return data
 
 
 ENV_PREFIX = "RADIXD_"

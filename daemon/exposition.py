@@ -150,9 +150,11 @@ def collect(server: Server) -> Registry:
     match_tokens = reg.family("radixd_match_tokens_total", "counter",
                               "Tokens looked up by match operations.")
     hit_tokens = reg.family("radixd_hit_tokens_total", "counter",
-                            "Tokens of the usable cached prefixes matches found, by tier "
-                            "(hit ratio: rate(radixd_hit_tokens_total[5m]) / "
-                            "rate(radixd_match_tokens_total[5m])).")
+                            "Tokens of the usable cached prefixes matches found, by tier (device: "
+                            "already on device; host: copied back by a load; pages fetched from "
+                            "L3 are loaded from host and count there). Hit ratio: "
+                            "sum(rate(radixd_hit_tokens_total[5m])) / "
+                            "rate(radixd_match_tokens_total[5m]).")
     evicted = reg.family("radixd_evicted_pages_total", "counter",
                          "Pages evicted from the tree, by pool and trigger (alloc: to make room "
                          "for an allocation; quota: a tenant over its quota; explicit: an engine's "
@@ -165,9 +167,7 @@ def collect(server: Server) -> Registry:
         match_tokens.add(c["match_tokens"], model=m)
         hit_tokens.add(c["hit_tokens"], model=m, tier="device")
         tiers = entry.tiers
-        P_ = entry.info.page_size
-        hit_tokens.add(tiers.counters["load_pages"] * P_ if tiers else 0, model=m, tier="host")
-        hit_tokens.add(tiers.counters["l3_hit_pages"] * P_ if tiers else 0, model=m, tier="l3")
+        hit_tokens.add(tiers.counters["loaded_tokens"] if tiers else 0, model=m, tier="host")
         by_reason = entry.cache.tree.evictions_by_reason
         reasons = list(EVICTION_REASONS) + sorted(set(by_reason) - set(EVICTION_REASONS))
         for reason in reasons:
@@ -267,8 +267,9 @@ def _tier_families(reg: Registry, server: Server, models: list[str]) -> None:
     prefetch = reg.family("radixd_prefetches_total", "counter",
                           "Prefetch operations that asked L3, and those whose wait timed out.")
     skipped = reg.family("radixd_host_backups_skipped_total", "counter",
-                         "Host copies not made (host pool or the tenant's host quota full of "
-                         "pages that cannot go, or a copy error).")
+                         "Host copies not made: the host pool or the tenant's host quota was "
+                         "full of pages that cannot go (copy errors are in "
+                         "radixd_loads_total and the log).")
     for m in models:
         t = service.models[m].tiers
         c = t.counters if t is not None else {}

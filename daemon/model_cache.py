@@ -404,6 +404,8 @@ class ModelCache:
             v.append("full page owner map holds pages no holding lists")
         if sum(len(h.swa) for h in self.holdings.values()) != len(self._swa_owner):
             v.append("swa page owner map holds pages no holding lists")
+        if len(self.sink.watches) > 1:  # background copies run one at a time
+            v.append(f"{len(self.sink.watches)} copy watches registered: one at most (a leak)")
         if self.host is not None:
             v += self.host.audit({"full": audit.host_slots, "swa": audit.host_swa_slots})
         elif audit.host_slots or audit.host_swa_slots:

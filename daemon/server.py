@@ -467,10 +467,11 @@ class Server:
         if self._owns_socket:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.config.server.socket)
+        deadline = time.monotonic() + self.config.l3.drain_timeout_s  # one budget for it all
         if self.async_ops:  # copies in flight write into the pools: let them land first
             await asyncio.wait(list(self.async_ops), timeout=self.config.l3.drain_timeout_s)
         try:
-            await self.service.stop_tiers(self.config.l3.drain_timeout_s)
+            await self.service.stop_tiers(deadline)
         except Exception:  # noqa: BLE001 - a failing drain must not keep the daemon up
             log.exception("stopping the memory tiers")
         violations = self.service.check(deep=False)

@@ -48,7 +48,8 @@ class Tenant:
     quota_host: int = 0
     quota_l3: int = 0
     counters: dict[str, int] = field(default_factory=lambda: {
-        "sessions": 0, "matches": 0, "match_tokens": 0, "hit_tokens": 0, "inserted_tokens": 0,
+        "sessions": 0, "matches": 0, "match_tokens": 0, "hit_tokens": 0, "host_hit_tokens": 0,
+        "inserted_tokens": 0,
         "allocated_pages": 0, "quota_evicted_pages": 0, "quota_refusals": 0})
 
 
@@ -148,11 +149,11 @@ class Service:
             if entry.tiers is not None:
                 entry.tiers.start()
 
-    async def stop_tiers(self, timeout: float) -> None:
-        """Finish what the write policies owe to host and L3 (bounded), then stop."""
+    async def stop_tiers(self, deadline: float) -> None:
+        """Finish what the write policies owe to host and L3 by ``deadline`` (monotonic)."""
         for entry in self.models.values():
             if entry.tiers is not None:
-                await entry.tiers.drain(timeout)
+                await entry.tiers.drain(deadline)
                 await entry.tiers.aclose()
         if self.l3 is not None:
             await self.l3.aclose()
@@ -257,8 +258,12 @@ class Service:
                     swa += len(h.swa)
         return full, swa
 
-    def _enforce_quota(self, s: Session, entry: ModelEntry, n: int) -> None:
-        """Over quota, the tenant's own cold pages go first; then the request is refused."""
+    def _enforce_quota(self, s: Session, entry: ModelEntry, n: int, n_swa: int | None = None
+                       ) -> None:
+        """Over quota, the tenant's own cold pages go first; then the request is refused.
+
+        ``n`` full pages (and ``n_swa`` SWA pages, default ``n``) are about to be taken."""
+        n_swa = n if n_swa is None else n_swa
         t = s.tenant
         if not t.quota_full and not t.quota_swa:
             return
@@ -270,7 +275,7 @@ class Service:
             tree_full, tree_swa = (ns.full_pages, ns.swa_pages) if ns is not None else (0, 0)
             held_full, held_swa = self._held(s, entry)
             of = tree_full + held_full + n - t.quota_full if t.quota_full else 0
-            osw = (tree_swa + held_swa + n - t.quota_swa
+            osw = (tree_swa + held_swa + n_swa - t.quota_swa
                    if t.quota_swa and swa_enabled else 0)
             return max(0, of), max(0, osw)
 
@@ -460,11 +465,19 @@ class Service:
             self._lock_budget(s, entry)
         before = None
         if entry.tiers is not None:
-            before = await entry.tiers.load(s.tenant.namespace, tokens)
+            before = await entry.tiers.load(
+                s.tenant.namespace, tokens,
+                lambda full, swa: self._enforce_quota(s, entry, full, swa))
         if s.id not in self.sessions:  # the session ended during the copy: nothing to lock for
             raise ServiceError(P.Code.SHUTTING_DOWN, "the session ended during the load")
         m = self.match(s, P.Match(model=r.model, tokens=tokens, lock=r.lock))
         loaded = max(0, m.prefix_len - before) if before is not None else 0
+        # the match counted every usable token as a device hit; the loaded ones came from host
+        entry.cache.counters["hit_tokens"] -= loaded
+        s.tenant.counters["hit_tokens"] -= loaded
+        s.tenant.counters["host_hit_tokens"] += loaded
+        if entry.tiers is not None:
+            entry.tiers.counters["loaded_tokens"] += loaded
         return P.LoadResult(prefix_len=m.prefix_len, full_pages=m.full_pages,
                             swa_pages=m.swa_pages, node=m.node, full_hit_len=m.full_hit_len,
                             host_hit_len=m.host_hit_len, receipt=m.receipt, loaded_len=loaded)

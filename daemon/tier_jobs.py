@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 from array import array
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from .gpu.allocator import OutOfPages
@@ -63,8 +63,11 @@ def reserve_host(mc: ModelCache, ns: Namespace, kind: str, hashes: list[bytes],
     host = mc.host
     tree = mc.tree
     want = len(hashes)
-    if host is None or not want:
+    if host is None or not want or (kind == "swa" and host.swa is None):
         return None
+    pool = host.pool(kind)
+    if any(pool.lookup(h) is not None for h in hashes):
+        return None  # a copy of one of them is in flight (or read by L3): evict nothing for it
     if kind == "full" and quota:
         over = ns.host_pages + want - quota
         if over > 0:
@@ -154,7 +157,8 @@ def begin_backup(mc: ModelCache, nodes: Iterable[Node], quotas: dict[str, int]) 
         rec = plan_backup(mc, node, seen, quotas.get(node.ns.name, 0), job)
         if rec is not None:
             job.records.append(rec)
-    job.watch = mc.sink.watch(job.dev_full, job.dev_swa)
+    if job.records:
+        job.watch = mc.sink.watch(job.dev_full, job.dev_swa)
     return job
 
 
@@ -220,16 +224,19 @@ class LoadJob:
         return [s for _, s in self.plan.swa]
 
 
-def begin_load(mc: ModelCache, namespace: str, tokens: bytes, device_len: int) -> LoadJob | None:
+def begin_load(mc: ModelCache, namespace: str, tokens: bytes, device_len: int,
+               admit: Callable[[int, int], None] | None = None) -> LoadJob | None:
     """Pin the path and take device pages for what host holds past ``device_len`` tokens; None
-    when there is nothing to load. Raises OutOfPages (with nothing changed) when the pools
-    cannot make room."""
+    when there is nothing to load. ``admit(full, swa)`` may refuse the pages (a tenant quota)
+    by raising. Raises OutOfPages (with nothing changed) when the pools cannot make room."""
     plan = plan_load(mc.tree, namespace, tokens, device_len)
     if plan is None:
         return None
     pin = mc.tree.pin(plan.anchor)
     owner = ("load", next(_load_ids))
     try:
+        if admit is not None:
+            admit(len(plan.full), len(plan.swa))
         full, swa = mc.alloc_unpaired(owner, len(plan.full), len(plan.swa))
     except BaseException:
         mc.tree.unpin(pin)
@@ -243,12 +250,14 @@ def finish_load(mc: ModelCache, namespace: str, tokens: bytes, job: LoadJob, ok:
     mc.disown(job.owner)
     fd = {i: p for (i, _), p in zip(job.plan.full, job.full_pages, strict=True)}
     sd = {i: p for (i, _), p in zip(job.plan.swa, job.swa_pages, strict=True)}
-    loaded = commit_load(mc.tree, namespace, tokens, job.plan, fd, sd) if ok else 0
-    if fd:
-        mc.alloc_state.free_full(array("i", fd.values()))
-    if sd:
-        mc.alloc_state.free_swa(array("i", sd.values()))
-    mc.tree.unpin(job.pin)
+    try:
+        loaded = commit_load(mc.tree, namespace, tokens, job.plan, fd, sd) if ok else 0
+    finally:
+        if fd:
+            mc.alloc_state.free_full(array("i", fd.values()))
+        if sd:
+            mc.alloc_state.free_swa(array("i", sd.values()))
+        mc.tree.unpin(job.pin)
     return loaded
 
 
@@ -273,7 +282,9 @@ def begin_fetch(mc: ModelCache, namespace: str, tokens: bytes) -> FetchJob:
     seed = tree.namespace(namespace).seed
     hashes = chain_hashes(seed, tokens[: n * pb], pb)
     hl = [hashes[i : i + HASH_BYTES] for i in range(0, len(hashes), HASH_BYTES)]
-    return FetchJob(start, hl, tree.pin(last) if last is not None else None)
+    # host_only: the prefix keeps its host copies; its device pages stay evictable (a node with
+    # a host copy is demoted, not deleted), so a Redis round trip never makes an alloc fail
+    return FetchJob(start, hl, tree.pin(last, host_only=True) if last is not None else None)
 
 
 def finish_fetch(mc: ModelCache, namespace: str, tokens: bytes, job: FetchJob, end: int
@@ -283,12 +294,14 @@ def finish_fetch(mc: ModelCache, namespace: str, tokens: bytes, job: FetchJob, e
     assert host is not None
     fs, ss = dict(job.full_slots), dict(job.swa_slots)
     got = 0
-    if end > job.start:
-        got, _ = adopt_host(mc.tree, namespace, tokens, job.start, end, fs, ss)
-    host.drop("full", fs.values())
-    host.drop("swa", ss.values())
-    host.filled("full", (s for i, s in job.full_slots.items() if i not in fs))
-    host.filled("swa", (s for i, s in job.swa_slots.items() if i not in ss))
-    if job.pin is not None:
-        mc.tree.unpin(job.pin)
+    try:
+        if end > job.start:
+            got, _ = adopt_host(mc.tree, namespace, tokens, job.start, end, fs, ss)
+    finally:
+        host.drop("full", fs.values())
+        host.drop("swa", ss.values())
+        host.filled("full", (s for i, s in job.full_slots.items() if i not in fs))
+        host.filled("swa", (s for i, s in job.swa_slots.items() if i not in ss))
+        if job.pin is not None:
+            mc.tree.unpin(job.pin)
     return got

@@ -28,12 +28,13 @@ import logging
 import time
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from radixd_client import protocol as P
 
 from .config import L3Config, ModelConfig
+from .gpu.allocator import OutOfPages
 from .model_cache import ModelCache
 from .storage.codec import encode_page
 from .storage.copies import device_to_host, host_to_device, run_copy
@@ -55,6 +56,8 @@ from .tier_jobs import (
 from .tree.node import Node
 
 log = logging.getLogger("radixd.tiers")
+
+L3Write = tuple[str, str, int, bytes, bytes, "bytes | None"]
 
 #: Most pages one L3 write batch carries (bounds the bytes encoded at once).
 L3_WRITE_BATCH = 256
@@ -120,7 +123,9 @@ class TierManager:
         if l3 is not None and l3cfg.write_policy == "write_back":
             cache.tree.host_dropped = self._host_dropped
         self._backlog: list[Node] = []
-        self._l3_queue: list[tuple[str, Any, int, bytes, bytes]] = []
+        # (pool kind, namespace, held host slot or 0, L3 page id, tokens, encoded value or None)
+        self._l3_queue: list[L3Write] = []
+        self._ledger_total: dict[str, int] = {}
         self._tasks: list[asyncio.Task] = []
         self._wake_backup: asyncio.Event | None = None
         self._wake_l3: asyncio.Event | None = None
@@ -128,6 +133,7 @@ class TierManager:
         self.copying = 0  # copies running in a thread or on a stream (the pools must stay open)
         self.counters = dict.fromkeys((
             "backups", "backup_pages", "backup_skipped", "demoted_sync_pages", "loads",
+            "loaded_tokens",
             "load_pages", "load_failures", "prefetches", "prefetch_pages", "prefetch_timeouts",
             "l3_hit_pages", "l3_write_pages", "l3_write_failures", "l3_quota_deleted_pages",
             "prefetch_no_room", "copy_errors"), 0)
@@ -144,11 +150,25 @@ class TierManager:
         if self.l3 is not None:
             self._tasks.append(asyncio.create_task(self._l3_writer(), name="radixd-l3-writer"))
 
-    async def drain(self, timeout: float) -> None:
-        """Finish queued backups and L3 writes, within ``timeout`` seconds (shutdown)."""
-        deadline = time.monotonic() + timeout
-        while (self._backlog or self._l3_queue or self._inflight) and \
+    async def drain(self, deadline: float) -> None:
+        """Finish queued backups and L3 writes by ``deadline`` (time.monotonic(); shutdown).
+        Under L3 write_back, host pages not yet in Redis are written first: they would be lost
+        with the process."""
+        owed: Iterator[Node] = iter(())
+        if self.l3 is not None and self.l3cfg.write_policy == "write_back":
+            owed = (n for n in list(self.cache.tree.iter_nodes())
+                    if n.parent is not None and n.host is not None)
+        pending = True
+        while (pending or self._backlog or self._l3_queue or self._inflight) and \
                 time.monotonic() < deadline:
+            while pending and len(self._l3_queue) < 4 * L3_WRITE_BATCH:  # a bounded queue
+                node = next(owed, None)
+                if node is None:
+                    pending = False
+                elif node.host is not None and self.cache.tree.nodes.get(node.id) is node:
+                    swa = node.host_swa if node.host_swa is not None else \
+                        array("i", bytes(4 * len(node.host)))
+                    self._queue_l3(node, node.host, swa)
             for ev in (self._wake_backup, self._wake_l3):
                 if ev is not None:
                     ev.set()
@@ -262,14 +282,19 @@ class TierManager:
 
     # ------------------------------------------------------------------ load (L2 -> L1)
 
-    async def load(self, namespace: str, tokens: bytes) -> int:
+    async def load(self, namespace: str, tokens: bytes,
+                   admit: Callable[[int, int], None] | None = None) -> int:
         """Copy what host holds of ``tokens``' path back to device; returns the usable device
         prefix (tokens) before the load, so the caller's match tells what the load added.
 
         The caller matches afterwards: the response is built only once the data is on device."""
         cache = self.cache
         probe = cache.tree.match(namespace, tokens)
-        job = begin_load(cache, namespace, tokens, probe.prefix_len)
+        try:
+            job = begin_load(cache, namespace, tokens, probe.prefix_len, admit)
+        except OutOfPages:  # no room on device for the copy: nothing loaded, recompute instead
+            self.counters["load_failures"] += 1
+            return probe.prefix_len
         if job is None:
             return probe.prefix_len
         self.counters["loads"] += 1
@@ -298,21 +323,31 @@ class TierManager:
         """The page's name in L3: its tree hash salted with the model's identity."""
         return hashlib.sha256(self._l3_salt + page_hash).digest()
 
-    def _queue_l3(self, node: Node, full_slots: Iterable[int], swa_slots: Iterable[int]) -> None:
-        """Queue a node's host pages for Redis, holding the slots until they are encoded."""
+    def _queue_l3(self, node: Node, full_slots: Iterable[int], swa_slots: Iterable[int],
+                  snapshot: bool = False) -> None:
+        """Queue a node's host pages for Redis, holding the slots until they are encoded (or,
+        with ``snapshot``, encoding them now: slots about to be freed must free at once, or the
+        eviction that freed them would not make room)."""
         ns = node.ns.name
         pb = self.cache.tree.page_bytes
         hashes = page_hashes(node)
         for j, (fs, ss) in enumerate(zip(full_slots, swa_slots, strict=True)):
             toks = node.tokens[j * pb : (j + 1) * pb]
-            if self.host.hold("full", (fs,)):
-                self._l3_queue.append(("full", ns, fs, self._l3_id(hashes[j]), toks))
-            if ss and self.host.hold("swa", (ss,)):
-                self._l3_queue.append(("swa", ns, ss, self._l3_id(hashes[j]), toks))
+            for kind, slot in (("full", fs), ("swa", ss)):
+                if not slot:
+                    continue
+                if snapshot:  # the slot is being freed: take its bytes now
+                    value = encode_page(pool=kind, page_hash=self._l3_id(hashes[j]),
+                                        fingerprint=self.fingerprint, tokens=toks,
+                                        payload=self.host.pool(kind).page_bytes(slot))
+                    self._l3_queue.append((kind, ns, 0, self._l3_id(hashes[j]), toks, value))
+                elif self.host.hold(kind, (slot,)):
+                    self._l3_queue.append((kind, ns, slot, self._l3_id(hashes[j]), toks, None))
         if len(self._l3_queue) > MAX_L3_QUEUE:
             drop = len(self._l3_queue) - MAX_L3_QUEUE
-            for kind, _, slot, _, _ in self._l3_queue[:drop]:
-                self.host.unhold(kind, (slot,))
+            for kind, _, slot, _, _, _ in self._l3_queue[:drop]:
+                if slot:
+                    self.host.unhold(kind, (slot,))
             del self._l3_queue[:drop]
             self.counters["l3_write_failures"] += drop
         if self._wake_l3 is not None:
@@ -321,7 +356,7 @@ class TierManager:
     def _host_dropped(self, node: Node) -> None:
         """L3 write_back: a host-only page leaves host; send it to Redis first."""
         swa = node.host_swa if node.host_swa is not None else array("i", bytes(4 * len(node.host)))
-        self._queue_l3(node, node.host, swa)  # type: ignore[arg-type]
+        self._queue_l3(node, node.host, swa, snapshot=True)  # type: ignore[arg-type]
 
     async def _l3_writer(self) -> None:
         assert self._wake_l3 is not None and self.l3 is not None
@@ -338,8 +373,9 @@ class TierManager:
                 try:
                     values = await loop.run_in_executor(None, self._encode, batch)
                 finally:
-                    for kind, _, slot, _, _ in batch:
-                        self.host.unhold(kind, (slot,))
+                    for kind, _, slot, _, _, _ in batch:
+                        if slot:
+                            self.host.unhold(kind, (slot,))
                 try:
                     await self._l3_store(batch, values)
                 except asyncio.CancelledError:
@@ -350,32 +386,35 @@ class TierManager:
                     if task is not None:
                         self._inflight.discard(task)
 
-    def _encode(self, batch: list[tuple[str, str, int, bytes, bytes]]) -> list[bytes]:
+    def _encode(self, batch: list[L3Write]) -> list[bytes]:
         """Runs in a worker thread: the slots are held, so their bytes cannot change."""
-        return [encode_page(pool=kind, page_hash=h, fingerprint=self.fingerprint, tokens=toks,
+        return [value if value is not None else
+                encode_page(pool=kind, page_hash=h, fingerprint=self.fingerprint, tokens=toks,
                             payload=self.host.pool(kind).page_bytes(slot))
-                for kind, _, slot, h, toks in batch]
+                for kind, _, slot, h, toks, value in batch]
 
-    async def _l3_store(self, batch: list[tuple[str, str, int, bytes, bytes]],
-                        values: list[bytes]) -> None:
+    async def _l3_store(self, batch: list[L3Write], values: list[bytes]) -> None:
         assert self.l3 is not None
         before = self.l3.stats["set_failures"]
         written = await self.l3.set_pages(values)
         self.counters["l3_write_pages"] += written
         self.counters["l3_write_failures"] += self.l3.stats["set_failures"] - before
+        if written < len(values):
+            return  # which ones failed is unknown: count none rather than delete early
         over: dict[str, list[bytes]] = {}
-        for (_kind, ns, _, h, _), v in zip(batch, values, strict=True):
+        for (_kind, ns, _, h, _, _), v in zip(batch, values, strict=True):
             quota = self.l3_quotas.get(ns, 0)
             if not quota:
                 continue
+            # a running total per namespace: the ledger may hold a million pages
             ledger = self._ledger.setdefault(ns, OrderedDict())
-            ledger[h] = ledger.get(h, 0) + len(v)
-            ledger.move_to_end(h)
-            total = sum(ledger.values())
+            total = self._ledger_total.get(ns, 0) - ledger.pop(h, 0) + len(v)
+            ledger[h] = len(v)  # a rewrite replaces its old size, and is the newest again
             while total > quota and ledger:
                 old, size = ledger.popitem(last=False)
                 total -= size
                 over.setdefault(ns, []).append(old)
+            self._ledger_total[ns] = total
         for hashes in over.values():
             self.counters["l3_quota_deleted_pages"] += len(hashes)
             await self.l3.delete(hashes, "full")
@@ -386,8 +425,6 @@ class TierManager:
     async def prefetch(self, namespace: str, tokens: bytes, policy: str, timeout_s: float
                        ) -> P.PrefetchResult:
         if self.l3 is None:
-            return P.PrefetchResult(status="unavailable", l3_hit_len=0, fetched_len=0)
-        if self.l3.breaker.state == "open":
             return P.PrefetchResult(status="unavailable", l3_hit_len=0, fetched_len=0)
         self.counters["prefetches"] += 1
         job = begin_fetch(self.cache, namespace, tokens)

@@ -40,6 +40,27 @@ def test_config_show_redacts_tokens(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert "s3cret" not in out
 
 
+def test_config_show_redacts_the_redis_password(tmp_path: Path, capsys) -> None:
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[l3]\nurl = "rediss://engine:hunter2@cache.internal:6380/1"\n')
+    assert cli.main(["config", "show", "--config", str(cfg)]) == 0
+    out = capsys.readouterr().out
+    assert json.loads(out)["l3"]["url"] == "rediss://engine:<redacted>@cache.internal:6380/1"
+    assert "hunter2" not in out
+
+
+def test_bad_l3_settings_name_the_key(tmp_path: Path, capsys) -> None:
+    for toml, key in (('[l3]\nurl = "http://x"\n', "l3.url"),
+                      ('[l3]\nkey_prefix = "a{b}"\n', "l3.key_prefix"),
+                      ('[l3]\nwrite_policy = "sometimes"\n', "l3.write_policy"),
+                      ('[[models]]\nname = "m"\nhost_pages = 1\n', "host_pages"),
+                      ('[[models]]\nname = "m"\nwrite_policy = "lazy"\n', "write_policy")):
+        cfg = tmp_path / "c.toml"
+        cfg.write_text(toml)
+        assert cli.main(["config", "show", "--config", str(cfg)]) == cli.EXIT_USAGE
+        assert key in capsys.readouterr().err, toml
+
+
 @pytest.mark.parametrize(
     ("toml", "key"),
     [

@@ -62,19 +62,24 @@ class HostTier:
         self.pending[kind].difference_update(slots)
 
     def drop(self, kind: str, slots: Iterable[int]) -> None:
-        """Release slots nobody adopted (pending or not)."""
+        """Release slots nobody adopted (pending or not); 0 entries mean "no slot"."""
+        live = [s for s in slots if s]
+        if not live:
+            return
         pool = self.pool(kind)
         pend = self.pending[kind]
-        for s in slots:
-            if s:
-                pend.discard(s)
-                pool.release(s)
+        for s in live:
+            pend.discard(s)
+            pool.release(s)
 
     def hold(self, kind: str, slots: Iterable[int]) -> list[int]:
         """One more reference on each slot, so its bytes stay valid after the tree drops it."""
+        live = [s for s in slots if s]
+        if not live:
+            return []
         pool = self.pool(kind)
         out = []
-        for s in slots:
+        for s in live:
             h = pool.hash_of(s)
             if h is not None and s not in self.pending[kind]:
                 pool.acquire(h)

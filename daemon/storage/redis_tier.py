@@ -53,16 +53,14 @@ from daemon.storage.codec import (
     pool_code,
 )
 
+#: Fetched bytes up to which a chunk is verified on the event loop (a thread hop costs more).
+VERIFY_INLINE_BYTES = 256 * 1024
+
 CLOSED = "closed"
 OPEN = "open"
 HALF_OPEN = "half_open"
 
 _CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
-
-
-def namespace_prefix(namespace_digest: bytes, root: str = "radixd") -> str:
-    """The key prefix of one namespace: ``radixd:<digest hex>:``."""
-    return f"{root}:{namespace_digest.hex()}:"
 
 
 class CircuitBreaker:
@@ -341,9 +339,19 @@ class RedisTier:
             return out
         corrupt: list[str] = []
 
+        def verify(got: list[tuple[int, bytes]]) -> list[tuple[int, PageValue | None]]:
+            checked: list[tuple[int, PageValue | None]] = []
+            for i, raw in got:
+                try:
+                    checked.append((i, decode_page(raw, hashes[i], fingerprint, pool)))
+                except CorruptPage:
+                    checked.append((i, None))
+            return checked
+
         async def one(chunk: range) -> None:
             replies = await self._pipeline(lambda p: [p.get(keys[i]) for i in chunk])
             self._reply_errors(replies)
+            got: list[tuple[int, bytes]] = []
             for i, raw in zip(chunk, replies, strict=True):
                 if raw is None:
                     continue
@@ -351,11 +359,16 @@ class RedisTier:
                     self._stats["errors"] += 1
                     continue
                 self._stats["bytes_read"] += len(raw)
-                try:
-                    out[i] = decode_page(raw, hashes[i], fingerprint, pool)
-                except CorruptPage:
+                got.append((i, raw))
+            size = sum(len(raw) for _, raw in got)
+            # the checksum runs at memory speed: big chunks go to a thread, off the event loop
+            checked = (await asyncio.get_running_loop().run_in_executor(None, verify, got)
+                       if size > VERIFY_INLINE_BYTES else verify(got))
+            for i, value in checked:
+                if value is None:
                     self._stats["corrupt"] += 1
                     corrupt.append(keys[i])
+                out[i] = value
 
         async def body() -> None:
             results = await asyncio.gather(*(one(c) for c in self._chunks(n)),

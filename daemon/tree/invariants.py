@@ -188,17 +188,20 @@ def _check_locks(tree: RadixTree, reachable: dict[int, Node], v: list[str]) -> N
         if n.swa_lock and n.swa is None:
             v.append(f"node {n.id}: SWA-locked tombstone")
     pins: Counter[int] = Counter()
+    host_pins: Counter[int] = Counter()
     for p in tree.pins:
         a = p.anchor
         if not p.active or reachable.get(a.id) is not a:
             v.append(f"pin {p!r}: inactive, or anchored at a node not in the tree")
             continue
+        count = host_pins if p.host_only else pins
         while a.parent is not None:
-            pins[a.id] += 1
+            count[a.id] += 1
             a = a.parent
     for n in reachable.values():
-        if n.parent is not None and n.pin != pins[n.id]:
-            v.append(f"node {n.id}: pin count {n.pin}, pins in flight account for {pins[n.id]}")
+        if n.parent is not None and (n.pin, n.host_pin) != (pins[n.id], host_pins[n.id]):
+            v.append(f"node {n.id}: pin counts {n.pin}/{n.host_pin}, pins in flight account "
+                     f"for {pins[n.id]}/{host_pins[n.id]}")
 
 
 def _check_queues(tree: RadixTree, reachable: dict[int, Node], v: list[str]) -> None:
@@ -213,7 +216,8 @@ def _check_queues(tree: RadixTree, reachable: dict[int, Node], v: list[str]) -> 
             "swa": {n.id for n in nodes
                     if tree.swa_enabled and n.swa is not None and n.swa_lock == 0},
             "host": {n.id for n in nodes
-                     if n.full is None and n.host is not None and not n.children},
+                     if n.full is None and n.host is not None and not n.children
+                     and not n.host_pin},
         }
         for label, q in (("full", ns.full_q), ("swa", ns.swa_q), ("host", ns.host_q)):
             _check_queue(f"{name}/{label}", q, want[label], keys[label], reachable, v)
@@ -259,13 +263,13 @@ def _check_counters(tree: RadixTree, reachable: dict[int, Node], v: list[str]) -
         if n.parent is None:
             continue
         np_ = len(n.tokens) // tree.page_bytes
-        if n.full is not None:
-            if n.full_lock:
+        if n.full is not None:  # a pin guards pages like a lock
+            if n.full_lock or n.pin:
                 fp += np_
             else:
                 fe += np_
         if n.swa is not None:
-            if n.swa_lock:
+            if n.swa_lock or n.pin:
                 sp += np_
             else:
                 se += np_

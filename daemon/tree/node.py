@@ -15,7 +15,10 @@ Tier state of a node:
   only the trailing window of what was backed up is kept), or ``None``.
 
 ``pin`` counts the tier copies in flight that read or fill this node or a node below it: a pinned
-node is in no eviction queue, so its pages stay where the copy expects them.
+node is in no eviction queue, so its pages stay where the copy expects them, and its device pages
+count as protected (like locked ones). ``host_pin`` only keeps its host copy (a fetch from L3
+attaching below it); its device pages stay evictable, since eviction demotes a node with a host
+copy instead of deleting it.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ class Node:
         "full_lock",
         "swa_lock",
         "pin",
+        "host_pin",
         "dev_children",
         "ts",
         "swa_ts",
@@ -65,6 +69,7 @@ class Node:
         self.full_lock = 0
         self.swa_lock = 0
         self.pin = 0
+        self.host_pin = 0
         # number of children whose full KV is on device: a node is a device leaf when this is 0
         self.dev_children = 0
         self.ts = 0  # last use, on the tree's churn clock (full and host queues)
@@ -112,11 +117,13 @@ class Receipt:
 class Pin:
     """A tier copy in flight over the path from the root to ``anchor`` (see ``Node.pin``)."""
 
-    __slots__ = ("anchor", "active")
+    __slots__ = ("anchor", "active", "host_only")
 
-    def __init__(self, anchor: Node):
+    def __init__(self, anchor: Node, host_only: bool = False):
         self.anchor = anchor
         self.active = True
+        self.host_only = host_only
 
     def __repr__(self) -> str:
-        return f"Pin(anchor={self.anchor.id}, active={self.active})"
+        return (f"Pin(anchor={self.anchor.id}, active={self.active}, "
+                f"host_only={self.host_only})")

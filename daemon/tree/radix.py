@@ -240,7 +240,7 @@ class RadixTree:
                 ns.full_q.remove(n)
             if n.swa_entry is not None:
                 ns.swa_q.remove(n)
-            if n.host is not None and not n.children:
+            if n.host is not None and not n.children and not n.host_pin:
                 ns.host_q.push(n, pol.host_key(n))
             elif n.host_entry is not None:
                 ns.host_q.remove(n)
@@ -301,6 +301,7 @@ class RadixTree:
         up.full_lock = node.full_lock
         up.swa_lock = node.swa_lock
         up.pin = node.pin
+        up.host_pin = node.host_pin
         up.ts = node.ts
         up.swa_ts = node.swa_ts
         up.hits = node.hits
@@ -454,7 +455,7 @@ class RadixTree:
     def _lock(self, node: Node, tag: Any = None) -> Receipt:
         n = node
         while n.parent is not None:
-            if n.full_lock == 0:
+            if n.full_lock == 0 and not n.pin:
                 np_ = len(n.tokens) // self.page_bytes
                 self.full_evictable -= np_
                 self.full_protected += np_
@@ -472,7 +473,7 @@ class RadixTree:
                 if covered + np_ > need:
                     self._split(n, np_ - (need - covered))
                     np_ = need - covered
-                if n.swa_lock == 0:
+                if n.swa_lock == 0 and not n.pin:
                     self.swa_evictable -= np_
                     self.swa_protected += np_
                     if n.swa_entry is not None:
@@ -500,7 +501,7 @@ class RadixTree:
             if n.swa_lock <= 0 or n.swa is None or n.parent is None:
                 raise AssertionError(f"SWA release walked onto an unlocked node {n!r} for {r!r}")
             n.swa_lock -= 1
-            if n.swa_lock == 0:
+            if n.swa_lock == 0 and not n.pin:
                 self.swa_protected -= np_
                 self.swa_evictable += np_
                 self._requeue(n)
@@ -523,7 +524,7 @@ class RadixTree:
             if n.full_lock <= 0:
                 raise AssertionError(f"full release walked onto an unlocked node {n!r}")
             n.full_lock -= 1
-            if n.full_lock == 0:
+            if n.full_lock == 0 and not n.pin:
                 np_ = len(n.tokens) // pb
                 self.full_protected -= np_
                 self.full_evictable += np_
@@ -715,10 +716,17 @@ class RadixTree:
         np_ = len(cs)
         if child.swa_lock:  # pragma: no cover - tombstones are never SWA-locked
             raise AssertionError(f"SWA-locked tombstone {child!r}")
-        self.swa_evictable += np_
+        self._count_swa(child, np_)
         child.ns.swa_pages += np_
         self._requeue(child)
         return child
+
+    def _count_swa(self, n: Node, np_: int) -> None:
+        """New live SWA pages of ``n``: protected when a lock or a pin guards it."""
+        if n.swa_lock or n.pin:
+            self.swa_protected += np_
+        else:
+            self.swa_evictable += np_
 
     def _unevict(self, child: Node, i: int, e: int, f: int, cf: array, cs: array | None) -> None:
         """A host-only node gets device pages again from the caller's fresh copy."""
@@ -735,11 +743,13 @@ class RadixTree:
         n.swa = swa
         n.ts = n.swa_ts = self._clock
         np_ = len(full)
-        self.full_evictable += np_ if n.full_lock == 0 else 0
-        self.full_protected += np_ if n.full_lock else 0
+        if n.full_lock or n.pin:
+            self.full_protected += np_
+        else:
+            self.full_evictable += np_
         n.ns.full_pages += np_
         if swa is not None:
-            self.swa_evictable += np_
+            self._count_swa(n, np_)
             n.ns.swa_pages += np_
         n.parent.dev_children += 1
         self._requeue(n)
@@ -1034,15 +1044,29 @@ class RadixTree:
 
     # ------------------------------------------------------------------ pins (tier copies)
 
-    def pin(self, anchor: Node) -> Pin:
-        """Keep every page of the path root..anchor where it is while a tier copy runs."""
+    def pin(self, anchor: Node, host_only: bool = False) -> Pin:
+        """Keep every page of the path root..anchor where it is while a tier copy runs
+        (``host_only``: only the host copies, for a fetch that attaches below them)."""
         n = anchor
+        pb = self.page_bytes
         while n.parent is not None:
-            n.pin += 1
-            if n.pin == 1:
-                self._unqueue(n)
+            if host_only:
+                n.host_pin += 1
+                if n.host_pin == 1:
+                    self._requeue(n)
+            else:
+                n.pin += 1
+                if n.pin == 1:
+                    np_ = len(n.tokens) // pb
+                    if n.full is not None and not n.full_lock:
+                        self.full_evictable -= np_
+                        self.full_protected += np_
+                    if n.swa is not None and not n.swa_lock:
+                        self.swa_evictable -= np_
+                        self.swa_protected += np_
+                    self._unqueue(n)
             n = n.parent
-        p = Pin(anchor)
+        p = Pin(anchor, host_only)
         self.pins.add(p)
         return p
 
@@ -1050,16 +1074,35 @@ class RadixTree:
         if not p.active:
             raise ReceiptError("this pin was already released")
         n = p.anchor
+        pb = self.page_bytes
+        freed: list[Node] = []  # nodes no pin guards now, lowest first
         while n.parent is not None:
-            if n.pin <= 0:
-                raise AssertionError(f"unpin walked onto an unpinned node {n!r}")
-            n.pin -= 1
-            if n.pin == 0:
-                self._requeue(n)
+            if (n.host_pin if p.host_only else n.pin) <= 0:
+                raise AssertionError(f"unpin walked onto an unpinned node {n!r} for {p!r}")
+            if p.host_only:
+                n.host_pin -= 1
+                if n.host_pin == 0:
+                    self._requeue(n)
+            else:
+                n.pin -= 1
+                if n.pin == 0:
+                    np_ = len(n.tokens) // pb
+                    if n.full is not None and not n.full_lock:
+                        self.full_protected -= np_
+                        self.full_evictable += np_
+                    if n.swa is not None and not n.swa_lock:
+                        self.swa_protected -= np_
+                        self.swa_evictable += np_
+                    self._requeue(n)
+                    freed.append(n)
             n = n.parent
         p.active = False
         self.pins.discard(p)
-        self._drop_dead_leaf(p.anchor)
+        # an ancestor may have lost its last device child while pinned (its pinned child can be
+        # host-only): every node the pin guarded is checked, not only the anchor
+        for n in freed:
+            if self.nodes.get(n.id) is n:
+                self._drop_dead_leaf(n)
 
     # ------------------------------------------------------------------ views
 

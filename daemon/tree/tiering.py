@@ -167,7 +167,7 @@ def _resident(tree: RadixTree, n: Node, a: int, b: int, ws: int, full_pages: dic
             raise AssertionError(f"SWA-locked tombstone {n!r}")
         n.swa = swa
         n.swa_ts = tree._clock
-        tree.swa_evictable += len(swa)
+        tree._count_swa(n, len(swa))
         n.ns.swa_pages += len(swa)
         tree._requeue(n)
     return 0

@@ -438,3 +438,39 @@ def test_models_of_one_layout_do_not_share_l3_pages(make_daemon, prefix: str) ->
         assert e.c.prefetch("m", toks, policy="wait_complete").fetched_len == 6 * P
     finally:
         e.close()
+
+
+@pytest.mark.parametrize("model", [
+    {"sliding_window": None, "num_swa_layers": 0},  # dense: no SWA pool anywhere
+    {"host_swa_pages": 0},  # SWA layers, but no host SWA pool
+])
+def test_tiers_without_a_host_swa_pool(make_daemon, prefix: str, model: dict) -> None:
+    d = make_daemon(l3_config(SHARED_URL, prefix, **model))
+    c = Client(d.socket, timeout=20)
+    try:
+        pools = c.attach("m")
+        dense = model.get("num_swa_layers") == 0
+        toks = seq(6)
+        a = c.alloc("m", 6)
+        fp = int32_list(a.full_pages)
+        want = {}
+        for i, f in enumerate(fp):
+            pools.full[:, :, f] = torch.full(pools.full[:, :, f].shape, float(i + 1))
+            want[i] = pools.full[:, :, f].clone()
+        if not dense:
+            for s in int32_list(a.swa_pages):
+                pools.swa[:, :, s] = 7.0
+        c.insert("m", toks, fp, a.swa_pages)
+        wait_for(lambda: c.stats("m").models["m"]["tree_host_pages"] == 6, "the host copy")
+        c.evict("m", full_pages=100, swa_pages=0 if dense else 100, host_pages=100)
+        pr = c.prefetch("m", toks, policy="wait_complete")  # never an internal error
+        r = c.load("m", toks)
+        if dense:  # no window to complete: the whole prefix comes back, byte-exact
+            assert pr.fetched_len == 6 * P and r.prefix_len == 6 * P
+            for i, f in enumerate(int32_list(r.full_pages)):
+                assert torch.equal(pools.full[:, :, f], want[i])
+        else:  # without SWA copies no end is usable: nothing is fetched or loaded
+            assert pr.fetched_len == 0 and r.prefix_len == 0
+        assert c.ping().payload == b""
+    finally:
+        c.close()

@@ -32,7 +32,7 @@ else:  # pragma: no cover - exercised on 3.10 only
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "daemon" / "data" / "radixd.example.toml"
 
-_HEADER = re.compile(r"^\[\[?([a-z_]+)\]\]?\s*$")
+_HEADER = re.compile(r"^\[\[?([a-z_][a-z0-9_]*)\]\]?\s*$")
 _ASSIGN = re.compile(r"^(#\s?)?([a-z_][a-z0-9_]*) = (.+)$")
 
 
