@@ -27,39 +27,7 @@ from daemon.gpu.allocator import OutOfPages
 from daemon.gpu.profile import ModelProfile
 from daemon.model_cache import ModelCache
 from daemon.tree.policy import DEFAULT_POLICY
-
-
-@dataclass
-class Workload:
-    clients: int = 10
-    rounds: int = 10
-    first_prompt: int = 300
-    output: int = 3000
-    subq: int = 300
-    page_size: int = 64
-    window: int = 128
-    swa_ratio: float = 0.2
-    max_parallel: int = 1
-    prefill_chunk: int = 2048  # chunked prefill, with cache_unfinished after each chunk
-    swa_eviction_interval: int = 128  # decode tokens between SWA frees (SGLang's default)
-    seed: int = 1
-
-    def prompt_len(self, r: int) -> int:
-        return self.first_prompt + r * (self.output + self.subq)
-
-    def working_set_pages(self) -> int:
-        """Pages of every conversation's committed KV at the end of the run."""
-        last = self.prompt_len(self.rounds - 1) + self.output - 1
-        return self.clients * (last // self.page_size)
-
-    def ideal_hit_rate(self) -> float:
-        P = self.page_size
-        hit = total = 0
-        for r in range(self.rounds):
-            total += self.prompt_len(r) * self.clients
-            if r:
-                hit += (self.prompt_len(r - 1) + self.output - 1) // P * P * self.clients
-        return hit / total
+from daemon.workload import Workload
 
 
 @dataclass

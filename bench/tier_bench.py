@@ -327,7 +327,7 @@ def _delete_prefix(url: str, prefix: str) -> int:
 
 
 def _workload(quick: bool) -> Any:
-    from bench.multiturn import Workload
+    from daemon.workload import Workload
 
     if quick:  # the same shape, fewer and shorter conversations
         return Workload(clients=6, rounds=6, output=1500)

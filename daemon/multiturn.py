@@ -33,7 +33,7 @@ load restored its SWA window from L2 (both are hits thanks to the host tier; the
 ``loaded_len`` is kept in every request's record). ``device + host + l3`` is the usable prefix the
 request started its prefill from. The
 ideal is what an infinite cache would hit: for round r >= 1, the previous prompt plus the committed
-part of its output, page-aligned (``bench.multiturn.Workload``, the same formula the in-process
+part of its output, page-aligned (``daemon.workload.Workload``, the same formula the in-process
 replay is checked against).
 
 Pool usage is polled with the ``stats`` operation from a separate session of the parent (tree plus
@@ -76,6 +76,8 @@ from radixd_client.errors import (
     RadixdError,
     ShuttingDown,
 )
+
+from .workload import Workload
 
 __all__ = [
     "BenchError",
@@ -455,15 +457,6 @@ def _import_from_checkout(module: str, folder: str) -> Any:
     return importlib.import_module(module)
 
 
-def _workload_class() -> Any:
-    """``bench.multiturn.Workload``: the one definition of the workload's shape and its ideal."""
-    try:
-        return _import_from_checkout("bench.multiturn", "bench").Workload
-    except ImportError as exc:
-        raise BenchError(f"the workload definition bench/multiturn.py is not available ({exc}): "
-                         "run from a radixd source checkout") from None
-
-
 def hf_engine_module() -> Any:
     """``examples.hf_engine``, or a BenchError that says what is missing."""
     try:
@@ -763,7 +756,6 @@ def run(opts: Options, progress: ProgressBar | bool | None = None) -> dict[str, 
     """
     opts.validate()
     seed = opts.seed if opts.seed is not None else random.SystemRandom().randrange(1 << 31)
-    Workload = _workload_class()
     main = _connect(opts.socket, opts.token, "radixd-bench-multiturn")
     try:
         if opts.model is None:
