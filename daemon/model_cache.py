@@ -214,13 +214,7 @@ class ModelCache:
             self.counters["alloc_failures"] += 1
             raise self.oom_error(n) from exc
         self.counters["allocs"] += 1
-        h = self._holding(owner)
-        for p in full:
-            self._full_owner[p] = owner
-        for p in swa:
-            self._swa_owner[p] = owner
-        h.full.update(full)
-        h.swa.update(swa)
+        self._hand_out(owner, full, swa)
         return full, swa
 
     def alloc_unpaired(self, owner: Owner, n_full: int, n_swa: int) -> tuple[array, array]:
@@ -242,6 +236,10 @@ class ModelCache:
             raise self.oom_error(max(n_full, n_swa))  # the evictable pages were pinned
         full = a.full.alloc(n_full)
         swa = a.swa.alloc(n_swa) if n_swa else array("i")  # type: ignore[union-attr]
+        self._hand_out(owner, full, swa)
+        return full, swa
+
+    def _hand_out(self, owner: Owner, full: array, swa: array) -> None:
         h = self._holding(owner)
         for p in full:
             self._full_owner[p] = owner
@@ -249,7 +247,6 @@ class ModelCache:
             self._swa_owner[p] = owner
         h.full.update(full)
         h.swa.update(swa)
-        return full, swa
 
     def disown(self, owner: Owner) -> tuple[array, array]:
         """Every page ``owner`` holds, no longer held by it (the caller hands them on)."""

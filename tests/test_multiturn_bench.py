@@ -8,7 +8,6 @@ of the synthetic engine leave the cache consistent.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import secrets
@@ -23,23 +22,14 @@ from radixd_client import protocol as P
 
 from daemon import cli
 from daemon import multiturn as mt
+from tests.harness import daemon_conftest
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _daemon_conftest() -> Any:
-    """tests/daemon/conftest.py under the name pytest gives it (loaded once)."""
-    name = "tests.daemon.conftest"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, REPO / "tests/daemon/conftest.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
 
 
-make_daemon = _daemon_conftest().make_daemon  # the fixture, reused
+make_daemon = daemon_conftest().make_daemon  # the fixture, reused
 
 MODEL = {
     "name": "m", "page_size": 4, "sliding_window": 8, "num_full_layers": 1,

@@ -13,6 +13,7 @@ so page indices stay valid where node references would not).
 from __future__ import annotations
 
 from array import array
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -120,29 +121,36 @@ def commit_load(tree: RadixTree, namespace: str, tokens: bytes, plan: LoadPlan,
     revive the window's SWA. Consumes the entries it uses from ``full_pages``/``swa_pages``
     (page index -> device page); what is left there was not needed (another request put the
     same pages on device meanwhile) and is the caller's to free. Returns pages made resident."""
-    pb = tree.page_bytes
     end = plan.end
     swa_on = tree.swa_enabled
     ws = max(0, end - tree.window_pages) if swa_on else end
-    node = tree.namespace(namespace).root
-    i = 0
     loaded = 0
-    while i < end and node.children:
-        child = node.children.get(tokens[i * pb : (i + 1) * pb])
-        if child is None:
-            break
-        m = tree._matched_pages(child, tokens, i * pb, end - i)
-        if m * pb < len(child.tokens):
-            child = tree._split(child, m)
-        a, b = i, i + m
+    for child, a, m in _cut_path(tree, tree.namespace(namespace).root, tokens, end):
+        b = a + m
         if swa_on and a < ws < b and child.swa is None:
             up = tree._split(child, ws - a)
             loaded += _resident(tree, up, a, ws, ws, full_pages, swa_pages)
             a = ws
         loaded += _resident(tree, child, a, b, ws, full_pages, swa_pages)
-        i = b
-        node = child
     return loaded
+
+
+def _cut_path(tree: RadixTree, root: Node, tokens: bytes, end: int
+              ) -> Iterator[tuple[Node, int, int]]:
+    """The cached path of the first ``end`` pages of ``tokens`` as (node, first page, pages),
+    each node split so that it ends where the match does. A caller may split a yielded node
+    again: the lower part keeps the object, so the walk goes on from it."""
+    pb = tree.page_bytes
+    node, i = root, 0
+    while i < end and node.children:
+        child = node.children.get(tokens[i * pb : (i + 1) * pb])
+        if child is None:
+            return
+        m = tree._matched_pages(child, tokens, i * pb, end - i)
+        if m * pb < len(child.tokens):
+            child = tree._split(child, m)
+        yield child, i, m
+        node, i = child, i + m
 
 
 def _take(pages: dict[int, int], a: int, b: int) -> array | None:
@@ -197,28 +205,21 @@ def adopt_host(tree: RadixTree, namespace: str, tokens: bytes, start: int, end: 
     pb = tree.page_bytes
     ns = tree.namespace(namespace)
     node = ns.root
-    i = 0
+    i = 0  # the first page past the walked path
     got = got_swa = 0
-    while i < end and node.children:
-        child = node.children.get(tokens[i * pb : (i + 1) * pb])
-        if child is None:
-            break
-        m = tree._matched_pages(child, tokens, i * pb, end - i)
-        if m * pb < len(child.tokens):
-            child = tree._split(child, m)
+    for child, a, m in _cut_path(tree, ns.root, tokens, end):
         if child.host is None:
-            hs = _take(slots, i, i + m) if i >= start else None
+            hs = _take(slots, a, a + m) if a >= start else None
             if hs is None:
                 return got, got_swa  # a hole in the host prefix: nothing below can attach
-            sw = array("i", (swa_slots.pop(k, 0) for k in range(i, i + m)))
+            sw = array("i", (swa_slots.pop(k, 0) for k in range(a, a + m)))
             tree._give_host(child, hs, sw)
             tree._requeue(child)
             got += m
             got_swa += sum(1 for p in sw if p)
-        elif i >= start:
-            got_swa += _fill_swa(tree, child, i, swa_slots)
-        node = child
-        i += m
+        elif a >= start:
+            got_swa += _fill_swa(tree, child, a, swa_slots)
+        node, i = child, a + m
     if i >= end or i < start:
         return got, got_swa
     stop = i

@@ -7,7 +7,6 @@ tests/ops/conftest.py loads it.
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 import uuid
 from collections.abc import Iterator
@@ -16,6 +15,8 @@ from typing import Any
 
 import pytest
 import torch
+
+from tests.harness import daemon_conftest
 
 REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # `examples` is not installed; pytest runs in importlib mode
@@ -27,19 +28,9 @@ MODEL_NAME = "hf-tiny"
 REDIS_URL = "redis://127.0.0.1:6379/0"
 
 
-def _daemon_conftest() -> Any:
-    """tests/daemon/conftest.py under the name pytest gives it (loaded once)."""
-    name = "tests.daemon.conftest"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, REPO / "tests/daemon/conftest.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
 
 
-_dc = _daemon_conftest()
+_dc = daemon_conftest()
 make_daemon = _dc.make_daemon  # the fixture itself, re-exported for this folder
 
 

@@ -10,11 +10,9 @@ also a test that the cache stayed consistent.
 from __future__ import annotations
 
 import http.client
-import importlib.util
 import json
 import re
 import socket
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,23 +20,15 @@ from typing import Any
 
 import pytest
 
+from tests.harness import daemon_conftest
+
 REPO = Path(__file__).resolve().parents[2]
 ADMIN_TOKEN = "ops-admin-token-0123456789"
 
 
-def _daemon_conftest() -> Any:
-    """tests/daemon/conftest.py under the name pytest gives it (loaded once)."""
-    name = "tests.daemon.conftest"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, REPO / "tests/daemon/conftest.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
 
 
-_dc = _daemon_conftest()
+_dc = daemon_conftest()
 Daemon = _dc.Daemon
 SMALL_MODEL = _dc.SMALL_MODEL
 
