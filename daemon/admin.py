@@ -376,6 +376,7 @@ class _Admin:
                 "name": t.name, "namespace": t.namespace,
                 "models": ["*"] if t.models is None else sorted(t.models),
                 "quota_full_pages": t.quota_full, "quota_swa_pages": t.quota_swa,
+                "quota_host_pages": t.quota_host, "quota_l3_bytes": t.quota_l3,
                 "sessions": live.get(t.name, 0),
                 "counters": dict(t.counters),
                 "usage": {m: usage[m][t.name] for m in svc.tenant_models(t)},
@@ -474,7 +475,7 @@ class _Admin:
         body = await _json_body(request)
         if not isinstance(body, dict):
             raise BadRequest(f"the body must be a JSON object, got {type(body).__name__}")
-        known = ("model", "namespace", "full_pages", "swa_pages")
+        known = ("model", "namespace", "full_pages", "swa_pages", "host_pages")
         for key in body:
             if key not in known:
                 raise BadRequest(f"unknown field {key!r}; fields: {', '.join(known)}", key)
@@ -482,7 +483,7 @@ class _Admin:
             if key in body and not isinstance(body[key], str):
                 raise BadRequest(f"{key} must be a string, got {_json_type(body[key])}", key)
         counts = {}
-        for key in ("full_pages", "swa_pages"):
+        for key in ("full_pages", "swa_pages", "host_pages"):
             v = body.get(key, 0)
             if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= MAX_EVICT_PAGES:
                 raise BadRequest(f"{key} must be an integer from 0 to {MAX_EVICT_PAGES}, got "
@@ -498,10 +499,14 @@ class _Admin:
             raise NotFound(f"model {model!r} has nothing cached in namespace {namespace!r}")
         res = cache.evict(counts["full_pages"], counts["swa_pages"], namespace=namespace,
                           reason="admin")
-        log.info("admin eviction in %s%s: %d full and %d swa pages freed (asked %d and %d)",
-                 model, f" (namespace {namespace})" if namespace else "", res.full_pages,
-                 res.swa_pages, counts["full_pages"], counts["swa_pages"])
-        return web.json_response({"full_pages": res.full_pages, "swa_pages": res.swa_pages})
+        host = (cache.tree.evict_host(counts["host_pages"], namespace=namespace).host_slots
+                if counts["host_pages"] else 0)
+        log.info("admin eviction in %s%s: %d full, %d swa and %d host pages freed (asked %d, %d "
+                 "and %d)", model, f" (namespace {namespace})" if namespace else "",
+                 res.full_pages, res.swa_pages, host, counts["full_pages"], counts["swa_pages"],
+                 counts["host_pages"])
+        return web.json_response({"full_pages": res.full_pages, "swa_pages": res.swa_pages,
+                                  "host_pages": host})
 
 
 _ADMIN = web.AppKey("radixd_admin", _Admin)
@@ -644,7 +649,8 @@ def openapi_document() -> dict[str, Any]:
     tenant = _obj({
         "name": _STR, "namespace": _STR,
         "models": {"type": "array", "items": _STR, "description": "['*']: every model"},
-        "quota_full_pages": _UINT_S, "quota_swa_pages": _UINT_S, "sessions": _UINT_S,
+        "quota_full_pages": _UINT_S, "quota_swa_pages": _UINT_S, "quota_host_pages": _UINT_S,
+        "quota_l3_bytes": _UINT_S, "sessions": _UINT_S,
         "counters": {"type": "object", "additionalProperties": _INT},
         "usage": {"type": "object", "additionalProperties": _ref("TenantUsage")},
     })
@@ -658,7 +664,9 @@ def openapi_document() -> dict[str, Any]:
         "name": _STR, "page_size": _INT, "sliding_window": {**_INT, "nullable": True},
         "num_full_layers": _INT, "num_swa_layers": _INT, "num_kv_heads": _INT,
         "head_dim": _INT, "dtype": _STR, "device": _STR, "full_pages": _INT,
-        "swa_pages": _INT, "policy": _STR, "pools": _ref("Pools"),
+        "swa_pages": _INT, "host_pages": {**_INT, "description": "host (L2) slots; 0: none"},
+        "l3": {**_BOOL, "description": "prefetch can reach Redis"},
+        "policy": _STR, "pools": _ref("Pools"),
     })
     node = {
         **_obj({
@@ -687,8 +695,11 @@ def openapi_document() -> dict[str, Any]:
         "full_pages": {**_INT, "minimum": 0, "maximum": MAX_EVICT_PAGES, "default": 0},
         "swa_pages": {**_INT, "minimum": 0, "maximum": MAX_EVICT_PAGES, "default": 0,
                       "description": "must be 0 for a model without SWA"},
+        "host_pages": {**_INT, "minimum": 0, "maximum": MAX_EVICT_PAGES, "default": 0,
+                       "description": "host (L2) copies of host-only pages to drop, coldest "
+                                      "first (with L3 write_back they go to Redis first)"},
     }, [])
-    evict_res = _obj({"full_pages": _UINT_S, "swa_pages": _UINT_S})
+    evict_res = _obj({"full_pages": _UINT_S, "swa_pages": _UINT_S, "host_pages": _UINT_S})
     ready = _obj({"ready": _BOOL, "reason": {"type": "string",
                                              "enum": ["starting", "stopping"]}}, ["ready"])
 

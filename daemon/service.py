@@ -96,7 +96,9 @@ class Service:
                 sliding_window=profile.sliding_window, num_full_layers=profile.num_full_layers,
                 num_swa_layers=profile.num_swa_layers, num_kv_heads=profile.num_kv_heads,
                 head_dim=profile.head_dim, dtype=profile.dtype, device=device,
-                full_pages=profile.full_pages, swa_pages=profile.swa_pages)
+                full_pages=profile.full_pages, swa_pages=profile.swa_pages,
+                host_pages=mc.host_pages if pools is not None else 0,
+                l3=bool(pools is not None and mc.host_pages and mc.l3 and config.l3.url))
             cache = ModelCache(profile, pools=pools, policy=mc.eviction_policy)
             self.models[mc.name] = ModelEntry(mc.name, cache, info, pools)
         self.tenants: list[Tenant] = [

@@ -474,3 +474,14 @@ def test_tiers_without_a_host_swa_pool(make_daemon, prefix: str, model: dict) ->
         assert c.ping().payload == b""
     finally:
         c.close()
+
+
+def test_hello_tells_which_tiers_a_model_has(make_daemon, prefix: str) -> None:
+    cfg = l3_config(SHARED_URL, prefix)
+    cfg["models"] = [{**SMALL_MODEL, "name": "m"},
+                     {**SMALL_MODEL, "name": "device_only", "host_pages": 0},
+                     {**SMALL_MODEL, "name": "no_l3", "l3": False}]
+    d = make_daemon(cfg)
+    with Client(d.socket) as c:
+        info = {m.name: (m.host_pages, m.l3) for m in c.models.values()}
+    assert info == {"m": (4096, True), "device_only": (0, False), "no_l3": (4096, False)}

@@ -434,7 +434,7 @@ def test_metrics_follow_real_traffic(admin_daemon) -> None:
     while d.get_json("/v1/stats")["sessions"] and time.monotonic() < deadline:
         time.sleep(0.01)
     r = d.request("POST", "/v1/evict", json_body={"full_pages": 100, "swa_pages": 100})
-    assert r.json() == {"full_pages": 4, "swa_pages": 4}
+    assert r.json() == {"full_pages": 4, "swa_pages": 4, "host_pages": 0}
     _, samples = parse_metrics(d.get("/metrics").text)
     assert metric(samples, "radixd_sessions") == 0
     assert metric(samples, "radixd_evicted_pages_total", model="m", pool="full",
@@ -504,7 +504,8 @@ async def test_a_model_without_swa(tmp_path: Path) -> None:
                 assert r.status == 400
                 assert (await r.json())["error"]["parameter"] == "swa_pages"
             async with s.post(handle.url + "/v1/evict", json={"full_pages": 1}) as r:
-                assert (r.status, await r.json()) == (200, {"full_pages": 0, "swa_pages": 0})
+                assert (r.status, await r.json()) == (200, {"full_pages": 0, "swa_pages": 0,
+                                                      "host_pages": 0})
         _, samples = parse_metrics(exposition.render(server))
         assert not [k for k in samples if ("pool", "swa") in k[1]]
     finally:
@@ -644,7 +645,7 @@ def test_tree_and_evict_name_model_and_namespace_when_ambiguous(admin_daemon) ->
         r = d.post("/v1/evict", json_body={"full_pages": 1})
         assert r.status == 400 and r.json()["error"]["parameter"] == "model"
         r = d.post("/v1/evict", json_body={"model": "m", "namespace": "ns-b", "full_pages": 99})
-        assert r.status == 200 and r.json() == {"full_pages": 4, "swa_pages": 4}
+        assert r.status == 200 and r.json() == {"full_pages": 4, "swa_pages": 4, "host_pages": 0}
         usage = {t["name"]: t["usage"]["m"] for t in d.get_json("/v1/tenants")}
         assert usage["alice"]["tree_full_pages"] == 3 and usage["bob"]["tree_full_pages"] == 0
         r = d.post("/v1/evict", json_body={"model": "m", "namespace": "nobody", "full_pages": 1})
@@ -831,3 +832,23 @@ def test_schemathesis_over_the_openapi_document(admin_daemon) -> None:
     check = d.post("/v1/check").json()
     assert check["ok"] is True and check["violations"] == []
     assert d.proc.poll() is None
+
+
+def test_evict_drops_host_copies_on_request(admin_daemon) -> None:
+    d = admin_daemon({"admin": {"token": ADMIN_TOKEN}})
+    seq = toks(4)
+    with Client(d.socket) as c:
+        cache(c, seq)
+        deadline = time.monotonic() + 10
+        while c.stats("m").models["m"]["tree_host_pages"] < 4 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        freed = d.post("/v1/evict", json_body={"full_pages": 100, "swa_pages": 100}).json()
+        assert freed == {"full_pages": 4, "swa_pages": 4, "host_pages": 0}
+        assert c.match("m", seq).host_hit_len == 4 * P  # demoted, still on host
+        freed = d.post("/v1/evict", json_body={"host_pages": 100}).json()
+        assert freed == {"full_pages": 0, "swa_pages": 0, "host_pages": 4}
+        assert c.match("m", seq).host_hit_len == 0
+        bad = d.post("/v1/evict", json_body={"host_pages": -1})
+        assert bad.status == 400 and bad.json()["error"]["parameter"] == "host_pages"
+        tenants = {t["name"]: t for t in d.get_json("/v1/tenants")}
+        assert tenants["default"]["quota_host_pages"] == 0

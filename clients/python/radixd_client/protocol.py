@@ -209,6 +209,8 @@ class ModelInfo(Result):
     device: str
     full_pages: int
     swa_pages: int
+    host_pages: int = 0  # host (L2) pages of its full pool; 0: no host tier (load is a match)
+    l3: bool = False  # prefetch can reach Redis (L3) for this model
 
 
 class Limits(Result):
