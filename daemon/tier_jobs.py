@@ -48,6 +48,7 @@ class BackupJob:
     dev_swa: array = field(default_factory=lambda: array("i"))
     host_swa: array = field(default_factory=lambda: array("i"))
     watch: Watch | None = None  # None: a synchronous copy (nothing can free pages under it)
+    finished: bool = False  # finish_backup ran (an eviction may finish a running job early)
 
 
 def page_hashes(n: Node) -> list[bytes]:

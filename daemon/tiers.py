@@ -37,7 +37,7 @@ from .config import L3Config, ModelConfig
 from .gpu.allocator import OutOfPages
 from .model_cache import ModelCache
 from .storage.codec import encode_page
-from .storage.copies import device_to_host, host_to_device, run_copy
+from .storage.copies import CopyInFlight, device_to_host, host_to_device
 from .storage.host_tier import HostTier
 from .storage.redis_tier import RedisTier
 from .tier_jobs import (
@@ -61,6 +61,8 @@ L3Write = tuple[str, str, int, bytes, bytes, "bytes | None"]
 
 #: Most pages one L3 write batch carries (bounds the bytes encoded at once).
 L3_WRITE_BATCH = 256
+#: Nodes one background copy job takes: bounds what an eviction reaching one of them waits for.
+BACKUP_BATCH_NODES = 64
 #: Most nodes waiting for a host copy: past it the oldest requests are dropped (counted as
 #: skipped); a backlog that long means the copies cannot keep up and older ones matter least.
 MAX_BACKUP_BACKLOG = 65536
@@ -69,10 +71,10 @@ MAX_BACKUP_BACKLOG = 65536
 MAX_L3_QUEUE = 16384
 
 
-async def _copy(fn: Any, *args: Any) -> None:
-    """A copy that a cancellation cannot abandon halfway: the pages it writes must not be reused
-    (or the pools closed) while a thread or a stream still writes them."""
-    fut = asyncio.ensure_future(run_copy(fn, *args))
+async def _copy(copy: CopyInFlight) -> None:
+    """Await a copy so that a cancellation cannot abandon it halfway: the pages it writes must
+    not be reused (or the pools closed) while a thread or a stream still writes them."""
+    fut = asyncio.ensure_future(copy._done())
     try:
         await asyncio.shield(fut)
     except asyncio.CancelledError:
@@ -131,12 +133,13 @@ class TierManager:
         self._wake_l3: asyncio.Event | None = None
         self._inflight: set[asyncio.Task] = set()
         self.copying = 0  # copies running in a thread or on a stream (the pools must stay open)
+        self._running: tuple[BackupJob, CopyInFlight] | None = None  # the background copy
         self.counters = dict.fromkeys((
             "backups", "backup_pages", "backup_skipped", "demoted_sync_pages", "loads",
             "loaded_tokens",
             "load_pages", "load_failures", "prefetches", "prefetch_pages", "prefetch_timeouts",
             "l3_hit_pages", "l3_write_pages", "l3_write_failures", "l3_quota_deleted_pages",
-            "prefetch_no_room", "copy_errors"), 0)
+            "prefetch_no_room", "copy_errors", "evictions_waited"), 0)
         self.copy_seconds = {"to_host": 0.0, "to_device": 0.0}
         self.copy_bytes = {"to_host": 0, "to_device": 0}
 
@@ -209,7 +212,9 @@ class TierManager:
             await self._wake_backup.wait()
             self._wake_backup.clear()
             while self._backlog:
-                nodes, self._backlog = self._backlog, []
+                # bounded jobs: an eviction may have to wait for the running one
+                nodes = self._backlog[:BACKUP_BATCH_NODES]
+                del self._backlog[:BACKUP_BATCH_NODES]
                 try:
                     await self._backup(nodes)
                 except asyncio.CancelledError:
@@ -229,23 +234,50 @@ class TierManager:
             self._inflight.add(task)
         self.copying += 1
         try:
-            await _copy(_copy_out, self.pools.full, self.pools.swa, self.host, job)
+            copy = CopyInFlight(_copy_out, self.pools.full, self.pools.swa, self.host, job)
+            self._running = (job, copy)
+            await _copy(copy)
         except Exception:
             ok = False
             self.counters["copy_errors"] += 1
             log.exception("device-to-host copy failed")
         finally:
+            self._running = None
             self.copying -= 1
             if task is not None:
                 self._inflight.discard(task)
         self.copy_seconds["to_host"] += time.perf_counter() - t0
         self.copy_bytes["to_host"] += len(job.host_full) * self.host.full.page_nbytes
+        if not job.finished:  # (an eviction may have finished it already: _finish_running)
+            self._finish_backup(job, ok)
+
+    def _finish_backup(self, job: BackupJob, ok: bool) -> None:
+        job.finished = True
         done = finish_backup(self.cache, job, ok)
         self.counters["backups"] += len(job.records)
         self.counters["backup_pages"] += sum(len(fs) for _, fs, _ in done)
         if self.l3 is not None and self.l3cfg.write_policy == "write_through":
             for node, fs, ss in done:
                 self._queue_l3(node, fs, ss)
+
+    def _finish_running(self, node: Node) -> None:
+        """Eviction reached a node the running background copy is copying: wait for that copy
+        (a bounded job) and give its nodes their host copies now, so this one is demoted."""
+        running = self._running
+        if running is None or node.full is None:
+            return
+        job, copy = running
+        if job.finished or job.watch is None or not any(p in job.watch.full for p in node.full):
+            return
+        ok = True
+        try:
+            copy.wait()
+        except Exception:
+            ok = False
+            self.counters["copy_errors"] += 1
+            log.exception("device-to-host copy failed")
+        self.counters["evictions_waited"] += 1
+        self._finish_backup(job, ok)
 
     def _demote(self, node: Node) -> None:
         """A node losing its device copy without a host copy: copy it (and the ancestors it
@@ -256,6 +288,9 @@ class TierManager:
         copier). A node whose background copy is running is not copied twice: its host slots
         are already taken, so it is deleted and that copy is dropped."""
         if self.write_policy == "write_through_selective" and node.hits < self.threshold:
+            return
+        self._finish_running(node)
+        if node.host is not None:
             return
         job = BackupJob()
         rec = plan_backup(self.cache, node, set(), self.host_quotas.get(node.ns.name, 0), job)
@@ -302,8 +337,8 @@ class TierManager:
         t0 = time.perf_counter()
         self.copying += 1
         try:
-            await _copy(_copy_in, self.pools.full, self.pools.swa, self.host, job.host_full,
-                        job.full_pages, job.host_swa, job.swa_pages)
+            await _copy(CopyInFlight(_copy_in, self.pools.full, self.pools.swa, self.host,
+                                     job.host_full, job.full_pages, job.host_swa, job.swa_pages))
         except Exception:
             ok = False
             self.counters["load_failures"] += 1

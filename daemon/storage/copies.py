@@ -41,7 +41,7 @@ import torch
 from daemon.gpu.pools import Pool
 from daemon.storage.host_pool import HostPool
 
-__all__ = ["CopyError", "device_to_host", "host_to_device", "run_copy"]
+__all__ = ["CopyError", "CopyInFlight", "device_to_host", "host_to_device", "run_copy"]
 
 T = TypeVar("T")
 
@@ -232,6 +232,46 @@ def _copy_stream(device: torch.device) -> Any:
     return stream
 
 
+class CopyInFlight:
+    """A copy started off the event loop: ``await`` it, or :meth:`wait` for it synchronously
+    (from the loop, when something cannot proceed until the copy is done)."""
+
+    def __init__(self, fn: Callable[..., Any], *args: Any) -> None:
+        device = _copy_device(args)
+        self._event: Any = None
+        self._future: Any = None
+        self._result: Any = None
+        if device.type == "cuda":
+            stream = _copy_stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                self._result = fn(*args)
+                self._event = torch.cuda.Event()
+                self._event.record(stream)
+        else:
+            self._future = _cpu_executor().submit(functools.partial(fn, *args))
+
+    def wait(self) -> Any:
+        """Block until the copy is done; returns what the copy returned, raises what it
+        raised."""
+        if self._event is not None:
+            self._event.synchronize()
+            return self._result
+        return self._future.result()
+
+    def __await__(self) -> Any:
+        return self._done().__await__()
+
+    async def _done(self) -> Any:
+        if self._event is not None:
+            delay = _POLL_FIRST_S
+            while not self._event.query():
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, _POLL_MAX_S)
+            return self._result
+        return await asyncio.wrap_future(self._future)
+
+
 async def run_copy(fn: Callable[..., T], *args: Any) -> T:
     """Run ``fn(*args)`` (a copy of this module) without blocking the event loop.
 
@@ -239,18 +279,4 @@ async def run_copy(fn: Callable[..., T], *args: Any) -> T:
     CUDA: enqueued on a dedicated copy stream (after the work already on the current stream),
     then an event recorded behind it is polled with ``event.query()`` until the copy is done.
     """
-    device = _copy_device(args)
-    if device.type == "cuda":
-        stream = _copy_stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            result = fn(*args)
-            event = torch.cuda.Event()
-            event.record(stream)
-        delay = _POLL_FIRST_S
-        while not event.query():
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, _POLL_MAX_S)
-        return result
-    loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(_cpu_executor(), functools.partial(fn, *args))
+    return await CopyInFlight(fn, *args)  # type: ignore[no-any-return]

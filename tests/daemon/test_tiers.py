@@ -485,3 +485,23 @@ def test_hello_tells_which_tiers_a_model_has(make_daemon, prefix: str) -> None:
     with Client(d.socket) as c:
         info = {m.name: (m.host_pages, m.l3) for m in c.models.values()}
     assert info == {"m": (4096, True), "device_only": (0, False), "no_l3": (4096, False)}
+
+
+def test_eviction_right_after_insert_demotes_under_write_through(make_daemon) -> None:
+    """Whether the background copy has not started, is running or is done when eviction
+    reaches the node, the node ends on host (demoted), never deleted: eviction copies it itself,
+    or waits for the running copy. Big pages make the running case likely."""
+    model = {**SMALL_MODEL, "num_full_layers": 4, "num_swa_layers": 2, "head_dim": 256,
+             "full_pages": 512, "swa_pages": 512, "host_pages": 2048, "host_swa_pages": 512}
+    d = make_daemon({"models": [model]})
+    with Client(d.socket, timeout=20) as c:
+        for k, delay in enumerate((0.0, 0.0005, 0.002, 0.005, 0.02)):
+            toks = seq(96, base=1 + 10_000 * k)
+            a = c.alloc("m", 96)
+            c.insert("m", toks, a.full_pages, a.swa_pages)
+            time.sleep(delay)
+            assert c.evict("m", full_pages=1000, swa_pages=1000).full_pages >= 96
+            m = c.match("m", toks)
+            assert (m.prefix_len, m.host_hit_len) == (0, 96 * P), delay
+    tiers = admin_stats(d)["models"]["m"]["tiers"]
+    assert tiers["backup_pages"] + tiers["demoted_sync_pages"] >= 5 * 96
