@@ -1057,18 +1057,22 @@ class RadixTree:
             else:
                 n.pin += 1
                 if n.pin == 1:
-                    np_ = len(n.tokens) // pb
-                    if n.full is not None and not n.full_lock:
-                        self.full_evictable -= np_
-                        self.full_protected += np_
-                    if n.swa is not None and not n.swa_lock:
-                        self.swa_evictable -= np_
-                        self.swa_protected += np_
+                    self._guard(n, len(n.tokens) // pb)
                     self._unqueue(n)
             n = n.parent
         p = Pin(anchor, host_only)
         self.pins.add(p)
         return p
+
+    def _guard(self, n: Node, np_: int) -> None:
+        """A pin starts (``np_`` > 0) or ends (< 0) on ``n``: its pages no lock guards move
+        between evictable and protected."""
+        if n.full is not None and not n.full_lock:
+            self.full_evictable -= np_
+            self.full_protected += np_
+        if n.swa is not None and not n.swa_lock:
+            self.swa_evictable -= np_
+            self.swa_protected += np_
 
     def unpin(self, p: Pin) -> None:
         if not p.active:
@@ -1086,13 +1090,7 @@ class RadixTree:
             else:
                 n.pin -= 1
                 if n.pin == 0:
-                    np_ = len(n.tokens) // pb
-                    if n.full is not None and not n.full_lock:
-                        self.full_protected -= np_
-                        self.full_evictable += np_
-                    if n.swa is not None and not n.swa_lock:
-                        self.swa_protected -= np_
-                        self.swa_evictable += np_
+                    self._guard(n, -(len(n.tokens) // pb))
                     self._requeue(n)
                     freed.append(n)
             n = n.parent
