@@ -120,14 +120,15 @@ class TierManager:
         self.l3cfg = l3cfg
         self.host_quotas = host_quotas
         self.l3_quotas = l3_quotas
+        # L3 byte quota: per namespace, the pages this daemon wrote (oldest first) and their sum
         self._ledger: dict[str, OrderedDict[bytes, int]] = {}
+        self._ledger_total: dict[str, int] = {}
         cache.tree.demote = self._demote
         if l3 is not None and l3cfg.write_policy == "write_back":
             cache.tree.host_dropped = self._host_dropped
         self._backlog: list[Node] = []
         # (pool kind, namespace, held host slot or 0, L3 page id, tokens, encoded value or None)
         self._l3_queue: list[L3Write] = []
-        self._ledger_total: dict[str, int] = {}
         self._tasks: list[asyncio.Task] = []
         self._wake_backup: asyncio.Event | None = None
         self._wake_l3: asyncio.Event | None = None
@@ -135,11 +136,11 @@ class TierManager:
         self.copying = 0  # copies running in a thread or on a stream (the pools must stay open)
         self._running: tuple[BackupJob, CopyInFlight] | None = None  # the background copy
         self.counters = dict.fromkeys((
-            "backups", "backup_pages", "backup_skipped", "demoted_sync_pages", "loads",
-            "loaded_tokens",
-            "load_pages", "load_failures", "prefetches", "prefetch_pages", "prefetch_timeouts",
+            "backups", "backup_pages", "backup_skipped", "demoted_sync_pages", "evictions_waited",
+            "loads", "loaded_tokens", "load_pages", "load_failures",
+            "prefetches", "prefetch_pages", "prefetch_timeouts", "prefetch_no_room",
             "l3_hit_pages", "l3_write_pages", "l3_write_failures", "l3_quota_deleted_pages",
-            "prefetch_no_room", "copy_errors", "evictions_waited"), 0)
+            "copy_errors"), 0)
         self.copy_seconds = {"to_host": 0.0, "to_device": 0.0}
         self.copy_bytes = {"to_host": 0, "to_device": 0}
 
