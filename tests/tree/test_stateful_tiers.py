@@ -3,15 +3,23 @@
 A pure :class:`RadixTree` (a :class:`CollectingSink` for device pages, another for host slots)
 takes inserts (with and without early SWA frees), matches, locks, both kinds of eviction, backups
 (``set_host``), loads from host (``plan_load``, a pin, other operations while it is held,
-``commit_load``) and fetches from L3 (``host_prefix``, a pin, ``adopt_host``), in any order.
+``commit_load``) and fetches from L3 (``host_prefix``, a pin, ``adopt_host``), in any order. Its
+``demote`` hook (write_back: host copies made while evicting) and ``host_dropped`` hook report to
+the model.
 
 The reference model extends test_stateful.py's: one entry per cached page, keyed by the token
 prefix that ends with that page, ``[full, swa, host, host_swa]`` (None, or 0, where absent). It
 predicts match (``host_hit_len`` included), insert, backup, load and fetch results exactly; after
 an eviction it checks that the change was legal (no locked or pinned page touched, a page with a
-host copy demoted rather than deleted) and adopts the tree's state. Page ids of all four pools are
-conserved: each id ever handed out is free in the model, owned by the tree or held by a copy in
-flight, never in two of these places.
+host copy demoted rather than deleted, a short eviction left nothing evictable) and adopts the
+tree's state. Page ids of all four pools are conserved: each id ever handed out is free in the
+model, owned by the tree or held by a copy in flight, never in two of these places.
+
+Loads and fetches are rules of their own at both ends (anything may run while a path is pinned)
+and also whole flows in one rule (``load``, ``fetch``: with eviction while pinned), as are a
+request (``serve``) and a backup under pressure (``offload``): a flow spread over several
+independent rules is rare in random sequences. Loads and fetches may aim at a page the model
+knows to be loadable, or to have a host copy.
 """
 
 from __future__ import annotations
@@ -574,11 +582,12 @@ class TierMachine(RuleBasedStateMachine):
         self.compare()
 
     @precondition(lambda self: self.has(on_device))
-    @rule(path=paths, cut=CUTS, full=st.integers(1, 3), with_swa=MOSTLY)
-    def offload(self, path, cut, full, with_swa):
-        """Write-through backup of a path, then device pressure."""
+    @rule(path=paths, cut=CUTS, full=st.integers(0, 3), swa=st.integers(0, 3), with_swa=MOSTLY)
+    def offload(self, path, cut, full, swa, with_swa):
+        """Write-through backup of a path, then device pressure (SWA pressure tombstones nodes
+        whose SWA was just backed up: a load revives them)."""
         self.backup_path(path, cut, with_swa)
-        self.evict(full, 0, path[0])
+        self.evict(full, swa, path[0])
 
     @precondition(lambda self: self.has(host_only))
     @rule(slots=st.integers(0, 12), swa_slots=st.integers(0, 3), scope=SCOPES)
@@ -684,16 +693,16 @@ class TierMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.has(self.loadable))
     @rule(path=paths, cut=CUTS, aim=AIMS, other=paths, serve=st.booleans(), full=EVICT,
-          swa=EVICT)
-    def load(self, path, cut, aim, other, serve, full, swa):
+          swa=EVICT, copied=MOSTLY)
+    def load(self, path, cut, aim, other, serve, full, swa, copied):
         """A whole load: while its path is pinned, maybe a request on another path, then
-        eviction (pinned pages must stay); then the commit."""
+        eviction (pinned pages must stay); then the commit (or a failed copy's unpin)."""
         lid = self.begin_load(path, cut, aim)
         if isinstance(lid, int):
             if serve:
                 self.serve(other, 0, 0, False)
             self.evict(full, swa, None)
-            self.finish_load(lid, True)
+            self.finish_load(lid, copied)
 
     @rule(target=fetches, path=paths, cut=CUTS, aim=AIMS,
           tail=st.lists(st.integers(20, 21), max_size=8), pages=st.integers(1, 8),
