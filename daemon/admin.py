@@ -147,7 +147,8 @@ def _token_digest(server: Server) -> tuple[bytes, str | None]:
         return hashlib.sha256(cfg.token.encode()).digest(), None
     if cfg.token_sha256 is not None:
         return bytes.fromhex(cfg.token_sha256), None
-    token = secrets.token_urlsafe(32)
+    # hex: a generated token never starts with '-', which a command line would read as a flag
+    token = secrets.token_hex(32)
     path = cfg.token_file or default_token_file(str(server.socket_path))
     try:
         _write_secret(path, token + "\n")

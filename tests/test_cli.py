@@ -187,7 +187,7 @@ def test_status_against_a_live_daemon(live, capsys) -> None:
     assert stats["models"]["m"]["pools"]["full"]["tree"] == 3
 
     token = d.token_file.read_text().strip()
-    assert cli.main(["status", "--admin", d.admin_url, "--token", token]) == 0
+    assert cli.main(["status", "--admin", d.admin_url, f"--token={token}"]) == 0
     assert cli.main(["status", "--admin", d.admin_url, "--token-file", str(d.token_file),
                      "--config", str(d.config_path)]) == 0
     capsys.readouterr()
