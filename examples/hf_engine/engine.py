@@ -15,6 +15,11 @@ Per request (docs/protocol.md sections 6 and 8 are the contract followed here):
    prefix), which moves the SWA frontier ``swa_evicted_len``.
 4. ``cache_finished``: what was computed goes into the tree; everything else is freed.
 
+KV is written only into pages the request got from its own ``alloc`` and has not yet handed to
+the tree (:meth:`Engine._check_writable`): a page id that came from anywhere else (a matched
+prefix, a result meant for another request) is refused before anything is written, since
+writing it would corrupt KV that other requests and other engines read.
+
 Requests run interleaved, round-robin, one prefill chunk or one decode token each per step.
 """
 
@@ -24,7 +29,7 @@ from collections.abc import Sequence
 
 import torch
 from radixd_client import Client, pages
-from radixd_client.protocol import InsertResult, MatchResult
+from radixd_client.protocol import AllocResult, InsertResult, MatchResult
 from transformers import Qwen2ForCausalLM
 
 from .daemon_config import check_model_info
@@ -164,9 +169,31 @@ class Engine:
         """Make the page tables cover positions ``[0, end)``, allocating the missing pages."""
         need = _ceil_div(end, self.page_size) - len(req.full_table)
         if need > 0:
-            a = self.client.alloc(self.model_name, need)
-            req.full_table += pages(a.full_pages)
-            req.swa_table += pages(a.swa_pages) if self.window is not None else [0] * need
+            self._take_pages(req, self.client.alloc(self.model_name, need), need)
+
+    def _take_pages(self, req: Request, a: AllocResult, n: int) -> None:
+        """Append the pages of one ``alloc`` of ``n`` to the tables, as writable by ``req``."""
+        full = pages(a.full_pages)
+        swa = pages(a.swa_pages) if self.window is not None else [0] * n
+        if len(full) != n or len(swa) != n:
+            raise RuntimeError(f"request {req.rid}: alloc of {n} returned {len(full)} full and "
+                               f"{len(swa)} SWA pages")
+        req.full_table += full
+        req.swa_table += swa
+        req.writable_full.update(full)
+        if self.window is not None:
+            req.writable_swa.update(swa)
+
+    def _check_writable(self, req: Request, start: int, end: int) -> None:
+        """Positions ``[start, end)`` are about to be written: their pages must be this
+        request's own (allocated, not yet in the tree)."""
+        for j in range(start // self.page_size, _ceil_div(end, self.page_size)):
+            full, swa = req.full_table[j], req.swa_table[j]
+            if full not in req.writable_full or (self.window is not None
+                                                 and swa not in req.writable_swa):
+                raise RuntimeError(f"request {req.rid}: refusing to write sequence page {j} "
+                                   f"into full page {full} / SWA page {swa}: not pages this "
+                                   "request allocated")
 
     def _prefill_chunk(self, req: Request) -> None:
         start = req.computed_len
@@ -177,6 +204,7 @@ class Engine:
                                          write=False)
         else:
             self._alloc_through(req, end)
+            self._check_writable(req, start, end)
             logits = self.runner.forward(req.tokens, start, end, req.full_table, req.swa_table)
             # The forward has completed (synchronous CPU), so the pages may go to the tree.
             self._cache_unfinished(req, end)
@@ -199,6 +227,9 @@ class Engine:
         """Switch the page tables to the tree's ids for ``[prev_prefix_len, inserted_len)``:
         the caller's duplicates were freed by the daemon and may already be someone else's."""
         lo = req.cached_len // self.page_size
+        handed = range(lo, res.inserted_len // self.page_size)
+        req.writable_full.difference_update(req.full_table[j] for j in handed)
+        req.writable_swa.difference_update(req.swa_table[j] for j in handed)
         full = pages(res.full_pages)
         req.full_table[lo:lo + len(full)] = full
         if self.window is not None:
@@ -230,9 +261,8 @@ class Engine:
                 if fut is not None:
                     fut.result()
             if alloc is not None:
-                a = alloc.result()
-                req.full_table += pages(a.full_pages)
-                req.swa_table += pages(a.swa_pages) if self.window is not None else [0]
+                self._take_pages(req, alloc.result(), 1)
+        self._check_writable(req, pos, pos + 1)
         logits = self.runner.forward(req.tokens, pos, pos + 1, req.full_table, req.swa_table)
         req.computed_len = pos + 1
         self._emit(req, logits)
@@ -264,6 +294,7 @@ class Engine:
                 raise RuntimeError(f"request {req.rid}: SWA page {j} is already 0 above the "
                                    f"frontier {req.swa_evicted_len}")
             free_ids.append(page)
+            req.writable_swa.discard(page)
             req.swa_table[j] = 0
             req.swa_evicted_len = (j + 1) * P
             j += 1
@@ -282,6 +313,8 @@ class Engine:
         req.receipt = None
         req.finished_inserted_len = res.inserted_len
         req.full_table, req.swa_table = [], []
+        req.writable_full.clear()
+        req.writable_swa.clear()
         req.phase = Phase.DONE
 
     # -- lifetime -------------------------------------------------------------------------------

@@ -36,6 +36,10 @@ class Request:
     logits: list[torch.Tensor] = field(default_factory=list)  # one row per generated token
     full_table: list[int] = field(default_factory=list)  # sequence page -> full page id
     swa_table: list[int] = field(default_factory=list)  # sequence page -> SWA page id (0: none)
+    # Pages this request got from its own ``alloc`` and has not handed to the tree: the only
+    # ones its forward passes may write into.
+    writable_full: set[int] = field(default_factory=set)
+    writable_swa: set[int] = field(default_factory=set)
     computed_len: int = 0  # tokens[:computed_len] have their KV in the pools
     cached_len: int = 0  # [0, cached_len) is in the tree and locked by `receipt`
     receipt: int | None = None

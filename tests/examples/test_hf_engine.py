@@ -250,3 +250,26 @@ def test_a_planted_wrong_page_is_caught(make_daemon: Any, daemon_config: dict[st
         assert second.prefix_len == 48  # the planted page was used
     with pytest.raises(AssertionError, match="engine differs from plain transformers"):
         check(hf_model, second)
+
+
+def test_the_engine_writes_only_into_pages_it_allocated(make_daemon: Any,
+                                                        daemon_config: dict[str, Any],
+                                                        hf_model: Any) -> None:
+    """A page id the request did not get from its own alloc (here: a cached page of another
+    request, as a misrouted result would hand it) is refused before anything is written, and
+    the cached page keeps its bytes."""
+    daemon = make_daemon(daemon_config)
+    with Engine.connect(daemon.socket, MODEL_NAME, hf_model, chunk_size=8) as engine:
+        first = engine.generate(tokens(40, 60), 4)
+        cached = pages(engine.client.match(MODEL_NAME, first.tokens).full_pages)
+        before = engine.pools.full[:, :, cached[0]].clone()
+        req = engine.submit(tokens(30, 61), 4)  # a cold prompt: all its pages are its own
+        engine.step()  # the first chunk: allocated, written, handed to the tree
+        assert req.phase.value == "prefill" and req.cached_len == 8
+        engine._alloc_through(req, 16)
+        req.full_table[2] = cached[0]  # a page id that is not this request's
+        with pytest.raises(RuntimeError, match="refusing to write sequence page 2"):
+            engine.step()
+        assert torch.equal(engine.pools.full[:, :, cached[0]], before)
+        engine.requests.remove(req)
+    check(hf_model, first)

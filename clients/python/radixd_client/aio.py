@@ -27,7 +27,16 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from .client import _MIN_RESPONSE_CAP, MAX_FDS, _apply_hello, _BatchBuilder, _take_fds
+from .client import (
+    _MIN_RESPONSE_CAP,
+    MAX_FDS,
+    Decode,
+    _apply_hello,
+    _BatchBuilder,
+    _take_fds,
+    decode_ok,
+    release_view,
+)
 from .errors import (
     ConnectFailed,
     ConnectionLost,
@@ -72,7 +81,6 @@ from .protocol import (
     StatsResult,
     Unlock,
     decode_response,
-    decode_result,
     encode,
     int32_bytes,
 )
@@ -111,14 +119,14 @@ class AsyncClientBatch(_BatchBuilder):
             self._sent = True
             return
         try:
-            result = await self._client._call("batch", self._request())
+            outcomes = await self._client._call("batch", self._request(), decode=self._decode)
         except RadixdError as err:
             self._abandon(f"the batch failed as a whole ({err.code})", err)
             raise
         except BaseException as err:
             self._abandon("the batch was interrupted (it may still have run)", err)
             raise
-        self._distribute(result)
+        self._distribute(outcomes)
 
 
 class AsyncClient:
@@ -139,9 +147,9 @@ class AsyncClient:
         self._sock: socket.socket | None = sock
         self._loop = loop
         self._next_id = 1
-        # id -> (op, future); an entry stays until its response arrives, even if its caller
-        # was cancelled, because the daemon counts it as in flight until then.
-        self._pending: dict[int, tuple[str, asyncio.Future[Any]]] = {}
+        # id -> (op, future, decoder); an entry stays until its response arrives, even if its
+        # caller was cancelled, because the daemon counts it as in flight until then.
+        self._pending: dict[int, tuple[str, asyncio.Future[Any], Decode | None]] = {}
         self._closed_error: ConnectionLost | None = None
         self._wake = asyncio.Event()  # set when a request is registered
         self._drained = asyncio.Event()  # set by the reader when nothing is pending
@@ -319,9 +327,14 @@ class AsyncClient:
                     except BaseException:
                         _close_fds(fds)
                         raise
+                    self._dispatch(body, fds)
                 else:
                     body = await self._read_frame()
-                self._dispatch(body, fds)
+                    self._dispatch(body, fds)
+                    if not release_view(body):
+                        # Something still views the buffer (a traceback holding a response):
+                        # it keeps that buffer; the next frame is read into a new one.
+                        self._buf = bytearray(len(self._buf))
         except asyncio.CancelledError:
             self._fail("closed by the client")
             raise
@@ -352,7 +365,7 @@ class AsyncClient:
                            f"({err.code}: {err.message})", err)
                 return
             raise _Broken(f"a response for unknown request id {resp.id}")
-        op, fut = entry
+        op, fut, decode = entry
         if self._slots is not None:
             self._slots.release()
         if resp.id == self._attach_id:
@@ -364,12 +377,13 @@ class AsyncClient:
             _close_fds(fds)
             fut.set_exception(error_from_wire(resp.error))
             return
+        # Decoded here, completely: ``body`` is the reader's buffer, overwritten by the next
+        # response, and ``resp.result`` (and a batch's items) are views into it.
         try:
-            result = decode_result(op, resp.result)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            result = decode_ok(op, resp.result, decode)
+        except RadixdError as exc:
             _close_fds(fds)
-            fut.set_exception(ProtocolError(f"undecodable {op} result: {exc}",
-                                            code=Code.BAD_FRAME))
+            fut.set_exception(exc)
             return
         fut.set_result((result, fds) if op == "attach" else result)
 
@@ -393,7 +407,7 @@ class AsyncClient:
             with contextlib.suppress(OSError):
                 sock.close()
         pending, self._pending = self._pending, {}
-        for _op, fut in pending.values():
+        for _op, fut, _decode in pending.values():
             if not fut.done():
                 e = ConnectionLost(self._closed_error.message)
                 e.__cause__ = self._closed_error.__cause__
@@ -431,7 +445,8 @@ class AsyncClient:
 
     # -- calls ----------------------------------------------------------------------------------
 
-    async def _call(self, op: str, req: Request, exclusive: bool = False) -> Any:
+    async def _call(self, op: str, req: Request, exclusive: bool = False,
+                    decode: Decode | None = None) -> Any:
         # While an attach has the connection to itself, others wait (also for a slot, then
         # again for the gate, as another attach may have started meanwhile).
         while not (self._gate_open or exclusive or self._closed_error is not None):
@@ -456,7 +471,7 @@ class AsyncClient:
                 f"{self._max_request} (max_frame_bytes): split it", code=Code.FRAME_TOO_LARGE,
                 details={"limit": self._max_request, "size": len(frame) - HEADER_SIZE})
         fut: asyncio.Future[Any] = self._loop.create_future()
-        self._pending[rid] = (op, fut)
+        self._pending[rid] = (op, fut, decode)
         if op == "attach":
             self._attach_id = rid
         try:

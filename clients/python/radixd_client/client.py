@@ -17,7 +17,7 @@ import contextlib
 import os
 import socket
 from array import array
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -41,7 +41,6 @@ from .protocol import (
     Attach,
     AttachResult,
     Batch,
-    BatchResult,
     CacheFinished,
     CacheUnfinished,
     Code,
@@ -115,6 +114,32 @@ def _take_fds(ancdata: list[tuple[int, int, bytes]], msg_flags: int, fds: list[i
             usable = len(cdata) - len(cdata) % 4
             fds.extend(array("i", cdata[:usable]))
     return not msg_flags & getattr(socket, "MSG_CTRUNC", 0)
+
+
+#: Turns a success response's ``result`` into what the caller gets; runs while the frame's bytes
+#: are still in the read buffer.
+Decode = Callable[[msgspec.Raw], Any]
+
+
+def decode_ok(op: str, raw: msgspec.Raw, decode: Decode | None = None) -> Any:
+    """The caller's value of a success response of ``op``: ``decode(raw)`` when given, else the
+    operation's result type. Undecodable bytes are a :class:`ProtocolError`."""
+    if decode is not None:
+        return decode(raw)
+    try:
+        return decode_result(op, raw)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(f"undecodable {op} result: {exc}", code=Code.BAD_FRAME) from exc
+
+
+def release_view(view: memoryview) -> bool:
+    """Release a view of a client's read buffer once its frame is decoded; False if something
+    still exports it (a ``msgspec.Raw`` kept alive), and then the buffer must not be reused."""
+    try:
+        view.release()
+    except BufferError:
+        return False
+    return True
 
 
 def pages(data: bytes | bytearray | memoryview) -> array:
@@ -206,8 +231,34 @@ class _BatchBuilder:
                 err.__cause__ = cause
                 fut._fail(err)
 
-    def _distribute(self, result: BatchResult) -> None:
-        items = result.results
+    def _decode(self, raw: msgspec.Raw | bytes) -> list[tuple[bool, Any]]:
+        """Every item of the batch's response, decoded now: ``(ran_ok, value)`` with the typed
+        result, or the error the daemon reported, or the :class:`ProtocolError` of an item that
+        does not decode.
+
+        The response's items are ``msgspec.Raw`` views into the buffer the response was read
+        into, and a client reuses that buffer for the next response. Called by the code that
+        read the frame, before it reads again, so no view outlives its bytes (decoding later
+        once handed a task another request's results).
+        """
+        try:
+            items = decode_result("batch", raw).results  # type: ignore[attr-defined]
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise ProtocolError(f"undecodable batch result: {exc}", code=Code.BAD_FRAME) from exc
+        outcomes: list[tuple[bool, Any]] = []
+        for fut, item in zip(self._futures, items, strict=False):  # fewer: see _distribute
+            if not item.ok:
+                outcomes.append((False, error_from_wire(item.error)))
+                continue
+            try:
+                outcomes.append((True, decode_result(fut.op, item.result)))
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                outcomes.append((True, ProtocolError(
+                    f"undecodable {fut.op} result in a batch: {exc}", code=Code.BAD_FRAME)))
+        return outcomes
+
+    def _distribute(self, outcomes: list[tuple[bool, Any]]) -> None:
+        """Settle every future from :meth:`_decode`'s outcomes, in order."""
         first_failure: RadixdError | None = None
         for i, fut in enumerate(self._futures):
             if first_failure is not None and self.stop_on_error:
@@ -218,22 +269,18 @@ class _BatchBuilder:
                 err.__cause__ = first_failure
                 fut._fail(err)
                 continue
-            if i >= len(items):
-                fut._fail(ProtocolError(f"the daemon answered {len(items)} of {len(self._futures)}"
-                                        " batch operations", code=Code.BAD_FRAME))
+            if i >= len(outcomes):
+                fut._fail(ProtocolError(f"the daemon answered {len(outcomes)} of "
+                                        f"{len(self._futures)} batch operations",
+                                        code=Code.BAD_FRAME))
                 continue
-            item = items[i]
-            if item.ok:
-                try:
-                    fut._set(decode_result(fut.op, item.result))
-                except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                    fut._fail(ProtocolError(f"undecodable {fut.op} result in a batch: {exc}",
-                                            code=Code.BAD_FRAME))
+            ran_ok, value = outcomes[i]
+            if isinstance(value, RadixdError):
+                fut._fail(value)
+                if not ran_ok and first_failure is None:
+                    first_failure = value
             else:
-                err = error_from_wire(item.error)
-                fut._fail(err)
-                if first_failure is None:
-                    first_failure = err
+                fut._set(value)
 
     # -- the operations (same arguments as the client's methods) --------------------------------
 
@@ -320,14 +367,14 @@ class ClientBatch(_BatchBuilder):
             self._sent = True
             return
         try:
-            result = self._client._call("batch", self._request())
+            outcomes = self._client._call("batch", self._request(), self._decode)
         except RadixdError as err:
             self._abandon(f"the batch failed as a whole ({err.code})", err)
             raise
         except BaseException as err:
             self._abandon("the batch was interrupted", err)
             raise
-        self._distribute(result)
+        self._distribute(outcomes)
 
 
 # ---------------------------------------------------------------------------- client
@@ -494,17 +541,23 @@ class Client:
             raise error_from_wire(resp.error)
         return resp
 
-    def _call(self, op: str, req: Request) -> Any:
+    def _call(self, op: str, req: Request, decode: Decode | None = None) -> Any:
+        """One request, one response; the result decoded before the buffer is read into again
+        (``decode`` for a batch, whose items must be decoded too)."""
         rid = self._next_id
         self._next_id = rid + 1
         req.id = rid
         frame = encode(req)
         self._check_size(frame)
-        resp = self._response(rid, self._exchange(frame))
+        body = self._exchange(frame)
         try:
-            return decode_result(op, resp.result)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            raise ProtocolError(f"undecodable {op} result: {exc}", code=Code.BAD_FRAME) from exc
+            return decode_ok(op, self._response(rid, body).result, decode)
+        finally:
+            if not release_view(body):
+                # Something still views the buffer (a traceback holding the response): it
+                # keeps that buffer; the next response is read into a new one.
+                self._buf = bytearray(len(self._buf))
+                self._view = memoryview(self._buf)
 
     # -- operations -----------------------------------------------------------------------------
 

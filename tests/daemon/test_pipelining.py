@@ -1,0 +1,192 @@
+"""Every pipelined result is its own: batches and single requests from many tasks on one
+AsyncClient, and a sync Client beside it, against a real daemon.
+
+A batch response used to be decoded lazily, after the reader had read the next response into the
+same buffer: a task then got another request's payload, or page ids it did not hold (and an
+engine wrote KV into them). Each check here asks the daemon itself: echoed ping payloads are the
+task's own, every allocated page is freed by the session that got it (``page_not_held``
+otherwise), and at the end the tenant holds nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+from array import array
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from radixd_client import AsyncClient, Client, pages
+
+MODEL = "m"
+LOOPS = [pytest.param(asyncio.new_event_loop, id="asyncio")]
+try:
+    import uvloop
+except ImportError:  # pragma: no cover - uvloop is a daemon dependency
+    pass
+else:
+    LOOPS.append(pytest.param(uvloop.new_event_loop, id="uvloop"))
+
+
+def run(loop_factory: Any, coro: Any) -> Any:
+    with asyncio.Runner(loop_factory=loop_factory) as r:
+        return r.run(asyncio.wait_for(coro, 60))
+
+
+# A step is one request or one batch, as a list of items: ("ping", n) or ("alloc", n).
+Step = list[tuple[str, int]]
+
+
+async def run_steps(c: AsyncClient, who: int, steps: list[tuple[bool, Step]],
+                    held: list[int]) -> None:
+    """Run one task's steps; every echoed payload must be this task's, and the pages every
+    alloc returned are collected in ``held`` (checked against the daemon afterwards)."""
+    for k, (batched, items) in enumerate(steps):
+        tags = [f"{who}/{k}/{i}".encode() * (1 + n % 7) for i, (_op, n) in enumerate(items)]
+        if batched:
+            async with c.batch() as b:
+                futs = [b.ping(tag) if op == "ping" else b.alloc(MODEL, n)
+                        for (op, n), tag in zip(items, tags, strict=True)]
+            results = [f.result() for f in futs]
+        else:
+            results = [await (c.ping(tag) if op == "ping" else c.alloc(MODEL, n))
+                       for (op, n), tag in zip(items, tags, strict=True)]
+        for (op, n), tag, res in zip(items, tags, results, strict=True):
+            if op == "ping":
+                assert res.payload == tag, f"task {who} got another request's ping payload"
+            else:
+                full, swa = pages(res.full_pages), pages(res.swa_pages)
+                assert len(full) == n and len(swa) == n, res
+                held.extend(zip(full, swa, strict=True))
+        await asyncio.sleep(0)
+
+
+def assert_unique(held: list[tuple[int, int]]) -> None:
+    assert len({f for f, _ in held}) == len(held), "a full page was handed out twice"
+    assert len({s for _, s in held}) == len(held), "an SWA page was handed out twice"
+
+
+async def free_and_verify(c: AsyncClient, held: list[tuple[int, int]]) -> None:
+    """Every (full, SWA) page pair a task was given is held by this session, once: the daemon
+    frees each (``page_not_held`` would raise)."""
+    assert_unique(held)
+    for full, swa in held:
+        await c.free(MODEL, full_pages=[full], swa_pages=[swa])
+
+
+async def assert_nothing_held(c: AsyncClient) -> None:
+    """Nothing stranded: with every page freed, the tenant's open sessions hold none."""
+    models = (await c.stats(MODEL)).models[MODEL]
+    assert (models["held_full_pages"], models["held_swa_pages"]) == (0, 0), models
+
+
+@pytest.fixture
+def daemon(make_daemon: Any) -> Any:
+    """Pools big enough that no alloc of these workloads runs out of pages."""
+    model = {"name": MODEL, "page_size": 4, "sliding_window": 8, "num_full_layers": 1,
+             "num_swa_layers": 1, "num_kv_heads": 1, "head_dim": 4, "dtype": "float32",
+             "device": "cpu", "full_pages": 4096, "swa_pages": 4096}
+    return make_daemon({"models": [model]})
+
+
+def steps_of(rng: random.Random, n: int, alloc_pages: int) -> list[tuple[bool, Step]]:
+    out = []
+    for _ in range(n):
+        items = [("alloc", rng.randint(1, alloc_pages)) if rng.random() < 0.3
+                 else ("ping", rng.randint(0, 50)) for _ in range(rng.randint(1, 3))]
+        out.append((rng.random() < 0.6, items))
+    return out
+
+
+@pytest.mark.parametrize("loop_factory", LOOPS)
+def test_many_tasks_pipelining_batches_get_their_own_results(daemon: Any,
+                                                             loop_factory: Any) -> None:
+    async def main() -> None:
+        async with await AsyncClient.connect(daemon.socket) as c:
+            rng = random.Random(7)
+            # pings only, many tasks: every batch response is followed at once by others
+            tasks = [run_steps(c, who, [(True, [("ping", who % 50)])] * 10, [])
+                     for who in range(200)]
+            await asyncio.gather(*tasks)
+            # pings and allocs, single and batched, with the pages checked by the daemon
+            helds: list[list[tuple[int, int]]] = [[] for _ in range(40)]
+            await asyncio.gather(*(run_steps(c, who, steps_of(rng, 25, 1), helds[who])
+                                   for who in range(40)))
+            await free_and_verify(c, [p for h in helds for p in h])
+            await assert_nothing_held(c)
+
+    run(loop_factory, main())
+    daemon.check()
+
+
+def sync_worker(path: str, seed: int, steps: int, errors: list[BaseException],
+                freed: threading.Event, close: threading.Event) -> None:
+    """A sync Client beside the async tasks: its batches and single calls, checked likewise;
+    its session stays open (``freed`` set) until ``close`` is set."""
+    try:
+        rng = random.Random(seed)
+        with Client(path) as c:
+            held: list[tuple[int, int]] = []
+            for k, (batched, items) in enumerate(steps_of(rng, steps, 2)):
+                tags = [f"sync/{k}/{i}".encode() for i in range(len(items))]
+                if batched:
+                    with c.batch() as b:
+                        futs = [b.ping(t) if op == "ping" else b.alloc(MODEL, n)
+                                for (op, n), t in zip(items, tags, strict=True)]
+                    results = [f.result() for f in futs]
+                else:
+                    results = [c.ping(t) if op == "ping" else c.alloc(MODEL, n)
+                               for (op, n), t in zip(items, tags, strict=True)]
+                for (op, _n), t, res in zip(items, tags, results, strict=True):
+                    if op == "ping":
+                        assert res.payload == t
+                    else:
+                        held.extend(zip(pages(res.full_pages), pages(res.swa_pages),
+                                        strict=True))
+            assert_unique(held)
+            for full, swa in held:
+                c.free(MODEL, full_pages=array("i", [full]), swa_pages=array("i", [swa]))
+            freed.set()
+            close.wait(60)
+    except BaseException as exc:  # surfaced by the test
+        errors.append(exc)
+    finally:
+        freed.set()
+
+
+step_st = st.tuples(st.booleans(), st.lists(
+    st.tuples(st.sampled_from(["ping", "alloc"]), st.integers(1, 2)), min_size=1, max_size=4))
+
+
+@settings(max_examples=25, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(tasks=st.lists(st.lists(step_st, min_size=1, max_size=12), min_size=2, max_size=24),
+       sync_steps=st.integers(0, 30), seed=st.integers(0, 1 << 16))
+def test_random_interleavings_of_sync_and_async_clients(daemon: Any, tasks: list[Any],
+                                                        sync_steps: int, seed: int) -> None:
+    """Any mix of tasks, batches and single calls on one AsyncClient, with a sync client
+    working at the same time: every result is the caller's own."""
+    errors: list[BaseException] = []
+    freed, close = threading.Event(), threading.Event()
+    worker = threading.Thread(target=sync_worker,
+                              args=(daemon.socket, seed, sync_steps, errors, freed, close))
+
+    async def main() -> None:
+        async with await AsyncClient.connect(daemon.socket) as c:
+            helds: list[list[tuple[int, int]]] = [[] for _ in tasks]
+            await asyncio.gather(*(run_steps(c, who, steps, helds[who])
+                                   for who, steps in enumerate(tasks)))
+            await free_and_verify(c, [p for h in helds for p in h])
+            await asyncio.to_thread(freed.wait, 60)
+            await assert_nothing_held(c)  # both sessions still open
+
+    worker.start()
+    try:
+        asyncio.run(asyncio.wait_for(main(), 60))
+    finally:
+        close.set()
+        worker.join(60)
+    assert not errors, errors
