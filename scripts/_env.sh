@@ -29,6 +29,24 @@ _radixd_as_root() {
     fi
 }
 
+# Debian packages the tests need, installed minimally: no recommended packages, and nothing that is
+# already installed is upgraded. Each install is announced (what and why) before it runs.
+# RADIXD_NO_APT=1 installs nothing: the tests that need the package then fail with a message that
+# names it (deselect them with the marker the message gives).
+_radixd_apt_install() {
+    local why="$1"
+    shift
+    if [[ "${RADIXD_NO_APT:-0}" == "1" ]]; then
+        _radixd_log "RADIXD_NO_APT=1: not installing $* (${why})"
+        return 0
+    fi
+    _radixd_log "installing with apt-get, without recommended packages: $* (${why}); set" \
+        "RADIXD_NO_APT=1 to skip"
+    _radixd_as_root env DEBIAN_FRONTEND=noninteractive apt-get update -qq
+    _radixd_as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+        --no-install-recommends --no-upgrade "$@"
+}
+
 radixd_venv() {
     # A venv whose interpreter no longer runs (python upgraded or moved) is rebuilt, not patched.
     if [[ -x "${RADIXD_PY}" ]] && ! "${RADIXD_PY}" -c "" >/dev/null 2>&1; then
@@ -75,9 +93,8 @@ radixd_redis() {
         return 0
     fi
     if ! command -v redis-server >/dev/null 2>&1 || ! command -v redis-cli >/dev/null 2>&1; then
-        _radixd_log "installing redis-server"
-        _radixd_as_root env DEBIAN_FRONTEND=noninteractive apt-get update -qq
-        _radixd_as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server
+        _radixd_apt_install "the storage and tier tests talk to a real Redis" redis-server
+        command -v redis-server >/dev/null 2>&1 || return 0
     fi
     _radixd_log "starting redis-server on 127.0.0.1:6379"
     redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save "" --appendonly no \
@@ -98,9 +115,8 @@ radixd_systemd_tools() {
     local tool
     for tool in systemd-analyze systemd-socket-activate systemd-sysusers systemd-tmpfiles; do
         if ! command -v "${tool}" >/dev/null 2>&1; then
-            _radixd_log "installing systemd's tools (unit verification, socket activation)"
-            _radixd_as_root env DEBIAN_FRONTEND=noninteractive apt-get update -qq
-            _radixd_as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq systemd
+            local why="the systemd tests verify the unit files and drive socket activation"
+            _radixd_apt_install "${why} with systemd's own tools" systemd
             return 0
         fi
     done
@@ -111,7 +127,6 @@ radixd_chromium() {
     if [[ -x /usr/bin/chromium ]]; then
         return 0
     fi
-    _radixd_log "installing chromium (headless browser for the status-page test)"
-    _radixd_as_root env DEBIAN_FRONTEND=noninteractive apt-get update -qq
-    _radixd_as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium
+    _radixd_apt_install "the status-page test renders the admin page in headless Chromium" \
+        chromium
 }
