@@ -20,10 +20,9 @@ from typing import Any
 import pytest
 from radixd_client import protocol as P
 
+from daemon import cli
 from radixd_bench import engines
 from radixd_bench import multiturn as mt
-
-from daemon import cli
 from tests.harness import daemon_conftest
 
 REPO = Path(__file__).resolve().parents[1]
