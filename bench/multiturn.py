@@ -6,11 +6,13 @@ by the output plus a ``subq``-token sub-question. Rounds are separated by a barr
 are served in the same order every round, the pattern that makes plain LRU evict exactly the
 conversation asked for next.
 
-The engine side is simulated faithfully at page granularity, through :class:`ModelCache` (the
-same object the daemon serves): match+lock, allocate the prefill pages, decode a page at a time,
-free out-of-window SWA pages during decode (when enabled, as SGLang does), release the prefix's SWA
-lock once the request's own tokens cover the window, and ``cache_finished`` with the committed KV
-(the last sampled token is never forwarded, so it has no KV).
+The engine side is the socket bench's synthetic engine (``radixd_bench.engines.synthetic_steps``
+over :class:`radixd_client.lifecycle.RequestLifecycle`), pointed at :class:`ModelCache` (the
+same object the daemon serves) through :class:`_InProcessClient` instead of a socket: match+lock,
+allocate the prefill pages, decode a page at a time, free out-of-window SWA pages during decode
+(when enabled, as SGLang does), release the prefix's SWA lock once it is out of the window, and
+``cache_finished`` with the committed KV (the last sampled token is never forwarded, so it has
+no KV).
 
 Hit rate is SGLang's ``sum(cached tokens) / sum(prompt tokens)``; the ideal counts, for rounds
 after the first, the page-aligned previous prompt plus its committed output.
@@ -20,14 +22,23 @@ from __future__ import annotations
 
 import random
 from array import array
-from collections.abc import Generator, Iterator
+from collections.abc import Generator, Iterable, Iterator
 from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+from radixd_client.lifecycle import RequestLifecycle
 
 from daemon.gpu.allocator import OutOfPages
 from daemon.gpu.profile import ModelProfile
 from daemon.model_cache import ModelCache
 from daemon.tree.policy import DEFAULT_POLICY
-from daemon.workload import Workload
+from radixd_bench.engines import synthetic_steps
+from radixd_bench.options import SYNTHETIC_VOCAB
+from radixd_bench.workload import Workload
+
+MODEL = "multiturn"
+NAMESPACE = "default"
 
 
 @dataclass
@@ -71,7 +82,8 @@ def run(w: Workload, full_pages: int, *, swa_free: bool = True,
     cache = ModelCache(profile, policy=policy)
     usage = _Usage(cache)
     rng = random.Random(w.seed)
-    history = [[rng.randrange(1, 50000) for _ in range(w.first_prompt)] for _ in range(w.clients)]
+    history = [[rng.randrange(1, SYNTHETIC_VOCAB) for _ in range(w.first_prompt)]
+               for _ in range(w.clients)]
     round_rates: list[float] = []
     prefill: list[int] = []
     hit_total = prompt_total = 0
@@ -82,7 +94,8 @@ def run(w: Workload, full_pages: int, *, swa_free: bool = True,
                 for c in range(w.clients)]
         outputs = _schedule(reqs, w.max_parallel)
         for c, out in outputs.items():
-            history[c] = history[c] + out + [rng.randrange(1, 50000) for _ in range(w.subq)]
+            history[c] = history[c] + out + [rng.randrange(1, SYNTHETIC_VOCAB)
+                                             for _ in range(w.subq)]
         round_rates.append(stats["hit"] / stats["prompt"])
         prefill.append(stats["prefill"])
         hit_total += stats["hit"]
@@ -119,78 +132,108 @@ def _schedule(reqs: list[Generator[None, None, tuple[int, list[int]]]], max_para
                 active.remove(g)
 
 
+class _Done:
+    """A batch operation's outcome: the in-process cache answers at once."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def result(self) -> Any:
+        return self.value
+
+    def exception(self) -> None:
+        return None
+
+
+class _InProcessBatch:
+    """``client.batch()`` for :class:`_InProcessClient`: each operation runs when queued, in
+    order, as the daemon runs a batch's operations (an error raises at once)."""
+
+    def __init__(self, client: _InProcessClient) -> None:
+        self._client = client
+
+    def __enter__(self) -> _InProcessBatch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def __getattr__(self, op: str) -> Any:
+        call = getattr(self._client, op)
+        return lambda *a, **k: _Done(call(*a, **k))
+
+
+def _b(ids: Iterable[int]) -> bytes:
+    return array("i", ids).tobytes()
+
+
+class _InProcessClient:
+    """The ``Client`` methods :class:`RequestLifecycle` uses, answered by a :class:`ModelCache`
+    for one owner: the replay runs the socket bench's engine without a socket, so both measure
+    the same protocol steps. Results carry page ids as int32 bytes, as the daemon sends them."""
+
+    def __init__(self, cache: ModelCache, usage: _Usage, owner: int, w: Workload) -> None:
+        self.cache, self.usage, self.owner = cache, usage, owner
+        self.models = {MODEL: SimpleNamespace(page_size=w.page_size, sliding_window=w.window,
+                                              swa_pages=cache.alloc_state.swa is not None)}
+
+    def match(self, model: str, tokens: bytes, lock: bool = False) -> Any:
+        res, rid = self.cache.match(self.owner, NAMESPACE, tokens, lock=lock)
+        return SimpleNamespace(prefix_len=res.prefix_len, full_pages=_b(res.full_pages),
+                               swa_pages=_b(res.swa_pages), full_hit_len=res.full_hit_len,
+                               host_hit_len=0, receipt=rid)  # no host tier in process
+
+    def alloc(self, model: str, n: int) -> Any:
+        full, swa = self.cache.alloc(self.owner, n)
+        self.usage.sample()
+        return SimpleNamespace(full_pages=_b(full), swa_pages=_b(swa))
+
+    def free(self, model: str, full_pages: Iterable[int] = (), swa_pages: Iterable[int] = ()
+             ) -> None:
+        self.cache.free(self.owner, full_pages, swa_pages)
+
+    def release_swa(self, model: str, receipt: int) -> None:
+        self.cache.release_swa(self.owner, receipt)
+
+    def unlock(self, model: str, receipt: int) -> None:
+        self.cache.unlock(self.owner, receipt)
+
+    def _insert(self, fn: Any, tokens: bytes, full: list[int], swa: list[int], prev: int,
+                frontier: int, receipt: int | None) -> Any:
+        res = fn(self.owner, NAMESPACE, tokens, array("i", full), array("i", swa), prev,
+                 frontier, receipt)
+        res, rid = res if isinstance(res, tuple) else (res, None)
+        return SimpleNamespace(prefix_len=res.prefix_len, inserted_len=res.inserted_len,
+                               full_pages=_b(res.full_pages), swa_pages=_b(res.swa_pages),
+                               receipt=rid)
+
+    def cache_unfinished(self, model: str, *args: Any) -> Any:
+        return self._insert(self.cache.cache_unfinished, *args)
+
+    def cache_finished(self, model: str, *args: Any) -> Any:
+        return self._insert(self.cache.cache_finished, *args)
+
+    def batch(self, stop_on_error: bool = True) -> _InProcessBatch:
+        return _InProcessBatch(self)
+
+
 def _request(cache: ModelCache, usage: _Usage, w: Workload, client: int, prompt: list[int],
              rng: random.Random, swa_free: bool, stats: dict
              ) -> Generator[None, None, tuple[int, list[int]]]:
-    P = w.page_size
-    owner = client
-    out = [rng.randrange(1, 50000) for _ in range(w.output)]
-    tokens = array("i", prompt)
-    res, rid = cache.match(owner, "default", tokens.tobytes(), lock=True)
-    L = len(prompt)
-    stats["hit"] += res.prefix_len
-    stats["prompt"] += L
-    stats["prefill"] += L - res.prefix_len
-    prev = res.prefix_len
-    full: list[int] = []
-    swa: list[int] = []
-    frontier = prev  # swa_evicted_len: SWA below it was freed (the tree owns [0, prev))
-    swa_released = False
-
-    def grow(n_tokens: int) -> None:
-        need = -(-n_tokens // P) - prev // P - len(full)
-        if need > 0:
-            f, s = cache.alloc(owner, need)
-            full.extend(f)
-            swa.extend(s if len(s) else [0] * need)
-            usage.sample()
-
-    def free_out_of_window(seq_len: int) -> None:
-        nonlocal frontier
-        threshold = seq_len - -(-max(w.window, P) // P) * P
-        new = max(frontier, threshold) // P * P
-        if new > frontier:
-            lo, hi = (frontier - prev) // P, (new - prev) // P
-            pages = [p for p in swa[lo:hi] if p]
-            cache.free(owner, swa=pages)
-            for i in range(lo, hi):
-                swa[i] = 0
-            frontier = new
-
+    out = [rng.randrange(1, SYNTHETIC_VOCAB) for _ in range(w.output)]
+    lc = RequestLifecycle(_InProcessClient(cache, usage, client, w), MODEL, prompt,
+                          swa_free_interval=w.swa_eviction_interval, free_swa=swa_free,
+                          label=f"client {client}")
     try:
-        seq = prev
-        while seq < L:  # chunked prefill
-            seq = min(L, seq + w.prefill_chunk)
-            grow(seq)
-            if swa_free:
-                free_out_of_window(seq)
-            if seq < L:
-                ins, rid = cache.cache_unfinished(owner, "default", tokens[:seq].tobytes(), full,
-                                                  swa, prev, frontier, rid)
-                k = (ins.inserted_len - prev) // P
-                del full[:k]
-                del swa[:k]
-                prev = ins.inserted_len
-                frontier = max(frontier, prev)
+        prefix = lc.admit().prefix_len
+        stats["hit"] += prefix
+        stats["prompt"] += len(prompt)
+        stats["prefill"] += len(prompt) - prefix
+        for _ in synthetic_steps(lc, out, w.prefill_chunk):
             yield
-        committed = L + w.output - 1
-        last_free = L
-        while seq < committed:
-            step = min(P - seq % P if seq % P else P, committed - seq)
-            seq += step
-            grow(seq)
-            if swa_free and not swa_released and seq - prev >= w.window + P:
-                cache.release_swa(owner, rid)
-                swa_released = True
-            if swa_free and seq - last_free >= w.swa_eviction_interval:
-                free_out_of_window(seq)
-                last_free = seq
-            yield
-        final = array("i", prompt + out)[:committed]
-        cache.cache_finished(owner, "default", final.tobytes(), full, swa, prev, frontier, rid)
     except OutOfPages:
         stats["failed"] += 1
-        cache.release_owner(owner)
+        cache.release_owner(client)
     return client, out
 
 

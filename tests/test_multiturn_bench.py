@@ -1,4 +1,4 @@
-"""`radixd bench multiturn` (daemon/multiturn.py): a tiny workload against a real daemon, the
+"""`radixd bench multiturn` (radixd_bench): a tiny workload against a real daemon, the
 report's figures checked for consistency, and the exit codes of bad arguments and a missing daemon.
 
 Every daemon here comes from tests/daemon/conftest.py's ``make_daemon``: strict checker, a full
@@ -21,13 +21,11 @@ import pytest
 from radixd_client import protocol as P
 
 from daemon import cli
-from daemon import multiturn as mt
+from radixd_bench import engines
+from radixd_bench import multiturn as mt
 from tests.harness import daemon_conftest
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-
 
 make_daemon = daemon_conftest().make_daemon  # the fixture, reused
 
@@ -185,13 +183,24 @@ def test_options_validate(field: str, value: Any) -> None:
 
 
 def test_hf_engine_missing_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    def missing(module: str, folder: str) -> Any:
+    def missing(module: str) -> Any:
         raise ModuleNotFoundError(f"No module named {module!r}", name=module)
 
-    monkeypatch.setattr(mt, "_import_from_checkout", missing)
+    monkeypatch.setattr(engines.importlib, "import_module", missing)
     with pytest.raises(mt.BenchError, match="--engine hf needs .*examples/hf_engine.*"
-                                            "--engine synthetic"):
+                                            "PYTHONPATH.*--engine synthetic"):
         mt.hf_engine_module()
+
+
+def test_defaults_are_the_workloads() -> None:
+    """One set of defaults: the CLI's come from Options, whose come from Workload."""
+    w, o = mt.Workload(), mt.Options(socket="/x.sock")
+    for name in ("clients", "rounds", "first_prompt", "output", "subq", "max_parallel",
+                 "prefill_chunk", "swa_eviction_interval"):
+        assert getattr(o, name) == getattr(w, name), name
+    args = cli.build_parser().parse_args(["bench", "multiturn"])
+    assert (args.clients, args.output, args.prefill_chunk) == (w.clients, w.output,
+                                                               w.prefill_chunk)
 
 
 def test_split_loaded() -> None:
@@ -267,15 +276,45 @@ class _FakeClient:
         return P.InsertResult(prefix_len=prev_prefix_len, inserted_len=len(tokens) // 16 * 4,
                               full_pages=b"", swa_pages=b"", node=4, receipt=None)
 
+    def batch(self, stop_on_error: bool = True) -> _FakeBatch:
+        return _FakeBatch(self)
+
     def close(self) -> None:
         self.calls.append(("close", None))
+
+
+class _FakeBatch:
+    """Runs each queued call at once, in order, as the daemon runs a batch's operations."""
+
+    class _Done:
+        def __init__(self, value: Any) -> None:
+            self.value = value
+
+        def result(self) -> Any:
+            return self.value
+
+        def exception(self) -> None:
+            return None
+
+    def __init__(self, client: _FakeClient) -> None:
+        self.client = client
+
+    def __enter__(self) -> _FakeBatch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def __getattr__(self, op: str) -> Any:
+        call = getattr(self.client, op)
+        return lambda *a, **k: self._Done(call(*a, **k))
 
 
 def test_synthetic_engine_follows_the_tier_contract(monkeypatch: pytest.MonkeyPatch) -> None:
     """prefetch(wait_complete) -> match(lock) -> load(lock) -> unlock of the match's receipt,
     prefill from the loaded prefix, and the hit split device/host/l3 from the answers."""
     fake = _FakeClient()
-    monkeypatch.setattr(mt, "_connect", lambda *a, **k: fake)
+    monkeypatch.setattr(engines, "connect", lambda *a, **k: fake)
     engine = mt.SyntheticEngine(mt.EngineSpec(
         socket="/x.sock", token=None, model="m", client_index=0, seed=1, l3=True,
         prefill_chunk=64, swa_eviction_interval=4))
@@ -290,8 +329,8 @@ def test_synthetic_engine_follows_the_tier_contract(monkeypatch: pytest.MonkeyPa
     assert (out.l3_hit_len, out.fetched_len, out.loaded_len) == (4, 4, 12)
     assert out.prefill_tokens == 22 - 20
     assert fake.calls[4] == ("alloc", 1)  # page 5 (tokens 20, 21): the rest is loaded
-    # Decode to 41 tokens: the loaded prefix's SWA is released once 32 - 20 >= W + P, held
-    # pages [20, 24), [24, 28), [28, 32) leave the window at 32, 36, 40.
+    # Decode to 41 tokens: the loaded prefix's SWA is released once 28 - W >= 20 (protocol
+    # 8.6), held pages [20, 24), [24, 28), [28, 32) leave the window at 32, 36, 40.
     assert ("release_swa", 2) in fake.calls and ops[-1] == "cache_finished"
     assert [c[1] for c in fake.calls if c[0] == "free"] == [1, 1, 1]
     assert fake.calls[-1][1] == (22 + 20 - 1, 20, 32, 2)  # tokens, prev, frontier, receipt

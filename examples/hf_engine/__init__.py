@@ -4,8 +4,9 @@ HF transformers, whose KV lives in the daemon's pools and whose prefixes come fr
 Modules: :mod:`.model` (config, weights, reference generation), :mod:`.daemon_config` (the
 daemon's ``[[models]]`` entry for the model), :mod:`.paged_attention` (attention over paged KV),
 :mod:`.paged_model` (the forward pass with pooled KV), :mod:`.request` (per-request state),
-:mod:`.engine` (the daemon protocol and the round-robin loop), :mod:`.check` (comparison with
-plain transformers). ``python -m examples.hf_engine --help`` runs it.
+:mod:`.engine` (the round-robin loop; the daemon protocol per request is
+``radixd_client.lifecycle.RequestLifecycle``), :mod:`.check` (comparison with plain
+transformers). ``python -m examples.hf_engine --help`` runs it.
 """
 
 from .check import Comparison, assert_matches_reference, compare

@@ -1,11 +1,9 @@
-"""One request's state in the engine: its sequence, page tables and daemon bookkeeping.
+"""One request's state in the engine: its sequence, its logits, and its cache lifecycle.
 
-The page tables are the engine's view of where each sequence page's KV lives. They start as the
-match result (full pages of the whole prefix; SWA pages only for its trailing window, 0 before
-it), grow with ``alloc``, switch to the canonical ids that ``cache_unfinished`` returns, and get
-0 for SWA pages freed during decode. ``cached_len`` is the prefix that is in the tree and covered
-by ``receipt`` (the ``prev_prefix_len`` of the next insert); ``swa_evicted_len`` is the SWA
-frontier of the pages after it.
+Everything the daemon protocol needs per request (page tables, the pages the request may write,
+the locked prefix and its receipt, the SWA frontier) lives in ``cache``, a
+:class:`radixd_client.lifecycle.RequestLifecycle`; the properties here only name its figures the
+way this engine's tests and command line read them.
 """
 
 from __future__ import annotations
@@ -14,6 +12,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 import torch
+from radixd_client.lifecycle import RequestLifecycle
 
 
 class Phase(Enum):
@@ -31,35 +30,74 @@ class Request:
     rid: int
     prompt: list[int]
     max_new_tokens: int
+    cache: RequestLifecycle
     tokens: list[int] = field(default_factory=list)  # prompt, then generated tokens
     output: list[int] = field(default_factory=list)  # generated tokens
     logits: list[torch.Tensor] = field(default_factory=list)  # one row per generated token
-    full_table: list[int] = field(default_factory=list)  # sequence page -> full page id
-    swa_table: list[int] = field(default_factory=list)  # sequence page -> SWA page id (0: none)
-    # Pages this request got from its own ``alloc`` and has not handed to the tree: the only
-    # ones its forward passes may write into.
-    writable_full: set[int] = field(default_factory=set)
-    writable_swa: set[int] = field(default_factory=set)
-    computed_len: int = 0  # tokens[:computed_len] have their KV in the pools
-    cached_len: int = 0  # [0, cached_len) is in the tree and locked by `receipt`
-    receipt: int | None = None
-    swa_evicted_len: int = 0  # SWA frontier: pages in [cached_len, frontier) were freed
-    swa_released: bool = False  # release_swa done for the locked prefix
     phase: Phase = Phase.PREFILL
-    # what the cache gave at admission (for tests and logs)
-    prefix_len: int = 0  # usable device prefix taken from the match (or the load)
-    full_hit_len: int = 0
-    host_hit_len: int = 0  # from the probing match, before any load
-    loaded_len: int = 0  # tokens `load` brought back from host (L2) to device
-    l3_hit_len: int = 0  # from prefetch: tokens only Redis (L3) had
-    fetched_len: int = 0  # from prefetch: of those, tokens on host when it answered
-    prefetch_status: str = ""
-    swa_pages_freed: int = 0  # SWA pages this request freed during decode
-    finished_inserted_len: int = 0  # cache_finished's inserted_len
 
     @property
     def done(self) -> bool:
         return self.phase is Phase.DONE
+
+    @property
+    def computed_len(self) -> int:
+        """``tokens[:computed_len]`` have their KV in the pools."""
+        return self.cache.computed_len
+
+    @computed_len.setter
+    def computed_len(self, value: int) -> None:
+        self.cache.computed_len = value
+
+    @property
+    def cached_len(self) -> int:
+        """``[0, cached_len)`` is in the tree and locked by the request's receipt."""
+        return self.cache.cached_len
+
+    @property
+    def full_table(self) -> list[int]:
+        return self.cache.full_table
+
+    @property
+    def swa_table(self) -> list[int]:
+        return self.cache.swa_table
+
+    @property
+    def prefix_len(self) -> int:
+        """The usable device prefix taken from the match (or the load)."""
+        return self.cache.admission.prefix_len
+
+    @property
+    def host_hit_len(self) -> int:
+        return self.cache.admission.host_hit_len
+
+    @property
+    def loaded_len(self) -> int:
+        return self.cache.admission.loaded_len
+
+    @property
+    def l3_hit_len(self) -> int:
+        return self.cache.admission.l3_hit_len
+
+    @property
+    def fetched_len(self) -> int:
+        return self.cache.admission.fetched_len
+
+    @property
+    def prefetch_status(self) -> str:
+        return self.cache.admission.prefetch_status
+
+    @property
+    def swa_released(self) -> bool:
+        return self.cache.swa_released
+
+    @property
+    def swa_pages_freed(self) -> int:
+        return self.cache.swa_pages_freed
+
+    @property
+    def finished_inserted_len(self) -> int:
+        return self.cache.finished_inserted_len
 
     def step_logits(self) -> torch.Tensor:
         """``[generated, vocab]``: the logits each generated token was chosen from."""

@@ -266,10 +266,11 @@ def test_the_engine_writes_only_into_pages_it_allocated(make_daemon: Any,
         req = engine.submit(tokens(30, 61), 4)  # a cold prompt: all its pages are its own
         engine.step()  # the first chunk: allocated, written, handed to the tree
         assert req.phase.value == "prefill" and req.cached_len == 8
-        engine._alloc_through(req, 16)
+        req.cache.reserve(16)
         req.full_table[2] = cached[0]  # a page id that is not this request's
         with pytest.raises(RuntimeError, match="refusing to write sequence page 2"):
             engine.step()
         assert torch.equal(engine.pools.full[:, :, cached[0]], before)
-        engine.requests.remove(req)
+        engine.abort(req)  # its pages and lock go back
+        assert_nothing_held(engine.client)
     check(hf_model, first)
