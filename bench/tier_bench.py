@@ -20,8 +20,8 @@ Three parts, each against a baseline measured in the same run:
   are bytes of values per second, the median of several repetitions after a warm-up, the
   operations interleaved so drift hits all alike.
 * **Hit rate**: the multi-turn workload of ``bench/multiturn.py`` (10 clients x 10 rounds, first
-  prompt 300, output 3000, sub-question 300, page 64, window 128) replayed by
-  ``daemon/multiturn.py`` against a real ``radixd serve`` started here (temporary config and
+  prompt 300, output 3000, sub-question 300, page 64, window 128) replayed by ``radixd_bench``
+  (``radixd bench multiturn``) against a real ``radixd serve`` started here (temporary config and
   socket), with the device pool holding 40% of the working set: ``hit_rate_l1_only`` (no host
   tier), ``hit_rate_l1_l2`` (host tier larger than the working set), ``hit_rate_l1_l2_l3`` (host
   tier at half the working set, Redis behind it under a unique key prefix that is deleted
@@ -327,7 +327,7 @@ def _delete_prefix(url: str, prefix: str) -> int:
 
 
 def _workload(quick: bool) -> Any:
-    from daemon.workload import Workload
+    from radixd_bench.workload import Workload
 
     if quick:  # the same shape, fewer and shorter conversations
         return Workload(clients=6, rounds=6, output=1500)
@@ -336,7 +336,7 @@ def _workload(quick: bool) -> Any:
 
 def hit_rate_figures(quick: bool, url: str) -> dict[str, Any]:
     """The multi-turn replay through a real daemon with L1 only, L1+L2, L1+L2+L3."""
-    from daemon import multiturn as mt
+    from radixd_bench import multiturn as mt
 
     w = _workload(quick)
     ws = w.working_set_pages()
