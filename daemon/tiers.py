@@ -80,7 +80,7 @@ MAX_L3_QUEUE = 16384
 async def _copy(copy: CopyInFlight) -> None:
     """Await a copy so that a cancellation cannot abandon it halfway: the pages it writes must
     not be reused (or the pools closed) while a thread or a stream still writes them."""
-    fut = asyncio.ensure_future(copy._done())
+    fut = asyncio.ensure_future(copy.done())
     try:
         await asyncio.shield(fut)
     except asyncio.CancelledError:
