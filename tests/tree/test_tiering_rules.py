@@ -8,7 +8,7 @@ import pytest
 
 from daemon.tree import CollectingSink, RadixTree, check_tree
 
-from .test_regressions import NS, Ids, seq
+from .helpers import NS, Ids, seq
 
 PAGE_SIZES = [1, 4, 16]
 
