@@ -16,18 +16,18 @@ from typing import TYPE_CHECKING
 
 from .gpu.allocator import AllocatorError, OutOfPages, PairedAllocator
 from .tree import (
+    DEFAULT_POLICY,
     BadArgument,
     EvictResult,
     InsertResult,
     MatchResult,
     Node,
+    Pin,
     RadixTree,
     Receipt,
     ReceiptError,
+    audit_tree,
 )
-from .tree.invariants import audit_tree
-from .tree.node import Pin
-from .tree.policy import DEFAULT_POLICY
 
 if TYPE_CHECKING:
     from .gpu.pools import KVPools
@@ -55,7 +55,7 @@ class Watch:
 
     __slots__ = ("full", "swa", "tainted_full", "tainted_swa")
 
-    def __init__(self, full: Iterable[int], swa: Iterable[int]):
+    def __init__(self, full: Iterable[int], swa: Iterable[int]) -> None:
         self.full = set(full)
         self.swa = set(swa)
         self.tainted_full: set[int] = set()
@@ -65,7 +65,7 @@ class Watch:
 class TreeSink:
     """The tree's page sink: the allocators, plus the watches of copies in flight."""
 
-    def __init__(self, alloc: PairedAllocator):
+    def __init__(self, alloc: PairedAllocator) -> None:
         self.alloc = alloc
         self.watches: list[Watch] = []
 
@@ -94,7 +94,7 @@ class ModelCache:
 
     def __init__(
         self, profile: ModelProfile, *, pools: KVPools | None = None, policy: str = DEFAULT_POLICY
-    ):
+    ) -> None:
         self.profile = profile
         self.pools = pools
         self.alloc_state = PairedAllocator(profile.full_pages, profile.swa_pages or 0)

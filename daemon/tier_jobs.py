@@ -18,9 +18,7 @@ from dataclasses import dataclass, field
 
 from .gpu.allocator import OutOfPages
 from .model_cache import ModelCache, Watch
-from .tree import LoadPlan, Namespace
-from .tree.hashing import HASH_BYTES, chain_hashes
-from .tree.node import Node, Pin
+from .tree import HASH_BYTES, LoadPlan, Namespace, Node, Pin, chain_hashes
 
 _load_ids = itertools.count(1)
 

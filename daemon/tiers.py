@@ -56,7 +56,7 @@ from .tier_jobs import (
     plan_backup,
     reserve_host,
 )
-from .tree.node import Node
+from .tree import Node
 
 log = logging.getLogger("radixd.tiers")
 
@@ -107,7 +107,7 @@ class TierManager:
     """L2 (and L3 when configured) of one model."""
 
     def __init__(self, cache: ModelCache, pools: Any, mc: ModelConfig, l3: RedisTier | None,
-                 l3cfg: L3Config, host_quotas: dict[str, int], l3_quotas: dict[str, int]):
+                 l3cfg: L3Config, host_quotas: dict[str, int], l3_quotas: dict[str, int]) -> None:
         self.cache = cache
         self.pools = pools
         self.profile = cache.profile

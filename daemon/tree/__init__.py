@@ -5,9 +5,10 @@ Other packages use only what this module exports and the public attributes and m
 :class:`RadixTree` and :class:`Node`."""
 
 from .errors import BadArgument, NodeNotUsable, ReceiptError, TreeError, UnknownNode
-from .hashing import as_token_bytes, chain_hashes, namespace_seed
-from .invariants import check_tree
-from .node import Node, Receipt
+from .hashing import HASH_BYTES, as_token_bytes, chain_hashes, namespace_seed
+from .invariants import audit_tree, check_tree
+from .node import Node, Pin, Receipt
+from .policy import DEFAULT_POLICY, POLICIES
 from .radix import RadixTree
 from .results import (
     CollectingSink,
@@ -21,6 +22,9 @@ from .results import (
 from .tiering import LoadPlan
 
 __all__ = [
+    "DEFAULT_POLICY",
+    "HASH_BYTES",
+    "POLICIES",
     "BadArgument",
     "CollectingSink",
     "EvictResult",
@@ -32,12 +36,14 @@ __all__ = [
     "Node",
     "NodeNotUsable",
     "PageSink",
+    "Pin",
     "RadixTree",
     "Receipt",
     "ReceiptError",
     "TreeError",
     "UnknownNode",
     "as_token_bytes",
+    "audit_tree",
     "chain_hashes",
     "check_tree",
     "namespace_seed",

@@ -63,7 +63,7 @@ class RadixTree(Matching, Insertion, Locking, Eviction, Tiering):
         host_sink: HostSink | None = None,
         layout_fingerprint: bytes = b"",
         policy: str | EvictionPolicy = DEFAULT_POLICY,
-    ):
+    ) -> None:
         if not isinstance(page_size, int) or page_size < 1:
             raise BadArgument(f"page_size must be an int >= 1, got {page_size!r}")
         if window is not None and (not isinstance(window, int) or window < 1):

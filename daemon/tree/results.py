@@ -101,7 +101,7 @@ class Namespace:
     __slots__ = ("name", "seed", "root", "full_q", "swa_q", "host_q", "full_pages", "swa_pages",
                  "host_pages")
 
-    def __init__(self, name: str, seed: bytes, root: Node):
+    def __init__(self, name: str, seed: bytes, root: Node) -> None:
         self.name = name
         self.seed = seed
         self.root = root
