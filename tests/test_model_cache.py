@@ -10,7 +10,7 @@ import pytest
 from daemon.gpu.allocator import OutOfPages
 from daemon.gpu.profile import ModelProfile
 from daemon.model_cache import ModelCache, PageNotHeld
-from daemon.tree import ReceiptError, as_token_bytes
+from daemon.tree import ReceiptError, as_token_bytes, check_tree
 
 P = 4
 NS = "ns"
@@ -347,3 +347,38 @@ def test_alloc_that_cannot_succeed_does_not_flush_the_cache():
 
 
 # ---------------------------------------------------------------------- bug 3
+
+
+# ---------------------------------------------------------------------- two-phase eviction
+
+
+def test_alloc_offers_victims_to_the_tiers_between_tree_operations():
+    """An alloc that evicts hands each node the tree names to ``copy_to_host`` with the node
+    untouched, then commits: a copied node is demoted, and the alloc gets its pages."""
+    cache = make_cache(full=9, swa=9)
+    cached(cache, [1, 2, 3, 4])
+    tree = cache.tree
+    tree.host_copy_hits = 0
+    seen = []
+
+    def copy(n) -> None:
+        assert n in tree.awaiting_copy and n.full is not None
+        seen.append(n)
+        tree.set_host(n.id, array("i", range(100 + 10 * n.id, 100 + 10 * n.id + tree.npages(n))))
+
+    cache.copy_to_host = copy
+    full, _ = cache.alloc(2, 8)
+    assert len(full) == 8 and seen and not tree.awaiting_copy
+    assert all(n.full is None and n.host is not None for n in seen)
+    assert tree.host_pages == 4
+    assert cache.match(3, NS, seq([1, 2, 3, 4]))[0].full_hit_len == 0
+    assert check_tree(tree) == []  # (cache.check would ask for the host tier these slots lack)
+
+
+def test_held_pages_count_what_sessions_hold():
+    cache = make_cache()
+    cache.alloc(1, 3)
+    cache.alloc(2, 2)
+    assert (cache.held_full_pages, cache.held_swa_pages) == (5, 5)
+    cache.release_owner(1)
+    assert (cache.held_full_pages, cache.held_swa_pages) == (2, 2)

@@ -1,5 +1,6 @@
 """Eviction (daemon/tree/eviction.py): no tombstone leaf left behind, page counters exact after
-any sequence. Tests named after SGLang bug classes (reference/sglang.md section 10).
+any sequence (tests named after SGLang bug classes, reference/sglang.md section 10), and the
+two-phase eviction the memory tiers drive (name, copy, commit).
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from array import array
 
 import pytest
 
-from daemon.tree import NodeNotUsable, ReceiptError
+from daemon.tree import CollectingSink, Node, NodeNotUsable, RadixTree, ReceiptError
 
 from .helpers import (
     NS,
@@ -171,3 +172,141 @@ def test_evictable_counters_match_after_everything(P):
     assert counters(tree) == (0, 0, 0, 0, 0)
     a = cache.alloc_state
     assert a.full.available == a.full.usable and a.swa.available == a.swa.usable
+
+
+# ---------------------------------------------------------------------- two-phase eviction
+
+
+def two_phase_tree(P: int) -> tuple[RadixTree, CollectingSink, Ids]:
+    sink = CollectingSink()
+    tree = RadixTree(P, 2 * P, sink, host_sink=sink, policy="lru")
+    tree.host_copy_hits = 0
+    return tree, sink, Ids()
+
+
+def copy_chain(tree: RadixTree, n: Node) -> None:
+    """What the tiers do in phase 2: host copies for ``n`` and the ancestors it needs."""
+    chain = []
+    while n.host is None:
+        chain.append(n)
+        n = n.parent
+    for a in reversed(chain):
+        tree.set_host(a.id, array("i", range(900 + 10 * a.id, 900 + 10 * a.id + tree.npages(a))))
+
+
+@pytest.mark.parametrize("P", [1, 4])
+def test_eviction_names_a_victim_without_a_host_copy_and_stops(P):
+    """Phase 1: the tree takes nothing from a node the tiers want on host; it names it and
+    returns, so that no copy runs inside the eviction."""
+    tree, sink, ids = two_phase_tree(P)
+    s = seq(P, [1, 2, 3])
+    tree.insert(NS, s, ids.full(3), ids.swa(3))
+    res = tree.evict(full_pages=3)
+    assert res.full_pages == 0 and not sink.full
+    assert [n.tokens for n in tree.awaiting_copy] == [s]
+    n = tree.awaiting_copy[0]
+    assert n.full is not None and tree.nodes[n.id] is n
+
+
+@pytest.mark.parametrize("P", [1, 4])
+@pytest.mark.parametrize("copied", [True, False])
+def test_commit_demotes_a_copied_victim_and_deletes_a_declined_one(P, copied):
+    tree, sink, ids = two_phase_tree(P)
+    s = seq(P, [1, 2, 3])
+    tree.insert(NS, s, ids.full(3), ids.swa(3))
+    tree.evict(full_pages=3)
+    (n,) = tree.awaiting_copy
+    if copied:
+        tree.set_host(n.id, array("i", [900, 901, 902]))
+    res = tree.commit_evictions("alloc")
+    assert res.full_pages == 3 and not tree.awaiting_copy
+    assert tree.evictions_by_reason["alloc"][0] == 3
+    assert (tree.nodes.get(n.id) is n) == copied
+    assert n.full is None and (n.host is not None) == copied
+    ok(tree)
+
+
+@pytest.mark.parametrize("P", [1, 4])
+def test_resumed_eviction_takes_what_a_one_shot_eviction_takes(P):
+    """Naming, copying, committing and resuming frees the same pages, in the same order, as an
+    eviction that never stops (a tree without tiers)."""
+
+    def build(tree: RadixTree) -> None:
+        ids = Ids()
+        for lab in range(1, 6):
+            tree.insert(NS, seq(P, [lab, lab + 10, lab + 20]), ids.full(3), ids.swa(3))
+
+    ref_sink = CollectingSink()
+    ref = RadixTree(P, 2 * P, ref_sink, policy="lru")
+    build(ref)
+    ref.evict(full_pages=7)
+    tree, sink, _ = two_phase_tree(P)
+    build(tree)
+    slot = 1000
+    res = tree.evict(full_pages=7)
+    while tree.awaiting_copy:
+        for n in list(tree.awaiting_copy):
+            k = tree.npages(n)
+            if n.parent.host is not None and k % 2:  # copy some, decline the others
+                tree.set_host(n.id, array("i", range(slot, slot + k)))
+                slot += k
+        res.add(tree.commit_evictions("alloc"))
+        res.add(tree.evict(full_pages=max(0, 7 - res.full_pages)))
+    assert res.full_pages == 7
+    assert sorted(sink.full) == sorted(ref_sink.full)
+    ok(tree)
+
+
+@pytest.mark.parametrize("P", [1, 4])
+def test_unlock_cleanup_names_a_dead_leaf_instead_of_deleting_it(P):
+    """The cleanup of an unlock (a full-locked leaf that lost its SWA) is an eviction too: the
+    tree names the leaf; the commit demotes it once the tiers copied it."""
+    tree, sink, ids = two_phase_tree(P)
+    s = seq(P, [1, 2, 3, 4])
+    r = tree.insert(NS, s, ids.full(4), ids.swa(4), lock=True)
+    tree.release_swa(r.receipt)
+    tree.evict(swa_pages=4)  # the leaf loses its SWA while its full KV is locked
+    tree.unlock(r.receipt)
+    (n,) = tree.awaiting_copy
+    assert n.swa is None and n.full is not None
+    copy_chain(tree, n)
+    tree.commit_evictions()
+    assert n.full is None and n.host is not None and not tree.awaiting_copy
+    ok(tree)
+
+
+def test_dropped_host_pages_stay_held_until_released():
+    """L3 write-back is the two-phase eviction of the host tier: a dropped host-only leaf keeps
+    its slots (bytes readable) until the tiers release it."""
+    P = 4
+    tree, sink, ids = two_phase_tree(P)
+    tree.host_copy_hits = None
+    tree.report_host_drops = True
+    s = seq(P, [1, 2])
+    tree.insert(NS, s, ids.full(2), ids.swa(2))
+    n = tree.get_node(tree.match(NS, s).node_id)
+    tree.set_host(n.id, array("i", [900, 901]))
+    tree.evict(full_pages=2)
+    assert tree.evict_host(2).host_slots == 2
+    assert tree.host_drops == [n] and not sink.host and tree.host_pages == 0
+    tree.release_host_drops()
+    assert sorted(sink.host) == [900, 901] and not tree.host_drops
+    ok(tree)
+
+
+def test_tree_package_stays_pure():
+    """No torch, no asyncio and no callback attributes on the tree: the tiers act between tree
+    operations, never from inside one."""
+    import ast
+    import pathlib
+
+    import daemon.tree as pkg
+
+    for path in pathlib.Path(pkg.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                names = [a.name for a in node.names] + [getattr(node, "module", None) or ""]
+                assert not any(m.split(".")[0] in {"torch", "asyncio", "socket"} for m in names), \
+                    path
+    tree, _, _ = two_phase_tree(1)
+    assert not any(callable(v) for v in vars(tree).values())
