@@ -10,7 +10,7 @@ from array import array
 
 import pytest
 
-from daemon.tree import CollectingSink, Node, NodeNotUsable, RadixTree, ReceiptError
+from daemon.tree import CollectingSink, Node, NodeNotUsable, RadixTree, ReceiptError, check_tree
 
 from .helpers import (
     NS,
@@ -206,6 +206,9 @@ def test_eviction_names_a_victim_without_a_host_copy_and_stops(P):
     assert [n.tokens for n in tree.awaiting_copy] == [s]
     n = tree.awaiting_copy[0]
     assert n.full is not None and tree.nodes[n.id] is n
+    assert any("half-done" in x for x in check_tree(tree))  # the caller must commit
+    tree.commit_evictions()
+    ok(tree)
 
 
 @pytest.mark.parametrize("P", [1, 4])
