@@ -1,5 +1,5 @@
-"""The radix tree over full and SWA pages: pure (no torch, no I/O, no asyncio, no callbacks out of
-an operation).
+"""The radix tree over full and SWA pages: pure (no torch, no I/O, no asyncio; an operation calls
+out only to the sinks that take back the pages it frees).
 
 Other packages use only what this module exports and the public attributes and methods of
 :class:`RadixTree` and :class:`Node`."""

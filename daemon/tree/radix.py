@@ -1,7 +1,7 @@
 """The unified radix tree over full-attention and sliding-window (SWA) pages.
 
 Pure data structure: page ids and token bytes in, page ids out; pages the tree lets go of are
-handed to a :class:`PageSink` (the allocator). No torch, no I/O, no asyncio, and no callbacks
+handed to a :class:`PageSink` (the allocator). No torch, no I/O, no asyncio, and no other calls
 out of an operation: where the memory tiers must copy a node before it loses its device pages,
 the tree stops and names it (see :mod:`daemon.tree.eviction`).
 

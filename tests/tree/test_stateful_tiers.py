@@ -196,7 +196,7 @@ class TierMachine(RuleBasedStateMachine):
         self.issued = dict.fromkeys(KINDS, 0)
         self._ids = 0
 
-    # ------------------------------------------------------------------ pools and hooks
+    # ------------------------------------------------------------------ pools and tier copies
 
     def new_id(self) -> int:
         self._ids += 1
@@ -361,8 +361,9 @@ class TierMachine(RuleBasedStateMachine):
         return best * self.P, full, swa, len(dev) * self.P, host * self.P
 
     def cleanup(self) -> None:
-        """What an unlock or unpin does: host copies the demote hook made land in the model, then
-        unlocked, unpinned tombstone device leaves go (demoted when they have a host copy)."""
+        """What an unlock or unpin does: host copies made in phase 2 (_demote) land in the
+        model, then unlocked, unpinned tombstone device leaves go (demoted when they have a host
+        copy)."""
         for (ns, k), (h, s) in self.demoted.items():
             e = self.model[ns][k]
             assert e[H] is None
