@@ -10,22 +10,24 @@ conservation (free + tree + held = capacity, no page in two places) on demand.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from .gpu.allocator import AllocatorError, OutOfPages, PairedAllocator
 from .tree import (
+    DEFAULT_POLICY,
     BadArgument,
     EvictResult,
     InsertResult,
     MatchResult,
+    Node,
+    Pin,
     RadixTree,
     Receipt,
     ReceiptError,
+    audit_tree,
 )
-from .tree.invariants import audit_tree
-from .tree.policy import DEFAULT_POLICY
 
 if TYPE_CHECKING:
     from .gpu.pools import KVPools
@@ -53,7 +55,7 @@ class Watch:
 
     __slots__ = ("full", "swa", "tainted_full", "tainted_swa")
 
-    def __init__(self, full: Iterable[int], swa: Iterable[int]):
+    def __init__(self, full: Iterable[int], swa: Iterable[int]) -> None:
         self.full = set(full)
         self.swa = set(swa)
         self.tainted_full: set[int] = set()
@@ -63,7 +65,7 @@ class Watch:
 class TreeSink:
     """The tree's page sink: the allocators, plus the watches of copies in flight."""
 
-    def __init__(self, alloc: PairedAllocator):
+    def __init__(self, alloc: PairedAllocator) -> None:
         self.alloc = alloc
         self.watches: list[Watch] = []
 
@@ -92,7 +94,7 @@ class ModelCache:
 
     def __init__(
         self, profile: ModelProfile, *, pools: KVPools | None = None, policy: str = DEFAULT_POLICY
-    ):
+    ) -> None:
         self.profile = profile
         self.pools = pools
         self.alloc_state = PairedAllocator(profile.full_pages, profile.swa_pages or 0)
@@ -106,6 +108,11 @@ class ModelCache:
         )
         self.swa_enabled = self.tree.swa_enabled
         self.host: HostTier | None = None  # set by the tier manager when L2 is on
+        # The tier layer's half of a two-phase eviction (daemon.tree.eviction), called by this
+        # cache between tree operations, never from inside one: copy a node the tree named to
+        # host (or decline), and read host pages the tree dropped before their slots are reused.
+        self.copy_to_host: Callable[[Node], None] | None = None
+        self.read_host_drops: Callable[[list[Node]], None] | None = None
         self.holdings: dict[Owner, Holding] = {}
         self._full_owner: dict[int, Owner] = {}
         self._swa_owner: dict[int, Owner] = {}
@@ -189,6 +196,7 @@ class ModelCache:
         r = self._receipt(owner, rid)
         self.tree.unlock(r)
         self._drop_receipt(owner, rid)
+        self.settle()
 
     def release_swa(self, owner: Owner, rid: int) -> None:
         self.tree.release_swa(self._receipt(owner, rid))
@@ -205,7 +213,7 @@ class ModelCache:
             self.counters["alloc_failures"] += 1
             raise self.oom_error(n)
         if need_full or need_swa:
-            ev = self.tree.evict(need_full, need_swa, reason="alloc")
+            ev = self._evict(need_full, need_swa, "alloc")
             self.counters["evicted_for_alloc_full"] += ev.full_pages
             self.counters["evicted_for_alloc_swa"] += ev.swa_pages
         try:
@@ -229,7 +237,7 @@ class ModelCache:
         if need_full > self.tree.full_evictable or need_swa > self.tree.swa_evictable:
             raise self.oom_error(max(n_full, n_swa))
         if need_full or need_swa:
-            ev = self.tree.evict(need_full, need_swa, reason="load")
+            ev = self._evict(need_full, need_swa, "load")
             self.counters["evicted_for_alloc_full"] += ev.full_pages
             self.counters["evicted_for_alloc_swa"] += ev.swa_pages
         if n_full > a.full.available or (n_swa and n_swa > a.swa.available):  # type: ignore
@@ -310,6 +318,7 @@ class ModelCache:
         k = res.inserted_len // self.profile.page_size - prev_prefix_len // self.profile.page_size
         self._release_pages(owner, full[:k], swa[:k])
         rid = self._register(owner, res.receipt) if res.receipt is not None else None
+        self.settle()
         return res, rid
 
     def cache_finished(
@@ -324,6 +333,7 @@ class ModelCache:
         self._release_pages(owner, full, swa)
         if rid is not None:
             self._drop_receipt(owner, rid)
+        self.settle()
         return res
 
     def cache_unfinished(
@@ -339,6 +349,7 @@ class ModelCache:
         self._release_pages(owner, full[:k], swa[:k])
         if rid is not None:
             self._drop_receipt(owner, rid)
+        self.settle()
         return res, self._register(owner, res.receipt)
 
     def evict(self, full_pages: int = 0, swa_pages: int = 0, namespace: str | None = None,
@@ -347,7 +358,54 @@ class ModelCache:
         for name, v in (("full_pages", full_pages), ("swa_pages", swa_pages)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise BadArgument(f"{name} must be a non-negative int, got {v!r}")
-        return self.tree.evict(full_pages, swa_pages, reason=reason, namespace=namespace)
+        return self._evict(full_pages, swa_pages, reason, namespace)
+
+    def evict_host(self, slots: int, namespace: str | None = None, swa_slots: int = 0
+                   ) -> EvictResult:
+        """Drop host-only pages (coldest first); under L3 write-back the tiers read them first."""
+        res = self.tree.evict_host(slots, namespace=namespace, swa_slots=swa_slots)
+        self.flush_host_drops()
+        return res
+
+    def unpin(self, pin: Pin) -> None:
+        """End a tier copy's pin; the cleanup it starts may demote nodes (two-phase)."""
+        self.tree.unpin(pin)
+        self.settle()
+
+    def _evict(self, full: int, swa: int, reason: str, namespace: str | None = None
+               ) -> EvictResult:
+        """An eviction run to the end: each time the tree stops at nodes the tiers want on
+        host, they are copied and committed, and the eviction resumes for what is missing."""
+        tree = self.tree
+        res = tree.evict(full, swa, reason=reason, namespace=namespace)
+        while tree.awaiting_copy:
+            res.add(self.settle(reason))
+            res.add(tree.evict(max(0, full - res.full_pages), max(0, swa - res.swa_pages),
+                               reason=reason, namespace=namespace))
+        return res
+
+    def settle(self, reason: str | None = None) -> EvictResult:
+        """Phases 2 and 3 of an eviction (phase 1 is the tree naming nodes in
+        ``awaiting_copy``): the tiers copy them, the tree commits them, repeated while the
+        cleanups the commits go on with name more. Also hands dropped host pages to the tiers
+        while their bytes are still intact."""
+        tree = self.tree
+        res = EvictResult()
+        while tree.awaiting_copy:
+            if self.copy_to_host is not None:
+                for n in list(tree.awaiting_copy):
+                    self.copy_to_host(n)
+            res.add(tree.commit_evictions(reason))
+        self.flush_host_drops()
+        return res
+
+    def flush_host_drops(self) -> None:
+        """Hand host pages the tree dropped to the tiers to read, then free their slots. Safe
+        inside a phase-2 copy: it touches no device node."""
+        if self.tree.host_drops:
+            if self.read_host_drops is not None:
+                self.read_host_drops(list(self.tree.host_drops))
+            self.tree.release_host_drops()
 
     def release_owner(self, owner: Owner) -> tuple[int, int, int]:
         """Everything an owner holds goes back: its locks and its pages. Returns the counts."""
@@ -357,6 +415,7 @@ class ModelCache:
         for rid in sorted(h.receipts):
             _, r = self._receipts.pop(rid)
             self.tree.unlock(r)
+            self.settle()
         for p in h.full:
             del self._full_owner[p]
         for p in h.swa:
@@ -367,10 +426,21 @@ class ModelCache:
             self.alloc_state.free_swa(array("i", h.swa))
         return (len(h.receipts), len(h.full), len(h.swa))
 
+    @property
+    def held_full_pages(self) -> int:
+        """Full pages sessions hold (allocated, not yet given to the tree or freed)."""
+        return len(self._full_owner)
+
+    @property
+    def held_swa_pages(self) -> int:
+        """SWA pages sessions hold (allocated, not yet given to the tree or freed)."""
+        return len(self._swa_owner)
+
     # ------------------------------------------------------------------ checking
 
     def check(self, *, deep: bool = True) -> list[str]:
         """Tree invariants plus page conservation per pool; empty when healthy."""
+        self.flush_host_drops()  # their slots are held for the tiers, out of the tree already
         audit = audit_tree(self.tree, deep=deep)
         v = audit.violations
         a = self.alloc_state

@@ -18,10 +18,7 @@ from dataclasses import dataclass, field
 
 from .gpu.allocator import OutOfPages
 from .model_cache import ModelCache, Watch
-from .tree.hashing import HASH_BYTES, chain_hashes
-from .tree.node import Node, Pin
-from .tree.radix import Namespace
-from .tree.tiering import LoadPlan, adopt_host, commit_load, host_prefix, plan_load
+from .tree import HASH_BYTES, LoadPlan, Namespace, Node, Pin, chain_hashes
 
 _load_ids = itertools.count(1)
 
@@ -62,25 +59,25 @@ def reserve_host(mc: ModelCache, ns: Namespace, kind: str, hashes: list[bytes],
     host quota (its own cold host pages go first), then within the pool (the coldest host-only
     pages go). None when they cannot be had: the copy is skipped, never forced."""
     host = mc.host
-    tree = mc.tree
     want = len(hashes)
     if host is None or not want or (kind == "swa" and host.swa is None):
         return None
+    mc.flush_host_drops()  # dropped by a caller outside the tiers: their slots are held
     pool = host.pool(kind)
     if any(pool.lookup(h) is not None for h in hashes):
         return None  # a copy of one of them is in flight (or read by L3): evict nothing for it
     if kind == "full" and quota:
         over = ns.host_pages + want - quota
         if over > 0:
-            tree.evict_host(over, namespace=ns.name)
+            mc.evict_host(over, namespace=ns.name)
             if ns.host_pages + want > quota:
                 return None
     short = want - host.available(kind)
     if short > 0:
         if kind == "full":
-            tree.evict_host(short)
+            mc.evict_host(short)
         else:
-            tree.evict_host(0, swa_slots=short)
+            mc.evict_host(0, swa_slots=short)
     try:
         return host.take(kind, hashes)
     except (OutOfPages, ValueError):
@@ -197,8 +194,7 @@ def finish_backup(mc: ModelCache, job: BackupJob, ok: bool) -> list[tuple[Node, 
                     and n.parent.host is not None and tree.nodes.get(n.id) is n):
                 host.filled("full", fs)
                 host.filled("swa", (s for s in ss if s))
-                tree._give_host(n, fs, ss if any(ss) else None)
-                tree._requeue(n)
+                tree.set_host(n.id, fs, ss if any(ss) else None)
                 done.append((n, fs, ss))
             else:
                 host.drop("full", fs)
@@ -230,7 +226,7 @@ def begin_load(mc: ModelCache, namespace: str, tokens: bytes, device_len: int,
     """Pin the path and take device pages for what host holds past ``device_len`` tokens; None
     when there is nothing to load. ``admit(full, swa)`` may refuse the pages (a tenant quota)
     by raising. Raises OutOfPages (with nothing changed) when the pools cannot make room."""
-    plan = plan_load(mc.tree, namespace, tokens, device_len)
+    plan = mc.tree.plan_load(namespace, tokens, device_len)
     if plan is None:
         return None
     pin = mc.tree.pin(plan.anchor)
@@ -240,7 +236,7 @@ def begin_load(mc: ModelCache, namespace: str, tokens: bytes, device_len: int,
             admit(len(plan.full), len(plan.swa))
         full, swa = mc.alloc_unpaired(owner, len(plan.full), len(plan.swa))
     except BaseException:
-        mc.tree.unpin(pin)
+        mc.unpin(pin)
         raise
     return LoadJob(plan, pin, owner, full, swa)
 
@@ -252,13 +248,13 @@ def finish_load(mc: ModelCache, namespace: str, tokens: bytes, job: LoadJob, ok:
     fd = {i: p for (i, _), p in zip(job.plan.full, job.full_pages, strict=True)}
     sd = {i: p for (i, _), p in zip(job.plan.swa, job.swa_pages, strict=True)}
     try:
-        loaded = commit_load(mc.tree, namespace, tokens, job.plan, fd, sd) if ok else 0
+        loaded = mc.tree.commit_load(namespace, tokens, job.plan, fd, sd) if ok else 0
     finally:
         if fd:
             mc.alloc_state.free_full(array("i", fd.values()))
         if sd:
             mc.alloc_state.free_swa(array("i", sd.values()))
-        mc.tree.unpin(job.pin)
+        mc.unpin(job.pin)
     return loaded
 
 
@@ -277,7 +273,7 @@ class FetchJob:
 
 def begin_fetch(mc: ModelCache, namespace: str, tokens: bytes) -> FetchJob:
     tree = mc.tree
-    start, last = host_prefix(tree, namespace, tokens)
+    start, last = tree.host_prefix(namespace, tokens)
     pb = tree.page_bytes
     n = len(tokens) // pb
     seed = tree.namespace(namespace).seed
@@ -297,12 +293,12 @@ def finish_fetch(mc: ModelCache, namespace: str, tokens: bytes, job: FetchJob, e
     got = 0
     try:
         if end > job.start:
-            got, _ = adopt_host(mc.tree, namespace, tokens, job.start, end, fs, ss)
+            got, _ = mc.tree.adopt_host(namespace, tokens, job.start, end, fs, ss)
     finally:
         host.drop("full", fs.values())
         host.drop("swa", ss.values())
         host.filled("full", (s for i, s in job.full_slots.items() if i not in fs))
         host.filled("swa", (s for i, s in job.swa_slots.items() if i not in ss))
         if job.pin is not None:
-            mc.tree.unpin(job.pin)
+            mc.unpin(job.pin)
     return got

@@ -11,8 +11,11 @@ Write policies (``[[models]] write_policy``):
 * ``write_through``: every node handed to the tree is copied to host in the background;
 * ``write_through_selective``: a node is copied once a match or insert has used it
   ``write_through_threshold`` times;
-* ``write_back``: a node is copied when eviction takes its device copy, synchronously inside the
-  eviction (the only way to demote instead of delete without holding device pages longer).
+* ``write_back``: a node is copied when eviction takes its device copy (the only way to demote
+  instead of delete without holding device pages longer). Eviction is two-phase
+  (:mod:`daemon.tree.eviction`): the tree names the node and stops, this layer copies it (on the
+  caller's thread: an ``alloc`` cannot wait for the loop), the tree commits. The tree never calls
+  back into this layer.
 
 L3 (``[l3] write_policy``): pages reach Redis when they reach host (``write_through``) or when the
 host tier drops them (``write_back``). Everything that touches Redis is fail-soft: a miss, never an
@@ -53,7 +56,7 @@ from .tier_jobs import (
     plan_backup,
     reserve_host,
 )
-from .tree.node import Node
+from .tree import Node
 
 log = logging.getLogger("radixd.tiers")
 
@@ -66,6 +69,9 @@ BACKUP_BATCH_NODES = 64
 #: Most nodes waiting for a host copy: past it the oldest requests are dropped (counted as
 #: skipped); a backlog that long means the copies cannot keep up and older ones matter least.
 MAX_BACKUP_BACKLOG = 65536
+#: How often the L3 writer looks for host pages the tree dropped without the tiers being told
+#: (an evict of host pages from outside the tiers); every reuse of a host slot looks first anyway.
+HOST_DROPS_POLL_S = 0.05
 #: Most pages waiting for Redis. Each holds its host slot, so a slow Redis must not pin the
 #: whole host pool: past it the oldest writes are dropped (counted as L3 write failures).
 MAX_L3_QUEUE = 16384
@@ -74,7 +80,7 @@ MAX_L3_QUEUE = 16384
 async def _copy(copy: CopyInFlight) -> None:
     """Await a copy so that a cancellation cannot abandon it halfway: the pages it writes must
     not be reused (or the pools closed) while a thread or a stream still writes them."""
-    fut = asyncio.ensure_future(copy._done())
+    fut = asyncio.ensure_future(copy.done())
     try:
         await asyncio.shield(fut)
     except asyncio.CancelledError:
@@ -101,7 +107,7 @@ class TierManager:
     """L2 (and L3 when configured) of one model."""
 
     def __init__(self, cache: ModelCache, pools: Any, mc: ModelConfig, l3: RedisTier | None,
-                 l3cfg: L3Config, host_quotas: dict[str, int], l3_quotas: dict[str, int]):
+                 l3cfg: L3Config, host_quotas: dict[str, int], l3_quotas: dict[str, int]) -> None:
         self.cache = cache
         self.pools = pools
         self.profile = cache.profile
@@ -123,9 +129,13 @@ class TierManager:
         # L3 byte quota: per namespace, the pages this daemon wrote (oldest first) and their sum
         self._ledger: dict[str, OrderedDict[bytes, int]] = {}
         self._ledger_total: dict[str, int] = {}
-        cache.tree.demote = self._demote
+        # phase 1 of two-phase eviction: which nodes the tree names for a copy before they go
+        cache.tree.host_copy_hits = self.threshold if \
+            self.write_policy == "write_through_selective" else 0
+        cache.copy_to_host = self._demote
         if l3 is not None and l3cfg.write_policy == "write_back":
-            cache.tree.host_dropped = self._host_dropped
+            cache.tree.report_host_drops = True
+            cache.read_host_drops = self._host_dropped
         self._backlog: list[Node] = []
         # (pool kind, namespace, held host slot or 0, L3 page id, tokens, encoded value or None)
         self._l3_queue: list[L3Write] = []
@@ -162,6 +172,7 @@ class TierManager:
         if self.l3 is not None and self.l3cfg.write_policy == "write_back":
             owed = (n for n in list(self.cache.tree.iter_nodes())
                     if n.parent is not None and n.host is not None)
+        self.cache.flush_host_drops()
         pending = True
         while (pending or self._backlog or self._l3_queue or self._inflight) and \
                 time.monotonic() < deadline:
@@ -281,15 +292,14 @@ class TierManager:
         self._finish_backup(job, ok)
 
     def _demote(self, node: Node) -> None:
-        """A node losing its device copy without a host copy: copy it (and the ancestors it
-        needs) to host synchronously, so the eviction demotes it instead of deleting it.
+        """Phase 2 of an eviction: the tree named a node that is losing its device copy without
+        a host copy; copy it (and the ancestors it needs) to host now, so the commit demotes it
+        instead of deleting it.
 
-        Always under write_back; under the write-through policies only for a node the policy
-        says belongs on host whose background copy has not happened yet (eviction overtook the
-        copier). A node whose background copy is running is not copied twice: its host slots
-        are already taken, so it is deleted and that copy is dropped."""
-        if self.write_policy == "write_through_selective" and node.hits < self.threshold:
-            return
+        Always under write_back; under the write-through policies the tree names only nodes the
+        policy says belong on host (``host_copy_hits``) whose background copy has not happened
+        yet (eviction overtook the copier). A node the running background copy is copying is
+        waited for rather than copied twice."""
         self._finish_running(node)
         if node.host is not None:
             return
@@ -389,17 +399,23 @@ class TierManager:
         if self._wake_l3 is not None:
             self._wake_l3.set()
 
-    def _host_dropped(self, node: Node) -> None:
-        """L3 write_back: a host-only page leaves host; send it to Redis first."""
-        swa = node.host_swa if node.host_swa is not None else array("i", bytes(4 * len(node.host)))
-        self._queue_l3(node, node.host, swa, snapshot=True)  # type: ignore[arg-type]
+    def _host_dropped(self, nodes: list[Node]) -> None:
+        """L3 write_back: host-only pages left host (their slots are free, not yet reused); send
+        them to Redis first."""
+        for node in nodes:
+            swa = node.host_swa if node.host_swa is not None else \
+                array("i", bytes(4 * len(node.host)))  # type: ignore[arg-type]
+            self._queue_l3(node, node.host, swa, snapshot=True)  # type: ignore[arg-type]
 
     async def _l3_writer(self) -> None:
         assert self._wake_l3 is not None and self.l3 is not None
         loop = asyncio.get_running_loop()
         while True:
-            await self._wake_l3.wait()
+            # host pages dropped outside the tiers (an admin evict) are noticed here too
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake_l3.wait(), HOST_DROPS_POLL_S)
             self._wake_l3.clear()
+            self.cache.flush_host_drops()
             while self._l3_queue:
                 batch = self._l3_queue[:L3_WRITE_BATCH]
                 del self._l3_queue[:L3_WRITE_BATCH]

@@ -10,7 +10,7 @@ import pytest
 from daemon.gpu.allocator import OutOfPages
 from daemon.gpu.profile import ModelProfile
 from daemon.model_cache import ModelCache, PageNotHeld
-from daemon.tree import ReceiptError, as_token_bytes
+from daemon.tree import ReceiptError, as_token_bytes, check_tree
 
 P = 4
 NS = "ns"
@@ -254,3 +254,131 @@ def test_model_without_swa():
     assert cache.match(2, NS, tokens)[0].prefix_len == 3 * P
     cache.evict(100, 100)
     assert cache.check() == [] and all_free(cache)
+
+
+# ---------------------------------------------------------------------- found while testing
+# Bugs found while writing the rule and regression tests (each test failed on the code it was
+# written against, commit dcf9c7f; fixed in d71648b):
+# 1. ``ModelCache._release_pages`` read ``self.holdings[owner]``, raising KeyError for an owner
+#    that never allocated or locked anything, after the tree call: an insert / cache_unfinished
+#    that locked in the tree lost that receipt (the SGLang lost-receipt class).
+# 2. ``ModelCache.alloc`` evicted before finding out that the allocation could not succeed, so a
+#    request that failed anyway flushed every other session's cached (unlocked) pages.
+# (3., a tree bug, is tested in tests/tree/test_insertion.py.)
+
+
+def cached(cache: ModelCache, labels: list[int]) -> None:
+    f, w = cache.alloc(1, len(labels))
+    cache.insert(1, NS, seq(labels), f, w)
+
+
+def test_locking_insert_by_an_owner_holding_nothing_keeps_its_receipt():
+    """daemon/model_cache.py ModelCache.insert -> _release_pages (``h = self.holdings[owner]``).
+
+    Owner 2 has only matched (no lock, no alloc), so it has no Holding. Its request is exactly
+    the cached prefix, so it inserts no new pages: ``insert(..., prev_prefix_len=len, lock=True)``.
+    Expected: a receipt id comes back and the cache is consistent. Actual: KeyError(2) after the
+    tree took the lock; the receipt is registered nowhere and can never be released.
+    """
+    cache = make_cache()
+    cached(cache, [1, 2])
+    s = seq([1, 2])
+    m, rid = cache.match(2, NS, s)  # no lock: no Holding for owner 2
+    assert m.prefix_len == 2 * P and rid is None
+    res, rid = cache.insert(2, NS, s, array("i"), array("i"), 2 * P, 0, lock=True)
+    assert rid is not None and res.inserted_len == 2 * P
+    assert cache.check() == []
+    cache.unlock(2, rid)
+    assert cache.tree.full_protected == 0 and cache.check() == []
+
+
+def test_cache_unfinished_by_an_owner_holding_nothing_keeps_its_receipt():
+    """Same line, through cache_unfinished (which always locks): a chunk that ends exactly on the
+    cached prefix, from an owner that never locked. Actual: KeyError and a lost tree lock."""
+    cache = make_cache()
+    cached(cache, [1, 2])
+    s = seq([1, 2])
+    res, rid = cache.cache_unfinished(3, NS, s, array("i"), array("i"), 2 * P, 0, None)
+    assert res.inserted_len == 2 * P and cache.check() == []
+    cache.unlock(3, rid)
+    assert cache.tree.full_protected == 0 and cache.check() == []
+
+
+def test_empty_key_insert_by_an_owner_holding_nothing_is_a_no_op():
+    """Same line: a key shorter than one page (empty after page alignment, PR #10637 class) from
+    a fresh owner. Expected: nothing inserted, no error. Actual: KeyError."""
+    cache = make_cache()
+    short = seq([1])[: 4 * (P - 1)]
+    res, rid = cache.insert(4, NS, short, array("i"), array("i"))
+    assert res.inserted_len == 0 and rid is None and cache.check() == []
+    # and a finished request that is exactly a cached prefix (no pages left to hand back)
+    cached(cache, [1, 2])
+    res = cache.cache_finished(6, NS, seq([1, 2]), array("i"), array("i"), 2 * P, 0, None)
+    assert res.inserted_len == 2 * P and cache.check() == []
+
+
+def test_free_of_nothing_by_an_owner_holding_nothing_is_a_no_op():
+    """Same line via ModelCache.free: freeing an empty list from an owner without a Holding
+    raises KeyError (expected: nothing to do)."""
+    cache = make_cache()
+    cache.free(5, [], [])
+    assert cache.check() == []
+
+
+# ---------------------------------------------------------------------- bug 2
+
+
+def test_alloc_that_cannot_succeed_does_not_flush_the_cache():
+    """daemon/model_cache.py ModelCache.alloc: ``self.tree.evict(need_full, need_swa)`` runs
+    before ``a.alloc(n)`` without checking that available + evictable can cover ``n``.
+
+    Owner 1 caches 6 unlocked pages in a pool of 8 usable pages. Owner 2 asks for 20 pages, which
+    can never be satisfied. Expected: OutOfPages, the cache untouched (and the error reports the
+    6 evictable pages). Actual: all 6 cached pages are evicted first, then OutOfPages reports
+    ``0 evictable``: any session can wipe every other session's cache with one oversized alloc.
+    """
+    cache = make_cache(full=9, swa=9)
+    cached(cache, [1, 2, 3, 4, 5, 6])
+    with pytest.raises(OutOfPages) as ei:
+        cache.alloc(2, 20)
+    assert cache.tree.device_pages() == (6, 6)
+    assert ei.value.counts["full_evictable"] == 6
+    assert cache.match(3, NS, seq([1, 2, 3, 4, 5, 6]))[0].prefix_len == 6 * P
+
+
+# ---------------------------------------------------------------------- bug 3
+
+
+# ---------------------------------------------------------------------- two-phase eviction
+
+
+def test_alloc_offers_victims_to_the_tiers_between_tree_operations():
+    """An alloc that evicts hands each node the tree names to ``copy_to_host`` with the node
+    untouched, then commits: a copied node is demoted, and the alloc gets its pages."""
+    cache = make_cache(full=9, swa=9)
+    cached(cache, [1, 2, 3, 4])
+    tree = cache.tree
+    tree.host_copy_hits = 0
+    seen = []
+
+    def copy(n) -> None:
+        assert n in tree.awaiting_copy and n.full is not None
+        seen.append(n)
+        tree.set_host(n.id, array("i", range(100 + 10 * n.id, 100 + 10 * n.id + tree.npages(n))))
+
+    cache.copy_to_host = copy
+    full, _ = cache.alloc(2, 8)
+    assert len(full) == 8 and seen and not tree.awaiting_copy
+    assert all(n.full is None and n.host is not None for n in seen)
+    assert tree.host_pages == 4
+    assert cache.match(3, NS, seq([1, 2, 3, 4]))[0].full_hit_len == 0
+    assert check_tree(tree) == []  # (cache.check would ask for the host tier these slots lack)
+
+
+def test_held_pages_count_what_sessions_hold():
+    cache = make_cache()
+    cache.alloc(1, 3)
+    cache.alloc(2, 2)
+    assert (cache.held_full_pages, cache.held_swa_pages) == (5, 5)
+    cache.release_owner(1)
+    assert (cache.held_full_pages, cache.held_swa_pages) == (2, 2)

@@ -22,7 +22,7 @@ class OutOfPages(Exception):
 
     code = "out_of_memory"
 
-    def __init__(self, message: str, **counts: int):
+    def __init__(self, message: str, **counts: int) -> None:
         super().__init__(message)
         self.counts = counts
 
@@ -34,7 +34,7 @@ _USED = 1
 class PageAllocator:
     """Hands out page ids 1..capacity-1 of one pool."""
 
-    def __init__(self, capacity: int, name: str = "pool"):
+    def __init__(self, capacity: int, name: str = "pool") -> None:
         if capacity < 1:
             raise ValueError(f"{name}: capacity must be >= 1 page (page 0 is reserved), "
                              f"got {capacity}")
@@ -116,7 +116,7 @@ class PairedAllocator:
     It is also the tree's page sink, so everything the tree lets go of returns here.
     """
 
-    def __init__(self, full_capacity: int, swa_capacity: int):
+    def __init__(self, full_capacity: int, swa_capacity: int) -> None:
         self.full = PageAllocator(full_capacity, "full pool")
         self.swa = PageAllocator(swa_capacity, "swa pool") if swa_capacity else None
 

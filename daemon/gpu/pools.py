@@ -4,12 +4,13 @@ Each pool (full attention, and sliding-window attention when the model has SWA l
 tensor shaped ``[layers, 2, pages, page_size, kv_heads, head_dim]``. ``buf[layer, 0]`` (K) and
 ``buf[layer, 1]`` (V) are then contiguous page-major views ``[pages, page_size, kv_heads,
 head_dim]``: exactly what paged-attention kernels index with a page id, with no per-layer
-allocation and no re-layout (DESIGN.md section 6, L1).
+allocation and no re-layout (docs/design.md, the L1 tier).
 
-On CPU the allocation lives in a sealed memfd so an engine process can map the very same memory:
-the daemon sends the fd (SCM_RIGHTS, a later issue) together with :meth:`Pool.describe`, and the
-engine calls :func:`map_pool_fd`. On CUDA the pool is a plain ``torch.empty`` on the device; its
-export (CUDA IPC handles) is a later issue, so ``fd`` is None there.
+Engines attach to the very same memory, never a copy. On CPU the allocation lives in a sealed
+memfd (:mod:`daemon.gpu.shared_memory`): the daemon's ``attach`` answer passes the fd
+(SCM_RIGHTS) with :meth:`Pool.describe`, and the engine calls :func:`map_pool_fd`. On CUDA the
+pool is a plain ``torch.empty`` on the device (``fd`` is None): ``attach`` passes a CUDA IPC
+handle of it instead (``radixd_client.pools.export_cuda_ipc_handle``).
 
 Page 0 of every pool is the padding page: engines point unused slots at it, it is never handed
 out, and it is zeroed at creation so that reading it is harmless.
@@ -17,7 +18,6 @@ out, and it is zeroed at creation so that reading it is harmless.
 
 from __future__ import annotations
 
-import fcntl
 import math
 import mmap
 import os
@@ -31,10 +31,11 @@ from radixd_client.pools import (
     POOL_LAYOUT,
     PoolError,
     map_pool_fd,
+    tensor_over,
 )
-from radixd_client.pools import tensor_over as _tensor_over
 
 from daemon.gpu.profile import DTYPE_ITEMSIZE, ModelProfile, torch_dtype
+from daemon.gpu.shared_memory import available_host_bytes, create_memfd
 
 __all__ = ["POOL_LAYOUT", "KVPools", "Pool", "PoolError", "map_pool_fd"]
 
@@ -42,67 +43,6 @@ __all__ = ["POOL_LAYOUT", "KVPools", "Pool", "PoolError", "map_pool_fd"]
 # PoolError and map_pool_fd come from the client library: the engine maps what the daemon
 # describes, so both sides share one definition.
 _POOL_KINDS = ("full", "swa")
-_MEMFD_NAME_MAX = 249  # bytes, excluding the NUL (memfd_create(2))
-
-
-# -- host shared memory -----------------------------------------------------------------------
-
-
-def _available_host_bytes() -> int | None:
-    """Memory this process can still fill: MemAvailable, capped by a cgroup v2 limit if any."""
-    available: int | None = None
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    available = int(line.split()[1]) * 1024
-                    break
-    except OSError:
-        pass
-    try:
-        with open("/sys/fs/cgroup/memory.max", encoding="ascii") as f:
-            limit = f.read().strip()
-        if limit != "max":
-            with open("/sys/fs/cgroup/memory.current", encoding="ascii") as f:
-                current = int(f.read().strip())
-            room = max(0, int(limit) - current)
-            available = room if available is None else min(available, room)
-    except (OSError, ValueError):
-        pass
-    return available
-
-
-def _create_memfd(name: str, nbytes: int) -> tuple[int, mmap.mmap]:
-    """Create a sealed, fully backed memfd of ``nbytes`` and map it shared, read-write.
-
-    ``posix_fallocate`` backs every page now, so running out of memory is an error here rather
-    than a SIGBUS in the middle of a kernel later. The size is then sealed (no shrink, no grow):
-    an engine holding the fd must not be able to truncate it under the daemon's mapping, which
-    would crash the daemon with SIGBUS on its next access.
-    """
-    if not hasattr(os, "memfd_create"):
-        raise PoolError("CPU pools need memfd_create (Linux); this platform does not have it")
-    encoded = name.encode("utf-8")[:_MEMFD_NAME_MAX]
-    fd = os.memfd_create(
-        encoded.decode("utf-8", "ignore"), os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING
-    )
-    try:
-        os.ftruncate(fd, nbytes)
-        try:
-            os.posix_fallocate(fd, 0, nbytes)
-        except OSError as exc:
-            raise PoolError(
-                f"{name}: cannot back {nbytes} bytes of shared memory ({exc.strerror})"
-            ) from exc
-        fcntl.fcntl(
-            fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
-        )
-        mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED,
-                            prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd, mapping
 
 
 # -- pools ------------------------------------------------------------------------------------
@@ -136,11 +76,11 @@ class Pool:
         self._finalizer: weakref.finalize | None = None
         label = f"{profile.name} {kind} pool"
         if device.type == "cpu":
-            fd, mapping = _create_memfd(f"radixd-{profile.name}-{kind}", self.nbytes)
+            fd, mapping = create_memfd(f"radixd-{profile.name}-{kind}", self.nbytes)
             # An unclosed pool must not leak its fd for the daemon's lifetime.
             self._finalizer = weakref.finalize(self, os.close, fd)
             self.fd, self._mapping = fd, mapping
-            buffer = _tensor_over(mapping, self.dtype, self.shape)
+            buffer = tensor_over(mapping, self.dtype, self.shape)
         elif device.type == "cuda":
             try:
                 buffer = torch.empty(self.shape, dtype=self.dtype, device=device)
@@ -265,7 +205,7 @@ class KVPools:
                if p.has_swa else "")
         )
         if self.device.type == "cpu":
-            available = _available_host_bytes()
+            available = available_host_bytes()
             where = "host memory"
         else:
             available, _total = torch.cuda.mem_get_info(self.device)

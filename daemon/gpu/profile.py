@@ -47,7 +47,7 @@ DTYPE_ITEMSIZE: dict[str, int] = {
     "float8_e5m2": 1,
 }
 
-#: Bytes per token id in a page's token array (tokens are int32, DESIGN.md section 2).
+#: Bytes per token id in a page's token array (tokens are int32, docs/design.md).
 TOKEN_BYTES = 4
 
 _DEVICE_RE = re.compile(r"^(cpu|auto|cuda|cuda:(0|[1-9][0-9]*))$")

@@ -1,5 +1,7 @@
-"""Everything below the device: the host pool (L2), the page codec and the Redis tier (L3).
+"""Everything below the device: the host pool (L2), the copies between device and host, the
+page codec and the Redis tier (L3).
 
-Built and tested on their own so far (host_pool, copies, codec, redis_tier); the tree, the service
-and the `load`/`prefetch` operations do not use them yet.
+:mod:`daemon.tiers` composes them with a model's cache at run time (backups, ``load``,
+``prefetch``, L3 writes); these modules know nothing of the tree, so that each can be tested on
+its own.
 """

@@ -40,7 +40,7 @@ import sys
 import time
 import zlib
 from array import array
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 MAGIC = b"RXP1"
@@ -205,7 +205,7 @@ def bench(payload_bytes: int = 1 << 20, seconds: float = 0.5) -> dict[str, float
     fp = bytes(range(32, 64))
     tokens = list(range(64))
 
-    def rate(fn) -> float:
+    def rate(fn: Callable[[], object]) -> float:
         fn()
         n = 0
         t0 = time.perf_counter()

@@ -191,15 +191,17 @@ def host_to_device(host: HostPool, slots: Any, pool: Pool, page_ids: Any) -> Non
 
 _executor: ThreadPoolExecutor | None = None
 _scatter: ThreadPoolExecutor | None = None
+_scatter_workers = 0  # _scatter's max_workers (ThreadPoolExecutor keeps it private)
 _SPLIT_BYTES = 16 << 20  # a scatter part of at least this many bytes goes to a helper thread
 
 
 def _scatter_executor(threads: int) -> ThreadPoolExecutor:
-    global _scatter
+    global _scatter, _scatter_workers
     with _executor_lock:
-        if _scatter is None or _scatter._max_workers < threads:
+        if _scatter is None or _scatter_workers < threads:
             _scatter = ThreadPoolExecutor(max_workers=threads,
                                           thread_name_prefix="radixd-scatter")
+            _scatter_workers = threads
         return _scatter
 
 _executor_lock = threading.Lock()
@@ -260,9 +262,11 @@ class CopyInFlight:
         return self._future.result()
 
     def __await__(self) -> Any:
-        return self._done().__await__()
+        return self.done().__await__()
 
-    async def _done(self) -> Any:
+    async def done(self) -> Any:
+        """The copy's result once it is done, without blocking the loop (a coroutine, so that
+        a caller can shield it: a cancelled wait must not abandon a copy still writing)."""
         if self._event is not None:
             delay = _POLL_FIRST_S
             while not self._event.query():

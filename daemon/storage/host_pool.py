@@ -2,9 +2,9 @@
 
 One ``HostPool`` holds the pages of one pool kind (``full`` or ``swa``) of one model layout. Its
 memory is a single tensor shaped ``[pages, layers, 2, page_size, kv_heads, head_dim]``: the
-page-first layout of DESIGN.md section 6, so one page of all layers is one contiguous block of
-``page_nbytes`` bytes that can go to Redis as one value (:meth:`HostPool.page_bytes`, zero-copy)
-and come back without re-layout (:meth:`HostPool.write_page_bytes`).
+page-first layout of docs/design.md (the L2 tier), so one page of all layers is one contiguous
+block of ``page_nbytes`` bytes that can go to Redis as one value (:meth:`HostPool.page_bytes`,
+zero-copy) and come back without re-layout (:meth:`HostPool.write_page_bytes`).
 
 Memory: pinned (page-locked) when CUDA is available, so device<->host copies are DMA transfers
 that can run asynchronously on a stream; otherwise a sealed memfd mapped shared, exactly like the
@@ -31,10 +31,11 @@ import weakref
 from typing import Any
 
 import torch
+from radixd_client.pools import PoolError, tensor_over
 
 from daemon.gpu.allocator import AllocatorError, OutOfPages, PageAllocator
-from daemon.gpu.pools import PoolError, _available_host_bytes, _create_memfd, _tensor_over
 from daemon.gpu.profile import DTYPE_ITEMSIZE, ModelProfile, torch_dtype
+from daemon.gpu.shared_memory import available_host_bytes, create_memfd
 
 __all__ = ["HASH_BYTES", "HOST_POOL_LAYOUT", "AllocatorError", "HostPool", "OutOfPages",
            "PoolError"]
@@ -106,7 +107,7 @@ class HostPool:
         self.fd: int | None = None
         self._finalizer: weakref.finalize | None = None
         label = f"{profile.name} {kind} host pool"
-        available = _available_host_bytes()
+        available = available_host_bytes()
         if available is not None and self.nbytes > available:
             raise PoolError(
                 f"{label}: {capacity_pages} pages x {self.page_nbytes} B = {self.nbytes} B but "
@@ -118,10 +119,10 @@ class HostPool:
             except RuntimeError as exc:
                 raise PoolError(f"{label}: cannot pin {self.nbytes} bytes ({exc})") from exc
         else:
-            fd, mapping = _create_memfd(f"radixd-{profile.name}-{kind}-host", self.nbytes)
+            fd, mapping = create_memfd(f"radixd-{profile.name}-{kind}-host", self.nbytes)
             self._finalizer = weakref.finalize(self, os.close, fd)
             self.fd = fd
-            buffer = _tensor_over(mapping, self.dtype, self.shape)
+            buffer = tensor_over(mapping, self.dtype, self.shape)
         self._buffer: torch.Tensor | None = buffer
         # A flat byte view of the whole pool for zero-copy page access (numpy keeps the tensor,
         # and so the memory, alive for as long as a memoryview of it exists).

@@ -92,6 +92,9 @@ def audit_tree(tree: RadixTree, *, deep: bool = True) -> TreeAudit:
     for k, i in tree.nodes.items():
         if i.id != k:
             v.append(f"node registry maps {k} to node {i.id}")
+    if tree.awaiting_copy:  # a two-phase eviction must be committed before anything else runs
+        v.append(f"eviction left half-done: nodes {[n.id for n in tree.awaiting_copy][:10]} "
+                 "await a host copy")
 
     for pool, owners in (("full", full_owner), ("swa", swa_owner), ("host", host_owner),
                          ("host swa", host_swa_owner)):

@@ -19,7 +19,7 @@ class EvictionQueue:
 
     __slots__ = ("attr", "heap", "live", "_seq")
 
-    def __init__(self, attr: str):
+    def __init__(self, attr: str) -> None:
         self.attr = attr  # the Node slot that holds this queue's live entry
         self.heap: list[list] = []
         self.live = 0

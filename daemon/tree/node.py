@@ -55,7 +55,8 @@ class Node:
         "host_entry",
     )
 
-    def __init__(self, node_id: int, parent: Node | None, ns: Any, tokens: bytes, hashes: bytes):
+    def __init__(self, node_id: int, parent: Node | None, ns: Any, tokens: bytes,
+                 hashes: bytes) -> None:
         self.id = node_id
         self.parent = parent
         self.children: dict[bytes, Node] | None = None
@@ -100,7 +101,7 @@ class Receipt:
 
     __slots__ = ("anchor", "swa_pages", "active", "swa_released", "tag")
 
-    def __init__(self, anchor: Node, swa_pages: int, tag: Any = None):
+    def __init__(self, anchor: Node, swa_pages: int, tag: Any = None) -> None:
         self.anchor = anchor
         self.swa_pages = swa_pages
         self.active = True
@@ -119,7 +120,7 @@ class Pin:
 
     __slots__ = ("anchor", "active", "host_only")
 
-    def __init__(self, anchor: Node, host_only: bool = False):
+    def __init__(self, anchor: Node, host_only: bool = False) -> None:
         self.anchor = anchor
         self.active = True
         self.host_only = host_only

@@ -51,7 +51,7 @@ class DepthCreditLRU(EvictionPolicy):
 
     name = "lru-depth"
 
-    def __init__(self, weight: float = 64.0):
+    def __init__(self, weight: float = 64.0) -> None:
         if weight < 0:
             raise BadArgument(f"eviction depth weight must be >= 0, got {weight}")
         self.weight = weight

@@ -3,9 +3,10 @@
 A pure :class:`RadixTree` (a :class:`CollectingSink` for device pages, another for host slots)
 takes inserts (with and without early SWA frees), matches, locks, both kinds of eviction, backups
 (``set_host``), loads from host (``plan_load``, a pin, other operations while it is held,
-``commit_load``) and fetches from L3 (``host_prefix``, a pin, ``adopt_host``), in any order. Its
-``demote`` hook (write_back: host copies made while evicting) and ``host_dropped`` hook report to
-the model.
+``commit_load``) and fetches from L3 (``host_prefix``, a pin, ``adopt_host``), in any order. It is
+driven as the daemon drives it (:class:`TwoPhaseTree`): nodes the tree names for a host copy
+before eviction takes them are copied (write_back) or declined, then committed; host pages it
+drops are reported to the model.
 
 The reference model extends test_stateful.py's: one entry per cached page, keyed by the token
 prefix that ends with that page, ``[full, swa, host, host_swa]`` (None, or 0, where absent). It
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import os
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
@@ -42,9 +44,8 @@ from hypothesis.stateful import (
     rule,
 )
 
-from daemon.tree import CollectingSink, RadixTree, ReceiptError, check_tree
+from daemon.tree import CollectingSink, EvictResult, LoadPlan, RadixTree, ReceiptError, check_tree
 from daemon.tree.node import Node, Pin, Receipt
-from daemon.tree.tiering import LoadPlan, adopt_host, commit_load, host_prefix, plan_load, walk
 
 from .test_stateful import DOCS, NAMESPACES, CacheMachine, ModelLock, tok
 
@@ -77,6 +78,51 @@ def on_host(e: list) -> bool:
 
 def host_only(e: list) -> bool:
     return e[F] is None
+
+
+
+class TwoPhaseTree(RadixTree):
+    """The tree as :class:`daemon.model_cache.ModelCache` drives it: after each operation the
+    nodes it named for a host copy are offered to ``copy`` and committed (repeated while the
+    cleanups name more), an eviction resumes for what is missing, and dropped host pages go to
+    ``dropped``."""
+
+    copy: Callable[[Node], None]
+    dropped: Callable[[Node], None]
+
+    def _settle(self, reason: str | None = None) -> EvictResult:
+        res = EvictResult()
+        while self.awaiting_copy:
+            for n in list(self.awaiting_copy):
+                self.copy(n)
+            res.add(self.commit_evictions(reason))
+        for n in self.host_drops:
+            self.dropped(n)
+        self.release_host_drops()
+        return res
+
+    def evict(self, full_pages: int = 0, swa_pages: int = 0, reason: str = "explicit",
+              namespace: str | None = None) -> EvictResult:
+        res = super().evict(full_pages, swa_pages, reason, namespace)
+        while self.awaiting_copy:
+            res.add(self._settle(reason))
+            res.add(super().evict(max(0, full_pages - res.full_pages),
+                                  max(0, swa_pages - res.swa_pages), reason, namespace))
+        return res
+
+    def evict_host(self, slots: int, namespace: str | None = None, swa_slots: int = 0
+                   ) -> EvictResult:
+        res = super().evict_host(slots, namespace, swa_slots)
+        self._settle()
+        return res
+
+    def unlock(self, receipt: Receipt) -> None:
+        super().unlock(receipt)
+        self._settle()
+
+    def unpin(self, p: Pin) -> None:
+        super().unpin(p)
+        self._settle()
 
 
 @dataclass
@@ -131,9 +177,12 @@ class TierMachine(RuleBasedStateMachine):
         self.wp = -(-window // page_size) if window else 0
         self.sink = CollectingSink()
         self.hsink = CollectingSink()
-        self.tree = RadixTree(page_size, window, self.sink, host_sink=self.hsink, policy=policy)
-        self.tree.demote = self._demote
-        self.tree.host_dropped = self._host_dropped
+        self.tree = TwoPhaseTree(page_size, window, self.sink, host_sink=self.hsink,
+                                 policy=policy)
+        self.tree.copy = self._demote
+        self.tree.dropped = self._host_dropped
+        self.tree.host_copy_hits = 0  # every node is offered; _demote declines unless write_back
+        self.tree.report_host_drops = True
         self.write_back = write_back
         self.demoted: dict[tuple[str, bytes], tuple[int, int]] = {}
         self.dropped: list[tuple[str, bytes]] = []
@@ -147,7 +196,7 @@ class TierMachine(RuleBasedStateMachine):
         self.issued = dict.fromkeys(KINDS, 0)
         self._ids = 0
 
-    # ------------------------------------------------------------------ pools and hooks
+    # ------------------------------------------------------------------ pools and tier copies
 
     def new_id(self) -> int:
         self._ids += 1
@@ -182,12 +231,18 @@ class TierMachine(RuleBasedStateMachine):
         return slots, swa
 
     def node_keys(self, n: Node) -> list[bytes]:
-        path = self.node_path(n.id)
+        """Page keys of ``n``; through its parent links, so that also of a node just dropped."""
+        parts = []
+        a = n
+        while a.parent is not None:
+            parts.append(a.tokens)
+            a = a.parent
+        path = b"".join(reversed(parts))
         d = len(path) // self.pb
         return [path[: (i + 1) * self.pb] for i in range(d - self.tree.npages(n), d)]
 
     def _demote(self, node: Node) -> None:
-        """write_back: give the node (and the ancestors it needs) a host copy, so the eviction
+        """write_back: give the node (and the ancestors it needs) a host copy, so the commit
         demotes it."""
         if not self.write_back:
             return
@@ -306,8 +361,9 @@ class TierMachine(RuleBasedStateMachine):
         return best * self.P, full, swa, len(dev) * self.P, host * self.P
 
     def cleanup(self) -> None:
-        """What an unlock or unpin does: host copies the demote hook made land in the model, then
-        unlocked, unpinned tombstone device leaves go (demoted when they have a host copy)."""
+        """What an unlock or unpin does: host copies made in phase 2 (_demote) land in the
+        model, then unlocked, unpinned tombstone device leaves go (demoted when they have a host
+        copy)."""
         for (ns, k), (h, s) in self.demoted.items():
             e = self.model[ns][k]
             assert e[H] is None
@@ -574,7 +630,7 @@ class TierMachine(RuleBasedStateMachine):
     def backup_path(self, path, cut, with_swa):
         """Back up the device nodes of a sequence's path, top-down (as plan_backup's chain)."""
         ns, tokens = self.take(path, cut)
-        for n, _ in walk(self.tree, ns, tokens):
+        for n, _ in self.tree.walk(ns, tokens):
             if n.full is None:
                 break
             if n.host is None:
@@ -630,7 +686,7 @@ class TierMachine(RuleBasedStateMachine):
         probe = self.do_match(ns, tokens)
         states = self.states(ns, tokens)
         end = self.host_end(states)
-        plan = plan_load(self.tree, ns, tokens, probe.prefix_len)
+        plan = self.tree.plan_load(ns, tokens, probe.prefix_len)
         self.ok()
         if end * self.P <= probe.prefix_len:
             assert plan is None
@@ -673,7 +729,7 @@ class TierMachine(RuleBasedStateMachine):
                 elif self.swa_on and i >= ws and not e[S]:
                     e[S] = sd.pop(i)
             got_f, got_s = dict(ld.full), dict(ld.swa)
-            got = commit_load(self.tree, ns, tokens, plan, got_f, got_s)
+            got = self.tree.commit_load(ns, tokens, plan, got_f, got_s)
             self.ok()
             assert got == loaded and (got_f, got_s) == (fd, sd)
             event(f"commit: leftover pages {bool(fd or sd)}")
@@ -719,7 +775,7 @@ class TierMachine(RuleBasedStateMachine):
         if aim is not None:
             tokens += tok(tail)
         n = len(tokens) // self.pb
-        start, last = host_prefix(self.tree, ns, tokens)
+        start, last = self.tree.host_prefix(ns, tokens)
         self.ok()
         states = self.states(ns, tokens)
         exp = 0
@@ -768,7 +824,7 @@ class TierMachine(RuleBasedStateMachine):
             i = 0
             stopped = False
             # the tree's node boundaries decide what attaches (a node gets a host copy whole)
-            for _node, k in walk(self.tree, ns, tokens, end):
+            for _node, k in self.tree.walk(ns, tokens, end):
                 es = [m[key] for key in keys[i : i + k]]
                 if es[0][H] is None:
                     assert all(e[H] is None for e in es)
@@ -792,7 +848,7 @@ class TierMachine(RuleBasedStateMachine):
                     got_swa += bool(m[keys[i]][HS])
                     i += 1
             gs, gw = dict(fe.slots), dict(fe.swa)
-            res = adopt_host(self.tree, ns, tokens, start, end, gs, gw)
+            res = self.tree.adopt_host(ns, tokens, start, end, gs, gw)
             self.ok()
             assert res == (got, got_swa) and (gs, gw) == (sl, sw)
             event(f"fetch: attached {got > 0}, stopped at a hole {stopped}")

@@ -7,9 +7,8 @@ from array import array
 import pytest
 
 from daemon.tree import CollectingSink, RadixTree, check_tree
-from daemon.tree.tiering import adopt_host, commit_load, host_prefix, plan_load
 
-from .test_regressions import NS, Ids, seq
+from .helpers import NS, Ids, seq
 
 PAGE_SIZES = [1, 4, 16]
 
@@ -105,8 +104,8 @@ def test_load_plan_needs_the_window_and_commit_takes_fresh_pages(P):
     tree.evict(full_pages=5)
     assert tree.match(NS, s).host_hit_len == 5 * P
     # a prompt that ends inside the node has no SWA copy for its window there
-    assert plan_load(tree, NS, seq(P, [1, 2, 3]), 0) is None
-    plan = plan_load(tree, NS, s, 0)
+    assert tree.plan_load(NS, seq(P, [1, 2, 3]), 0) is None
+    plan = tree.plan_load(NS, s, 0)
     assert plan is not None and plan.end == 5
     assert [slot for _, slot in plan.full] == [11, 12, 13, 14, 15]
     assert plan.swa == [(3, 21), (4, 22)]
@@ -115,7 +114,7 @@ def test_load_plan_needs_the_window_and_commit_takes_fresh_pages(P):
     fswa = ids.swa(2)
     fd = dict(zip(range(5), fresh, strict=True))
     sd = {3: fswa[0], 4: fswa[1]}
-    assert commit_load(tree, NS, s, plan, fd, sd) == 5
+    assert tree.commit_load(NS, s, plan, fd, sd) == 5
     tree.unpin(pin)
     assert fd == {} and sd == {}
     m = tree.match(NS, s)
@@ -131,11 +130,11 @@ def test_adopt_fetched_pages_under_the_host_prefix(P):
     tree.insert(NS, head, ids.full(2), ids.swa(2))
     h = node_at(tree, head)
     tree.set_host(h.id, array("i", [1, 2]), array("i", [3, 4]))
-    start, last = host_prefix(tree, NS, s)
+    start, last = tree.host_prefix(NS, s)
     assert (start, last) == (2, h)
     slots = {2: 10, 3: 11}
     swa = {2: 12, 3: 13}
-    got = adopt_host(tree, NS, s, start, 4, slots, swa)
+    got = tree.adopt_host(NS, s, start, 4, slots, swa)
     assert got == (2, 2) and slots == {} and swa == {}
     m = tree.match(NS, s)
     assert (m.prefix_len, m.host_hit_len) == (2 * P, 2 * P)
@@ -144,5 +143,5 @@ def test_adopt_fetched_pages_under_the_host_prefix(P):
     tree2, _, ids2 = make(P)
     tree2.insert(NS, head, ids2.full(2), ids2.swa(2))
     slots = {2: 10, 3: 11}
-    assert adopt_host(tree2, NS, s, 2, 4, slots, {}) == (0, 0) and len(slots) == 2
+    assert tree2.adopt_host(NS, s, 2, 4, slots, {}) == (0, 0) and len(slots) == 2
     ok(tree2)

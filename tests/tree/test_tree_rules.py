@@ -1,4 +1,4 @@
-"""One focused test (or a few) per rule of the radix tree (DESIGN.md section 5, radix.py docstring).
+"""One focused test (or a few) per rule of the radix tree (docs/design.md, radix.py docstring).
 
 Every test drives a :class:`RadixTree` with a :class:`CollectingSink` directly and runs the checker
 after every mutating step. Page ids are handed out by a tiny counter so each test knows exactly

@@ -1,0 +1,70 @@
+"""Host shared memory for pools: sealed memfds an engine process can map, and how much memory
+is left to fill. Shared by the CPU device pools (:mod:`daemon.gpu.pools`) and the host tier
+(:mod:`daemon.storage.host_pool`), which must agree on how such memory is made."""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+
+from radixd_client.pools import PoolError
+
+MEMFD_NAME_MAX = 249  # bytes, excluding the NUL (memfd_create(2))
+
+
+def available_host_bytes() -> int | None:
+    """Memory this process can still fill: MemAvailable, capped by a cgroup v2 limit if any."""
+    available: int | None = None
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+                    break
+    except OSError:
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max", encoding="ascii") as f:
+            limit = f.read().strip()
+        if limit != "max":
+            with open("/sys/fs/cgroup/memory.current", encoding="ascii") as f:
+                current = int(f.read().strip())
+            room = max(0, int(limit) - current)
+            available = room if available is None else min(available, room)
+    except (OSError, ValueError):
+        pass
+    return available
+
+
+def create_memfd(name: str, nbytes: int) -> tuple[int, mmap.mmap]:
+    """Create a sealed, fully backed memfd of ``nbytes`` and map it shared, read-write.
+
+    ``posix_fallocate`` backs every page now, so running out of memory is an error here rather
+    than a SIGBUS in the middle of a kernel later. The size is then sealed (no shrink, no grow):
+    an engine holding the fd must not be able to truncate it under the daemon's mapping, which
+    would crash the daemon with SIGBUS on its next access.
+    """
+    if not hasattr(os, "memfd_create"):
+        raise PoolError("CPU pools need memfd_create (Linux); this platform does not have it")
+    encoded = name.encode("utf-8")[:MEMFD_NAME_MAX]
+    fd = os.memfd_create(
+        encoded.decode("utf-8", "ignore"), os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING
+    )
+    try:
+        os.ftruncate(fd, nbytes)
+        try:
+            os.posix_fallocate(fd, 0, nbytes)
+        except OSError as exc:
+            raise PoolError(
+                f"{name}: cannot back {nbytes} bytes of shared memory ({exc.strerror})"
+            ) from exc
+        fcntl.fcntl(
+            fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+        )
+        mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED,
+                            prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, mapping

@@ -1,0 +1,166 @@
+"""Locks (engine readers) and pins (tier copies): what keeps pages from being evicted."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .errors import NodeNotUsable, ReceiptError
+from .node import Node, Pin, Receipt
+
+
+class Locking:
+    """Locks and pins of :class:`~daemon.tree.radix.RadixTree` (a mixin: it
+    shares the tree's state)."""
+
+    # ------------------------------------------------------------------ locks
+
+    def lock(self, node_id: int, namespace: str | None = None, tag: Any = None) -> Receipt:
+        """Protect the path ending at a node; the node must be a usable match end."""
+        node = self.get_node(node_id, namespace)
+        if not self.is_usable_end(node):
+            raise NodeNotUsable(
+                f"node {node_id} cannot be locked: its sliding window (or device copy) was "
+                "evicted; match again")
+        return self._lock(node, tag)
+
+    def _lock(self, node: Node, tag: Any = None) -> Receipt:
+        n = node
+        while n.parent is not None:
+            if n.full_lock == 0 and not n.pin:
+                np_ = len(n.tokens) // self.page_bytes
+                self.full_evictable -= np_
+                self.full_protected += np_
+                if n.full_entry is not None:
+                    n.ns.full_q.remove(n)
+            n.full_lock += 1
+            n = n.parent
+        covered = 0
+        if self.swa_enabled:
+            need = self.window_pages
+            n = node
+            pb = self.page_bytes
+            while n.parent is not None and covered < need and n.swa is not None:
+                np_ = len(n.tokens) // pb
+                if covered + np_ > need:
+                    self._split(n, np_ - (need - covered))
+                    np_ = need - covered
+                if n.swa_lock == 0 and not n.pin:
+                    self.swa_evictable -= np_
+                    self.swa_protected += np_
+                    if n.swa_entry is not None:
+                        n.ns.swa_q.remove(n)
+                n.swa_lock += 1
+                covered += np_
+                n = n.parent
+        r = Receipt(node, covered, tag)
+        self.receipts.add(r)
+        return r
+
+    def release_swa(self, receipt: Receipt) -> None:
+        """Early SWA-only release (decode past the window); the full lock stays."""
+        if not receipt.active or receipt.swa_released:
+            raise ReceiptError("the SWA part of this lock was already released")
+        self._release_swa(receipt)
+        receipt.swa_released = True
+
+    def _release_swa(self, r: Receipt) -> None:
+        left = r.swa_pages
+        n = r.anchor
+        pb = self.page_bytes
+        while left > 0:
+            np_ = len(n.tokens) // pb
+            if n.swa_lock <= 0 or n.swa is None or n.parent is None:
+                raise AssertionError(f"SWA release walked onto an unlocked node {n!r} for {r!r}")
+            n.swa_lock -= 1
+            if n.swa_lock == 0 and not n.pin:
+                self.swa_protected -= np_
+                self.swa_evictable += np_
+                self._requeue(n)
+            left -= np_
+            n = n.parent
+        if left != 0:
+            raise AssertionError(f"SWA release of {r!r} ended off a node boundary")
+        r.swa_pages = 0
+
+    def unlock(self, receipt: Receipt) -> None:
+        """Release exactly what the receipt took; a second release is refused."""
+        if not receipt.active:
+            raise ReceiptError("this lock was already released")
+        if not receipt.swa_released:
+            self._release_swa(receipt)
+        anchor = receipt.anchor
+        n = anchor
+        pb = self.page_bytes
+        while n.parent is not None:
+            if n.full_lock <= 0:
+                raise AssertionError(f"full release walked onto an unlocked node {n!r}")
+            n.full_lock -= 1
+            if n.full_lock == 0 and not n.pin:
+                np_ = len(n.tokens) // pb
+                self.full_protected -= np_
+                self.full_evictable += np_
+                self._requeue(n)
+            n = n.parent
+        receipt.active = False
+        self.receipts.discard(receipt)
+        self._drop_dead_leaf(anchor)
+
+    # ------------------------------------------------------------------ pins (tier copies)
+
+    def pin(self, anchor: Node, host_only: bool = False) -> Pin:
+        """Keep every page of the path root..anchor where it is while a tier copy runs
+        (``host_only``: only the host copies, for a fetch that attaches below them)."""
+        n = anchor
+        pb = self.page_bytes
+        while n.parent is not None:
+            if host_only:
+                n.host_pin += 1
+                if n.host_pin == 1:
+                    self._requeue(n)
+            else:
+                n.pin += 1
+                if n.pin == 1:
+                    self._guard(n, len(n.tokens) // pb)
+                    self._unqueue(n)
+            n = n.parent
+        p = Pin(anchor, host_only)
+        self.pins.add(p)
+        return p
+
+    def _guard(self, n: Node, np_: int) -> None:
+        """A pin starts (``np_`` > 0) or ends (< 0) on ``n``: its pages no lock guards move
+        between evictable and protected."""
+        if n.full is not None and not n.full_lock:
+            self.full_evictable -= np_
+            self.full_protected += np_
+        if n.swa is not None and not n.swa_lock:
+            self.swa_evictable -= np_
+            self.swa_protected += np_
+
+    def unpin(self, p: Pin) -> None:
+        if not p.active:
+            raise ReceiptError("this pin was already released")
+        n = p.anchor
+        pb = self.page_bytes
+        freed: list[Node] = []  # nodes no pin guards now, lowest first
+        while n.parent is not None:
+            if (n.host_pin if p.host_only else n.pin) <= 0:
+                raise AssertionError(f"unpin walked onto an unpinned node {n!r} for {p!r}")
+            if p.host_only:
+                n.host_pin -= 1
+                if n.host_pin == 0:
+                    self._requeue(n)
+            else:
+                n.pin -= 1
+                if n.pin == 0:
+                    self._guard(n, -(len(n.tokens) // pb))
+                    self._requeue(n)
+                    freed.append(n)
+            n = n.parent
+        p.active = False
+        self.pins.discard(p)
+        # an ancestor may have lost its last device child while pinned (its pinned child can be
+        # host-only): every node the pin guarded is checked, not only the anchor
+        for n in freed:
+            if self.nodes.get(n.id) is n:
+                self._drop_dead_leaf(n)

@@ -1,0 +1,125 @@
+"""Matching a token sequence against the tree: the longest usable prefix under the SWA rule."""
+
+from __future__ import annotations
+
+from array import array
+from typing import Any
+
+from .node import EMPTY, Node
+from .results import MatchResult, concat_pages
+
+
+class Matching:
+    """The match half of :class:`~daemon.tree.radix.RadixTree` (a mixin: it
+    shares the tree's state)."""
+
+    # ------------------------------------------------------------------ match
+
+    def match(self, namespace: str, tokens: bytes, *, lock: bool = False, tag: Any = None
+              ) -> MatchResult:
+        """Longest usable cached prefix of ``tokens``; refreshes recency along the path."""
+        ns = self.namespace(namespace)
+        pb = self.page_bytes
+        n_pages = len(tokens) // pb
+        window = self.window or 0
+        swa = self.swa_enabled
+        node = ns.root
+        off = 0
+        path: list[Node] = []
+        host_path: list[Node] = []
+        best_i = -1  # index in path of the best end; -1: the root
+        best_m = 0  # pages of path[best_i] that are matched
+        run = 0
+        tomb = False
+        dev_off = 0
+        children = node.children
+        while off < n_pages * pb and children:
+            child = children.get(tokens[off : off + pb])
+            if child is None:
+                break
+            m = self._matched_pages(child, tokens, off, n_pages - off // pb)
+            if child.full is None:
+                if child.host is None:
+                    break
+                host_path.append(child)
+            else:
+                path.append(child)
+                dev_off = off + m * pb
+                if not swa:
+                    best_i, best_m = len(path) - 1, m
+                elif child.swa is None:
+                    tomb = True
+                    run = 0
+                else:
+                    run += m * self.page_size
+                    if not tomb or run >= window:
+                        best_i, best_m = len(path) - 1, m
+            off += m * pb
+            if m * pb < len(child.tokens):
+                break
+            children = child.children
+        if best_i >= 0:
+            best = path[best_i]
+            if best_m * pb < len(best.tokens):
+                best = self._split(best, best_m)
+                path[best_i] = best
+            usable = path[: best_i + 1]
+        else:
+            best = ns.root
+            usable = []
+        for n in path:
+            self._touch(n)
+        for n in host_path:
+            self._touch(n)
+        if swa:
+            self._touch_window(usable)
+        for n in usable:
+            n.hits += 1
+        full_pages = concat_pages(n.full for n in usable)
+        swa_pages = self._window_swa(usable) if swa else EMPTY
+        prefix_len = best.depth
+        host_len = 0
+        if host_path or (swa and any(n.host_swa is not None for n in path[best_i + 1 :])):
+            end = self.usable_end(self.walk(namespace, tokens))
+            host_len = max(0, end * self.page_size - prefix_len)
+        receipt = self._lock(best, tag) if lock else None
+        return MatchResult(
+            prefix_len,
+            full_pages,
+            swa_pages,
+            best.id,
+            dev_off // 4,
+            host_len,
+            receipt,
+        )
+
+    def _window_swa(self, path: list[Node]) -> array:
+        need = self.window_pages
+        parts: list[array] = []
+        for n in reversed(path):
+            if need <= 0:
+                break
+            s = n.swa
+            if s is None:
+                break
+            parts.append(s if len(s) <= need else s[len(s) - need :])
+            need -= len(s)
+        parts.reverse()
+        return concat_pages(parts)
+
+    def is_usable_end(self, node: Node) -> bool:
+        """Whether a match may end at ``node`` (docs/design.md, the SWA rule of a match)."""
+        if node.full is None:
+            return False
+        if not self.swa_enabled or node.parent is None:
+            return True
+        run = 0
+        n = node
+        while n.parent is not None:
+            if n.swa is None:
+                return False
+            run += len(n.tokens) // 4
+            if run >= self.window:
+                return True
+            n = n.parent
+        return True

@@ -1,0 +1,315 @@
+"""Eviction (daemon/tree/eviction.py): no tombstone leaf left behind, page counters exact after
+any sequence (tests named after SGLang bug classes, reference/sglang.md section 10), and the
+two-phase eviction the memory tiers drive (name, copy, commit).
+"""
+
+from __future__ import annotations
+
+import random
+from array import array
+
+import pytest
+
+from daemon.tree import CollectingSink, Node, NodeNotUsable, RadixTree, ReceiptError, check_tree
+
+from .helpers import (
+    NS,
+    PAGE_SIZES,
+    Ids,
+    counters,
+    dead_leaves,
+    make_cache,
+    make_tree,
+    ok,
+    recount,
+    seq,
+)
+
+
+@pytest.mark.parametrize("P", PAGE_SIZES)
+@pytest.mark.parametrize("window_pages", [1, 2, 3])
+def test_tombstone_never_left_as_leaf(P, window_pages):
+    """#24153 / PR #23882 / PR #23391: SWA-only eviction crashed on leaves with a full lock and
+    no SWA lock, and cascade eviction met locked or tombstoned nodes. Here: SWA eviction under a
+    released SWA lock, then unlock and cache_finished with the frontier at the very end, in both
+    orders; no unlocked tombstone leaf ever exists and everything is freed exactly once."""
+    for order in ("finish_first", "evict_between"):
+        tree, sink = make_tree(P, window_pages)
+        ids = Ids()
+        base = seq(P, [1, 2, 3])
+        base_full = ids.full(3)
+        tree.insert(NS, base, base_full, ids.swa(3))
+        tokens = seq(P, [1, 2, 3, 4, 5, 6])
+        m = tree.match(NS, tokens, lock=True)
+        assert m.prefix_len == 3 * P
+        other = tree.match(NS, seq(P, [1, 2]), lock=True).receipt  # a second reader
+        new_full = ids.full(3)
+        tree.release_swa(m.receipt)
+        tree.release_swa(other)
+        ok(tree)
+        tree.evict(0, 100)  # every SWA page goes; full stays (locked)
+        ok(tree)
+        assert tree.swa_evictable == 0 and tree.swa_protected == 0
+        if order == "evict_between":
+            tree.unlock(other)
+            ok(tree)
+            assert not dead_leaves(tree)
+        res = tree.cache_finished(NS, tokens, new_full, array("i", [0, 0, 0]), 3 * P, 6 * P,
+                                  m.receipt)
+        ok(tree)
+        assert res.inserted_len == 3 * P
+        assert not dead_leaves(tree)
+        if order == "finish_first":
+            tree.unlock(other)
+            ok(tree)
+        assert not dead_leaves(tree)
+        assert set(tree.nodes) == {tree.namespace(NS).root.id}
+        assert sorted(sink.full) == sorted(list(base_full) + list(new_full))
+        assert len(set(sink.swa)) == len(sink.swa) == 3
+        assert counters(tree) == (0, 0, 0, 0, 0)
+
+
+@pytest.mark.parametrize("P", [1, 16])
+def test_evictable_counters_match_after_everything(P):
+    """PR #10637 / #35270: evictable sizes drifted from the pages really in the tree. Here a long
+    seeded mix of every operation keeps the incremental counters equal to a recount from the
+    nodes, and to free + tree + held = capacity, after every step."""
+    rnd = random.Random(1234 + P)
+    cache = make_cache(P, window_pages=2, full=48, swa=40)
+    tree = cache.tree
+    owners = (1, 2, 3)
+    docs = [[d * 20 + i for i in range(10)] for d in range(3)]
+    live: list[dict] = []
+    receipts: list[tuple[int, int]] = []
+
+    def check() -> None:
+        assert counters(tree) == recount(tree)
+        assert cache.check() == []
+        a = cache.alloc_state
+        held_full = sum(len(h.full) for h in cache.holdings.values())
+        held_swa = sum(len(h.swa) for h in cache.holdings.values())
+        full_tree, swa_tree = tree.device_pages()
+        assert a.full.available + full_tree + held_full == a.full.usable
+        assert a.swa.available + swa_tree + held_swa == a.swa.usable
+
+    for _ in range(250):
+        op = rnd.choice(["start", "start", "decode", "finish", "unfinished", "abort", "lock",
+                         "unlock", "evict", "kill"])
+        if op == "start":
+            owner = rnd.choice(owners)
+            doc = rnd.choice(docs)
+            labels = doc[: rnd.randint(1, len(doc))] + [rnd.randint(500, 502)] * rnd.randint(0, 2)
+            tail = rnd.randint(0, P - 1) if P > 1 else 0
+            tokens = seq(P, labels, tail=tail)
+            m, rid = cache.match(owner, NS, tokens, lock=True)
+            total = len(labels) + (1 if tail else 0)
+            try:
+                full, swa = cache.alloc(owner, total - m.prefix_len // P)
+            except Exception:  # out of pages: give the lock back
+                cache.unlock(owner, rid)
+            else:
+                live.append(dict(owner=owner, tokens=tokens, prev=m.prefix_len, rid=rid,
+                                 full=list(full), swa=list(swa), frontier=m.prefix_len))
+        elif op == "decode" and live:
+            rq = rnd.choice(live)
+            n = len(rq["tokens"]) // (4 * P)
+            p = rq["prev"] // P
+            upto = rnd.randint(rq["frontier"] // P, n)
+            freed = [rq["swa"][i - p] for i in range(rq["frontier"] // P, upto)
+                     if rq["swa"][i - p]]
+            cache.free(rq["owner"], swa=freed)
+            for i in range(rq["frontier"] // P, upto):
+                rq["swa"][i - p] = 0
+            rq["frontier"] = max(rq["frontier"], upto * P)
+            if rnd.random() < 0.5 and rq["frontier"] > rq["prev"]:
+                try:
+                    cache.release_swa(rq["owner"], rq["rid"])
+                except ReceiptError:
+                    pass
+        elif op == "finish" and live:
+            rq = live.pop(rnd.randrange(len(live)))
+            cache.cache_finished(rq["owner"], NS, rq["tokens"], rq["full"], rq["swa"],
+                                 rq["prev"], rq["frontier"], rq["rid"])
+        elif op == "unfinished" and live:
+            rq = rnd.choice(live)
+            res, rid = cache.cache_unfinished(rq["owner"], NS, rq["tokens"], rq["full"],
+                                              rq["swa"], rq["prev"], rq["frontier"], rq["rid"])
+            k = res.inserted_len // P - rq["prev"] // P
+            rq.update(full=rq["full"][k:], swa=rq["swa"][k:], prev=res.inserted_len, rid=rid,
+                      frontier=max(rq["frontier"], res.inserted_len))
+        elif op == "abort" and live:
+            rq = live.pop(rnd.randrange(len(live)))
+            cache.free(rq["owner"], rq["full"], [p for p in rq["swa"] if p])
+            cache.unlock(rq["owner"], rq["rid"])
+        elif op == "lock":
+            owner = rnd.choice(owners)
+            m, _ = cache.match(owner, NS, seq(P, rnd.choice(docs)[: rnd.randint(1, 10)]))
+            try:
+                receipts.append((owner, cache.lock(owner, NS, m.node_id)))
+            except NodeNotUsable:
+                pass
+        elif op == "unlock" and receipts:
+            owner, rid = receipts.pop(rnd.randrange(len(receipts)))
+            if rid in cache._receipts:
+                cache.unlock(owner, rid)
+        elif op == "evict":
+            cache.evict(rnd.randint(0, 6), rnd.randint(0, 6))
+        elif op == "kill":
+            owner = rnd.choice(owners)
+            cache.release_owner(owner)
+            live[:] = [rq for rq in live if rq["owner"] != owner]
+            receipts[:] = [r for r in receipts if r[0] != owner]
+        check()
+    # the mix really exercised splits, both kinds of eviction and reuse
+    assert tree.stats["splits"] > 10 and cache.counters["allocs"] > 20
+    assert tree.stats["evicted_full_pages"] > 0 and tree.stats["evicted_swa_pages"] > 0
+    assert cache.counters["hit_tokens"] > 0
+    for owner in owners:
+        cache.release_owner(owner)
+    check()
+    cache.evict(10_000, 10_000)
+    check()
+    assert counters(tree) == (0, 0, 0, 0, 0)
+    a = cache.alloc_state
+    assert a.full.available == a.full.usable and a.swa.available == a.swa.usable
+
+
+# ---------------------------------------------------------------------- two-phase eviction
+
+
+def two_phase_tree(P: int) -> tuple[RadixTree, CollectingSink, Ids]:
+    sink = CollectingSink()
+    tree = RadixTree(P, 2 * P, sink, host_sink=sink, policy="lru")
+    tree.host_copy_hits = 0
+    return tree, sink, Ids()
+
+
+def copy_chain(tree: RadixTree, n: Node) -> None:
+    """What the tiers do in phase 2: host copies for ``n`` and the ancestors it needs."""
+    chain = []
+    while n.host is None:
+        chain.append(n)
+        n = n.parent
+    for a in reversed(chain):
+        tree.set_host(a.id, array("i", range(900 + 10 * a.id, 900 + 10 * a.id + tree.npages(a))))
+
+
+@pytest.mark.parametrize("P", [1, 4])
+def test_eviction_names_a_victim_without_a_host_copy_and_stops(P):
+    """Phase 1: the tree takes nothing from a node the tiers want on host; it names it and
+    returns, so that no copy runs inside the eviction."""
+    tree, sink, ids = two_phase_tree(P)
+    s = seq(P, [1, 2, 3])
+    tree.insert(NS, s, ids.full(3), ids.swa(3))
+    res = tree.evict(full_pages=3)
+    assert res.full_pages == 0 and not sink.full
+    assert [n.tokens for n in tree.awaiting_copy] == [s]
+    n = tree.awaiting_copy[0]
+    assert n.full is not None and tree.nodes[n.id] is n
+    assert any("half-done" in x for x in check_tree(tree))  # the caller must commit
+    tree.commit_evictions()
+    ok(tree)
+
+
+@pytest.mark.parametrize("P", [1, 4])
+@pytest.mark.parametrize("copied", [True, False])
+def test_commit_demotes_a_copied_victim_and_deletes_a_declined_one(P, copied):
+    tree, sink, ids = two_phase_tree(P)
+    s = seq(P, [1, 2, 3])
+    tree.insert(NS, s, ids.full(3), ids.swa(3))
+    tree.evict(full_pages=3)
+    (n,) = tree.awaiting_copy
+    if copied:
+        tree.set_host(n.id, array("i", [900, 901, 902]))
+    res = tree.commit_evictions("alloc")
+    assert res.full_pages == 3 and not tree.awaiting_copy
+    assert tree.evictions_by_reason["alloc"][0] == 3
+    assert (tree.nodes.get(n.id) is n) == copied
+    assert n.full is None and (n.host is not None) == copied
+    ok(tree)
+
+
+@pytest.mark.parametrize("P", [1, 4])
+def test_resumed_eviction_takes_what_a_one_shot_eviction_takes(P):
+    """Naming, copying, committing and resuming frees the same pages, in the same order, as an
+    eviction that never stops (a tree without tiers)."""
+
+    def build(tree: RadixTree) -> None:
+        ids = Ids()
+        for lab in range(1, 6):
+            tree.insert(NS, seq(P, [lab, lab + 10, lab + 20]), ids.full(3), ids.swa(3))
+
+    ref_sink = CollectingSink()
+    ref = RadixTree(P, 2 * P, ref_sink, policy="lru")
+    build(ref)
+    ref.evict(full_pages=7)
+    tree, sink, _ = two_phase_tree(P)
+    build(tree)
+    slot = 1000
+    res = tree.evict(full_pages=7)
+    while tree.awaiting_copy:
+        for n in list(tree.awaiting_copy):
+            k = tree.npages(n)
+            if n.parent.host is not None and k % 2:  # copy some, decline the others
+                tree.set_host(n.id, array("i", range(slot, slot + k)))
+                slot += k
+        res.add(tree.commit_evictions("alloc"))
+        res.add(tree.evict(full_pages=max(0, 7 - res.full_pages)))
+    assert res.full_pages == 7
+    assert sorted(sink.full) == sorted(ref_sink.full)
+    ok(tree)
+
+
+@pytest.mark.parametrize("P", [1, 4])
+def test_unlock_cleanup_names_a_dead_leaf_instead_of_deleting_it(P):
+    """The cleanup of an unlock (a full-locked leaf that lost its SWA) is an eviction too: the
+    tree names the leaf; the commit demotes it once the tiers copied it."""
+    tree, sink, ids = two_phase_tree(P)
+    s = seq(P, [1, 2, 3, 4])
+    r = tree.insert(NS, s, ids.full(4), ids.swa(4), lock=True)
+    tree.release_swa(r.receipt)
+    tree.evict(swa_pages=4)  # the leaf loses its SWA while its full KV is locked
+    tree.unlock(r.receipt)
+    (n,) = tree.awaiting_copy
+    assert n.swa is None and n.full is not None
+    copy_chain(tree, n)
+    tree.commit_evictions()
+    assert n.full is None and n.host is not None and not tree.awaiting_copy
+    ok(tree)
+
+
+def test_dropped_host_pages_stay_held_until_released():
+    """L3 write-back is the two-phase eviction of the host tier: a dropped host-only leaf keeps
+    its slots (bytes readable) until the tiers release it."""
+    P = 4
+    tree, sink, ids = two_phase_tree(P)
+    tree.host_copy_hits = None
+    tree.report_host_drops = True
+    s = seq(P, [1, 2])
+    tree.insert(NS, s, ids.full(2), ids.swa(2))
+    n = tree.get_node(tree.match(NS, s).node_id)
+    tree.set_host(n.id, array("i", [900, 901]))
+    tree.evict(full_pages=2)
+    assert tree.evict_host(2).host_slots == 2
+    assert tree.host_drops == [n] and not sink.host and tree.host_pages == 0
+    tree.release_host_drops()
+    assert sorted(sink.host) == [900, 901] and not tree.host_drops
+    ok(tree)
+
+
+def test_tree_package_stays_pure():
+    """No torch, no asyncio and no callback attributes on the tree: the tiers act between tree
+    operations, never from inside one."""
+    import ast
+    import pathlib
+
+    import daemon.tree as pkg
+
+    for path in pathlib.Path(pkg.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                names = [a.name for a in node.names] + [getattr(node, "module", None) or ""]
+                assert not any(m.split(".")[0] in {"torch", "asyncio", "socket"} for m in names), \
+                    path
+    tree, _, _ = two_phase_tree(1)
+    assert not any(callable(v) for v in vars(tree).values())
