@@ -68,13 +68,13 @@ def test_requests_get_increasing_ids_and_whole_frames() -> None:
 
 def test_hello_gate() -> None:
     conn = ClientConnection()
-    with pytest.raises(ProtocolError) as e:
+    with pytest.raises(AuthError) as e:
         conn.send("ping", P.Ping())
     assert e.value.code == P.Code.NOT_AUTHENTICATED and conn.pending == 0
     conn.send("hello", P.Hello())
-    with pytest.raises(ProtocolError):
+    with pytest.raises(AuthError):
         conn.send("hello", P.Hello())  # one in flight already
-    with pytest.raises(ProtocolError):
+    with pytest.raises(AuthError):
         conn.send("ping", P.Ping())  # not open until the answer
     conn.receive_data(P.error_frame(1, P.Code.AUTH_FAILED, "wrong token"))
     reply = conn.next_event()
@@ -85,9 +85,10 @@ def test_hello_gate() -> None:
     assert conn.next_event().ok  # type: ignore[union-attr]
     assert conn.hello == HELLO and conn.max_request == 4096
     conn.send("ping", P.Ping())
-    with pytest.raises(ProtocolError) as e:
+    with pytest.raises(AuthError) as e:
         conn.send("hello", P.Hello())
     assert e.value.code == P.Code.ALREADY_AUTHENTICATED
+    assert conn.pending == 1  # only the ping
 
 
 def test_request_over_the_daemons_limit_is_refused_before_sending() -> None:

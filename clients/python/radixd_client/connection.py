@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 
-from .errors import ProtocolError, RadixdError, error_from_wire
+from .errors import AuthError, ProtocolError, RadixdError, error_from_wire
 from .protocol import (
     HEADER,
     HEADER_SIZE,
@@ -175,14 +175,15 @@ class ClientConnection:
         on. Refused locally, with nothing pending, when it is over the daemon's limit or comes
         before the hello (the daemon would refuse it and, for size, drop the connection)."""
         if self.hello is None:
+            # (the errors the daemon would answer with, raised before anything is sent)
             if op != "hello":
-                raise ProtocolError(f"{op} before hello: the session is not open yet",
-                                    code=Code.NOT_AUTHENTICATED)
+                raise AuthError(f"{op} before hello: the session is not open yet",
+                                code=Code.NOT_AUTHENTICATED)
             if self._hello_pending:
-                raise ProtocolError("a hello is already in flight", code=Code.BAD_FRAME)
+                raise AuthError("a hello is already in flight", code=Code.NOT_AUTHENTICATED)
         elif op == "hello":
-            raise ProtocolError(f"this connection is already session {self.hello.session}",
-                                code=Code.ALREADY_AUTHENTICATED)
+            raise AuthError(f"this connection is already session {self.hello.session}",
+                            code=Code.ALREADY_AUTHENTICATED)
         rid = self._next_id
         self._next_id = rid + 1
         req.id = rid
