@@ -349,3 +349,21 @@ def test_client_and_splitter_speak_the_same_framing() -> None:
         out.append(P.decode_request(body))
         split.done(body)
     assert out == reqs
+
+
+def test_the_rules_do_no_io() -> None:
+    """The connection and the operations import no I/O module: every client can use them."""
+    import ast
+    from pathlib import Path
+
+    import radixd_client
+
+    pkg = Path(radixd_client.__file__).parent
+    for name in ("connection.py", "operations.py"):
+        tree = ast.parse((pkg / name).read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                mods = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                        else [node.module or ""])
+                assert not {m.split(".")[0] for m in mods} & {
+                    "socket", "asyncio", "selectors", "select"}, (name, mods)
