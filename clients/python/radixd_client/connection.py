@@ -266,14 +266,19 @@ class ClientConnection:
         try:
             return self._reply(body)
         finally:
-            if not release_view(body):
-                # Something still views the buffer: it keeps that one; what was read past this
-                # frame moves to a new one.
-                have = self._end - self._start
-                buf = bytearray(max(len(self._buf), have))
-                buf[:have] = self._buf[self._start : self._end]
-                self._buf, self._view = buf, memoryview(buf)
-                self._start, self._end = 0, have
+            try:
+                body.release()
+            except BufferError:
+                self._abandon_buffer()
+
+    def _abandon_buffer(self) -> None:
+        """Something still views the buffer (a ``msgspec.Raw`` kept by a traceback): it keeps
+        that one, and what was read past the frame moves to a new one."""
+        have = self._end - self._start
+        buf = bytearray(max(len(self._buf), have))
+        buf[:have] = self._buf[self._start : self._end]
+        self._buf, self._view = buf, memoryview(buf)
+        self._start, self._end = 0, have
 
     def _reply(self, body: memoryview) -> Reply:
         try:
