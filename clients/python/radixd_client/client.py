@@ -185,13 +185,9 @@ class Client(Operations):
         frame = conn.send(op, req)
         try:
             sock.sendall(frame)
-            reply = conn.next_event()
-            while reply is None:
-                k = sock.recv_into(conn.recv_buffer())
-                if not k:
-                    raise self._eof()
-                conn.received(k)
-                reply = conn.next_event()
+            reply = conn.read_reply(sock.recv_into)
+            if reply is None:
+                raise self._eof()
         except ConnectionLost:
             raise
         except BrokenStream as exc:
