@@ -151,6 +151,27 @@ def test_zero_copy_reads_grow_the_buffer_for_a_large_response() -> None:
     assert pos == len(frame) and reply.value.payload == big
 
 
+def test_read_reply_reads_until_a_reply_or_the_end() -> None:
+    """The blocking client's one-call path: reads as often as needed, keeps what it read past
+    the reply, and says None when the stream ends first."""
+    conn = opened()
+    conn.send("ping", P.Ping())
+    conn.send("ping", P.Ping())
+    data = ping_reply(2, b"a") + ping_reply(3, b"b")[:7]
+    chunks = [data[i : i + 3] for i in range(0, len(data), 3)]
+
+    def recv_into(view: memoryview) -> int:
+        if not chunks:
+            return 0
+        chunk = chunks.pop(0)
+        view[: len(chunk)] = chunk
+        return len(chunk)
+
+    assert conn.read_reply(recv_into).value.payload == b"a"  # type: ignore[union-attr]
+    assert conn.read_reply(recv_into) is None  # the stream ended inside the second reply
+    assert conn.buffered == 7
+
+
 def test_oversize_response_length_breaks_the_stream() -> None:
     conn = ClientConnection()
     assert conn.max_response == MIN_RESPONSE_CAP
