@@ -25,6 +25,7 @@ from typing import Any
 
 import msgspec
 from radixd_client import protocol as P
+from radixd_client.connection import FrameSplitter, FrameTooLarge
 
 from .config import Config
 from .metrics import OpStats
@@ -42,7 +43,6 @@ class Connection(asyncio.Protocol):
         self.server = server
         self.service = server.service
         self.transport: asyncio.Transport | None = None
-        self.buf = bytearray()
         self.session: Session | None = None
         self.peer = Peer()
         self.auth_failures = 0
@@ -53,6 +53,7 @@ class Connection(asyncio.Protocol):
         limits = server.config.server
         self.max_frame = limits.max_frame_bytes
         self.max_inflight = limits.max_inflight
+        self.frames = FrameSplitter(self.max_frame)  # the framing rules, shared with the tests
 
     # ------------------------------------------------------------------ transport events
 
@@ -101,40 +102,34 @@ class Connection(asyncio.Protocol):
                 self.transport.resume_reading()
 
     def data_received(self, data: bytes) -> None:
-        self.buf += data
+        self.frames.feed(data)
         self._process()
 
     def _process(self) -> None:
-        """Handle every complete frame in the buffer, in order."""
-        buf = self.buf
-        off = 0
-        n = len(buf)
-        while n - off >= 4 and not self.closed and not self.holding:
-            size = int.from_bytes(buf[off : off + 4], "little")
-            if size > self.max_frame:
-                self._write(P.error_frame(0, P.Code.FRAME_TOO_LARGE,
-                                          f"frame of {size} bytes; the limit is {self.max_frame} "
-                                          "(the connection is closed: its framing is lost)",
-                                          {"limit": self.max_frame, "size": size}))
-                self.transport.close()  # type: ignore[union-attr]
-                self.closed = True
-                break
-            end = off + 4 + size
-            if end > n:
-                break
-            mv = memoryview(buf)
-            body = mv[off + 4 : end]
-            try:
-                self._handle(body)
-            except Exception:  # a daemon bug: answer it, keep the session and the loop alive
-                log.exception("internal error handling a frame")
-                self._write(P.error_frame(0, P.Code.INTERNAL, "internal error handling a frame"))
-            finally:  # the buffer is resized below: no view of it may outlive this frame
-                body.release()
-                mv.release()
-            off = end
-        if off:
-            del buf[:off]
+        """Handle every complete frame received, in order, until the connection closes or an
+        operation holds it (an attach sending fds, a load): later frames wait for it."""
+        frames = self.frames
+        try:
+            while not self.closed and not self.holding:
+                try:
+                    body = frames.next_frame()
+                except FrameTooLarge as exc:
+                    self._write(exc.frame())
+                    self.transport.close()  # type: ignore[union-attr]
+                    self.closed = True
+                    return
+                if body is None:
+                    return
+                try:
+                    self._handle(body)
+                except Exception:  # a daemon bug: answer it, keep the session and the loop alive
+                    log.exception("internal error handling a frame")
+                    self._write(P.error_frame(0, P.Code.INTERNAL,
+                                              "internal error handling a frame"))
+                finally:  # the buffer is compacted below: no view of it may outlive this frame
+                    frames.done(body)
+        finally:
+            frames.compact()
 
     # ------------------------------------------------------------------ frames
 

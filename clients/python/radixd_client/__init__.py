@@ -4,6 +4,9 @@
 - :class:`AsyncClient`: asyncio, one connection shared by many tasks with pipelining.
 - :mod:`radixd_client.protocol`: the wire protocol (the one definition, shared with the daemon).
 - :mod:`radixd_client.errors`: one exception class per family of error codes.
+- :mod:`radixd_client.connection`: the connection rules without I/O (framing, ids, order,
+  decoding), which both clients and the daemon's frame loop are built on.
+- :mod:`radixd_client.operations`: each operation's request, written once for every client.
 - :mod:`radixd_client.pools`: mapping the daemon's KV pools (``Client.attach``); needs torch.
 
 Importing the package imports neither torch nor numpy.

@@ -19,70 +19,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import socket
 from collections.abc import AsyncIterator
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-import msgspec
-
-from .client import (
-    _MIN_RESPONSE_CAP,
-    MAX_FDS,
-    Decode,
-    _apply_hello,
-    _BatchBuilder,
-    _take_fds,
-    decode_ok,
-    release_view,
-)
-from .errors import (
-    ConnectFailed,
-    ConnectionLost,
-    ProtocolError,
-    RadixdError,
-    TimedOut,
-    error_from_wire,
-)
+from .connection import BrokenStream, ClientConnection, Reply, apply_hello
+from .errors import ConnectFailed, ConnectionLost, RadixdError, TimedOut
+from .fds import MAX_FDS, RECVMSG_FLAGS, ancillary_space, close_fds, take_fds
+from .operations import BatchBuilder, Operations
 from .protocol import (
-    HEADER,
-    HEADER_SIZE,
     PROTOCOL_VERSION,
-    Alloc,
-    AllocResult,
     Attach,
-    CacheFinished,
-    CacheUnfinished,
-    Code,
-    Empty,
-    Evict,
-    EvictResult,
-    Free,
     Hello,
     HelloResult,
-    Insert,
-    InsertResult,
     Limits,
-    Load,
-    LoadResult,
-    Lock,
-    LockResult,
-    Match,
     MatchResult,
     ModelInfo,
-    Ping,
-    PingResult,
-    Prefetch,
-    PrefetchResult,
-    ReleaseSwa,
     Request,
-    Stats,
-    StatsResult,
-    Unlock,
-    decode_response,
-    encode,
-    int32_bytes,
 )
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -92,14 +46,8 @@ __all__ = ["AsyncClient", "AsyncClientBatch"]
 
 log = logging.getLogger("radixd_client")
 
-_INITIAL_BUFFER = 64 * 1024
 
-
-class _Broken(Exception):
-    """Internal: the reader found the connection unusable; the argument says why."""
-
-
-class AsyncClientBatch(_BatchBuilder):
+class AsyncClientBatch(BatchBuilder):
     """``async with client.batch() as b:``: like :class:`~radixd_client.client.ClientBatch`,
     sent (and awaited) at the end of the ``async with`` block."""
 
@@ -119,7 +67,7 @@ class AsyncClientBatch(_BatchBuilder):
             self._sent = True
             return
         try:
-            outcomes = await self._client._call("batch", self._request(), decode=self._decode)
+            outcomes = await self._client._call("batch", self._request())
         except RadixdError as err:
             self._abandon(f"the batch failed as a whole ({err.code})", err)
             raise
@@ -129,7 +77,7 @@ class AsyncClientBatch(_BatchBuilder):
         self._distribute(outcomes)
 
 
-class AsyncClient:
+class AsyncClient(Operations):
     """An asyncio connection (and session) to radixd; create it with :meth:`connect`."""
 
     session: int
@@ -146,10 +94,10 @@ class AsyncClient:
         self.path: str | None = None
         self._sock: socket.socket | None = sock
         self._loop = loop
-        self._next_id = 1
-        # id -> (op, future, decoder); an entry stays until its response arrives, even if its
-        # caller was cancelled, because the daemon counts it as in flight until then.
-        self._pending: dict[int, tuple[str, asyncio.Future[Any], Decode | None]] = {}
+        # Each request's future is its context in the connection; an entry stays until its
+        # response arrives, even if its caller was cancelled, because the daemon counts it as in
+        # flight until then.
+        self._conn = ClientConnection(in_order=False)
         self._closed_error: ConnectionLost | None = None
         self._wake = asyncio.Event()  # set when a request is registered
         self._drained = asyncio.Event()  # set by the reader when nothing is pending
@@ -158,13 +106,10 @@ class AsyncClient:
         self._gate.set()
         self._attach_lock = asyncio.Lock()
         self._attach_id: int | None = None
+        self._attach_fds: list[int] = []  # received with the attach response, not yet handed
         self._slots: asyncio.Semaphore | None = None  # max_inflight, once known
         self._wbuf: list[memoryview] = []
         self._writer: asyncio.Task[None] | None = None
-        self._buf = bytearray(_INITIAL_BUFFER)
-        self._hdr = bytearray(HEADER_SIZE)
-        self._max_request = 1 << 62
-        self._max_response = _MIN_RESPONSE_CAP
         self._reader = loop.create_task(self._read_loop(), name="radixd-client-reader")
 
     # -- construction ---------------------------------------------------------------------------
@@ -205,7 +150,7 @@ class AsyncClient:
         except BaseException:
             await self.close()
             raise
-        _apply_hello(self, hello)
+        apply_hello(self, hello)
         if hello.limits.max_inflight > 0:
             self._slots = asyncio.Semaphore(hello.limits.max_inflight)
         return self
@@ -249,23 +194,10 @@ class AsyncClient:
 
     # -- reading --------------------------------------------------------------------------------
 
-    async def _recv_exact(self, view: memoryview, n: int) -> None:
-        got = 0
-        sock = self._sock
-        while got < n:
-            if sock is None:
-                raise _Broken("closed")
-            k = await self._loop.sock_recv_into(sock, view[got:n])
-            if not k:
-                raise _Broken("the daemon closed the connection" if got == 0 and n == HEADER_SIZE
-                              else "the daemon closed the connection in the middle of a "
-                              "response")
-            got += k
-
     async def _readable(self) -> None:
         sock = self._sock
         if sock is None:
-            raise _Broken("closed")
+            raise BrokenStream("closed")
         fut = self._loop.create_future()
         fd = sock.fileno()
         self._loop.add_reader(fd, lambda: fut.done() or fut.set_result(None))
@@ -274,71 +206,54 @@ class AsyncClient:
         finally:
             self._loop.remove_reader(fd)
 
-    async def _recvmsg_exact(self, n: int, fds: list[int]) -> bytearray:
-        """Read ``n`` bytes with recvmsg, collecting any descriptors that come with them."""
-        out = bytearray()
-        space = socket.CMSG_SPACE(MAX_FDS * 4)
-        flags = getattr(socket, "MSG_CMSG_CLOEXEC", 0)
-        while len(out) < n:
-            sock = self._sock
-            if sock is None:
-                raise _Broken("closed")
+    async def _recv_attach(self, sock: socket.socket) -> int:
+        """Read with recvmsg, keeping the descriptors that come with the bytes."""
+        space = ancillary_space()
+        while True:
             try:
-                data, ancdata, msg_flags, _addr = sock.recvmsg(n - len(out), space, flags)
+                k, ancdata, msg_flags, _addr = sock.recvmsg_into(
+                    [self._conn.recv_buffer()], space, RECVMSG_FLAGS)
             except (BlockingIOError, InterruptedError):
                 await self._readable()
                 continue
-            if not _take_fds(ancdata, msg_flags, fds):
-                raise _Broken(f"an attach response carried more than {MAX_FDS} descriptors")
-            if not data:
-                raise _Broken("the daemon closed the connection during attach")
-            out += data
-        return out
-
-    async def _read_frame(self) -> memoryview:
-        await self._recv_exact(memoryview(self._hdr), HEADER_SIZE)
-        n = HEADER.unpack(self._hdr)[0]
-        if n > self._max_response:
-            raise _Broken(f"a response of {n} bytes announced: the stream is out of step")
-        if n > len(self._buf):
-            self._buf = bytearray(max(n, 2 * len(self._buf)))  # new, never resized (see Client)
-        view = memoryview(self._buf)[:n]
-        await self._recv_exact(view, n)
-        return view
+            if not take_fds(ancdata, msg_flags, self._attach_fds):
+                raise BrokenStream(f"an attach response carried more than {MAX_FDS} descriptors")
+            if not k:
+                raise BrokenStream("the daemon closed the connection during attach")
+            return k  # type: ignore[no-any-return]
 
     async def _read_loop(self) -> None:
+        conn = self._conn
+        loop = self._loop
         try:
             while True:
-                if not self._pending:
+                reply = conn.next_event()
+                if reply is not None:
+                    self._dispatch(reply)
+                    continue
+                if not conn.pending:
                     # Idle: read nothing, so that a later attach response is read (with its
                     # descriptors) by recvmsg and not by a plain read already waiting.
                     self._drained.set()
                     self._wake.clear()
                     await self._wake.wait()
                     continue
-                fds: list[int] = []
+                sock = self._sock
+                if sock is None:
+                    raise BrokenStream("closed")
                 if self._attach_id is not None:
-                    try:
-                        hdr = await self._recvmsg_exact(HEADER_SIZE, fds)
-                        n = HEADER.unpack(hdr)[0]
-                        if n > self._max_response:
-                            raise _Broken(f"an attach response of {n} bytes announced")
-                        body: memoryview = memoryview(await self._recvmsg_exact(n, fds))
-                    except BaseException:
-                        _close_fds(fds)
-                        raise
-                    self._dispatch(body, fds)
+                    k = await self._recv_attach(sock)
                 else:
-                    body = await self._read_frame()
-                    self._dispatch(body, fds)
-                    if not release_view(body):
-                        # Something still views the buffer (a traceback holding a response):
-                        # it keeps that buffer; the next frame is read into a new one.
-                        self._buf = bytearray(len(self._buf))
+                    k = await loop.sock_recv_into(sock, conn.recv_buffer())
+                    if not k:
+                        raise BrokenStream(
+                            "the daemon closed the connection in the middle of a response"
+                            if conn.buffered else "the daemon closed the connection")
+                conn.received(k)
         except asyncio.CancelledError:
             self._fail("closed by the client")
             raise
-        except _Broken as exc:
+        except BrokenStream as exc:
             self._fail(str(exc), exc.__cause__)
         except OSError as exc:
             self._fail(f"{type(exc).__name__}: {exc}", exc)
@@ -346,46 +261,23 @@ class AsyncClient:
             log.exception("radixd client reader failed")
             self._fail(f"client reader failed: {type(exc).__name__}: {exc}", exc)
 
-    def _dispatch(self, body: memoryview, fds: list[int]) -> None:
-        try:
-            resp = decode_response(body)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            _close_fds(fds)
-            raise _Broken(f"undecodable response: {exc}") from exc
-        entry = self._pending.pop(resp.id, None)
-        if entry is None and resp.id == 0 and not resp.ok and len(self._pending) == 1:
-            # The daemon could not read the request's id; with one request in flight it is
-            # that request's answer.
-            entry = self._pending.pop(next(iter(self._pending)))
-        if entry is None:
-            _close_fds(fds)
-            if resp.id == 0 and not resp.ok:
-                err = error_from_wire(resp.error)
-                self._fail(f"the daemon refused a request it could not identify "
-                           f"({err.code}: {err.message})", err)
-                return
-            raise _Broken(f"a response for unknown request id {resp.id}")
-        op, fut, decode = entry
+    def _dispatch(self, reply: Reply) -> None:
+        """Settle the caller's future with a reply the connection already decoded."""
+        fut: asyncio.Future[Any] = reply.context
         if self._slots is not None:
             self._slots.release()
-        if resp.id == self._attach_id:
+        fds: list[int] = []
+        if reply.id == self._attach_id:
             self._attach_id = None
+            fds, self._attach_fds = self._attach_fds, []
         if fut.done():  # the caller was cancelled
-            _close_fds(fds)
+            close_fds(fds)
             return
-        if not resp.ok:
-            _close_fds(fds)
-            fut.set_exception(error_from_wire(resp.error))
+        if not reply.ok:
+            close_fds(fds)
+            fut.set_exception(reply.value)
             return
-        # Decoded here, completely: ``body`` is the reader's buffer, overwritten by the next
-        # response, and ``resp.result`` (and a batch's items) are views into it.
-        try:
-            result = decode_ok(op, resp.result, decode)
-        except RadixdError as exc:
-            _close_fds(fds)
-            fut.set_exception(exc)
-            return
-        fut.set_result((result, fds) if op == "attach" else result)
+        fut.set_result((reply.value, fds) if reply.op == "attach" else reply.value)
 
     # -- failure and closing --------------------------------------------------------------------
 
@@ -406,8 +298,8 @@ class AsyncClient:
         if sock is not None:
             with contextlib.suppress(OSError):
                 sock.close()
-        pending, self._pending = self._pending, {}
-        for _op, fut, _decode in pending.values():
+        close_fds(self._attach_fds)
+        for fut in self._conn.abandon():
             if not fut.done():
                 e = ConnectionLost(self._closed_error.message)
                 e.__cause__ = self._closed_error.__cause__
@@ -445,8 +337,7 @@ class AsyncClient:
 
     # -- calls ----------------------------------------------------------------------------------
 
-    async def _call(self, op: str, req: Request, exclusive: bool = False,
-                    decode: Decode | None = None) -> Any:
+    async def _call(self, op: str, req: Request, exclusive: bool = False) -> Any:
         # While an attach has the connection to itself, others wait (also for a slot, then
         # again for the gate, as another attach may have started meanwhile).
         while not (self._gate_open or exclusive or self._closed_error is not None):
@@ -459,109 +350,18 @@ class AsyncClient:
             if self._slots is not None:
                 self._slots.release()
             raise self._lost()
-        rid = self._next_id
-        self._next_id = rid + 1
-        req.id = rid
-        frame = encode(req)
-        if len(frame) - HEADER_SIZE > self._max_request:
+        fut: asyncio.Future[Any] = self._loop.create_future()
+        try:
+            frame = self._conn.send(op, req, fut)
+        except BaseException:
             if self._slots is not None:
                 self._slots.release()
-            raise ProtocolError(
-                f"request of {len(frame) - HEADER_SIZE} bytes; the daemon's limit is "
-                f"{self._max_request} (max_frame_bytes): split it", code=Code.FRAME_TOO_LARGE,
-                details={"limit": self._max_request, "size": len(frame) - HEADER_SIZE})
-        fut: asyncio.Future[Any] = self._loop.create_future()
-        self._pending[rid] = (op, fut, decode)
-        if op == "attach":
-            self._attach_id = rid
-        try:
-            self._write(frame)
-        except BaseException:
-            self._pending.pop(rid, None)
             raise
+        if op == "attach":
+            self._attach_id = req.id
+        self._write(frame)
         self._wake.set()
         return await fut
-
-    async def ping(self, payload: bytes = b"") -> PingResult:
-        return await self._call("ping", Ping(payload=payload))  # type: ignore[no-any-return]
-
-    async def match(self, model: str, tokens: Any, lock: bool = False) -> MatchResult:
-        return await self._call(  # type: ignore[no-any-return]
-            "match", Match(model=model, tokens=int32_bytes(tokens), lock=lock))
-
-    async def lock(self, model: str, node: int) -> LockResult:
-        return await self._call(  # type: ignore[no-any-return]
-            "lock", Lock(model=model, node=node))
-
-    async def unlock(self, model: str, receipt: int) -> Empty:
-        return await self._call(  # type: ignore[no-any-return]
-            "unlock", Unlock(model=model, receipt=receipt))
-
-    async def release_swa(self, model: str, receipt: int) -> Empty:
-        return await self._call(  # type: ignore[no-any-return]
-            "release_swa", ReleaseSwa(model=model, receipt=receipt))
-
-    async def alloc(self, model: str, n: int) -> AllocResult:
-        return await self._call("alloc", Alloc(model=model, n=n))  # type: ignore[no-any-return]
-
-    async def free(self, model: str, full_pages: Any = (), swa_pages: Any = ()) -> Empty:
-        return await self._call("free", Free(  # type: ignore[no-any-return]
-            model=model, full_pages=int32_bytes(full_pages), swa_pages=int32_bytes(swa_pages)))
-
-    async def insert(self, model: str, tokens: Any, full_pages: Any, swa_pages: Any = (),
-                     prev_prefix_len: int = 0, swa_evicted_len: int = 0, lock: bool = False
-                     ) -> InsertResult:
-        return await self._call("insert", Insert(  # type: ignore[no-any-return]
-            model=model, tokens=int32_bytes(tokens), full_pages=int32_bytes(full_pages),
-            swa_pages=int32_bytes(swa_pages), prev_prefix_len=prev_prefix_len,
-            swa_evicted_len=swa_evicted_len, lock=lock))
-
-    async def cache_unfinished(self, model: str, tokens: Any, full_pages: Any,
-                               swa_pages: Any = (), prev_prefix_len: int = 0,
-                               swa_evicted_len: int = 0, receipt: int | None = None
-                               ) -> InsertResult:
-        return await self._call("cache_unfinished", CacheUnfinished(  # type: ignore
-            model=model, tokens=int32_bytes(tokens), full_pages=int32_bytes(full_pages),
-            swa_pages=int32_bytes(swa_pages), prev_prefix_len=prev_prefix_len,
-            swa_evicted_len=swa_evicted_len, receipt=receipt))
-
-    async def cache_finished(self, model: str, tokens: Any, full_pages: Any,
-                             swa_pages: Any = (), prev_prefix_len: int = 0,
-                             swa_evicted_len: int = 0, receipt: int | None = None
-                             ) -> InsertResult:
-        return await self._call("cache_finished", CacheFinished(  # type: ignore
-            model=model, tokens=int32_bytes(tokens), full_pages=int32_bytes(full_pages),
-            swa_pages=int32_bytes(swa_pages), prev_prefix_len=prev_prefix_len,
-            swa_evicted_len=swa_evicted_len, receipt=receipt))
-
-    async def evict(self, model: str, full_pages: int = 0, swa_pages: int = 0,
-                    host_pages: int = 0) -> EvictResult:
-        return await self._call("evict", Evict(  # type: ignore[no-any-return]
-            model=model, full_pages=full_pages, swa_pages=swa_pages, host_pages=host_pages))
-
-    async def stats(self, model: str | None = None) -> StatsResult:
-        return await self._call("stats", Stats(model=model))  # type: ignore[no-any-return]
-
-    async def load(self, model: str, tokens: Any, lock: bool = False) -> LoadResult:
-        """Copy the host (L2) part of the match of ``tokens`` back to device, then match.
-
-        Answered only once the data is on device; the result is a match (``lock`` as in
-        :meth:`match`) plus ``loaded_len``. Not allowed in a batch.
-        """
-        return await self._call(  # type: ignore[no-any-return]
-            "load", Load(model=model, tokens=int32_bytes(tokens), lock=lock))
-
-    async def prefetch(self, model: str, tokens: Any, policy: str = "best_effort",
-                 timeout_ms: int = 0) -> PrefetchResult:
-        """Fetch the pages of ``tokens`` that only L3 (Redis) holds into L2 (host).
-
-        ``policy``: ``best_effort`` answers once L3 was asked what it holds and fetches in the
-        background; ``wait_complete`` answers when the fetch is done; ``timeout`` answers when it
-        is done or after ``timeout_ms``. Not allowed in a batch.
-        """
-        return await self._call(  # type: ignore[no-any-return]
-            "prefetch", Prefetch(model=model, tokens=int32_bytes(tokens), policy=policy,
-                                 timeout_ms=timeout_ms))
 
     # -- batches, receipts, pools ---------------------------------------------------------------
 
@@ -594,7 +394,7 @@ class AsyncClient:
             self._gate_open = False
             self._gate.clear()
             try:
-                while self._pending and self._closed_error is None:
+                while self._conn.pending and self._closed_error is None:
                     self._drained.clear()
                     await self._drained.wait()
                 result, fds = await self._call("attach", Attach(model=model), exclusive=True)
@@ -604,11 +404,5 @@ class AsyncClient:
         try:
             return attach_pools(model, result, fds)
         finally:
-            _close_fds(fds)
+            close_fds(fds)
 
-
-def _close_fds(fds: list[int]) -> None:
-    for fd in fds:
-        with contextlib.suppress(OSError):
-            os.close(fd)
-    fds.clear()
