@@ -306,7 +306,7 @@ def _serve(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from .server import run
+    from .app import run
 
     try:
         return run(config)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-import re
 import socket
 import stat
 import time
@@ -49,51 +48,23 @@ def cache(c: Client, tokens: bytes, model: str = "m") -> None:
 
 # ---------------------------------------------------------------------------- metrics parsing
 
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? (\S+)$")
-_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\\n]|\\[\\"n])*)"(?:,|$)')
-
-
-def _unescape(v: str) -> str:
-    return re.sub(r"\\(.)", lambda m: {"n": "\n"}.get(m.group(1), m.group(1)), v)
-
-
 def parse_metrics(text: str) -> tuple[dict[str, str], dict[tuple[str, frozenset], float]]:
-    """Strictly: HELP then TYPE before a family's samples, names and label sets well formed,
-    no duplicate series. Returns (family -> type, (name, labels) -> value)."""
+    """With prometheus_client's own parser (strict about the format), plus what it does not
+    check: no duplicate series. Returns (family -> type, (name, labels) -> value)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     types: dict[str, str] = {}
-    helps: set[str] = set()
     samples: dict[tuple[str, frozenset], float] = {}
     assert text.endswith("\n")
-    for line in text.splitlines():
-        if line.startswith("# HELP "):
-            name = line.split(" ", 3)[2]
-            assert name not in helps, f"second HELP for {name}"
-            helps.add(name)
-            continue
-        if line.startswith("# TYPE "):
-            _, _, name, kind = line.split(" ")
-            assert name in helps, f"TYPE before HELP for {name}"
-            assert name not in types, f"second TYPE for {name}"
-            types[name] = kind
-            continue
-        m = _SAMPLE.match(line)
-        assert m, f"malformed sample line {line!r}"
-        name, raw_labels, value = m.groups()
-        family = name
-        if name not in types:
-            family = re.sub(r"_(bucket|sum|count)$", "", name)
-            assert types.get(family) == "histogram", f"sample {name} has no TYPE"
-        labels: dict[str, str] = {}
-        if raw_labels:
-            pos = 0
-            for lm in _LABEL.finditer(raw_labels):
-                assert lm.start() == pos, f"bad labels in {line!r}"
-                labels[lm.group(1)] = _unescape(lm.group(2))
-                pos = lm.end()
-            assert pos == len(raw_labels), f"bad labels in {line!r}"
-        key = (name, frozenset(labels.items()))
-        assert key not in samples, f"duplicate series {line!r}"
-        samples[key] = float(value)
+    for fam in text_string_to_metric_families(text):
+        # the name as the text format exposes it (the parser drops a counter's _total)
+        name = fam.name + "_total" if fam.type == "counter" else fam.name
+        assert name not in types, f"second family {name}"
+        types[name] = fam.type
+        for sample in fam.samples:
+            key = (sample.name, frozenset(sample.labels.items()))
+            assert key not in samples, f"duplicate series {sample}"
+            samples[key] = sample.value
     return types, samples
 
 
@@ -177,10 +148,8 @@ def test_readyz_and_healthz_on_a_running_daemon(admin_daemon) -> None:
 async def test_readyz_reports_starting_and_stopping(tmp_path: Path) -> None:
     import aiohttp
 
-    server = _in_process_server(tmp_path)
-    from daemon.admin import start_admin
-
-    handle = await start_admin(server)
+    daemon = _in_process_daemon(tmp_path)
+    handle = await daemon.start_admin()
     try:
         assert handle.port and handle.url == f"http://127.0.0.1:{handle.port}"
         auth = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
@@ -188,10 +157,10 @@ async def test_readyz_reports_starting_and_stopping(tmp_path: Path) -> None:
             async with s.get(handle.url + "/readyz", headers=auth) as r:
                 assert (r.status, await r.json()) == (503, {"ready": False,
                                                             "reason": "starting"})
-            server.ready = True
+            daemon.server.ready = True
             async with s.get(handle.url + "/readyz", headers=auth) as r:
                 assert (r.status, await r.json()) == (200, {"ready": True})
-            server.stop()  # what SIGTERM does: not ready, stopping
+            daemon.server.stop()  # what SIGTERM does: not ready, stopping
             async with s.get(handle.url + "/readyz", headers=auth) as r:
                 assert (r.status, await r.json()) == (503, {"ready": False,
                                                             "reason": "stopping"})
@@ -199,20 +168,19 @@ async def test_readyz_reports_starting_and_stopping(tmp_path: Path) -> None:
                 assert r.status == 200
     finally:
         await handle.stop()
-        server.service.close()
+        daemon.service.close()
 
 
-def _in_process_server(tmp_path: Path, **admin: Any) -> Any:
+def _in_process_daemon(tmp_path: Path, **admin: Any) -> Any:
+    from daemon.app import build
     from daemon.config import load_config
-    from daemon.server import Server
-    from daemon.service import Service
 
     config = load_config(None, env={}, overrides={
         "server": {"socket": str(tmp_path / "radixd.sock")},
         "admin": {"port": 0, "token": ADMIN_TOKEN, **admin},
         "models": [{**SMALL_MODEL, "export_pools": False}],
     })
-    return Server(config, Service(config, create_pools=False))
+    return build(config, create_pools=False)
 
 
 @pytest.mark.asyncio
@@ -221,8 +189,8 @@ async def test_status_page_served_or_a_clear_404(tmp_path: Path, monkeypatch) ->
 
     from daemon import admin
 
-    server = _in_process_server(tmp_path)
-    handle = await admin.start_admin(server)
+    daemon = _in_process_daemon(tmp_path)
+    handle = await daemon.start_admin()
     try:
         async with aiohttp.ClientSession() as s:
             page = Path(admin.__file__).parent / "static" / "status.html"
@@ -241,15 +209,13 @@ async def test_status_page_served_or_a_clear_404(tmp_path: Path, monkeypatch) ->
                 assert "not installed" in body["error"]["message"]
     finally:
         await handle.stop()
-        server.service.close()
+        daemon.service.close()
 
 
 @pytest.mark.asyncio
 async def test_admin_over_a_unix_socket(tmp_path: Path) -> None:
-    server = _in_process_server(tmp_path, unix_socket=str(tmp_path / "admin.sock"))
-    from daemon.admin import start_admin
-
-    handle = await start_admin(server)
+    daemon = _in_process_daemon(tmp_path, unix_socket=str(tmp_path / "admin.sock"))
+    handle = await daemon.start_admin()
     try:
         assert handle.url == f"unix:{tmp_path / 'admin.sock'}" and handle.port is None
         assert stat.S_ISSOCK(os.stat(tmp_path / "admin.sock").st_mode)
@@ -260,7 +226,7 @@ async def test_admin_over_a_unix_socket(tmp_path: Path) -> None:
         assert r.status == 200 and r.json()[0]["name"] == "m"
     finally:
         await handle.stop()
-        server.service.close()
+        daemon.service.close()
     assert not (tmp_path / "admin.sock").exists()
 
 
@@ -272,24 +238,22 @@ async def test_port_conflicts(tmp_path: Path, monkeypatch, caplog) -> None:
     busy.bind(("127.0.0.1", 0))
     busy.listen(1)
     try:
-        server = _in_process_server(tmp_path, port=busy.getsockname()[1])
+        daemon = _in_process_daemon(tmp_path, port=busy.getsockname()[1])
         with pytest.raises(OSError, match="admin endpoint 127.0.0.1:"):
-            await server._start_admin()
-        assert server.admin is None
-        server.service.close()
+            await daemon.start_admin()
+        daemon.service.close()
 
         from daemon import admin
 
         def taken(host: str, port: int) -> socket.socket:
             raise OSError(98, "Address already in use")
 
-        monkeypatch.setattr(admin, "_bind_tcp", taken)
-        server = _in_process_server(tmp_path)
-        server.config.admin = type(server.config.admin)(token=ADMIN_TOKEN)  # port: the default
-        await server._start_admin()
-        assert server.admin is None
+        monkeypatch.setattr(admin, "bind_tcp", taken)
+        daemon = _in_process_daemon(tmp_path)
+        daemon.config.admin = type(daemon.config.admin)(token=ADMIN_TOKEN)  # port: the default
+        assert await daemon.start_admin() is None
         assert "admin endpoint not started: cannot bind 127.0.0.1:8471" in caplog.text
-        server.service.close()
+        daemon.service.close()
     finally:
         busy.close()
 
@@ -300,11 +264,10 @@ async def test_an_unwritable_token_file_is_fatal(tmp_path: Path) -> None:
 
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("")
-    server = _in_process_server(tmp_path, token=None, token_file=str(blocker / "admin.token"))
+    daemon = _in_process_daemon(tmp_path, token=None, token_file=str(blocker / "admin.token"))
     with pytest.raises(TokenFileError, match="cannot write the admin token to .*not-a-dir"):
-        await server._start_admin()
-    assert server.admin is None
-    server.service.close()
+        await daemon.start_admin()
+    daemon.service.close()
 
 
 def test_a_configured_port_in_use_stops_the_daemon(admin_daemon) -> None:
@@ -442,15 +405,23 @@ def test_metrics_follow_real_traffic(admin_daemon) -> None:
     assert metric(samples, "radixd_pool_tree_pages", model="m", pool="full") == 0
 
 
-def test_metric_label_values_are_escaped_and_tenants_guarded(tmp_path: Path) -> None:
+def _scrape(daemon: Any, accept: str = "") -> str:
+    """The exposition of an in-process daemon, as /metrics renders it."""
     from daemon import exposition
 
+    collector = exposition.Collector(daemon.service, daemon.server, daemon.checker,
+                                     daemon.config.admin.tenant_label_limit)
+    body, _ = exposition.render(collector, accept)
+    return body.decode()
+
+
+def test_metric_label_values_are_escaped_and_tenants_guarded(tmp_path: Path) -> None:
     weird = 'we"ird\\ten\nant'
     tenants = [{"name": n, "token": f"tok-{i}", "namespace": f"ns{i}"}
                for i, n in enumerate(["a", weird, "c", "d", "e"])]
+    from daemon.app import build
     from daemon.config import load_config
-    from daemon.server import Server
-    from daemon.service import Peer, Service
+    from daemon.service import Peer
 
     config = load_config(None, env={}, overrides={
         "server": {"socket": str(tmp_path / "s.sock")},
@@ -458,12 +429,12 @@ def test_metric_label_values_are_escaped_and_tenants_guarded(tmp_path: Path) -> 
         "models": [{**SMALL_MODEL, "export_pools": False}],
         "tenants": tenants,
     })
-    server = Server(config, Service(config, create_pools=False))
-    svc = server.service
+    daemon = build(config, create_pools=False)
+    svc = daemon.service
     for i, t in enumerate(svc.tenants):
         t.counters["hit_tokens"] = 10 ** i
         svc.open_session(t, Peer())
-    text = exposition.render(server)
+    text = _scrape(daemon)
     assert 'tenant="we\\"ird\\\\ten\\nant"' in text
     _, samples = parse_metrics(text)
     hits = {lb["tenant"]: v for lb, v in series(samples, "radixd_tenant_hit_tokens_total")}
@@ -480,11 +451,8 @@ async def test_a_model_without_swa(tmp_path: Path) -> None:
     (In process: a TOML file cannot say sliding_window = None.)"""
     import aiohttp
 
-    from daemon import exposition
-    from daemon.admin import start_admin
+    from daemon.app import build
     from daemon.config import load_config
-    from daemon.server import Server
-    from daemon.service import Service
 
     config = load_config(None, env={}, overrides={
         "server": {"socket": str(tmp_path / "radixd.sock")},
@@ -492,8 +460,8 @@ async def test_a_model_without_swa(tmp_path: Path) -> None:
         "models": [{**SMALL_MODEL, "sliding_window": None, "num_swa_layers": 0,
                     "export_pools": False}],
     })
-    server = Server(config, Service(config, create_pools=False))
-    handle = await start_admin(server)
+    daemon = build(config, create_pools=False)
+    handle = await daemon.start_admin()
     auth = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
     try:
         async with aiohttp.ClientSession(headers=auth) as s:
@@ -506,11 +474,11 @@ async def test_a_model_without_swa(tmp_path: Path) -> None:
             async with s.post(handle.url + "/v1/evict", json={"full_pages": 1}) as r:
                 assert (r.status, await r.json()) == (200, {"full_pages": 0, "swa_pages": 0,
                                                       "host_pages": 0})
-        _, samples = parse_metrics(exposition.render(server))
+        _, samples = parse_metrics(_scrape(daemon))
         assert not [k for k in samples if ("pool", "swa") in k[1]]
     finally:
         await handle.stop()
-        server.service.close()
+        daemon.service.close()
 
 
 # ---------------------------------------------------------------------------- JSON views
@@ -768,7 +736,7 @@ def test_openapi_document_covers_every_route(admin_daemon) -> None:
     d = admin_daemon({"admin": {"token": ADMIN_TOKEN}})
     doc = d.get_json("/v1/openapi.json")
     assert doc == openapi_document()
-    assert doc["openapi"].startswith("3.0")
+    assert doc["openapi"].startswith("3.1")  # JSON Schema 2020-12: msgspec's schemas
     documented = {(m.upper(), p) for p, item in doc["paths"].items() for m in item}
     assert documented == set(PROTECTED + PUBLIC)
     assert doc["components"]["securitySchemes"]["bearerAuth"]["scheme"] == "bearer"
