@@ -19,10 +19,11 @@ from radixd_client import protocol as P
 from .admin import AdminHandle, TokenFileError, start_admin
 from .checker import Checker
 from .config import Config, ModelConfig
+from .entities import ModelEntry, Tenant, build_tenants, namespace_quotas
 from .model_cache import ModelCache
 from .sdnotify import Notifier
 from .server import Server, tune_gc
-from .service import ModelEntry, Service, Tenant, build_tenants, namespace_quotas
+from .service import Service
 
 log = logging.getLogger("radixd.app")
 

@@ -9,14 +9,13 @@ each answer is consistent; none of them changes state.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Any, Literal, Protocol
+from typing import Annotated, Any, Literal, Protocol
 
 import msgspec
 from radixd_client import protocol as P
 
-if TYPE_CHECKING:
-    from .metrics import OpStats
-    from .service import ModelEntry, Session, Tenant
+from .entities import ModelEntry, Session, Tenant
+from .metrics import OpStats
 
 #: eviction triggers every model reports, 0 until they happen
 EVICTION_REASONS = ("alloc", "quota", "explicit", "admin")

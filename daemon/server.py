@@ -27,9 +27,10 @@ from radixd_client import protocol as P
 
 from .checker import Checker
 from .config import Config
+from .entities import Peer, Session
 from .metrics import OpStats
 from .sdnotify import Notifier, listen_fds, watchdog_interval
-from .service import Peer, Service, ServiceError, Session, error_of
+from .service import Service, ServiceError, error_of
 from .sockets import bind_unix_socket
 
 log = logging.getLogger("radixd.server")

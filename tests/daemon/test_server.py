@@ -33,7 +33,8 @@ def test_deeply_nested_body_gets_an_error_and_the_session_survives(daemon) -> No
     decode_request, but msgspec raises RecursionError for a deeply nested value (here inside an
     unknown field of a ping, which msgspec would otherwise skip). It escapes data_received and
     asyncio drops the connection and the session (every lock and page it held) instead of
-    answering bad_frame (DESIGN 7: 'the session survives unless the framing itself is broken')."""
+    answering bad_frame (docs/design.md section 7: 'the session survives unless the framing
+    itself is broken')."""
     c = Raw(daemon.socket)
     body = b"\x83\xa2op\xa4ping\xa2id\x09\xa1x" + b"\x91" * 200_000 + b"\xc0"
     c.send(body)

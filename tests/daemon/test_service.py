@@ -24,7 +24,7 @@ def _service(tenants):
 
 
 def _session(svc, token):
-    from daemon.service import Peer
+    from daemon.entities import Peer
 
     return svc.open_session(svc.authenticate(token, Peer(0, os.getuid(), os.getgid())), Peer())
 

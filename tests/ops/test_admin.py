@@ -421,7 +421,7 @@ def test_metric_label_values_are_escaped_and_tenants_guarded(tmp_path: Path) -> 
                for i, n in enumerate(["a", weird, "c", "d", "e"])]
     from daemon.app import build
     from daemon.config import load_config
-    from daemon.service import Peer
+    from daemon.entities import Peer
 
     config = load_config(None, env={}, overrides={
         "server": {"socket": str(tmp_path / "s.sock")},
