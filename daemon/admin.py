@@ -55,7 +55,7 @@ from .admin_types import (
 )
 from .admin_types import Checker as CheckerOut
 from .checker import Checker
-from .config import Config, redacted
+from .config import Config, admin_token_file, redacted
 from .queries import NotFound, ServerState
 from .service import Service
 from .sockets import bind_tcp, bind_unix_socket
@@ -134,11 +134,6 @@ async def start_admin(config: Config, service: Service, state: ServerState, chec
     return AdminHandle(url, port, runner, unix_path, token_file)
 
 
-def default_token_file(socket_path: str) -> str:
-    """Where a generated admin token goes without ``admin.token_file``: beside the socket."""
-    return str(Path(socket_path).parent / "admin.token")
-
-
 def _token_digest(config: Config, socket_path: str) -> tuple[bytes, str | None]:
     """The SHA-256 digest of the bearer token, generating (and writing) one if none is set."""
     cfg = config.admin
@@ -148,7 +143,7 @@ def _token_digest(config: Config, socket_path: str) -> tuple[bytes, str | None]:
         return bytes.fromhex(cfg.token_sha256), None
     # hex: a generated token never starts with '-', which a command line would read as a flag
     token = secrets.token_hex(32)
-    path = cfg.token_file or default_token_file(socket_path)
+    path = admin_token_file(config, socket_path)
     try:
         _write_secret(path, token + "\n")
     except OSError as exc:

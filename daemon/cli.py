@@ -447,7 +447,9 @@ def _admin_token(args: argparse.Namespace, config: Any) -> str | None:
     if path is None:
         if config.admin.token:
             return str(config.admin.token)
-        path = config.admin.token_file or str(Path(config.server.socket).parent / "admin.token")
+        from .config import admin_token_file
+
+        path = admin_token_file(config)
     try:
         token = Path(path).read_text(encoding="utf-8").strip()
     except OSError as exc:

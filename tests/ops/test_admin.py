@@ -445,6 +445,32 @@ def test_metric_label_values_are_escaped_and_tenants_guarded(tmp_path: Path) -> 
     svc.close()
 
 
+def test_openmetrics_on_request(admin_daemon) -> None:
+    """Accept: application/openmetrics-text gets OpenMetrics 1.0.0 with the same series; a
+    plain scrape stays on the text format 0.0.4."""
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families
+
+    d = admin_daemon({"admin": {"token": ADMIN_TOKEN}})
+    with Client(d.socket) as c:
+        cache(c, toks(2))
+        plain = d.get("/metrics")
+        om = d.get("/metrics", headers={"Accept": "application/openmetrics-text; "
+                                                  "version=1.0.0"})
+    assert plain.headers["content-type"].startswith("text/plain; version=0.0.4")
+    assert om.headers["content-type"].startswith("application/openmetrics-text")
+    assert om.text.endswith("# EOF\n")
+    _, text_samples = parse_metrics(plain.text)
+    om_samples = {(s.name, frozenset(s.labels.items())): s.value
+                  for fam in text_string_to_metric_families(om.text) for s in fam.samples}
+    volatile = {"radixd_uptime_seconds", "radixd_operations_total",
+                "radixd_operation_duration_seconds_bucket",
+                "radixd_operation_duration_seconds_count", "radixd_operation_duration_seconds_sum"}
+    assert {k for k in om_samples if k[0] not in volatile} == {
+        k for k in text_samples if k[0] not in volatile}
+    assert metric(om_samples, "radixd_matches_total", model="m") == 0
+    assert metric(om_samples, "radixd_pool_tree_pages", model="m", pool="full") == 2
+
+
 @pytest.mark.asyncio
 async def test_a_model_without_swa(tmp_path: Path) -> None:
     """No SWA pool: no swa in the pools, no swa series, and swa_pages must be 0 to evict.
