@@ -38,6 +38,7 @@ from . import __version__, exposition
 from .admin_types import (
     MAX_VIOLATIONS_SHOWN,
     ROUTES,
+    Alive,
     CheckResult,
     Error,
     ErrorDetail,
@@ -311,6 +312,8 @@ class _Admin:
         self.state = state
         self.checker = checker
         self._digest = digest
+        self._collector = exposition.Collector(service, state, checker,
+                                               config.admin.tenant_label_limit)
         self._handlers = {
             "/": self.status_page, "/healthz": self.healthz, "/readyz": self.readyz,
             "/metrics": self.metrics, "/v1/stats": self.stats, "/v1/tenants": self.tenants,
@@ -367,7 +370,7 @@ class _Admin:
     # -- health
 
     async def healthz(self, request: web.Request, _: None) -> web.Response:
-        return _respond({"status": "alive"})
+        return _respond(Alive())
 
     async def readyz(self, request: web.Request, _: None) -> web.Response:
         if self.state.ready:
@@ -375,10 +378,8 @@ class _Admin:
         return _respond(Ready(False, "stopping" if self.state.stopping else "starting"), 503)
 
     async def metrics(self, request: web.Request, _: None) -> web.Response:
-        body, content_type = exposition.render(
-            exposition.Collector(self.service, self.state, self.checker,
-                                 self.config.admin.tenant_label_limit),
-            request.headers.get("Accept", ""))
+        body, content_type = exposition.render(self._collector,
+                                               request.headers.get("Accept", ""))
         return web.Response(body=body, headers={"Content-Type": content_type})
 
     # -- views
