@@ -170,7 +170,7 @@ class ServiceQueries:
         c = self._entry(model).cache
         a = c.alloc_state
         t = c.tree
-        held_full, held_swa = _held_pages(c)
+        held_full, held_swa = held_pages(c)
         out = {"full": PoolUsage(a.full.usable, a.full.available,
                                  t.full_evictable + t.full_protected, t.full_evictable,
                                  t.full_protected, held_full)}
@@ -276,7 +276,7 @@ class ServiceQueries:
         return TreeView(root, count, truncated)
 
 
-def _held_pages(cache: Any) -> tuple[int, int]:
+def held_pages(cache: Any) -> tuple[int, int]:
     """Pages sessions hold in a model: ModelCache.held_full_pages/held_swa_pages where the model
     cache has them, else its owner maps (the properties are being added alongside)."""
     full = getattr(cache, "held_full_pages", None)

@@ -26,7 +26,7 @@ from .entities import (
     build_tenants,
 )
 from .gpu.allocator import OutOfPages
-from .queries import ServiceQueries, _held_pages
+from .queries import ServiceQueries, held_pages
 
 log = logging.getLogger("radixd.service")
 
@@ -452,7 +452,7 @@ class Service(ServiceQueries):
             c = entry.cache
             a = c.alloc_state
             tree_full, tree_swa = c.tree.device_pages()
-            held_full, held_swa = _held_pages(c)
+            held_full, held_swa = held_pages(c)
             if a.full.available + tree_full + held_full != a.full.usable:
                 v.append(f"{name}: full pool free {a.full.available} + tree {tree_full} + held "
                          f"{held_full} != {a.full.usable}")
