@@ -2,22 +2,23 @@
 
 It runs inside the daemon's own event loop (aiohttp ``AppRunner`` on a socket it binds itself), so
 every handler sees the service between two operations, never in the middle of one, and a handler
-that changes state (``POST /v1/evict``) is as atomic as an engine's operation.
+that changes state (``POST /v1/evict``) is as atomic as an engine's operation. It reads the daemon
+only through the service's query API (daemon/queries.py), the checker and ``ServerState``.
 
-Security (DESIGN.md section 7): it binds loopback (``admin.host``) or a Unix socket, every route
-but ``GET /healthz`` and ``GET /`` (a static page with no data in it) needs
+Security (docs/design.md section 7): it binds loopback (``admin.host``) or a Unix socket, every
+route but ``GET /healthz`` and ``GET /`` (a static page with no data in it) needs
 ``Authorization: Bearer <token>``, the token is kept only as its SHA-256 digest and compared in
 constant time, and no response ever contains a token or a digest. With no token configured, a
 random one is generated at start and written (mode 0600) to ``admin.token_file``, by default
 ``admin.token`` beside the engines' socket, where ``radixd status`` finds it.
 
-The routes and their JSON shapes are described by the OpenAPI document at ``/v1/openapi.json``
-(``openapi_document`` below); tests/ops/test_admin.py runs schemathesis against it.
+Every route's query, body and response is a type in daemon/admin_types.py; the OpenAPI document
+at ``/v1/openapi.json`` is generated from them, and tests/ops/test_admin.py runs schemathesis
+against it.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import hashlib
 import hmac
@@ -25,31 +26,49 @@ import importlib.resources
 import json
 import logging
 import os
-import re
 import secrets
-import socket
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, TypeVar
 
 import msgspec
 from aiohttp import web
 
 from . import __version__, exposition
-from .config import redacted
-from .exposition import EVICTION_REASONS
+from .admin_types import (
+    MAX_VIOLATIONS_SHOWN,
+    ROUTES,
+    Alive,
+    CheckResult,
+    Error,
+    ErrorDetail,
+    EvictRequest,
+    EvictResult,
+    Model,
+    ModelStats,
+    NoQuery,
+    Ready,
+    Stats,
+    TenantStats,
+    Tree,
+    TreeQuery,
+    openapi_document,
+)
+from .admin_types import Checker as CheckerOut
+from .checker import Checker
+from .config import Config, admin_token_file, redacted
+from .queries import NotFound, ServerState
+from .service import Service
+from .sockets import bind_tcp, bind_unix_socket
 
-if TYPE_CHECKING:
-    from .server import Server
+__all__ = ["AdminHandle", "BadRequest", "TokenFileError", "openapi_document", "start_admin"]
+
+T = TypeVar("T")
 
 log = logging.getLogger("radixd.admin")
 
-MAX_TREE_DEPTH = 64
-DEFAULT_TREE_DEPTH = 3
-MAX_EVICT_PAGES = (1 << 31) - 1
-MAX_VIOLATIONS_SHOWN = 50
-_PUBLIC = {("GET", "/healthz"), ("HEAD", "/healthz"), ("GET", "/"), ("HEAD", "/")}
-_UINT = re.compile(r"[0-9]{1,6}")
+# routes that need no token (GET routes answer HEAD too)
+_PUBLIC = {(m, r.path) for r in ROUTES if r.public for m in (r.method, "HEAD")}
 
 
 class AdminHandle:
@@ -79,34 +98,31 @@ class BadRequest(Exception):
         self.parameter = parameter
 
 
-class NotFound(Exception):
-    """A model or namespace that does not exist: 404."""
-
-
 class TokenFileError(OSError):
     """The generated admin token could not be written (always fatal: nobody could use it)."""
 
 
 # ---------------------------------------------------------------------------- start and stop
 
-async def start_admin(server: Server) -> AdminHandle:
-    """Bind the admin endpoint per ``config.admin`` and serve it in the running loop."""
-    cfg = server.config.admin
-    digest, token_file = _token_digest(server)
+async def start_admin(config: Config, service: Service, state: ServerState, checker: Checker,
+                      socket_path: str) -> AdminHandle:
+    """Bind the admin endpoint per ``config.admin`` and serve it in the running loop.
+
+    ``socket_path``: the engines' socket, beside which a generated token is written."""
+    cfg = config.admin
+    digest, token_file = _token_digest(config, socket_path)
     app = web.Application(middlewares=[_middleware], client_max_size=64 * 1024)
-    admin = _Admin(server, digest)
+    admin = _Admin(config, service, state, checker, digest)
     app[_ADMIN] = admin
     admin.routes(app)
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0)
     await runner.setup()
     try:
         if cfg.unix_socket is not None:
-            from .server import _bind_socket
-
-            sock = _bind_socket(cfg.unix_socket, 0o660)
+            sock = bind_unix_socket(cfg.unix_socket, 0o660)
             url, port, unix_path = f"unix:{cfg.unix_socket}", None, cfg.unix_socket
         else:
-            sock = _bind_tcp(cfg.host, cfg.port)
+            sock = bind_tcp(cfg.host, cfg.port)
             port = sock.getsockname()[1]
             host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
             url, unix_path = f"http://{host}:{port}", None
@@ -119,37 +135,16 @@ async def start_admin(server: Server) -> AdminHandle:
     return AdminHandle(url, port, runner, unix_path, token_file)
 
 
-def _bind_tcp(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    if host == "localhost":
-        host = "127.0.0.1"
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(128)
-        sock.setblocking(False)
-    except BaseException:
-        sock.close()
-        raise
-    return sock
-
-
-def default_token_file(socket_path: str) -> str:
-    """Where a generated admin token goes without ``admin.token_file``: beside the socket."""
-    return str(Path(socket_path).parent / "admin.token")
-
-
-def _token_digest(server: Server) -> tuple[bytes, str | None]:
+def _token_digest(config: Config, socket_path: str) -> tuple[bytes, str | None]:
     """The SHA-256 digest of the bearer token, generating (and writing) one if none is set."""
-    cfg = server.config.admin
+    cfg = config.admin
     if cfg.token is not None:
         return hashlib.sha256(cfg.token.encode()).digest(), None
     if cfg.token_sha256 is not None:
         return bytes.fromhex(cfg.token_sha256), None
     # hex: a generated token never starts with '-', which a command line would read as a flag
     token = secrets.token_hex(32)
-    path = cfg.token_file or default_token_file(str(server.socket_path))
+    path = admin_token_file(config, socket_path)
     try:
         _write_secret(path, token + "\n")
     except OSError as exc:
@@ -180,10 +175,14 @@ def _write_secret(path: str, text: str) -> None:
 
 def _error(status: int, code: str, message: str, parameter: str | None = None,
            headers: dict[str, str] | None = None) -> web.Response:
-    err: dict[str, Any] = {"code": code, "message": message}
-    if parameter is not None:
-        err["parameter"] = parameter
-    return web.json_response({"error": err}, status=status, headers=headers)
+    detail = ErrorDetail(code, message, msgspec.UNSET if parameter is None else parameter)
+    return _respond(Error(detail), status, headers)
+
+
+def _respond(value: Any, status: int = 200, headers: dict[str, str] | None = None
+             ) -> web.Response:
+    return web.Response(body=msgspec.json.encode(value), status=status, headers=headers,
+                        content_type="application/json")
 
 
 _HTTP_CODES = {400: "bad_request", 401: "unauthorized", 404: "not_found",
@@ -220,30 +219,120 @@ async def _middleware(request: web.Request, handler: Any) -> web.StreamResponse:
         return _error(500, "internal", "internal error in the admin endpoint (see the log)")
 
 
+# ---------------------------------------------------------------------------- input
+
+def decode_query(request: web.Request, t: type[T]) -> T:
+    """The query string as a ``t``: unknown, repeated or invalid parameters are a 400 naming
+    the parameter (values are strings; numbers are converted)."""
+    allowed = _field_names(t)
+    given: dict[str, str] = {}
+    for key in request.query:
+        if key not in allowed:
+            raise BadRequest(f"unknown query parameter {key!r}"
+                             + (f"; this route takes {', '.join(allowed)}" if allowed
+                                else "; this route takes none"), key)
+        values = request.query.getall(key)
+        if len(values) > 1:
+            raise BadRequest(f"query parameter {key!r} is given {len(values)} times; give it "
+                             "once", key)
+        given[key] = values[0]
+    return _convert(given, t, strict=False)
+
+
+async def decode_body(request: web.Request, t: type[T]) -> T:
+    """The JSON body as a ``t``: anything else is a 400 naming the field at fault."""
+    raw = await request.read()
+    if not raw.strip():
+        raise BadRequest("a JSON body is required (Content-Type: application/json)")
+    try:
+        body = json.loads(raw, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as exc:
+        raise BadRequest(f"the body is not valid JSON: {exc}"[:300]) from None
+    if not isinstance(body, dict):
+        raise BadRequest(f"the body must be a JSON object, got {_json_type(body)}")
+    known = _field_names(t)
+    for key in body:
+        if key not in known:
+            raise BadRequest(f"unknown field {key!r}; fields: {', '.join(known)}", key)
+    # JSON Schema counts 3.0 as an integer; the types (and Python) would not
+    body = {k: int(v) if isinstance(v, float) and v.is_integer() else v for k, v in body.items()}
+    return _convert(body, t, strict=True)
+
+
+def _field_names(t: type) -> list[str]:
+    return [f.encode_name for f in msgspec.structs.fields(t)]
+
+
+def _convert(values: dict[str, Any], t: type[T], *, strict: bool) -> T:
+    try:
+        return msgspec.convert(values, t, strict=strict)
+    except msgspec.ValidationError as exc:
+        field = str(exc).rpartition("at `$.")[2].rstrip("`") if "at `$." in str(exc) else None
+        if field is None or field not in values:
+            raise BadRequest(str(exc)) from None
+        raise BadRequest(f"{field} must be {_expected(t, field)}, got {values[field]!r}"[:200],
+                         field) from None
+
+
+def _expected(t: type, field: str) -> str:
+    """What a field accepts, in words, from its type (constraints included)."""
+    info = next(f for f in msgspec.inspect.type_info(t).fields  # type: ignore[union-attr]
+                if f.encode_name == field).type
+    if isinstance(info, msgspec.inspect.Metadata):
+        info = info.type
+    if isinstance(info, msgspec.inspect.UnionType):
+        info = next(x for x in info.types if not isinstance(x, msgspec.inspect.UnsetType))
+    if isinstance(info, msgspec.inspect.Metadata):
+        info = info.type
+    if isinstance(info, msgspec.inspect.IntType):
+        if info.ge is not None and info.le is not None:
+            return f"an integer from {info.ge} to {info.le}"
+        return "an integer"
+    if isinstance(info, msgspec.inspect.StrType):
+        return "a string"
+    return "valid"
+
+
+def _json_type(v: Any) -> str:
+    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean",
+            int: "an integer", float: "a number", type(None): "null"}.get(type(v), type(v).__name__)
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
 # ---------------------------------------------------------------------------- the routes
 
 class _Admin:
-    def __init__(self, server: Server, digest: bytes):
-        self.server = server
-        self.service = server.service
-        self.config = server.config
+    def __init__(self, config: Config, service: Service, state: ServerState, checker: Checker,
+                 digest: bytes):
+        self.config = config
+        self.service = service
+        self.state = state
+        self.checker = checker
         self._digest = digest
+        self._collector = exposition.Collector(service, state, checker,
+                                               config.admin.tenant_label_limit)
+        self._handlers = {
+            "/": self.status_page, "/healthz": self.healthz, "/readyz": self.readyz,
+            "/metrics": self.metrics, "/v1/stats": self.stats, "/v1/tenants": self.tenants,
+            "/v1/sessions": self.sessions, "/v1/models": self.models, "/v1/tree": self.tree,
+            "/v1/check": self.check, "/v1/evict": self.evict, "/v1/config": self.config_view,
+            "/v1/openapi.json": self.openapi,
+        }
 
     def routes(self, app: web.Application) -> None:
-        r = app.router
-        r.add_get("/", self.status_page)
-        r.add_get("/healthz", self.healthz)
-        r.add_get("/readyz", self.readyz)
-        r.add_get("/metrics", self.metrics)
-        r.add_get("/v1/stats", self.stats)
-        r.add_get("/v1/tenants", self.tenants)
-        r.add_get("/v1/sessions", self.sessions)
-        r.add_get("/v1/models", self.models)
-        r.add_get("/v1/tree", self.tree)
-        r.add_post("/v1/check", self.check)
-        r.add_post("/v1/evict", self.evict)
-        r.add_get("/v1/config", self.config_view)
-        r.add_get("/v1/openapi.json", self.openapi)
+        for route in ROUTES:
+            add = app.router.add_get if route.method == "GET" else app.router.add_post
+            add(route.path, self._validated(route.query, self._handlers[route.path]))
+
+    @staticmethod
+    def _validated(query: Any, handler: Any) -> Any:
+        async def handle(request: web.Request) -> web.StreamResponse:
+            return await handler(request, None if query is None else decode_query(request, query))
+
+        return handle
 
     def authenticate(self, request: web.Request) -> web.Response | None:
         """None when the bearer token is right, else the 401 response."""
@@ -267,150 +356,74 @@ class _Admin:
                       "token (admin.token_file, by default admin.token beside the socket)",
                       headers={"WWW-Authenticate": 'Bearer realm="radixd"'})
 
-    # -- helpers
-
-    @staticmethod
-    def _query(request: web.Request, allowed: tuple[str, ...]) -> dict[str, str]:
-        out: dict[str, str] = {}
-        for key in request.query:
-            if key not in allowed:
-                raise BadRequest(f"unknown query parameter {key!r}"
-                                 + (f"; this route takes {', '.join(allowed)}" if allowed
-                                    else "; this route takes none"), key)
-            values = request.query.getall(key)
-            if len(values) > 1:
-                raise BadRequest(f"query parameter {key!r} is given {len(values)} times; give it "
-                                 "once", key)
-            out[key] = values[0]
-        return out
-
-    def _model_name(self, name: str | None, parameter: str = "model") -> str:
-        models = self.service.models
-        if name is None:
+    def _model_name(self, name: str | msgspec.UnsetType, parameter: str = "model") -> str:
+        models = self.service.model_names()
+        if name is msgspec.UNSET:
             if len(models) == 1:
-                return next(iter(models))
+                return models[0]
             raise BadRequest(f"{parameter} is required: this daemon serves {len(models)} models "
                              f"({', '.join(models)})", parameter)
         if name not in models:
             raise NotFound(f"no model named {name!r} (models: {', '.join(models)})")
-        return name
-
-    def _checker(self) -> dict[str, Any]:
-        last = self.server.last_check
-        violations = list(last.get("violations") or [])
-        return {"ok": last.get("ok"), "kind": last.get("kind"), "at": last.get("at"),
-                "violations": violations[:MAX_VIOLATIONS_SHOWN],
-                "violation_count": len(violations)}
-
-    def _policy(self, model: str) -> str:
-        return self.service.models[model].cache.tree.policy.name
-
-    def _evictions(self, model: str) -> dict[str, dict[str, int]]:
-        by = self.service.models[model].cache.tree.evictions_by_reason
-        reasons = list(EVICTION_REASONS) + sorted(set(by) - set(EVICTION_REASONS))
-        return {r: {"full": by.get(r, (0, 0))[0], "swa": by.get(r, (0, 0))[1]} for r in reasons}
+        return name  # type: ignore[return-value]
 
     # -- health
 
-    async def healthz(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "alive"})
+    async def healthz(self, request: web.Request, _: None) -> web.Response:
+        return _respond(Alive())
 
-    async def readyz(self, request: web.Request) -> web.Response:
-        if self.server.ready:
-            return web.json_response({"ready": True})
-        reason = "stopping" if self.server.stopping else "starting"
-        return web.json_response({"ready": False, "reason": reason}, status=503)
+    async def readyz(self, request: web.Request, _: None) -> web.Response:
+        if self.state.ready:
+            return _respond(Ready(True))
+        return _respond(Ready(False, "stopping" if self.state.stopping else "starting"), 503)
 
-    async def metrics(self, request: web.Request) -> web.Response:
-        text = exposition.render(self.server)
-        return web.Response(body=text.encode(),
-                            headers={"Content-Type": exposition.CONTENT_TYPE})
+    async def metrics(self, request: web.Request, _: None) -> web.Response:
+        body, content_type = exposition.render(self._collector,
+                                               request.headers.get("Accept", ""))
+        return web.Response(body=body, headers={"Content-Type": content_type})
 
     # -- views
 
-    async def stats(self, request: web.Request) -> web.Response:
-        self._query(request, ())
+    async def stats(self, request: web.Request, _: NoQuery) -> web.Response:
         svc = self.service
-        models: dict[str, Any] = {}
-        for name, entry in svc.models.items():
-            c = entry.cache.counters
-            models[name] = {
-                "page_size": entry.info.page_size,
-                "sliding_window": entry.info.sliding_window,
-                "policy": self._policy(name),
-                "pools": svc.pool_usage(name),
-                "nodes": svc.tree_nodes(name),
-                "matches": c["matches"],
-                "match_tokens": c["match_tokens"],
-                "hit_tokens": c["hit_tokens"],
-                "hit_rate": _rate(c["hit_tokens"], c["match_tokens"]),
-                "evictions": self._evictions(name),
-                "tiers": entry.tiers.stats() if entry.tiers is not None else None,
-            }
-        live = svc.live_sessions()
-        tenants = [{"name": t.name, "namespace": t.namespace, "sessions": live.get(t.name, 0),
-                    "hit_tokens": t.counters["hit_tokens"],
-                    "match_tokens": t.counters["match_tokens"],
-                    "hit_rate": _rate(t.counters["hit_tokens"], t.counters["match_tokens"]),
-                    "quota_refusals": t.counters["quota_refusals"]} for t in svc.tenants]
-        return web.json_response({
-            "instance": svc.instance,
-            "version": __version__,
-            "uptime_s": round(max(0.0, time.time() - self.server.started), 3),
-            "ready": bool(self.server.ready),
-            "sessions": len(svc.sessions),
-            "ops_total": self.server.ops,
-            "checker": self._checker(),
-            "models": models,
-            "tenants": tenants,
-            "l3": svc.l3.stats if svc.l3 is not None else None,
-        })
+        models = {v.name: ModelStats(
+            page_size=v.info.page_size, sliding_window=v.info.sliding_window, policy=v.policy,
+            pools=v.pools, nodes=v.nodes, matches=v.matches, match_tokens=v.match_tokens,
+            hit_tokens=v.hit_tokens, hit_rate=_rate(v.hit_tokens, v.match_tokens),
+            evictions=v.evictions, tiers=v.tiers.stats if v.tiers is not None else None)
+            for v in svc.model_views()}
+        tenants = [TenantStats(
+            name=t.name, namespace=t.namespace, sessions=t.sessions,
+            hit_tokens=t.counters["hit_tokens"], match_tokens=t.counters["match_tokens"],
+            hit_rate=_rate(t.counters["hit_tokens"], t.counters["match_tokens"]),
+            quota_refusals=t.counters["quota_refusals"]) for t in svc.tenant_views()]
+        last = self.checker.last
+        checker = CheckerOut(last.ok, last.kind, last.at, last.violations[:MAX_VIOLATIONS_SHOWN],
+                             len(last.violations))
+        return _respond(Stats(
+            instance=svc.instance, version=__version__,
+            uptime_s=round(max(0.0, time.time() - self.state.started), 3),
+            ready=bool(self.state.ready), sessions=svc.session_count(),
+            ops_total=self.state.ops, checker=checker, models=models, tenants=tenants,
+            l3=svc.l3_stats()))
 
-    async def tenants(self, request: web.Request) -> web.Response:
-        self._query(request, ())
-        svc = self.service
-        live = svc.live_sessions()
-        usage = {m: svc.tenant_usage(m) for m in svc.models}
-        out = []
-        for t in svc.tenants:
-            out.append({
-                "name": t.name, "namespace": t.namespace,
-                "models": ["*"] if t.models is None else sorted(t.models),
-                "quota_full_pages": t.quota_full, "quota_swa_pages": t.quota_swa,
-                "quota_host_pages": t.quota_host, "quota_l3_bytes": t.quota_l3,
-                "sessions": live.get(t.name, 0),
-                "counters": dict(t.counters),
-                "usage": {m: usage[m][t.name] for m in svc.tenant_models(t)},
-            })
-        return web.json_response(out)
+    async def tenants(self, request: web.Request, _: NoQuery) -> web.Response:
+        return _respond(self.service.tenant_views())
 
-    async def sessions(self, request: web.Request) -> web.Response:
-        self._query(request, ())
-        svc = self.service
-        out = [{"id": s.id, "tenant": s.tenant.name, "client": s.client, "pid": s.peer.pid,
-                "uid": s.peer.uid, "gid": s.peer.gid, "started": s.started, "ops": s.ops,
-                "held": svc.session_holdings(s)}
-               for s in sorted(svc.sessions.values(), key=lambda s: s.id)]
-        return web.json_response(out)
+    async def sessions(self, request: web.Request, _: NoQuery) -> web.Response:
+        return _respond(self.service.session_views())
 
-    async def models(self, request: web.Request) -> web.Response:
-        self._query(request, ())
-        out = []
-        for name, entry in self.service.models.items():
-            info = msgspec.structs.asdict(entry.info)
-            out.append({**info, "policy": self._policy(name),
-                        "pools": self.service.pool_usage(name)})
-        return web.json_response(out)
+    async def models(self, request: web.Request, _: NoQuery) -> web.Response:
+        return _respond([Model(**msgspec.structs.asdict(v.info), policy=v.policy, pools=v.pools)
+                         for v in self.service.model_views()])
 
-    async def config_view(self, request: web.Request) -> web.Response:
-        self._query(request, ())
-        return web.json_response(redacted(self.config))
+    async def config_view(self, request: web.Request, _: NoQuery) -> web.Response:
+        return _respond(redacted(self.config))
 
-    async def openapi(self, request: web.Request) -> web.Response:
-        self._query(request, ())
-        return web.json_response(openapi_document())
+    async def openapi(self, request: web.Request, _: NoQuery) -> web.Response:
+        return _respond(openapi_document())
 
-    async def status_page(self, request: web.Request) -> web.Response:
+    async def status_page(self, request: web.Request, _: None) -> web.Response:
         page = importlib.resources.files("daemon").joinpath("static").joinpath("status.html")
         try:
             body = page.read_bytes()
@@ -420,22 +433,11 @@ class _Admin:
         return web.Response(body=body, content_type="text/html", charset="utf-8",
                             headers={"Cache-Control": "no-cache"})
 
-    # -- the tree
-
-    async def tree(self, request: web.Request) -> web.Response:
-        q = self._query(request, ("model", "namespace", "depth"))
-        model = self._model_name(q.get("model"))
-        depth = DEFAULT_TREE_DEPTH
-        if "depth" in q:
-            raw = q["depth"]
-            if not _UINT.fullmatch(raw) or int(raw) > MAX_TREE_DEPTH:
-                raise BadRequest(f"depth must be an integer from 0 to {MAX_TREE_DEPTH}, got "
-                                 f"{raw!r}", "depth")
-            depth = int(raw)
-        tree = self.service.models[model].cache.tree
-        names = sorted(tree.namespaces)
-        ns_name = q.get("namespace")
-        if ns_name is None:
+    async def tree(self, request: web.Request, q: TreeQuery) -> web.Response:
+        model = self._model_name(q.model)
+        names = self.service.namespaces(model)
+        ns_name = q.namespace
+        if ns_name is msgspec.UNSET:
             if len(names) == 1:
                 ns_name = names[0]
             elif not names:
@@ -443,71 +445,39 @@ class _Admin:
             else:
                 raise BadRequest(f"namespace is required: model {model!r} has {len(names)} "
                                  f"namespaces ({', '.join(names[:20])})", "namespace")
-        ns = tree.namespaces.get(ns_name)
-        if ns is None:
+        if ns_name not in names:
             raise NotFound(f"model {model!r} has nothing cached in namespace {ns_name!r} "
                            f"(namespaces: {', '.join(names[:20]) or 'none'})")
         limit = self.config.admin.tree_dump_max_nodes
-        root, count, truncated = dump_tree(tree, ns.root, depth, limit)
-        return web.json_response({"model": model, "namespace": ns_name, "depth": depth,
-                                  "max_nodes": limit, "nodes": count, "truncated": truncated,
-                                  "root": root})
+        view = self.service.tree_view(model, ns_name, q.depth, limit)  # type: ignore[arg-type]
+        return _respond(Tree(model, ns_name, q.depth, limit, view.nodes,  # type: ignore[arg-type]
+                             view.truncated, view.root))
 
     # -- actions
 
-    async def check(self, request: web.Request) -> web.Response:
-        self._query(request, ())
-        violations = self.server.run_check(deep=True)
-        seconds = self.server.last_check.get("seconds", 0.0)
-        if violations:
-            log.error("invariant check (admin): %d violations: %s", len(violations),
-                      "; ".join(violations[:20]))
-            if self.config.checker.strict:
-                log.critical("strict mode: stopping on an invariant violation")
-                # after this response is on its way
-                asyncio.get_running_loop().call_later(0.1, self.server.stop, 3)
-        else:
-            log.info("invariant check (admin): ok in %.3fs", seconds)
-        return web.json_response({"ok": not violations, "violations": violations,
-                                  "seconds": seconds})
+    async def check(self, request: web.Request, _: NoQuery) -> web.Response:
+        violations = self.checker.run(deep=True)
+        seconds = self.checker.last.seconds
+        # strict mode stops the daemon after this response is on its way
+        self.checker.verdict(violations, "(admin)", delay=0.1)
+        return _respond(CheckResult(not violations, violations, seconds))
 
-    async def evict(self, request: web.Request) -> web.Response:
-        self._query(request, ())
-        body = await _json_body(request)
-        if not isinstance(body, dict):
-            raise BadRequest(f"the body must be a JSON object, got {type(body).__name__}")
-        known = ("model", "namespace", "full_pages", "swa_pages", "host_pages")
-        for key in body:
-            if key not in known:
-                raise BadRequest(f"unknown field {key!r}; fields: {', '.join(known)}", key)
-        for key in ("model", "namespace"):
-            if key in body and not isinstance(body[key], str):
-                raise BadRequest(f"{key} must be a string, got {_json_type(body[key])}", key)
-        counts = {}
-        for key in ("full_pages", "swa_pages", "host_pages"):
-            v = body.get(key, 0)
-            if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= MAX_EVICT_PAGES:
-                raise BadRequest(f"{key} must be an integer from 0 to {MAX_EVICT_PAGES}, got "
-                                 f"{v!r}"[:200], key)
-            counts[key] = v
-        model = self._model_name(body.get("model"))
-        cache = self.service.models[model].cache
-        if counts["swa_pages"] and not cache.swa_enabled:
+    async def evict(self, request: web.Request, _: NoQuery) -> web.Response:
+        body = await decode_body(request, EvictRequest)
+        model = self._model_name(body.model)
+        if body.swa_pages and not self.service.has_swa(model):
             raise BadRequest(f"model {model!r} has no SWA pool: swa_pages must be 0",
                              "swa_pages")
-        namespace = body.get("namespace")
-        if namespace is not None and namespace not in cache.tree.namespaces:
+        namespace = None if body.namespace is msgspec.UNSET else body.namespace
+        if namespace is not None and namespace not in self.service.namespaces(model):
             raise NotFound(f"model {model!r} has nothing cached in namespace {namespace!r}")
-        res = cache.evict(counts["full_pages"], counts["swa_pages"], namespace=namespace,
-                          reason="admin")
-        host = (cache.tree.evict_host(counts["host_pages"], namespace=namespace).host_slots
-                if counts["host_pages"] else 0)
+        res = self.service.admin_evict(model, body.full_pages, body.swa_pages, body.host_pages,
+                                       namespace)
         log.info("admin eviction in %s%s: %d full, %d swa and %d host pages freed (asked %d, %d "
                  "and %d)", model, f" (namespace {namespace})" if namespace else "",
-                 res.full_pages, res.swa_pages, host, counts["full_pages"], counts["swa_pages"],
-                 counts["host_pages"])
-        return web.json_response({"full_pages": res.full_pages, "swa_pages": res.swa_pages,
-                                  "host_pages": host})
+                 res.full_pages, res.swa_pages, res.host_pages, body.full_pages, body.swa_pages,
+                 body.host_pages)
+        return _respond(EvictResult(res.full_pages, res.swa_pages, res.host_pages))
 
 
 _ADMIN = web.AppKey("radixd_admin", _Admin)
@@ -515,292 +485,3 @@ _ADMIN = web.AppKey("radixd_admin", _Admin)
 
 def _rate(hits: int, total: int) -> float:
     return hits / total if total else 0.0
-
-
-def _json_type(v: Any) -> str:
-    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean",
-            int: "an integer", float: "a number", type(None): "null"}.get(type(v), type(v).__name__)
-
-
-async def _json_body(request: web.Request) -> Any:
-    raw = await request.read()
-    if not raw.strip():
-        raise BadRequest("a JSON body is required (Content-Type: application/json)")
-    try:
-        return json.loads(raw, parse_constant=_no_constant)
-    except (ValueError, RecursionError) as exc:
-        raise BadRequest(f"the body is not valid JSON: {exc}"[:300]) from None
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def dump_tree(tree: Any, root: Any, depth: int, limit: int) -> tuple[dict[str, Any], int, bool]:
-    """A namespace's tree breadth first: levels below the root up to ``depth``, at most
-    ``limit`` nodes in all. A node some of whose children are left out says how many in
-    ``children_omitted``. Returns (root, nodes shown, whether ``limit`` cut it short)."""
-    page_bytes = tree.page_bytes
-    swa = tree.swa_enabled
-
-    def view(n: Any) -> dict[str, Any]:
-        if n.full is None:
-            state = "host"
-        elif swa and n.swa is None:
-            state = "tombstone"
-        else:
-            state = "live"
-        return {"id": n.id, "pages": len(n.tokens) // page_bytes, "depth": n.depth,
-                "state": state, "host": n.host is not None and len(n.host) > 0,
-                "locks": [n.full_lock, n.swa_lock], "hits": n.hits, "children": []}
-
-    out = view(root)
-    count = 1
-    truncated = False
-    queue = [(root, out, 0)]
-    i = 0
-    while i < len(queue):
-        node, js, level = queue[i]
-        i += 1
-        children = sorted(node.children.values(), key=lambda c: c.id) if node.children else []
-        if not children:
-            continue
-        if level >= depth:
-            js["children_omitted"] = len(children)
-            continue
-        for k, child in enumerate(children):
-            if count >= limit:
-                truncated = True
-                js["children_omitted"] = len(children) - k
-                break
-            cjs = view(child)
-            js["children"].append(cjs)
-            count += 1
-            queue.append((child, cjs, level + 1))
-    return out, count, truncated
-
-
-# ---------------------------------------------------------------------------- OpenAPI
-
-def _ref(name: str) -> dict[str, str]:
-    return {"$ref": f"#/components/schemas/{name}"}
-
-
-def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
-    return {"description": description, "content": {"application/json": {"schema": schema}}}
-
-
-def _obj(props: dict[str, Any], required: list[str] | None = None,
-         extra: bool = False) -> dict[str, Any]:
-    return {"type": "object", "properties": props,
-            "required": list(props) if required is None else required,
-            "additionalProperties": extra}
-
-
-_INT = {"type": "integer"}
-_UINT_S = {"type": "integer", "minimum": 0}
-_NUM = {"type": "number"}
-_STR = {"type": "string"}
-_BOOL = {"type": "boolean"}
-
-
-def openapi_document() -> dict[str, Any]:
-    """OpenAPI 3.0 description of every admin route (kept in step with ``_Admin.routes``)."""
-    pool = _obj({k: _UINT_S for k in ("capacity", "free", "tree", "evictable", "locked", "held")})
-    pools = _obj({"full": _ref("Pool"), "swa": _ref("Pool")}, ["full"])
-    err = {
-        "type": "object", "required": ["error"], "additionalProperties": False,
-        "properties": {"error": {
-            "type": "object", "required": ["code", "message"], "additionalProperties": True,
-            "properties": {"code": _STR, "message": _STR,
-                           "parameter": {**_STR, "description": "the query parameter or body "
-                                                                "field at fault"}}}},
-    }
-    checker = _obj({
-        "ok": {**_BOOL, "nullable": True, "description": "null until a check has run"},
-        "kind": {**_STR, "nullable": True, "description": "full or counters"},
-        "at": {**_NUM, "nullable": True, "description": "Unix time of the last check"},
-        "violations": {"type": "array", "items": _STR, "maxItems": MAX_VIOLATIONS_SHOWN},
-        "violation_count": _UINT_S,
-    })
-    model_stats = _obj({
-        "page_size": _INT, "sliding_window": {**_INT, "nullable": True}, "policy": _STR,
-        "pools": _ref("Pools"), "nodes": _UINT_S, "matches": _UINT_S, "match_tokens": _UINT_S,
-        "hit_tokens": _UINT_S, "hit_rate": {**_NUM, "minimum": 0, "maximum": 1},
-        "evictions": {"type": "object", "description": "pages evicted per trigger",
-                      "additionalProperties": _obj({"full": _UINT_S, "swa": _UINT_S})},
-        "tiers": {"type": "object", "nullable": True, "additionalProperties": _INT,
-                  "description": "host (L2) and L3 counters; null without a host tier"},
-    })
-    tenant_stats = _obj({
-        "name": _STR, "namespace": _STR, "sessions": _UINT_S, "hit_tokens": _UINT_S,
-        "match_tokens": _UINT_S, "hit_rate": {**_NUM, "minimum": 0, "maximum": 1},
-        "quota_refusals": _UINT_S,
-    })
-    stats = _obj({
-        "instance": _STR, "version": _STR, "uptime_s": _NUM, "ready": _BOOL,
-        "sessions": _UINT_S, "ops_total": _UINT_S, "checker": _ref("Checker"),
-        "models": {"type": "object", "additionalProperties": _ref("ModelStats")},
-        "tenants": {"type": "array", "items": _ref("TenantStats")},
-        "l3": {"type": "object", "nullable": True, "additionalProperties": True,
-               "description": "the Redis client's counters and breaker_state; null without L3"},
-    })
-    usage = _obj({k: _UINT_S for k in ("tree_full_pages", "tree_swa_pages", "held_full_pages",
-                                       "held_swa_pages")})
-    tenant = _obj({
-        "name": _STR, "namespace": _STR,
-        "models": {"type": "array", "items": _STR, "description": "['*']: every model"},
-        "quota_full_pages": _UINT_S, "quota_swa_pages": _UINT_S, "quota_host_pages": _UINT_S,
-        "quota_l3_bytes": _UINT_S, "sessions": _UINT_S,
-        "counters": {"type": "object", "additionalProperties": _INT},
-        "usage": {"type": "object", "additionalProperties": _ref("TenantUsage")},
-    })
-    session = _obj({
-        "id": _INT, "tenant": _STR, "client": _STR, "pid": _INT, "uid": _INT, "gid": _INT,
-        "started": _NUM, "ops": _UINT_S,
-        "held": {"type": "object", "additionalProperties": _obj(
-            {"full_pages": _UINT_S, "swa_pages": _UINT_S, "receipts": _UINT_S})},
-    })
-    model = _obj({
-        "name": _STR, "page_size": _INT, "sliding_window": {**_INT, "nullable": True},
-        "num_full_layers": _INT, "num_swa_layers": _INT, "num_kv_heads": _INT,
-        "head_dim": _INT, "dtype": _STR, "device": _STR, "full_pages": _INT,
-        "swa_pages": _INT, "host_pages": {**_INT, "description": "host (L2) slots; 0: none"},
-        "l3": {**_BOOL, "description": "prefetch can reach Redis"},
-        "policy": _STR, "pools": _ref("Pools"),
-    })
-    node = {
-        **_obj({
-            "id": _INT, "pages": _UINT_S, "depth": {**_UINT_S, "description": "tokens from the "
-                                                                                "root"},
-            "state": {"type": "string", "enum": ["live", "tombstone", "host"]},
-            "host": {**_BOOL, "description": "has a host (L2) copy"},
-            "locks": {"type": "array", "items": _UINT_S, "minItems": 2, "maxItems": 2,
-                      "description": "[full locks, swa locks]"},
-            "hits": _UINT_S,
-            "children": {"type": "array", "items": _ref("TreeNode")},
-            "children_omitted": {**_UINT_S, "description": "children left out by depth or "
-                                                           "the node cap"},
-        }, ["id", "pages", "depth", "state", "host", "locks", "hits", "children"]),
-    }
-    tree = _obj({
-        "model": _STR, "namespace": _STR, "depth": _UINT_S, "max_nodes": _UINT_S,
-        "nodes": _UINT_S, "truncated": _BOOL, "root": _ref("TreeNode"),
-    })
-    check = _obj({"ok": _BOOL, "violations": {"type": "array", "items": _STR},
-                  "seconds": _NUM})
-    evict_req = _obj({
-        "model": {**_STR, "description": "default: the only model, if there is one"},
-        "namespace": {**_STR, "description": "evict only this namespace's pages (default: "
-                                             "any, coldest first)"},
-        "full_pages": {**_INT, "minimum": 0, "maximum": MAX_EVICT_PAGES, "default": 0},
-        "swa_pages": {**_INT, "minimum": 0, "maximum": MAX_EVICT_PAGES, "default": 0,
-                      "description": "must be 0 for a model without SWA"},
-        "host_pages": {**_INT, "minimum": 0, "maximum": MAX_EVICT_PAGES, "default": 0,
-                       "description": "host (L2) copies of host-only pages to drop, coldest "
-                                      "first (with L3 write_back they go to Redis first)"},
-    }, [])
-    evict_res = _obj({"full_pages": _UINT_S, "swa_pages": _UINT_S, "host_pages": _UINT_S})
-    ready = _obj({"ready": _BOOL, "reason": {"type": "string",
-                                             "enum": ["starting", "stopping"]}}, ["ready"])
-
-    e400 = {"$ref": "#/components/responses/BadRequest"}
-    e401 = {"$ref": "#/components/responses/Unauthorized"}
-    e404 = {"$ref": "#/components/responses/NotFound"}
-
-    def get(summary: str, schema: dict[str, Any], *extra: tuple[str, Any],
-            params: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-        op: dict[str, Any] = {"summary": summary,
-                              "responses": {"200": _json(schema, "OK"), "401": e401,
-                                            **dict(extra)}}
-        if params:
-            op["parameters"] = params
-        return {"get": op}
-
-    paths: dict[str, Any] = {
-        "/healthz": {"get": {
-            "summary": "Liveness: the event loop answers (no token needed).",
-            "security": [],
-            "responses": {"200": _json(_obj({"status": {"type": "string",
-                                                         "enum": ["alive"]}}), "alive")}}},
-        "/readyz": {"get": {
-            "summary": "Readiness: pools and socket exist and no shutdown is in progress.",
-            "responses": {"200": _json(ready, "ready"), "401": e401,
-                          "503": _json(ready, "not ready (starting or stopping)")}}},
-        "/metrics": {"get": {
-            "summary": "Prometheus metrics (text format 0.0.4).",
-            "responses": {"200": {"description": "the exposition",
-                                  "content": {"text/plain": {"schema": _STR}}},
-                          "401": e401}}},
-        "/v1/stats": get("Summary of models, pools, hit rates, sessions, tenants and the "
-                         "checker (what the status page shows).", _ref("Stats"), ("400", e400)),
-        "/v1/tenants": get("Tenants: quotas, counters and usage per model (no tokens).",
-                           {"type": "array", "items": _ref("Tenant")}, ("400", e400)),
-        "/v1/sessions": get("Open sessions and what each holds.",
-                            {"type": "array", "items": _ref("Session")}, ("400", e400)),
-        "/v1/models": get("Model profiles, eviction policy and pool usage.",
-                          {"type": "array", "items": _ref("Model")}, ("400", e400)),
-        "/v1/tree": get(
-            "A bounded dump of one namespace's radix tree (debugging).", _ref("Tree"),
-            ("400", e400), ("404", e404),
-            params=[
-                {"name": "model", "in": "query", "required": False, "schema": _STR,
-                 "description": "required when the daemon serves more than one model"},
-                {"name": "namespace", "in": "query", "required": False, "schema": _STR,
-                 "description": "required when the model has more than one namespace"},
-                {"name": "depth", "in": "query", "required": False,
-                 "schema": {"type": "integer", "minimum": 0, "maximum": MAX_TREE_DEPTH,
-                            "default": DEFAULT_TREE_DEPTH},
-                 "description": "node levels below the namespace root"},
-            ]),
-        "/v1/check": {"post": {
-            "summary": "Run the full invariant check now.",
-            "responses": {"200": _json(_ref("CheckResult"), "the check's report"),
-                          "400": e400, "401": e401}}},
-        "/v1/evict": {"post": {
-            "summary": "Evict unlocked cached pages of one model (locked pages are never "
-                       "evicted).",
-            "requestBody": {"required": True, "content": {
-                "application/json": {"schema": _ref("EvictRequest")}}},
-            "responses": {"200": _json(_ref("EvictResult"), "pages freed"), "400": e400,
-                          "401": e401, "404": e404,
-                          "413": {"$ref": "#/components/responses/TooLarge"}}}},
-        "/v1/config": get("The effective configuration, secrets redacted.",
-                          {"type": "object", "additionalProperties": True}, ("400", e400)),
-        "/v1/openapi.json": get("This document.", {"type": "object",
-                                                   "additionalProperties": True},
-                                ("400", e400)),
-        "/": {"get": {
-            "summary": "The status page (static HTML; its script calls /v1/stats with the "
-                       "token; no token needed to load it).",
-            "security": [],
-            "responses": {"200": {"description": "the page",
-                                  "content": {"text/html": {"schema": _STR}}},
-                          "404": e404}}},
-    }
-    return {
-        "openapi": "3.0.3",
-        "info": {"title": "radixd admin API", "version": __version__,
-                 "description": "The admin endpoint of radixd. Every route but GET /healthz and "
-                                "GET / needs `Authorization: Bearer <admin token>`. Errors are "
-                                "JSON: {\"error\": {\"code\", \"message\", \"parameter\"?}}."},
-        "paths": paths,
-        "security": [{"bearerAuth": []}],
-        "components": {
-            "securitySchemes": {"bearerAuth": {"type": "http", "scheme": "bearer"}},
-            "schemas": {
-                "Error": err, "Pool": pool, "Pools": pools, "Checker": checker,
-                "ModelStats": model_stats, "TenantStats": tenant_stats, "Stats": stats,
-                "TenantUsage": usage, "Tenant": tenant, "Session": session, "Model": model,
-                "TreeNode": node, "Tree": tree, "CheckResult": check,
-                "EvictRequest": evict_req, "EvictResult": evict_res, "Ready": ready,
-            },
-            "responses": {
-                "BadRequest": _json(_ref("Error"), "invalid query parameter or body"),
-                "Unauthorized": {**_json(_ref("Error"), "missing or wrong bearer token"),
-                                 "headers": {"WWW-Authenticate": {"schema": _STR}}},
-                "NotFound": _json(_ref("Error"), "no such model, namespace or page"),
-                "TooLarge": _json(_ref("Error"), "body over 64 KiB"),
-            },
-        },
-    }

@@ -147,7 +147,7 @@ def _serve(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from .server import run
+    from .app import run
 
     try:
         return run(config)
@@ -288,7 +288,9 @@ def _admin_token(args: argparse.Namespace, config: Any) -> str | None:
     if path is None:
         if config.admin.token:
             return str(config.admin.token)
-        path = config.admin.token_file or str(Path(config.server.socket).parent / "admin.token")
+        from .config import admin_token_file
+
+        path = admin_token_file(config)
     try:
         token = Path(path).read_text(encoding="utf-8").strip()
     except OSError as exc:

@@ -300,6 +300,14 @@ class Config(_Section):
 REDACTED = "<redacted>"
 
 
+def admin_token_file(config: Config, socket_path: str | None = None) -> str:
+    """Where a generated admin token is written: ``admin.token_file``, else ``admin.token``
+    beside the engines' socket. The daemon (writing it) and ``radixd status`` (reading it) must
+    agree, so both ask here."""
+    return config.admin.token_file or str(
+        Path(socket_path or config.server.socket).parent / "admin.token")
+
+
 def redacted(config: Config) -> dict[str, Any]:
     """The effective configuration as JSON with every secret replaced: tokens, token digests
     and the password of the Redis URL (an ACL password travels in it)."""

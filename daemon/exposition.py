@@ -1,9 +1,11 @@
-"""Prometheus text exposition (format 0.0.4), rendered on scrape from the daemon's live state.
+"""Prometheus exposition, rendered on scrape from the daemon's live state.
 
-No client library: the daemon's counters already live in plain dicts (the hot path only adds
-integers), so a scrape reads them once and writes text. Names follow the Prometheus conventions:
-the ``radixd_`` prefix, base units in names, ``_total`` on counters, one ``# HELP`` and one
-``# TYPE`` line per family, every label set the daemon knows pre-initialised to 0 so that series
+The hot path stays free of any metrics library: the daemon's counters are plain ints in dicts that
+operations add to on the event loop. At scrape time ``Collector`` (a prometheus_client custom
+collector) reads them through the service's query API, the checker and ``ServerState``, and
+prometheus_client writes the text format 0.0.4 or, when the scraper's Accept header asks for it,
+OpenMetrics 1.0.0. Names follow the Prometheus conventions: the ``radixd_`` prefix, base units in
+names, ``_total`` on counters, every label set the daemon knows pre-initialised to 0 so that series
 never go missing, and tenant labels guarded against unbounded cardinality.
 
 docs/operations.md has the reference table of every family; keep it in step with ``collect``.
@@ -13,23 +15,25 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator
+from typing import Any
 
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.utils import floatToGoString
 from radixd_client import protocol as P
 
 from . import __version__
+from .checker import CHECK_KINDS, Checker
 from .metrics import LATENCY_BUCKETS
+from .queries import ModelView, ServerState
+from .service import Service
 
-if TYPE_CHECKING:
-    from .server import Server
-
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-
-#: eviction triggers every model reports, 0 until they happen
-EVICTION_REASONS = ("alloc", "quota", "explicit", "admin")
-#: invariant check kinds: "full" walks everything, "counters" is the O(1) check while busy
-CHECK_KINDS = ("full", "counters")
 #: the tenant label value the tenants past ``admin.tenant_label_limit`` are summed under
 OTHER_TENANT = "_other"
 
@@ -47,183 +51,137 @@ _POOL_GAUGES = (
 )
 
 
-# ---------------------------------------------------------------------------- text format
 
-def escape_label_value(value: str) -> str:
-    """Backslash, double quote and line feed are the three characters the format escapes."""
-    return value.replace("\\", "\\\\").replace("\"", "\\\"").replace("\n", "\\n")
-
-
-def escape_help(text: str) -> str:
-    return text.replace("\\", "\\\\").replace("\n", "\\n")
+def render(collector: Collector, accept: str = "") -> tuple[bytes, str]:
+    """The exposition and its content type, in the format the Accept header asks for."""
+    encoder, content_type = choose_encoder(accept)
+    return encoder(collector), content_type  # an encoder only calls collect()
 
 
-def format_value(value: float | int | bool) -> str:
-    if isinstance(value, bool):
-        return "1" if value else "0"
-    if isinstance(value, int):
-        return str(value)
-    if math.isnan(value):
-        return "NaN"
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    if value.is_integer() and abs(value) < 1e15:
-        return str(int(value))
-    return repr(value)
-
-
-def _labels(labels: dict[str, str]) -> str:
-    if not labels:
-        return ""
-    return "{" + ",".join(f'{k}="{escape_label_value(str(v))}"' for k, v in labels.items()) + "}"
-
-
-class Family:
-    """One metric family: a name, a type, a help text and its samples."""
-
-    def __init__(self, name: str, kind: str, help_text: str):
-        assert kind in ("counter", "gauge", "histogram", "untyped"), kind
-        self.name = name
-        self.kind = kind
-        self.help = help_text
-        self.samples: list[tuple[str, dict[str, str], float | int]] = []
-
-    def add(self, value: float | int, **labels: Any) -> Family:
-        self.samples.append((self.name, {k: str(v) for k, v in labels.items()}, value))
-        return self
-
-    def add_histogram(self, buckets: Iterable[tuple[float, int]], total: float, count: int,
-                      **labels: Any) -> Family:
-        """``buckets``: (upper bound, cumulative count) pairs, +Inf last."""
-        base = {k: str(v) for k, v in labels.items()}
-        for bound, n in buckets:
-            self.samples.append((self.name + "_bucket", {**base, "le": format_value(bound)}, n))
-        self.samples.append((self.name + "_sum", base, total))
-        self.samples.append((self.name + "_count", base, count))
-        return self
-
-    def render(self) -> str:
-        lines = [f"# HELP {self.name} {escape_help(self.help)}", f"# TYPE {self.name} {self.kind}"]
-        lines += [f"{name}{_labels(labels)} {format_value(value)}"
-                  for name, labels, value in self.samples]
-        return "\n".join(lines)
-
-
-class Registry:
-    """Families in the order they were declared; names are unique."""
+class _Families:
+    """Families in the order they are declared; a name declared twice is a bug."""
 
     def __init__(self) -> None:
-        self.families: dict[str, Family] = {}
+        self.out: dict[str, Metric] = {}
 
-    def family(self, name: str, kind: str, help_text: str) -> Family:
-        if name in self.families:
-            raise ValueError(f"metric family {name} declared twice")
-        fam = self.families[name] = Family(name, kind, help_text)
+    def _add(self, fam: Metric) -> Any:
+        if fam.name in self.out:
+            raise ValueError(f"metric family {fam.name} declared twice")
+        self.out[fam.name] = fam
         return fam
 
-    def render(self) -> str:
-        return "\n".join(f.render() for f in self.families.values()) + "\n"
+    def counter(self, name: str, text: str, labels: tuple[str, ...] = ()) -> CounterMetricFamily:
+        return self._add(CounterMetricFamily(name, text, labels=labels))
+
+    def gauge(self, name: str, text: str, labels: tuple[str, ...] = ()) -> GaugeMetricFamily:
+        return self._add(GaugeMetricFamily(name, text, labels=labels))
+
+    def histogram(self, name: str, text: str, labels: tuple[str, ...] = ()
+                  ) -> HistogramMetricFamily:
+        return self._add(HistogramMetricFamily(name, text, labels=labels))
 
 
-# ---------------------------------------------------------------------------- the daemon's families
+class Collector:
+    """A prometheus_client collector over the daemon's counters (read at scrape time only)."""
 
-def render(server: Server) -> str:
-    """The whole exposition of a running server, as text."""
-    return collect(server).render()
+    def __init__(self, service: Service, state: ServerState, checker: Checker,
+                 tenant_label_limit: int):
+        self.service = service
+        self.state = state
+        self.checker = checker
+        self.tenant_label_limit = tenant_label_limit
 
+    def collect(self) -> Iterator[Metric]:
+        reg = _Families()
+        service = self.service
+        views = service.model_views()
 
-def collect(server: Server) -> Registry:
-    reg = Registry()
-    service = server.service
-    models = list(service.models)
+        # -- pools
+        pool_fams = {key: reg.gauge(name, text, ("model", "pool"))
+                     for key, name, text in _POOL_GAUGES}
+        for v in views:
+            for pool, usage in v.pools.items():
+                for key, fam in pool_fams.items():
+                    fam.add_metric([v.name, pool], getattr(usage, key))
 
-    # -- pools
-    pool_fams = {key: reg.family(name, "gauge", text) for key, name, text in _POOL_GAUGES}
-    usage = {m: service.pool_usage(m) for m in models}
-    for m in models:
-        for pool, values in usage[m].items():
-            for key, fam in pool_fams.items():
-                fam.add(values[key], model=m, pool=pool)
+        # -- lookups and the tree
+        matches = reg.counter("radixd_matches_total", "Match operations (prefix lookups).",
+                              ("model",))
+        match_tokens = reg.counter("radixd_match_tokens_total",
+                                   "Tokens looked up by match operations.", ("model",))
+        hit_tokens = reg.counter(
+            "radixd_hit_tokens_total",
+            "Tokens of the usable cached prefixes matches found, by tier (device: already on "
+            "device; host: copied back by a load; pages fetched from L3 are loaded from host and "
+            "count there). Hit ratio: sum(rate(radixd_hit_tokens_total[5m])) / "
+            "rate(radixd_match_tokens_total[5m]).", ("model", "tier"))
+        evicted = reg.counter(
+            "radixd_evicted_pages_total",
+            "Pages evicted from the tree, by pool and trigger (alloc: to make room for an "
+            "allocation; quota: a tenant over its quota; explicit: an engine's evict; admin: "
+            "POST /v1/evict).", ("model", "pool", "reason"))
+        nodes = reg.gauge("radixd_tree_nodes", "Radix tree nodes holding tokens.", ("model",))
+        for v in views:
+            matches.add_metric([v.name], v.matches)
+            match_tokens.add_metric([v.name], v.match_tokens)
+            hit_tokens.add_metric([v.name, "device"], v.hit_tokens)
+            hit_tokens.add_metric([v.name, "host"],
+                                  v.tiers.counters.get("loaded_tokens", 0) if v.tiers else 0)
+            for reason, n in v.evictions.items():
+                evicted.add_metric([v.name, "full", reason], n.full)
+                if v.swa:
+                    evicted.add_metric([v.name, "swa", reason], n.swa)
+            nodes.add_metric([v.name], v.nodes)
 
-    # -- lookups and the tree
-    matches = reg.family("radixd_matches_total", "counter", "Match operations (prefix lookups).")
-    match_tokens = reg.family("radixd_match_tokens_total", "counter",
-                              "Tokens looked up by match operations.")
-    hit_tokens = reg.family("radixd_hit_tokens_total", "counter",
-                            "Tokens of the usable cached prefixes matches found, by tier (device: "
-                            "already on device; host: copied back by a load; pages fetched from "
-                            "L3 are loaded from host and count there). Hit ratio: "
-                            "sum(rate(radixd_hit_tokens_total[5m])) / "
-                            "rate(radixd_match_tokens_total[5m]).")
-    evicted = reg.family("radixd_evicted_pages_total", "counter",
-                         "Pages evicted from the tree, by pool and trigger (alloc: to make room "
-                         "for an allocation; quota: a tenant over its quota; explicit: an engine's "
-                         "evict; admin: POST /v1/evict).")
-    nodes = reg.family("radixd_tree_nodes", "gauge", "Radix tree nodes holding tokens.")
-    for m in models:
-        entry = service.models[m]
-        c = entry.cache.counters
-        matches.add(c["matches"], model=m)
-        match_tokens.add(c["match_tokens"], model=m)
-        hit_tokens.add(c["hit_tokens"], model=m, tier="device")
-        tiers = entry.tiers
-        hit_tokens.add(tiers.counters["loaded_tokens"] if tiers else 0, model=m, tier="host")
-        by_reason = entry.cache.tree.evictions_by_reason
-        reasons = list(EVICTION_REASONS) + sorted(set(by_reason) - set(EVICTION_REASONS))
-        for reason in reasons:
-            full, swa = by_reason.get(reason, (0, 0))
-            evicted.add(full, model=m, pool="full", reason=reason)
-            if "swa" in usage[m]:
-                evicted.add(swa, model=m, pool="swa", reason=reason)
-        nodes.add(service.tree_nodes(m), model=m)
+        _tier_families(reg, service, views)
 
-    _tier_families(reg, server, models)
+        # -- operations
+        ops = reg.counter("radixd_operations_total",
+                          "Operations handled, by operation and result code (ok or an error "
+                          "code).", ("op", "code"))
+        latency = reg.histogram("radixd_operation_duration_seconds",
+                                "Time to handle one operation inside the daemon (socket I/O "
+                                "excluded).", ("op",))
+        stats = self.state.op_stats
+        known = sorted(set(P.OPS) | set(stats.latency) | {op for op, _ in stats.results})
+        results = dict(stats.results)
+        for op in known:
+            results.setdefault((op, "ok"), 0)
+        for (op, code), n in sorted(results.items()):
+            ops.add_metric([op, code], n)
+        bounds = [floatToGoString(b) for b in (*LATENCY_BUCKETS, math.inf)]
+        for op in known:
+            h = stats.latency.get(op)
+            cumulative = [n for _, n in h.cumulative()] if h is not None else [0] * len(bounds)
+            latency.add_metric([op], list(zip(bounds, cumulative, strict=True)),
+                               h.total if h is not None else 0.0)
 
-    # -- operations
-    ops = reg.family("radixd_operations_total", "counter",
-                     "Operations handled, by operation and result code (ok or an error code).")
-    latency = reg.family("radixd_operation_duration_seconds", "histogram",
-                         "Time to handle one operation inside the daemon (socket I/O excluded).")
-    stats = server.op_stats
-    known = sorted(set(P.OPS) | set(stats.latency) | {op for op, _ in stats.results})
-    results = dict(stats.results)
-    for op in known:
-        results.setdefault((op, "ok"), 0)
-    for (op, code), n in sorted(results.items()):
-        ops.add(n, op=op, code=code)
-    empty = [(b, 0) for b in (*LATENCY_BUCKETS, math.inf)]
-    for op in known:
-        h = stats.latency.get(op)
-        if h is None:
-            latency.add_histogram(empty, 0.0, 0, op=op)
-        else:
-            latency.add_histogram(h.cumulative(), h.total, h.n, op=op)
+        reg.gauge("radixd_sessions", "Open sessions (authenticated connections).").add_metric(
+            [], service.session_count())
 
-    reg.family("radixd_sessions", "gauge", "Open sessions (authenticated connections).").add(
-        len(service.sessions))
+        # -- the invariant checker
+        checks = reg.counter("radixd_invariant_checks_total",
+                             "Invariant checks run, by kind (full: every invariant; counters: "
+                             "the O(1) page-conservation check run while busy).", ("kind",))
+        runs = self.checker.runs
+        for kind in sorted(set(CHECK_KINDS) | set(runs)):
+            checks.add_metric([kind], runs.get(kind, 0))
+        last = self.checker.last
+        reg.gauge("radixd_invariant_violations",
+                  "Violations the last invariant check found (0: healthy).").add_metric(
+            [], len(last.violations))
+        reg.gauge("radixd_invariant_last_check_timestamp_seconds",
+                  "Unix time of the last invariant check (0: none yet).").add_metric(
+            [], float(last.at or 0.0))
 
-    # -- the invariant checker
-    checks = reg.family("radixd_invariant_checks_total", "counter",
-                        "Invariant checks run, by kind (full: every invariant; counters: the "
-                        "O(1) page-conservation check run while busy).")
-    for kind in sorted(set(CHECK_KINDS) | set(server.checks_run)):
-        checks.add(server.checks_run.get(kind, 0), kind=kind)
-    last = server.last_check
-    reg.family("radixd_invariant_violations", "gauge",
-               "Violations the last invariant check found (0: healthy).").add(
-        len(last.get("violations") or ()))
-    reg.family("radixd_invariant_last_check_timestamp_seconds", "gauge",
-               "Unix time of the last invariant check (0: none yet).").add(
-        float(last.get("at") or 0.0))
+        # -- the process
+        reg.gauge("radixd_uptime_seconds", "Seconds since the daemon started.").add_metric(
+            [], max(0.0, time.time() - self.state.started))
+        reg.gauge("radixd_info", "Build and instance information (always 1).",
+                  ("version", "instance")).add_metric([__version__, service.instance], 1)
 
-    # -- the process
-    reg.family("radixd_uptime_seconds", "gauge", "Seconds since the daemon started.").add(
-        max(0.0, time.time() - server.started))
-    reg.family("radixd_info", "gauge", "Build and instance information (always 1).").add(
-        1, version=__version__, instance=service.instance)
-
-    _tenant_families(reg, server, models)
-    return reg
+        _tenant_families(reg, service, self.tenant_label_limit)
+        return iter(reg.out.values())
 
 
 #: L3 client events, as RedisTier.stats names them: (key, family, help)
@@ -246,102 +204,101 @@ _L3_COUNTERS = (
 _BREAKER_STATES = ("closed", "half_open", "open")
 
 
-def _tier_families(reg: Registry, server: Server, models: list[str]) -> None:
+def _tier_families(reg: _Families, service: Service, views: list[ModelView]) -> None:
     """The host tier per model (pages, copies, loads, prefetches) and the shared L3 client."""
-    service = server.service
-    cap = reg.family("radixd_host_pool_capacity_pages", "gauge",
-                     "Host (L2) slots a model's host pool can hold, by pool (0: no host tier).")
-    used = reg.family("radixd_host_pool_used_pages", "gauge",
-                      "Host (L2) slots holding a page (in the tree, being copied, or being "
-                      "written to L3).")
-    pages = reg.family("radixd_tier_pages_total", "counter",
-                       "Pages moved between tiers, by direction (to_host: device copies backed "
-                       "up; to_device: loaded back; from_l3: fetched into host; to_l3: written "
-                       "to Redis).")
-    copy_s = reg.family("radixd_tier_copy_seconds_total", "counter",
-                        "Wall time of device<->host copies (off the event loop), by direction.")
-    copy_b = reg.family("radixd_tier_copy_bytes_total", "counter",
-                        "Bytes of full-pool pages copied between device and host, by direction.")
-    loads = reg.family("radixd_loads_total", "counter",
-                       "Loads that copied pages from host, by result (ok, failed).")
-    prefetch = reg.family("radixd_prefetches_total", "counter",
-                          "Prefetch operations that asked L3, and those whose wait timed out.")
-    skipped = reg.family("radixd_host_backups_skipped_total", "counter",
-                         "Host copies not made: the host pool or the tenant's host quota was "
-                         "full of pages that cannot go (copy errors are in "
-                         "radixd_loads_total and the log).")
-    for m in models:
-        t = service.models[m].tiers
+    mp, md, mr = ("model", "pool"), ("model", "direction"), ("model", "result")
+    cap = reg.gauge("radixd_host_pool_capacity_pages",
+                    "Host (L2) slots a model's host pool can hold, by pool (0: no host tier).", mp)
+    used = reg.gauge("radixd_host_pool_used_pages",
+                     "Host (L2) slots holding a page (in the tree, being copied, or being "
+                     "written to L3).", mp)
+    pages = reg.counter("radixd_tier_pages_total",
+                        "Pages moved between tiers, by direction (to_host: device copies backed "
+                        "up; to_device: loaded back; from_l3: fetched into host; to_l3: written "
+                        "to Redis).", md)
+    copy_s = reg.counter("radixd_tier_copy_seconds_total",
+                         "Wall time of device<->host copies (off the event loop), by direction.",
+                         md)
+    copy_b = reg.counter("radixd_tier_copy_bytes_total",
+                         "Bytes of full-pool pages copied between device and host, by "
+                         "direction.", md)
+    loads = reg.counter("radixd_loads_total",
+                        "Loads that copied pages from host, by result (ok, failed).", mr)
+    prefetch = reg.counter("radixd_prefetches_total",
+                           "Prefetch operations that asked L3, and those whose wait timed out.",
+                           mr)
+    skipped = reg.counter("radixd_host_backups_skipped_total",
+                          "Host copies not made: the host pool or the tenant's host quota was "
+                          "full of pages that cannot go (copy errors are in "
+                          "radixd_loads_total and the log).", ("model",))
+    for v in views:
+        m, t = v.name, v.tiers
         c = t.counters if t is not None else {}
-        h = t.host if t is not None else None
-        for pool in ("full", "swa") if service.models[m].cache.swa_enabled else ("full",):
-            hp = (h.full if pool == "full" else h.swa) if h is not None else None
-            cap.add(hp.usable if hp is not None else 0, model=m, pool=pool)
-            used.add(hp.used if hp is not None else 0, model=m, pool=pool)
+        for pool in ("full", "swa") if v.swa else ("full",):
+            hp = t.host.get(pool) if t is not None else None
+            cap.add_metric([m, pool], hp.capacity if hp is not None else 0)
+            used.add_metric([m, pool], hp.used if hp is not None else 0)
         for direction, key in (("to_host", "backup_pages"), ("to_device", "load_pages"),
                                ("from_l3", "prefetch_pages"), ("to_l3", "l3_write_pages")):
             n = c.get(key, 0) + (c.get("demoted_sync_pages", 0) if key == "backup_pages" else 0)
-            pages.add(n, model=m, direction=direction)
+            pages.add_metric([m, direction], n)
         for direction in ("to_host", "to_device"):
-            copy_s.add(t.copy_seconds[direction] if t else 0.0, model=m, direction=direction)
-            copy_b.add(t.copy_bytes[direction] if t else 0, model=m, direction=direction)
-        loads.add(c.get("loads", 0) - c.get("load_failures", 0), model=m, result="ok")
-        loads.add(c.get("load_failures", 0), model=m, result="failed")
-        prefetch.add(c.get("prefetches", 0), model=m, result="asked")
-        prefetch.add(c.get("prefetch_timeouts", 0), model=m, result="timeout")
-        skipped.add(c.get("backup_skipped", 0), model=m)
-    l3 = service.l3
-    st = l3.stats if l3 is not None else {}
-    reg.family("radixd_l3_enabled", "gauge", "1 when an L3 (Redis) tier is configured.").add(
-        l3 is not None)
-    state = reg.family("radixd_l3_breaker_state", "gauge",
-                       "The L3 circuit breaker: 1 for its current state (open: every call is a "
-                       "miss until a half-open probe succeeds).")
+            copy_s.add_metric([m, direction], t.copy_seconds[direction] if t else 0.0)
+            copy_b.add_metric([m, direction], t.copy_bytes[direction] if t else 0)
+        loads.add_metric([m, "ok"], c.get("loads", 0) - c.get("load_failures", 0))
+        loads.add_metric([m, "failed"], c.get("load_failures", 0))
+        prefetch.add_metric([m, "asked"], c.get("prefetches", 0))
+        prefetch.add_metric([m, "timeout"], c.get("prefetch_timeouts", 0))
+        skipped.add_metric([m], c.get("backup_skipped", 0))
+    st = service.l3_stats()
+    reg.gauge("radixd_l3_enabled", "1 when an L3 (Redis) tier is configured.").add_metric(
+        [], st is not None)
+    st = st or {}
+    state = reg.gauge("radixd_l3_breaker_state",
+                      "The L3 circuit breaker: 1 for its current state (open: every call is a "
+                      "miss until a half-open probe succeeds).", ("state",))
     for s_ in _BREAKER_STATES:
-        state.add(st.get("breaker_state") == s_, state=s_)
+        state.add_metric([s_], st.get("breaker_state") == s_)
     for key, name, text in _L3_COUNTERS:
-        reg.family(name, "counter", text).add(st.get(key, 0))
+        reg.counter(name, text).add_metric([], st.get(key, 0))
 
 
-def _tenant_families(reg: Registry, server: Server, models: list[str]) -> None:
+def _tenant_families(reg: _Families, service: Service, limit: int) -> None:
     """Per tenant, guarded: the first ``admin.tenant_label_limit`` tenants (configuration order)
     get their own label value; the rest are summed under ``tenant="_other"``."""
-    service = server.service
-    limit = server.config.admin.tenant_label_limit
-    tenants = service.tenants
+    tenants = service.tenant_views()
     label = {t.name: (t.name if i < limit else OTHER_TENANT) for i, t in enumerate(tenants)}
     labels = list(dict.fromkeys(label.values()))
 
-    tree = reg.family("radixd_tenant_tree_pages", "gauge",
-                      "Pages cached in the tenant's namespace (tenants sharing a namespace "
-                      "report the same pages).")
-    held = reg.family("radixd_tenant_held_pages", "gauge",
-                      "Pages held by the tenant's open sessions.")
-    for m in models:
-        pools = ["full", "swa"] if service.models[m].cache.swa_enabled else ["full"]
-        usage = service.tenant_usage(m)
+    tree = reg.gauge("radixd_tenant_tree_pages",
+                     "Pages cached in the tenant's namespace (tenants sharing a namespace "
+                     "report the same pages).", ("tenant", "model", "pool"))
+    held = reg.gauge("radixd_tenant_held_pages", "Pages held by the tenant's open sessions.",
+                     ("tenant", "model", "pool"))
+    for m in service.model_names():
+        pools = ["full", "swa"] if service.has_swa(m) else ["full"]
         sums = {lb: {"tree_full_pages": 0, "tree_swa_pages": 0, "held_full_pages": 0,
                      "held_swa_pages": 0} for lb in labels}
         counted_ns: dict[str, set[str]] = {lb: set() for lb in labels}
-        allowed = {lb: False for lb in labels}
+        allowed = dict.fromkeys(labels, False)
         for t in tenants:
-            lb = label[t.name]
-            if t.models is not None and m not in t.models:
+            u = t.usage.get(m)
+            if u is None:  # a model the tenant may not use
                 continue
+            lb = label[t.name]
             allowed[lb] = True
-            u = usage[t.name]
             if t.namespace not in counted_ns[lb]:  # a namespace's pages count once per label
                 counted_ns[lb].add(t.namespace)
-                sums[lb]["tree_full_pages"] += u["tree_full_pages"]
-                sums[lb]["tree_swa_pages"] += u["tree_swa_pages"]
-            sums[lb]["held_full_pages"] += u["held_full_pages"]
-            sums[lb]["held_swa_pages"] += u["held_swa_pages"]
+                sums[lb]["tree_full_pages"] += u.tree_full_pages
+                sums[lb]["tree_swa_pages"] += u.tree_swa_pages
+            sums[lb]["held_full_pages"] += u.held_full_pages
+            sums[lb]["held_swa_pages"] += u.held_swa_pages
         for lb in labels:
             if not allowed[lb]:
                 continue
             for pool in pools:
-                tree.add(sums[lb][f"tree_{pool}_pages"], tenant=lb, model=m, pool=pool)
-                held.add(sums[lb][f"held_{pool}_pages"], tenant=lb, model=m, pool=pool)
+                tree.add_metric([lb, m, pool], sums[lb][f"tree_{pool}_pages"])
+                held.add_metric([lb, m, pool], sums[lb][f"held_{pool}_pages"])
 
     counters = (
         ("hit_tokens", "radixd_tenant_hit_tokens_total",
@@ -352,9 +309,9 @@ def _tenant_families(reg: Registry, server: Server, models: list[str]) -> None:
          "Allocations refused because the tenant was over a page quota."),
     )
     for key, name, text in counters:
-        fam = reg.family(name, "counter", text)
+        fam = reg.counter(name, text, ("tenant",))
         sums_c = dict.fromkeys(labels, 0)
         for t in tenants:
             sums_c[label[t.name]] += t.counters.get(key, 0)
         for lb in labels:
-            fam.add(sums_c[lb], tenant=lb)
+            fam.add_metric([lb], sums_c[lb])

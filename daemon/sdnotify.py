@@ -80,7 +80,7 @@ class Notifier:
         an allocation stuck in the driver still ends in a timeout. A no-op outside systemd::
 
             with notifier.extending_timeout():
-                service = Service(config)   # allocates the KV pools
+                daemon = build(config)   # allocates the KV pools (daemon/app.py)
         """
         if self._sock is None:
             yield

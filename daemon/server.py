@@ -16,10 +16,9 @@ import logging
 import os
 import signal
 import socket
-import stat
 import struct
 import time
-from pathlib import Path
+from collections.abc import Awaitable, Callable
 from time import perf_counter
 from typing import Any
 
@@ -27,10 +26,13 @@ import msgspec
 from radixd_client import protocol as P
 from radixd_client.connection import FrameSplitter, FrameTooLarge
 
+from .checker import Checker
 from .config import Config
+from .entities import Peer, Session
 from .metrics import OpStats
 from .sdnotify import Notifier, listen_fds, watchdog_interval
-from .service import Peer, Service, ServiceError, Session, error_of
+from .service import Service, ServiceError, error_of
+from .sockets import bind_unix_socket
 
 log = logging.getLogger("radixd.server")
 
@@ -325,10 +327,23 @@ class Connection(asyncio.Protocol):
 
 
 class Server:
-    def __init__(self, config: Config, service: Service, notifier: Notifier | None = None):
+    """The engines' socket and the daemon's lifecycle (start, READY, signals, shutdown).
+
+    Its collaborators come from the composition root (daemon/app.py): the service, the checker,
+    the systemd notifier, and ``start_admin``, which starts the admin endpoint before READY (the
+    server does not know what that endpoint is). It also keeps the counters only it can see:
+    operations handled and their latencies, which the metrics read through ``ServerState``."""
+
+    def __init__(self, config: Config, service: Service, notifier: Notifier | None = None,
+                 checker: Checker | None = None,
+                 start_admin: Callable[[], Awaitable[Any]] | None = None):
         self.config = config
         self.service = service
         self.notifier = notifier or Notifier(None)
+        self.checker = checker or Checker(service, config.checker)
+        # the checker goes cheap while operations flow, and strict mode stops this server
+        self.checker.bind(ops=lambda: self.ops, stop=self.stop)
+        self.start_admin = start_admin
         self.ready = False  # pools and socket exist and the daemon is not shutting down
         self._owns_socket = True
         self.connections: set[Connection] = set()
@@ -340,12 +355,8 @@ class Server:
         self.stopping = False
         self.started = time.time()
         self.op_stats = OpStats()
-        self.last_check: dict[str, Any] = {"ok": None, "violations": [], "at": None}
         self.socket_path = config.server.socket
-        self.checks_requested = 0
-        # invariant checks run, by kind ("full", "counters"): radixd_invariant_checks_total
-        self.checks_run: dict[str, int] = {"full": 0, "counters": 0}
-        self.admin: Any = None  # daemon.admin.AdminHandle while the admin endpoint serves
+        self.admin: Any = None  # what start_admin returned (it has an async stop())
         self.async_ops: set[asyncio.Task] = set()  # load/prefetch in flight
 
     async def start(self) -> None:
@@ -365,7 +376,7 @@ class Server:
                 log.warning("ignoring extra socket passed by systemd: fd %d", extra.fileno())
                 extra.close()
         else:
-            sock = _bind_socket(path, self.config.server.socket_mode_int)
+            sock = bind_unix_socket(path, self.config.server.socket_mode_int)
         self._server = await self.loop.create_unix_server(lambda: Connection(self), sock=sock)
         self.service.start_tiers()
         self.socket_path = path
@@ -377,13 +388,14 @@ class Server:
         # handlers first: the socket exists now, and a signal before them would kill the process
         for sig in (signal.SIGTERM, signal.SIGINT):
             self.loop.add_signal_handler(sig, self.stop)
-        self.loop.add_signal_handler(signal.SIGUSR1, self._requested_check)
+        self.loop.add_signal_handler(signal.SIGUSR1, self.checker.on_request)
         try:
-            await self._start_admin()
+            if self.start_admin is not None:
+                self.admin = await self.start_admin()
         except BaseException:
             await self.shutdown()
             raise
-        tasks = [self.loop.create_task(self._checker())]
+        tasks = [self.loop.create_task(self.checker.loop())]
         interval = watchdog_interval()
         if interval is not None:
             tasks.append(self.loop.create_task(self._watchdog(interval)))
@@ -397,29 +409,6 @@ class Server:
                 t.cancel()
             await self.shutdown()
         return self.exit_code
-
-    async def _start_admin(self) -> None:
-        """The admin HTTP endpoint, before READY. A port that was configured (file, environment)
-        and cannot be bound stops the daemon; the built-in default port being taken (another
-        daemon on this machine) only costs this one its admin endpoint, loudly."""
-        if not self.config.admin.enabled:
-            log.info("admin endpoint disabled (admin.enabled = false)")
-            return
-        from .admin import TokenFileError, start_admin
-
-        try:
-            self.admin = await start_admin(self)
-        except TokenFileError:
-            raise
-        except OSError as exc:
-            cfg = self.config.admin
-            if cfg.unix_socket is not None or "port" in cfg.model_fields_set:
-                where = cfg.unix_socket or f"{cfg.host}:{cfg.port}"
-                raise OSError(exc.errno, f"admin endpoint {where}: {exc.strerror or exc}"
-                              ) from exc
-            log.error("admin endpoint not started: cannot bind %s:%d (%s); set admin.port "
-                      "(0 picks a free port) or admin.unix_socket", cfg.host, cfg.port,
-                      exc.strerror or exc)
 
     def _status_line(self) -> str:
         return (f"serving {len(self.service.models)} model(s) to {len(self.service.sessions)} "
@@ -475,97 +464,8 @@ class Server:
         self.service.close()
         log.info("stopped")
 
-    def run_check(self, deep: bool | None = None) -> list[str]:
-        deep = self.config.checker.deep if deep is None else deep
-        t0 = time.perf_counter()
-        violations = self.service.check(deep=deep)
-        self.checks_run["full"] = self.checks_run.get("full", 0) + 1
-        self.last_check = {"ok": not violations, "violations": violations, "at": time.time(),
-                           "kind": "full", "seconds": time.perf_counter() - t0}
-        return violations
 
-    def _requested_check(self) -> None:
-        """SIGUSR1: a full check now, its verdict logged (tests and operators use it)."""
-        violations = self.run_check()
-        self.checks_requested += 1
-        if violations:
-            log.error("invariant check #%d (requested): %d violations: %s",
-                      self.checks_requested, len(violations), "; ".join(violations[:20]))
-            if self.config.checker.strict:
-                log.critical("strict mode: stopping on an invariant violation")
-                self.stop(3)
-        else:
-            log.info("invariant check #%d (requested): ok", self.checks_requested)
-
-    async def _checker(self) -> None:
-        """Full check when idle since the last one, cheap counter check while busy."""
-        cfg = self.config.checker
-        seen = -1
-        while True:
-            await asyncio.sleep(cfg.interval_s)
-            if self.ops == seen:
-                violations = self.run_check()
-            else:
-                violations = self.service.quick_check()
-                self.checks_run["counters"] = self.checks_run.get("counters", 0) + 1
-                self.last_check = {"ok": not violations, "violations": violations,
-                                   "at": time.time(), "kind": "counters"}
-            seen = self.ops
-            if violations:
-                log.error("invariant violations: %s", "; ".join(violations[:20]))
-                if cfg.strict:
-                    log.critical("strict mode: stopping on an invariant violation")
-                    self.stop(3)
-                    return
-
-
-def _bind_socket(path: str, mode: int) -> socket.socket:
-    p = Path(path)
-    if not p.parent.exists():
-        p.parent.mkdir(parents=True, mode=0o750)
-    if p.exists() or p.is_symlink():
-        if not stat.S_ISSOCK(p.lstat().st_mode):
-            raise OSError(errno.EEXIST,
-                          f"{path} exists and is not a socket; refusing to replace it")
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.connect(path)
-        except OSError:
-            p.unlink()  # a stale socket from a daemon that died
-        else:
-            raise OSError(errno.EADDRINUSE, f"another radixd is serving on {path}")
-        finally:
-            probe.close()
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    old = os.umask(0o777 & ~mode)
-    try:
-        sock.bind(path)
-    finally:
-        os.umask(old)
-    os.chmod(path, mode)
-    sock.listen(1024)
-    sock.setblocking(False)
-    return sock
-
-
-def run(config: Config) -> int:
-    """Build the service and serve until SIGTERM/SIGINT; returns the process exit code."""
-    try:
-        import uvloop
-
-        uvloop.install()
-    except ImportError:  # pragma: no cover - uvloop is a dependency; asyncio works too
-        log.warning("uvloop not available; using the default asyncio loop")
-    notifier = Notifier.from_env()
-    notifier.status("allocating KV pools")
-    with notifier.extending_timeout():  # large pools can take longer than TimeoutStartSec
-        service = Service(config)
-    server = Server(config, service, notifier)
-    _tune_gc()
-    return asyncio.run(server.serve())
-
-
-def _tune_gc() -> None:
+def tune_gc() -> None:
     """Keep the cyclic GC off the hot path.
 
     After start-up the heap holds torch and every module it imported: hundreds of thousands of

@@ -12,20 +12,23 @@ import hashlib
 import hmac
 import logging
 import secrets
-import time
 from array import array
-from dataclasses import dataclass, field
 from typing import Any
 
 from radixd_client import protocol as P
 
 from .config import Config
+from .entities import (
+    ModelEntry,
+    Peer,
+    Session,
+    Tenant,
+    build_tenants,
+)
 from .gpu.allocator import OutOfPages
-from .model_cache import ModelCache
+from .queries import ServiceQueries, held_pages
 
 log = logging.getLogger("radixd.service")
-
-DEFAULT_TENANT = "default"
 
 
 class ServiceError(Exception):
@@ -37,113 +40,24 @@ class ServiceError(Exception):
         self.details = details
 
 
-@dataclass
-class Tenant:
-    name: str
-    digest: bytes | None  # sha256 of the token; None only for the built-in default tenant
-    namespace: str
-    models: frozenset[str] | None  # None: every model
-    quota_full: int = 0
-    quota_swa: int = 0
-    quota_host: int = 0
-    quota_l3: int = 0
-    counters: dict[str, int] = field(default_factory=lambda: {
-        "sessions": 0, "matches": 0, "match_tokens": 0, "hit_tokens": 0, "host_hit_tokens": 0,
-        "inserted_tokens": 0,
-        "allocated_pages": 0, "quota_evicted_pages": 0, "quota_refusals": 0})
+class Service(ServiceQueries):
+    """The operations, over collaborators built elsewhere (daemon/app.py: the composition root):
+    the model entries with their caches, pools and tier managers, the tenants, the L3 client.
+    It only uses them, so a test can hand it pool-less models and no L3."""
 
-
-@dataclass
-class Peer:
-    pid: int = 0
-    uid: int = -1
-    gid: int = -1
-
-
-@dataclass
-class Session:
-    id: int
-    tenant: Tenant
-    peer: Peer
-    client: str
-    started: float = field(default_factory=time.time)
-    ops: int = 0
-
-
-@dataclass
-class ModelEntry:
-    name: str
-    cache: ModelCache
-    info: P.ModelInfo
-    pools: Any = None  # daemon.gpu.pools.KVPools when exported
-    tiers: Any = None  # daemon.tiers.TierManager when the host tier is on
-
-
-class Service:
-    def __init__(self, config: Config, *, create_pools: bool = True):
+    def __init__(self, config: Config, models: dict[str, ModelEntry],
+                 tenants: list[Tenant] | None = None, l3: Any = None):
         self.config = config
-        self.models: dict[str, ModelEntry] = {}
-        for mc in config.models:
-            profile = mc.profile()
-            pools = None
-            if create_pools and mc.export_pools:
-                from .gpu.pools import KVPools  # torch only when pools are wanted
-
-                pools = KVPools(profile)
-            device = str(pools.device) if pools is not None else profile.device
-            info = P.ModelInfo(
-                name=profile.name, page_size=profile.page_size,
-                sliding_window=profile.sliding_window, num_full_layers=profile.num_full_layers,
-                num_swa_layers=profile.num_swa_layers, num_kv_heads=profile.num_kv_heads,
-                head_dim=profile.head_dim, dtype=profile.dtype, device=device,
-                full_pages=profile.full_pages, swa_pages=profile.swa_pages,
-                host_pages=mc.host_pages if pools is not None else 0,
-                l3=bool(pools is not None and mc.host_pages and mc.l3 and config.l3.url))
-            cache = ModelCache(profile, pools=pools, policy=mc.eviction_policy)
-            self.models[mc.name] = ModelEntry(mc.name, cache, info, pools)
-        self.tenants: list[Tenant] = [
-            Tenant(t.name, t.token_digest(), t.namespace or t.name,
-                   None if "*" in t.models else frozenset(t.models),
-                   t.quota_full_pages, t.quota_swa_pages, t.quota_host_pages, t.quota_l3_bytes)
-            for t in config.tenants
-        ]
-        self.open_mode = not self.tenants
-        if self.open_mode:
-            self.tenants = [Tenant(DEFAULT_TENANT, None, DEFAULT_TENANT, None)]
-        self.l3 = None
-        if config.l3.url and any(m.l3 and m.host_pages for m in config.models):
-            from .storage.redis_tier import RedisTier
-
-            c = config.l3
-            self.l3 = RedisTier(c.url, key_prefix=c.key_prefix + ":", ttl_seconds=c.ttl_s,
-                                op_timeout=c.op_timeout_ms / 1000,
-                                breaker_threshold=c.breaker_threshold,
-                                breaker_open_seconds=c.breaker_open_s,
-                                max_connections=c.max_connections)
-        for mc in config.models:
-            entry = self.models[mc.name]
-            if entry.pools is not None and mc.host_pages:
-                from .tiers import TierManager
-
-                entry.tiers = TierManager(entry.cache, entry.pools, mc,
-                                          self.l3 if mc.l3 else None, config.l3,
-                                          self._quotas("quota_host"), self._quotas("quota_l3"))
+        self.models = models
+        self.tenants: list[Tenant] = tenants if tenants is not None else build_tenants(config)
+        self.open_mode = not config.tenants
+        self.l3 = l3
         self.sessions: dict[int, Session] = {}
         self._next_session = 1
         self.instance = secrets.token_hex(8)
-        self.ops_total = 0
         self.limits = P.Limits(max_frame_bytes=config.server.max_frame_bytes,
                                max_tokens=config.server.max_tokens,
                                max_inflight=config.server.max_inflight)
-
-    def _quotas(self, attr: str) -> dict[str, int]:
-        """Per namespace, the smallest non-zero quota of the tenants sharing it."""
-        out: dict[str, int] = {}
-        for t in self.tenants:
-            q = getattr(t, attr)
-            if q:
-                out[t.namespace] = min(q, out.get(t.namespace, q))
-        return out
 
     def start_tiers(self) -> None:
         """Start the tiers' background workers (needs the running event loop)."""
@@ -407,11 +321,21 @@ class Service:
         if not isinstance(r.host_pages, int) or r.host_pages < 0:
             raise ServiceError(P.Code.BAD_ARGUMENT,
                                f"host_pages must be a non-negative int, got {r.host_pages!r}")
-        res = entry.cache.evict(r.full_pages, r.swa_pages, namespace=s.tenant.namespace)
-        host = 0
-        if r.host_pages:
-            host = entry.cache.tree.evict_host(r.host_pages, namespace=s.tenant.namespace
-                                               ).host_slots
+        return self._evict(entry, r.full_pages, r.swa_pages, r.host_pages, s.tenant.namespace,
+                           "explicit")
+
+    def admin_evict(self, model: str, full_pages: int, swa_pages: int, host_pages: int,
+                    namespace: str | None) -> P.EvictResult:
+        """An operator's eviction (POST /v1/evict): any namespace, or one; counted as admin."""
+        return self._evict(self._entry(model), full_pages, swa_pages, host_pages, namespace,
+                           "admin")
+
+    @staticmethod
+    def _evict(entry: ModelEntry, full_pages: int, swa_pages: int, host_pages: int,
+               namespace: str | None, reason: str) -> P.EvictResult:
+        res = entry.cache.evict(full_pages, swa_pages, namespace=namespace, reason=reason)
+        host = (entry.cache.tree.evict_host(host_pages, namespace=namespace).host_slots
+                if host_pages else 0)
         return P.EvictResult(full_pages=res.full_pages, swa_pages=res.swa_pages, host_pages=host)
 
     def stats(self, s: Session, r: P.Stats) -> P.StatsResult:
@@ -528,8 +452,7 @@ class Service:
             c = entry.cache
             a = c.alloc_state
             tree_full, tree_swa = c.tree.device_pages()
-            held_full = len(c._full_owner)
-            held_swa = len(c._swa_owner)
+            held_full, held_swa = held_pages(c)
             if a.full.available + tree_full + held_full != a.full.usable:
                 v.append(f"{name}: full pool free {a.full.available} + tree {tree_full} + held "
                          f"{held_full} != {a.full.usable}")
@@ -551,72 +474,6 @@ class Service:
                 entry.tiers.host.close()
             if entry.pools is not None:
                 entry.pools.close()
-
-    # ------------------------------------------------------------------ snapshots (read-only)
-    # For the admin endpoint and the metrics: they read state, never change it, and run on the
-    # event loop like every operation, so each snapshot is consistent.
-
-    def pool_usage(self, model: str) -> dict[str, dict[str, int]]:
-        """Per pool ("full", and "swa" when the model has SWA): capacity (usable pages, page 0
-        excluded), free, tree (evictable + locked), evictable, locked, held (by sessions)."""
-        c = self.models[model].cache
-        a = c.alloc_state
-        t = c.tree
-        out = {"full": {"capacity": a.full.usable, "free": a.full.available,
-                        "tree": t.full_evictable + t.full_protected,
-                        "evictable": t.full_evictable, "locked": t.full_protected,
-                        "held": len(c._full_owner)}}
-        if a.swa is not None:
-            out["swa"] = {"capacity": a.swa.usable, "free": a.swa.available,
-                          "tree": t.swa_evictable + t.swa_protected,
-                          "evictable": t.swa_evictable, "locked": t.swa_protected,
-                          "held": len(c._swa_owner)}
-        return out
-
-    def tree_nodes(self, model: str) -> int:
-        """Nodes holding tokens (namespace roots not counted)."""
-        t = self.models[model].cache.tree
-        return len(t.nodes) - len(t.namespaces)
-
-    def live_sessions(self) -> dict[str, int]:
-        """Open sessions per tenant name (every tenant listed, 0 when none)."""
-        out = {t.name: 0 for t in self.tenants}
-        for s in self.sessions.values():
-            out[s.tenant.name] = out.get(s.tenant.name, 0) + 1
-        return out
-
-    def tenant_models(self, tenant: Tenant) -> list[str]:
-        """The models a tenant may use, in configuration order."""
-        return [n for n in self.models if tenant.models is None or n in tenant.models]
-
-    def tenant_usage(self, model: str) -> dict[str, dict[str, int]]:
-        """Per tenant name, in one model: tree_full_pages and tree_swa_pages (pages of the
-        tenant's namespace; tenants sharing a namespace report the same pages) and
-        held_full_pages and held_swa_pages (pages its open sessions hold)."""
-        c = self.models[model].cache
-        out: dict[str, dict[str, int]] = {}
-        for t in self.tenants:
-            ns = c.tree.namespaces.get(t.namespace)
-            out[t.name] = {"tree_full_pages": ns.full_pages if ns is not None else 0,
-                           "tree_swa_pages": ns.swa_pages if ns is not None else 0,
-                           "held_full_pages": 0, "held_swa_pages": 0}
-        for owner, h in c.holdings.items():
-            s = self.sessions.get(owner)
-            if s is not None and s.tenant.name in out:
-                u = out[s.tenant.name]
-                u["held_full_pages"] += len(h.full)
-                u["held_swa_pages"] += len(h.swa)
-        return out
-
-    def session_holdings(self, session: Session) -> dict[str, dict[str, int]]:
-        """Per model the session may use: full_pages, swa_pages and receipts it holds."""
-        out: dict[str, dict[str, int]] = {}
-        for name in self.tenant_models(session.tenant):
-            h = self.models[name].cache.holdings.get(session.id)
-            out[name] = {"full_pages": len(h.full) if h else 0,
-                         "swa_pages": len(h.swa) if h else 0,
-                         "receipts": len(h.receipts) if h else 0}
-        return out
 
 
 def _is_job(owner: Any) -> bool:

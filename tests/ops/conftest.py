@@ -14,11 +14,13 @@ import json
 import re
 import socket
 import time
+from array import array
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from radixd_client import Client
 
 from tests.harness import daemon_conftest
 
@@ -142,3 +144,60 @@ def admin_daemon(tmp_path: Path) -> Iterator:
 
     yield factory
     _dc.check_and_stop(daemons)
+
+
+# ---------------------------------------------------------------------------- shared by the tests
+
+P = SMALL_MODEL["page_size"]
+DEVICE_ONLY = [{**SMALL_MODEL, "host_pages": 0}]  # no demotion to host: exact tree shapes
+
+
+def toks(n_pages: int, base: int = 1) -> bytes:
+    return array("i", range(base, base + n_pages * P)).tobytes()
+
+
+def cache(c: Client, tokens: bytes, model: str = "m") -> None:
+    a = c.alloc(model, len(tokens) // 4 // P)
+    c.insert(model, tokens, a.full_pages, a.swa_pages)
+
+
+# ---------------------------------------------------------------------------- metrics parsing
+
+def parse_metrics(text: str) -> tuple[dict[str, str], dict[tuple[str, frozenset], float]]:
+    """With prometheus_client's own parser (strict about the format), plus what it does not
+    check: no duplicate series. Returns (family -> type, (name, labels) -> value)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    types: dict[str, str] = {}
+    samples: dict[tuple[str, frozenset], float] = {}
+    assert text.endswith("\n")
+    for fam in text_string_to_metric_families(text):
+        # the name as the text format exposes it (the parser drops a counter's _total)
+        name = fam.name + "_total" if fam.type == "counter" else fam.name
+        assert name not in types, f"second family {name}"
+        types[name] = fam.type
+        for sample in fam.samples:
+            key = (sample.name, frozenset(sample.labels.items()))
+            assert key not in samples, f"duplicate series {sample}"
+            samples[key] = sample.value
+    return types, samples
+
+
+def metric(samples: dict, name: str, **labels: Any) -> float:
+    key = (name, frozenset((k, str(v)) for k, v in labels.items()))
+    assert key in samples, f"no series {name}{labels}"
+    return samples[key]
+
+
+def series(samples: dict, name: str) -> list[tuple[dict[str, str], float]]:
+    return [(dict(lb), v) for (n, lb), v in samples.items() if n == name]
+
+
+def scrape(daemon: Any, accept: str = "") -> str:
+    """The exposition of an in-process daemon, as /metrics renders it."""
+    from daemon import exposition
+
+    collector = exposition.Collector(daemon.service, daemon.server, daemon.checker,
+                                     daemon.config.admin.tenant_label_limit)
+    body, _ = exposition.render(collector, accept)
+    return body.decode()

@@ -1,0 +1,146 @@
+"""The composition root: every long-lived object of the daemon is built here, from the Config.
+
+Nothing below this module constructs its own collaborators: the device pools, the host and L3
+storage, the tier managers, the service, the checker, the server and the admin endpoint are made
+here and handed to whoever uses them. So the layers only point downward (server and admin ->
+service -> tiers -> model cache -> tree, gpu, storage), a test builds exactly the pieces it needs
+(``build_service(config, create_pools=False)``), and docs/design.md has one place to point at.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from radixd_client import protocol as P
+
+from .admin import AdminHandle, TokenFileError, start_admin
+from .checker import Checker
+from .config import Config, ModelConfig
+from .entities import ModelEntry, Tenant, build_tenants, namespace_quotas
+from .model_cache import ModelCache
+from .sdnotify import Notifier
+from .server import Server, tune_gc
+from .service import Service
+
+log = logging.getLogger("radixd.app")
+
+
+def build_pools(mc: ModelConfig) -> Any:
+    """The device KV pools of one model (torch is imported only when pools are wanted)."""
+    from .gpu.pools import KVPools
+
+    return KVPools(mc.profile())
+
+
+def build_l3(config: Config) -> Any:
+    """The shared Redis client, when some model with a host tier asks for L3."""
+    if not config.l3.url or not any(m.l3 and m.host_pages for m in config.models):
+        return None
+    from .storage.redis_tier import RedisTier
+
+    c = config.l3
+    return RedisTier(c.url, key_prefix=c.key_prefix + ":", ttl_seconds=c.ttl_s,
+                     op_timeout=c.op_timeout_ms / 1000, breaker_threshold=c.breaker_threshold,
+                     breaker_open_seconds=c.breaker_open_s, max_connections=c.max_connections)
+
+
+def build_model(config: Config, mc: ModelConfig, pools: Any) -> ModelEntry:
+    """A model's cache and the description engines get in hello; ``pools`` None: not exported."""
+    profile = mc.profile()
+    info = P.ModelInfo(
+        name=profile.name, page_size=profile.page_size, sliding_window=profile.sliding_window,
+        num_full_layers=profile.num_full_layers, num_swa_layers=profile.num_swa_layers,
+        num_kv_heads=profile.num_kv_heads, head_dim=profile.head_dim, dtype=profile.dtype,
+        device=str(pools.device) if pools is not None else profile.device,
+        full_pages=profile.full_pages, swa_pages=profile.swa_pages,
+        host_pages=mc.host_pages if pools is not None else 0,
+        l3=bool(pools is not None and mc.host_pages and mc.l3 and config.l3.url))
+    cache = ModelCache(profile, pools=pools, policy=mc.eviction_policy)
+    return ModelEntry(mc.name, cache, info, pools)
+
+
+def build_tiers(config: Config, models: dict[str, ModelEntry], tenants: list[Tenant],
+                l3: Any) -> None:
+    """A tier manager for every model with exported pools and a host tier (it needs both)."""
+    from .tiers import TierManager
+
+    host_quotas = namespace_quotas(tenants, "quota_host")
+    l3_quotas = namespace_quotas(tenants, "quota_l3")
+    for mc in config.models:
+        entry = models[mc.name]
+        if entry.pools is not None and mc.host_pages:
+            entry.tiers = TierManager(entry.cache, entry.pools, mc, l3 if mc.l3 else None,
+                                      config.l3, host_quotas, l3_quotas)
+
+
+def build_service(config: Config, *, create_pools: bool = True) -> Service:
+    """The service and everything under it. Without pools (tests, tools) there are no tiers."""
+    models = {mc.name: build_model(config, mc, build_pools(mc)
+                                   if create_pools and mc.export_pools else None)
+              for mc in config.models}
+    tenants = build_tenants(config)
+    l3 = build_l3(config)
+    build_tiers(config, models, tenants, l3)
+    return Service(config, models, tenants, l3)
+
+
+@dataclass
+class Daemon:
+    """The wired daemon: what ``radixd serve`` runs and what in-process tests drive."""
+
+    config: Config
+    service: Service
+    checker: Checker
+    server: Server
+
+    async def start_admin(self) -> AdminHandle | None:
+        """The admin endpoint, before READY. A port that was configured (file, environment)
+        and cannot be bound stops the daemon; the built-in default port being taken (another
+        daemon on this machine) only costs this one its admin endpoint, loudly."""
+        cfg = self.config.admin
+        if not cfg.enabled:
+            log.info("admin endpoint disabled (admin.enabled = false)")
+            return None
+        try:
+            return await start_admin(self.config, self.service, self.server, self.checker,
+                                     str(self.server.socket_path))
+        except TokenFileError:
+            raise
+        except OSError as exc:
+            if cfg.unix_socket is not None or "port" in cfg.model_fields_set:
+                where = cfg.unix_socket or f"{cfg.host}:{cfg.port}"
+                raise OSError(exc.errno, f"admin endpoint {where}: {exc.strerror or exc}"
+                              ) from exc
+            log.error("admin endpoint not started: cannot bind %s:%d (%s); set admin.port "
+                      "(0 picks a free port) or admin.unix_socket", cfg.host, cfg.port,
+                      exc.strerror or exc)
+            return None
+
+
+def build(config: Config, *, create_pools: bool = True,
+          notifier: Notifier | None = None) -> Daemon:
+    service = build_service(config, create_pools=create_pools)
+    checker = Checker(service, config.checker)
+    server = Server(config, service, notifier, checker)
+    daemon = Daemon(config, service, checker, server)
+    server.start_admin = daemon.start_admin
+    return daemon
+
+
+def run(config: Config) -> int:
+    """Build the daemon and serve until SIGTERM/SIGINT; returns the process exit code."""
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:  # pragma: no cover - uvloop is a dependency; asyncio works too
+        log.warning("uvloop not available; using the default asyncio loop")
+    notifier = Notifier.from_env()
+    notifier.status("allocating KV pools")
+    with notifier.extending_timeout():  # large pools can take longer than TimeoutStartSec
+        daemon = build(config, notifier=notifier)
+    tune_gc()
+    return asyncio.run(daemon.server.serve())

@@ -1,0 +1,79 @@
+"""What the service keeps per model, tenant and session: plain records, shared by the service,
+its query API (daemon/queries.py) and the composition root (daemon/app.py), which builds them."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixd_client import protocol as P
+
+from .config import Config
+from .model_cache import ModelCache
+
+DEFAULT_TENANT = "default"
+
+
+@dataclass
+class Tenant:
+    name: str
+    digest: bytes | None  # sha256 of the token; None only for the built-in default tenant
+    namespace: str
+    models: frozenset[str] | None  # None: every model
+    quota_full: int = 0
+    quota_swa: int = 0
+    quota_host: int = 0
+    quota_l3: int = 0
+    counters: dict[str, int] = field(default_factory=lambda: {
+        "sessions": 0, "matches": 0, "match_tokens": 0, "hit_tokens": 0, "host_hit_tokens": 0,
+        "inserted_tokens": 0,
+        "allocated_pages": 0, "quota_evicted_pages": 0, "quota_refusals": 0})
+
+
+@dataclass
+class Peer:
+    pid: int = 0
+    uid: int = -1
+    gid: int = -1
+
+
+@dataclass
+class Session:
+    id: int
+    tenant: Tenant
+    peer: Peer
+    client: str
+    started: float = field(default_factory=time.time)
+    ops: int = 0
+
+
+@dataclass
+class ModelEntry:
+    name: str
+    cache: ModelCache
+    info: P.ModelInfo
+    pools: Any = None  # daemon.gpu.pools.KVPools when exported
+    tiers: Any = None  # daemon.tiers.TierManager when the host tier is on
+
+
+def build_tenants(config: Config) -> list[Tenant]:
+    """The configured tenants; without any, the daemon is open: one built-in tenant, no token."""
+    tenants = [
+        Tenant(t.name, t.token_digest(), t.namespace or t.name,
+               None if "*" in t.models else frozenset(t.models),
+               t.quota_full_pages, t.quota_swa_pages, t.quota_host_pages, t.quota_l3_bytes)
+        for t in config.tenants
+    ]
+    return tenants or [Tenant(DEFAULT_TENANT, None, DEFAULT_TENANT, None)]
+
+
+def namespace_quotas(tenants: list[Tenant], attr: str) -> dict[str, int]:
+    """Per namespace, the smallest non-zero quota of the tenants sharing it (the tiers enforce
+    host and L3 quotas per namespace, since pages belong to namespaces, not tenants)."""
+    out: dict[str, int] = {}
+    for t in tenants:
+        q = getattr(t, attr)
+        if q:
+            out[t.namespace] = min(q, out.get(t.namespace, q))
+    return out

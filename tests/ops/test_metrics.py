@@ -1,0 +1,202 @@
+"""/metrics against a real daemon and in process: families, labels and values that follow real
+traffic, escaping and the tenant label guard, OpenMetrics on request."""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import pytest
+from radixd_client import Client
+from radixd_client.errors import NotFoundError
+
+from daemon import __version__
+
+from .conftest import (
+    ADMIN_TOKEN,
+    DEVICE_ONLY,
+    SMALL_MODEL,
+    P,
+    cache,
+    metric,
+    parse_metrics,
+    scrape,
+    series,
+    toks,
+)
+
+# ---------------------------------------------------------------------------- metrics
+
+def test_metrics_follow_real_traffic(admin_daemon) -> None:
+    d = admin_daemon({"admin": {"token": ADMIN_TOKEN}, "models": DEVICE_ONLY})
+    r = d.get("/metrics")
+    assert r.status == 200
+    assert r.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
+    types, samples = parse_metrics(r.text)
+    assert metric(samples, "radixd_matches_total", model="m") == 0  # pre-initialised
+    assert metric(samples, "radixd_evicted_pages_total", model="m", pool="swa",
+                  reason="alloc") == 0
+
+    t1, t2 = toks(4), toks(3, base=1000)
+    with Client(d.socket, client_name="metrics-test") as c:
+        cache(c, t1)
+        cache(c, t2)
+        assert c.match("m", t1).prefix_len == 4 * P
+        assert c.match("m", toks(2, base=5000)).prefix_len == 0
+        locked = c.match("m", t1, lock=True)
+        assert locked.prefix_len == 4 * P and locked.receipt is not None
+        with pytest.raises(NotFoundError):
+            c.match("nope", t1)
+        assert c.evict("m", full_pages=10).full_pages == 3  # t2 only: t1 is locked
+        c.alloc("m", 2)  # held by the session
+        tenant = c.stats("m").models["m"]
+        assert d.post("/v1/check").json()["ok"] is True
+
+        types, samples = parse_metrics(d.get("/metrics").text)
+        api = d.get_json("/v1/stats")
+
+        # every family is named by the conventions and typed
+        for name, kind in types.items():
+            assert name.startswith("radixd_"), name
+            assert (kind == "counter") == name.endswith("_total"), name
+        model = api["models"]["m"]
+
+        # pools: what the API says, and what the traffic implies
+        want = {"full": {"capacity": 63, "tree": 4, "locked": 4, "evictable": 0, "held": 2},
+                "swa": {"capacity": 31, "tree": 4, "locked": 2, "evictable": 2, "held": 2}}
+        for pool, values in want.items():
+            got = model["pools"][pool]
+            for key, value in values.items():
+                assert got[key] == value, (pool, key, got)
+            assert got["free"] == got["capacity"] - got["tree"] - got["held"]
+            for key, value in got.items():
+                assert metric(samples, f"radixd_pool_{key}_pages", model="m",
+                              pool=pool) == value, (pool, key)
+
+        # lookups: 3 matches of 16 + 8 + 16 tokens, 32 of them hits
+        assert (model["matches"], model["match_tokens"], model["hit_tokens"]) == (3, 40, 32)
+        assert metric(samples, "radixd_matches_total", model="m") == 3
+        assert metric(samples, "radixd_match_tokens_total", model="m") == 40
+        assert metric(samples, "radixd_hit_tokens_total", model="m", tier="device") == 32
+        assert model["hit_rate"] == pytest.approx(32 / 40)
+        assert (tenant["matches"], tenant["match_tokens"], tenant["hit_tokens"]) == (3, 40, 32)
+        assert metric(samples, "radixd_tenant_match_tokens_total", tenant="default") == 40
+        assert metric(samples, "radixd_tenant_hit_tokens_total", tenant="default") == 32
+        assert metric(samples, "radixd_tenant_quota_refusals_total", tenant="default") == 0
+
+        # evictions by trigger (evicting a leaf's full KV frees its SWA KV too)
+        assert model["evictions"]["explicit"] == {"full": 3, "swa": 3}
+        assert metric(samples, "radixd_evicted_pages_total", model="m", pool="full",
+                      reason="explicit") == 3
+        assert metric(samples, "radixd_evicted_pages_total", model="m", pool="swa",
+                      reason="explicit") == 3
+        assert metric(samples, "radixd_evicted_pages_total", model="m", pool="full",
+                      reason="admin") == 0
+
+        # the tree: t1 split at the window edge by the lock (2 + 2 pages)
+        assert model["nodes"] == 2 == metric(samples, "radixd_tree_nodes", model="m")
+
+        # per tenant usage, as the tenant's own stats say
+        for pool in ("full", "swa"):
+            assert metric(samples, "radixd_tenant_tree_pages", tenant="default", model="m",
+                          pool=pool) == tenant[f"tree_{pool}_pages"] == 4
+            assert metric(samples, "radixd_tenant_held_pages", tenant="default", model="m",
+                          pool=pool) == tenant[f"held_{pool}_pages"] == 2
+
+        # operations by result code, and their latency histograms
+        ops = {(lb["op"], lb["code"]): v for lb, v in series(samples, "radixd_operations_total")}
+        assert ops[("hello", "ok")] == 1
+        assert ops[("alloc", "ok")] == 3
+        assert ops[("insert", "ok")] == 2
+        assert ops[("match", "ok")] == 3
+        assert ops[("match", "unknown_model")] == 1
+        assert ops[("evict", "ok")] == 1
+        assert ops[("stats", "ok")] == 1
+        assert ops[("lock", "ok")] == 0  # pre-initialised
+        for op in ("match", "alloc", "insert", "lock"):
+            n = sum(v for (o, _), v in ops.items() if o == op)
+            assert metric(samples, "radixd_operation_duration_seconds_count", op=op) == n
+            buckets = sorted(((float(lb["le"]), v) for lb, v in
+                              series(samples, "radixd_operation_duration_seconds_bucket")
+                              if lb["op"] == op))
+            assert buckets[-1] == (math.inf, n)
+            assert all(a[1] <= b[1] for a, b in zip(buckets, buckets[1:], strict=False))
+        assert api["ops_total"] >= sum(ops.values())
+
+        # sessions, the checker, the process
+        assert metric(samples, "radixd_sessions") == api["sessions"] == 1
+        assert metric(samples, "radixd_invariant_checks_total", kind="full") >= 1
+        assert metric(samples, "radixd_invariant_violations") == 0
+        assert metric(samples, "radixd_invariant_last_check_timestamp_seconds") > 1e9
+        assert metric(samples, "radixd_uptime_seconds") > 0
+        assert metric(samples, "radixd_info", version=__version__, instance=c.instance) == 1
+        assert api["instance"] == c.instance and api["version"] == __version__
+
+    # once the session is gone its lock is, and the admin's eviction counts under its reason
+    deadline = time.monotonic() + 10
+    while d.get_json("/v1/stats")["sessions"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    r = d.request("POST", "/v1/evict", json_body={"full_pages": 100, "swa_pages": 100})
+    assert r.json() == {"full_pages": 4, "swa_pages": 4, "host_pages": 0}
+    _, samples = parse_metrics(d.get("/metrics").text)
+    assert metric(samples, "radixd_sessions") == 0
+    assert metric(samples, "radixd_evicted_pages_total", model="m", pool="full",
+                  reason="admin") == 4  # unlocked once the session ended
+    assert metric(samples, "radixd_pool_tree_pages", model="m", pool="full") == 0
+
+
+def test_metric_label_values_are_escaped_and_tenants_guarded(tmp_path: Path) -> None:
+    weird = 'we"ird\\ten\nant'
+    tenants = [{"name": n, "token": f"tok-{i}", "namespace": f"ns{i}"}
+               for i, n in enumerate(["a", weird, "c", "d", "e"])]
+    from daemon.app import build
+    from daemon.config import load_config
+    from daemon.entities import Peer
+
+    config = load_config(None, env={}, overrides={
+        "server": {"socket": str(tmp_path / "s.sock")},
+        "admin": {"tenant_label_limit": 2},
+        "models": [{**SMALL_MODEL, "export_pools": False}],
+        "tenants": tenants,
+    })
+    daemon = build(config, create_pools=False)
+    svc = daemon.service
+    for i, t in enumerate(svc.tenants):
+        t.counters["hit_tokens"] = 10 ** i
+        svc.open_session(t, Peer())
+    text = scrape(daemon)
+    assert 'tenant="we\\"ird\\\\ten\\nant"' in text
+    _, samples = parse_metrics(text)
+    hits = {lb["tenant"]: v for lb, v in series(samples, "radixd_tenant_hit_tokens_total")}
+    assert hits == {"a": 1, weird: 10, "_other": 100 + 1000 + 10000}
+    tree = {(lb["tenant"], lb["pool"]) for lb, _ in series(samples, "radixd_tenant_tree_pages")}
+    assert tree == {(t, p) for t in ("a", weird, "_other") for p in ("full", "swa")}
+    assert metric(samples, "radixd_sessions") == 5
+    svc.close()
+
+
+def test_openmetrics_on_request(admin_daemon) -> None:
+    """Accept: application/openmetrics-text gets OpenMetrics 1.0.0 with the same series; a
+    plain scrape stays on the text format 0.0.4."""
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families
+
+    d = admin_daemon({"admin": {"token": ADMIN_TOKEN}})
+    with Client(d.socket) as c:
+        cache(c, toks(2))
+        plain = d.get("/metrics")
+        om = d.get("/metrics", headers={"Accept": "application/openmetrics-text; "
+                                                  "version=1.0.0"})
+    assert plain.headers["content-type"].startswith("text/plain; version=0.0.4")
+    assert om.headers["content-type"].startswith("application/openmetrics-text")
+    assert om.text.endswith("# EOF\n")
+    _, text_samples = parse_metrics(plain.text)
+    om_samples = {(s.name, frozenset(s.labels.items())): s.value
+                  for fam in text_string_to_metric_families(om.text) for s in fam.samples}
+    volatile = {"radixd_uptime_seconds", "radixd_operations_total",
+                "radixd_operation_duration_seconds_bucket",
+                "radixd_operation_duration_seconds_count", "radixd_operation_duration_seconds_sum"}
+    assert {k for k in om_samples if k[0] not in volatile} == {
+        k for k in text_samples if k[0] not in volatile}
+    assert metric(om_samples, "radixd_matches_total", model="m") == 0
+    assert metric(om_samples, "radixd_pool_tree_pages", model="m", pool="full") == 2
