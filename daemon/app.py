@@ -64,7 +64,9 @@ def build_model(config: Config, mc: ModelConfig, pools: Any) -> ModelEntry:
 
 def build_tiers(config: Config, models: dict[str, ModelEntry], tenants: list[Tenant],
                 l3: Any) -> None:
-    """A tier manager for every model with exported pools and a host tier (it needs both)."""
+    """A host tier and its manager for every model with exported pools and a host tier (the
+    manager copies between the two)."""
+    from .storage.host_tier import HostTier
     from .tiers import TierManager
 
     host_quotas = namespace_quotas(tenants, "quota_host")
@@ -72,8 +74,9 @@ def build_tiers(config: Config, models: dict[str, ModelEntry], tenants: list[Ten
     for mc in config.models:
         entry = models[mc.name]
         if entry.pools is not None and mc.host_pages:
-            entry.tiers = TierManager(entry.cache, entry.pools, mc, l3 if mc.l3 else None,
-                                      config.l3, host_quotas, l3_quotas)
+            host = HostTier(entry.cache.profile, mc.host_pages, mc.host_swa_pages)
+            entry.tiers = TierManager(entry.cache, entry.pools, host, mc,
+                                      l3 if mc.l3 else None, config.l3, host_quotas, l3_quotas)
 
 
 def build_service(config: Config, *, create_pools: bool = True) -> Service:

@@ -94,8 +94,20 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks against a running daemon")
     from radixd_bench.cli import add_bench_commands  # argparse only: the bench loads when run
 
-    add_bench_commands(bench)
+    add_bench_commands(bench, _socket_from_config)
     return parser
+
+
+def _socket_from_config(path: str | None) -> str | None:
+    """The daemon's socket from its configuration (None, with the reason printed, when the
+    configuration is invalid): the bench talks to the daemon the operator configured."""
+    from .config import ConfigError, load_config
+
+    try:
+        return load_config(path).server.socket
+    except ConfigError as exc:
+        print(f"radixd: {exc}", file=sys.stderr)
+        return None
 
 
 def _admin_args(p: argparse.ArgumentParser) -> None:

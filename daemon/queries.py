@@ -16,6 +16,7 @@ from radixd_client import protocol as P
 
 from .entities import ModelEntry, Session, Tenant
 from .metrics import OpStats
+from .model_cache import ModelCache
 
 #: eviction triggers every model reports, 0 until they happen
 EVICTION_REASONS = ("alloc", "quota", "explicit", "admin")
@@ -276,13 +277,9 @@ class ServiceQueries:
         return TreeView(root, count, truncated)
 
 
-def held_pages(cache: Any) -> tuple[int, int]:
-    """Pages sessions hold in a model: ModelCache.held_full_pages/held_swa_pages where the model
-    cache has them, else its owner maps (the properties are being added alongside)."""
-    full = getattr(cache, "held_full_pages", None)
-    if full is not None:
-        return full, cache.held_swa_pages
-    return len(cache._full_owner), len(cache._swa_owner)
+def held_pages(cache: ModelCache) -> tuple[int, int]:
+    """Pages the sessions hold in a model (full, SWA)."""
+    return cache.held_full_pages, cache.held_swa_pages
 
 
 def _tier_view(entry: ModelEntry) -> TierView | None:

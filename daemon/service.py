@@ -334,7 +334,7 @@ class Service(ServiceQueries):
     def _evict(entry: ModelEntry, full_pages: int, swa_pages: int, host_pages: int,
                namespace: str | None, reason: str) -> P.EvictResult:
         res = entry.cache.evict(full_pages, swa_pages, namespace=namespace, reason=reason)
-        host = (entry.cache.tree.evict_host(host_pages, namespace=namespace).host_slots
+        host = (entry.cache.evict_host(host_pages, namespace=namespace).host_slots
                 if host_pages else 0)
         return P.EvictResult(full_pages=res.full_pages, swa_pages=res.swa_pages, host_pages=host)
 

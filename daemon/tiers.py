@@ -106,8 +106,9 @@ def _copy_in(dev_full: Any, dev_swa: Any, host: HostTier, slots_full: list[int],
 class TierManager:
     """L2 (and L3 when configured) of one model."""
 
-    def __init__(self, cache: ModelCache, pools: Any, mc: ModelConfig, l3: RedisTier | None,
-                 l3cfg: L3Config, host_quotas: dict[str, int], l3_quotas: dict[str, int]) -> None:
+    def __init__(self, cache: ModelCache, pools: Any, host: HostTier, mc: ModelConfig,
+                 l3: RedisTier | None, l3cfg: L3Config, host_quotas: dict[str, int],
+                 l3_quotas: dict[str, int]) -> None:
         self.cache = cache
         self.pools = pools
         self.profile = cache.profile
@@ -117,7 +118,7 @@ class TierManager:
         # Redis keys. Keys and stored headers use the hash salted with the model's name, which
         # operators keep equal across daemons for the same weights only.
         self._l3_salt = hashlib.sha256(b"radixd-l3-model\x00" + mc.name.encode()).digest()
-        self.host = HostTier(self.profile, mc.host_pages, mc.host_swa_pages)
+        self.host = host
         cache.host = self.host
         cache.tree.host_sink = self.host
         self.write_policy = mc.write_policy

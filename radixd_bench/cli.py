@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from .options import DISTRIBUTIONS, ENGINES, Options
@@ -17,12 +18,20 @@ from .options import DISTRIBUTIONS, ENGINES, Options
 __all__ = ["add_bench_commands"]
 
 _D = Options(socket="")  # the defaults
+# the exit codes of the ``radixd`` command (docs/operations.md): ok, failure, usage
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+
+#: The daemon's socket from a configuration file path (None: the default configuration), or None
+#: with the reason printed. Given by the ``radixd`` command, which owns the configuration: the
+#: bench is a client and imports nothing of the daemon.
+SocketResolver = Callable[[str | None], str | None]
 
 
-def add_bench_commands(bench: argparse.ArgumentParser) -> None:
+def add_bench_commands(bench: argparse.ArgumentParser, resolve_socket: SocketResolver) -> None:
     """Add the benchmarks under ``radixd bench``."""
     bsub = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK")
     _bench_multiturn_args(bsub)
+    bench.set_defaults(resolve_socket=resolve_socket)
 
 
 _MULTITURN_DESCRIPTION = """\
@@ -144,21 +153,7 @@ def _bench_multiturn_args(bsub: Any) -> None:
     p.set_defaults(handler=_bench_multiturn)
 
 
-def _socket_from_config(path: str | None) -> str | None:
-    """The daemon's socket from its configuration (None, with the reason printed, when the
-    configuration is invalid): the bench talks to the daemon the operator configured."""
-    from daemon.config import ConfigError, load_config
-
-    try:
-        return load_config(path).server.socket
-    except ConfigError as exc:
-        print(f"radixd: {exc}", file=sys.stderr)
-        return None
-
-
 def _bench_multiturn(args: argparse.Namespace) -> int:
-    from daemon.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE
-
     from . import multiturn as mt
 
     if args.plot:
@@ -166,7 +161,7 @@ def _bench_multiturn(args: argparse.Namespace) -> int:
         if why is not None:
             print(f"radixd: {why}", file=sys.stderr)
             return EXIT_FAILURE
-    socket_path = args.socket or _socket_from_config(args.config)
+    socket_path = args.socket or args.resolve_socket(args.config)
     if not socket_path:
         return EXIT_USAGE
     opts = mt.Options(

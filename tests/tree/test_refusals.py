@@ -1,5 +1,4 @@
-"""RadixTree (daemon/tree) refusals leave the tree unchanged. (Moved from a review's regression
-file; its natural home is tests/tree/, owned elsewhere.)"""
+"""RadixTree (daemon/tree) refusals leave the tree unchanged (found by a review)."""
 
 from __future__ import annotations
 

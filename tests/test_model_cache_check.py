@@ -1,6 +1,5 @@
 """ModelCache.check (daemon/model_cache.py) sees the bookkeeping corruptions a review found it
-blind to. (Moved from a review's regression file; its natural home is tests/test_model_cache.py,
-owned elsewhere.)"""
+blind to."""
 
 from __future__ import annotations
 
