@@ -58,7 +58,7 @@ def test_importing_the_package_imports_neither_torch_nor_numpy() -> None:
 def test_distribution_metadata() -> None:
     meta = tomllib.loads((DIST / "pyproject.toml").read_text(encoding="utf-8"))
     project = meta["project"]
-    assert project["name"] == "radixd-client" and project["version"] == "0.1.0"
+    assert project["name"] == "radixd-client" and project["version"] == "0.2.0"
     assert project["version"] == radixd_client.__version__
     assert project["requires-python"] == ">=3.10"
     assert project["dependencies"] == ["msgspec>=0.18"]

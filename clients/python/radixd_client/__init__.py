@@ -7,6 +7,8 @@
 - :mod:`radixd_client.connection`: the connection rules without I/O (framing, ids, order,
   decoding), which both clients and the daemon's frame loop are built on.
 - :mod:`radixd_client.operations`: each operation's request, written once for every client.
+- :class:`RequestLifecycle` (:mod:`radixd_client.lifecycle`): one engine request's cache
+  bookkeeping, from the locked match to ``cache_finished``, writes checked against its own pages.
 - :mod:`radixd_client.pools`: mapping the daemon's KV pools (``Client.attach``); needs torch.
 
 Importing the package imports neither torch nor numpy.
@@ -38,9 +40,10 @@ from .errors import (
     ShuttingDown,
     TimedOut,
 )
+from .lifecycle import NotWritable, RequestLifecycle
 from .protocol import int32_bytes
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "CODE_TO_ERROR",
@@ -58,6 +61,7 @@ __all__ = [
     "LimitExceeded",
     "NodeNotUsable",
     "NotFoundError",
+    "NotWritable",
     "OutOfMemory",
     "PageError",
     "PoolError",
@@ -65,6 +69,7 @@ __all__ = [
     "QuotaExceeded",
     "RadixdError",
     "ReceiptError",
+    "RequestLifecycle",
     "ShuttingDown",
     "TimedOut",
     "__version__",
