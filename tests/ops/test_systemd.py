@@ -333,6 +333,7 @@ def test_extending_timeout(short_tmp: Path) -> None:
 # -------------------------------------------------------------------------- socket activation
 
 
+@pytest.mark.systemd_tools
 def test_systemd_socket_activate(short_tmp: Path) -> None:
     """systemd-socket-activate listens, execs the daemon on the first connection, and that first
     connection is served; the daemon binds nothing itself and leaves the socket file alone."""
@@ -578,6 +579,7 @@ def test_documented_install_path_is_execstart() -> None:
     assert f"{venv}/bin/radixd" in (REPO / "docs/operations.md").read_text()
 
 
+@pytest.mark.systemd_tools
 def test_systemd_analyze_verify(tmp_path: Path) -> None:
     """The shipped units, unedited, installed as documented, pass verify. verify exits 0 on
     unknown keys and bad values, printing only warnings: so its output must be empty, not just
@@ -601,6 +603,7 @@ def test_systemd_analyze_verify(tmp_path: Path) -> None:
     assert "NoNewPrivilegs" in bad.stderr and "notifyy" in bad.stderr, bad
 
 
+@pytest.mark.systemd_tools
 def test_systemd_analyze_security_ratchet(tmp_path: Path) -> None:
     """The offline exposure score (0 best, 10 worst) must not rise: 3.5 when written."""
     _analyzable_units(tmp_path)
@@ -612,6 +615,7 @@ def test_systemd_analyze_security_ratchet(tmp_path: Path) -> None:
     assert float(match.group(1)) <= 4.0, result.stdout
 
 
+@pytest.mark.systemd_tools
 def test_sysusers_and_tmpfiles(tmp_path: Path) -> None:
     """The snippets applied to a scratch root: user and group radixd, and the directories with
     the owner and mode the units expect."""
@@ -638,3 +642,21 @@ def test_sysusers_and_tmpfiles(tmp_path: Path) -> None:
     for rel, (owner, grp, mode) in expect.items():
         st = (root / rel).stat()
         assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (owner, grp, mode), rel
+
+
+def test_missing_systemd_tools_fail_with_the_way_out(tmp_path: Path) -> None:
+    """Without systemd's tools on PATH a ``systemd_tools`` test fails (it is not skipped) with a
+    message that says how to install them and how to deselect it; deselected, nothing fails."""
+    test = "tests/ops/test_systemd.py::test_systemd_analyze_security_ratchet"
+    env = {**clean_env(), "PATH": str(tmp_path)}  # no systemd-analyze there
+    argv = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", test]
+    run = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "1 error" in run.stdout and "skipped" not in run.stdout, run.stdout
+    assert "systemd-analyze" in run.stdout and "not found" in run.stdout, run.stdout
+    assert "apt-get install --no-install-recommends systemd" in run.stdout, run.stdout
+    assert '-m "not systemd_tools"' in run.stdout, run.stdout
+
+    run = subprocess.run([*argv, "-m", "not systemd_tools"], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 5 and "1 deselected" in run.stdout, run.stdout  # 5: none ran
