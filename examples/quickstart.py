@@ -22,6 +22,7 @@ import random
 import sys
 from pathlib import Path
 
+import torch
 from radixd_client import Client
 from radixd_client.errors import RadixdError
 from radixd_client.lifecycle import NotWritable, RequestLifecycle
@@ -54,7 +55,8 @@ def forward(pools: AttachedPools, lc: RequestLifecycle, start: int, end: int) ->
             if pool is not None:
                 pool[:, 0, table[j], slot] = token
                 pool[:, 1, table[j], slot] = -token
-    # on a GPU the engine synchronizes its stream here, before the pages are handed on
+    if pools.full.is_cuda:  # the KV must be on the device before the pages are handed on
+        torch.cuda.synchronize(pools.full.device)
 
 
 def next_token(token: int) -> int:
