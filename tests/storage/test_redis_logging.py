@@ -8,6 +8,7 @@ the configured URL never reaches the log.
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import time
 from collections.abc import Iterator
@@ -18,7 +19,7 @@ import pytest
 import redis as redis_sync
 from radixd_client import Client
 
-from daemon.storage.redis_tier import redact_url
+from daemon.storage.redis_tier import CircuitBreaker, redact_url
 from tests.harness import daemon_conftest
 from tests.redis_procs import Server, free_port
 
@@ -92,6 +93,32 @@ def test_redact_url() -> None:
         "rediss://user:***@h:1/2?password=***&x=1"
     assert redact_url("redis://h:6379/0") == "redis://h:6379/0"
     assert redact_url("unix:///run/redis.sock?password=pw") == "unix:///run/redis.sock?password=***"
+
+
+def test_breaker_logs_an_outage_in_two_lines(caplog: pytest.LogCaptureFixture) -> None:
+    """Through a long outage (many failed probes) the breaker logs one warning when it opens,
+    with the cause, and one info line when a probe succeeds; the failed probes only at debug."""
+    now = [0.0]
+    b = CircuitBreaker(2, 5.0, clock=lambda: now[0], name="redis://:***@h:1/0")
+    caplog.set_level(logging.DEBUG, logger="radixd.storage.redis")
+    for _ in range(2):
+        b.record(b.admit() or "", False, "ConnectionError: refused")
+    for _ in range(10):  # ten periods of Redis still down
+        assert b.admit() is None
+        now[0] += 5.0
+        b.record(b.admit() or "", False, "ConnectionError: refused")
+    now[0] += 5.0
+    b.record(b.admit() or "", True)
+    loud = [(r.levelname, r.getMessage()) for r in caplog.records if r.levelno >= logging.INFO]
+    assert loud == [
+        ("WARNING", "L3 Redis redis://:***@h:1/0: circuit breaker open after 2 consecutive failed "
+                    "calls (last: ConnectionError: refused); L3 reads miss and writes are "
+                    "dropped, next probe in 5.0s"),
+        ("INFO", "L3 Redis redis://:***@h:1/0: circuit breaker closed, the probe succeeded after "
+                 "55.0s open; L3 is used again")]
+    # open -> half-open -> open ten times, then open -> half-open before the successful probe
+    assert sum(r.levelno == logging.DEBUG for r in caplog.records) == 21
+    assert b.state == "closed" and b.opens == 11
 
 
 def test_redis_down_at_start_outage_and_recovery_logged_once_each(make_daemon,
