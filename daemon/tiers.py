@@ -163,6 +163,7 @@ class TierManager:
         self._wake_l3 = asyncio.Event()
         self._tasks.append(asyncio.create_task(self._backup_worker(), name="radixd-backup"))
         if self.l3 is not None:
+            self.l3.start_probe()  # logs whether Redis answers at start (once per daemon)
             self._tasks.append(asyncio.create_task(self._l3_writer(), name="radixd-l3-writer"))
 
     async def drain(self, deadline: float) -> None:

@@ -18,6 +18,13 @@ Redis that keeps failing:
 * half-open: the next call is let through as the one probe (concurrent calls still miss); its
   success closes the breaker, its failure opens it again for another period.
 
+Every breaker transition that an operator needs is logged once, under ``radixd.storage.redis``:
+closed → open as a warning with the failure that tripped it, the recovery (half-open → closed) as
+info with how long L3 was off. While Redis stays down the breaker goes open → half-open → open
+every ``breaker_open_seconds``; those repeats are logged at debug level only, so an outage is two
+lines, not one per probe. At start the daemon pings Redis once (:meth:`RedisTier.start_probe`) and
+logs whether it answers. URLs in the log have their password replaced by ``***``.
+
 Corrupt values (any check of ``decode_page`` failing) are counted, deleted and returned as misses.
 A server-side error reply to one command (for example OOM under ``maxmemory-policy noeviction``)
 fails that page only and is counted in ``errors``; it does not trip the breaker, since the server
@@ -31,11 +38,12 @@ commands per node and runs the groups concurrently.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
@@ -63,12 +71,36 @@ HALF_OPEN = "half_open"
 
 _CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 
+log = logging.getLogger("radixd.storage.redis")
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password (in the user info or a ``password=`` query parameter) replaced
+    by ``***``: Redis URLs carry credentials, and logs are read by more people than configs."""
+    parts = urlsplit(url)
+    netloc = parts.netloc
+    if "@" in netloc:
+        userinfo, host = netloc.rsplit("@", 1)
+        if ":" in userinfo:
+            userinfo = userinfo.split(":", 1)[0] + ":***"
+        netloc = f"{userinfo}@{host}"
+    query = parts.query
+    if query:
+        pairs = parse_qsl(query, keep_blank_values=True)
+        query = urlencode([(k, "***" if k.lower() == "password" else v) for k, v in pairs],
+                          safe="*")
+    out = urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+    if "://" in url and "://" not in out:  # unix:///path: urlunsplit drops the empty netloc
+        out = out.replace(":", "://", 1)
+    return out
+
 
 class CircuitBreaker:
-    """Consecutive-failure breaker with a single half-open probe."""
+    """Consecutive-failure breaker with a single half-open probe. ``name`` (the redacted URL)
+    is what its log lines call the Redis it guards."""
 
     def __init__(self, threshold: int, open_seconds: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, name: str = "Redis") -> None:
         if threshold < 1:
             raise ValueError("breaker threshold must be >= 1")
         self.threshold = threshold
@@ -79,13 +111,28 @@ class CircuitBreaker:
         self.opens = 0
         self._opened_at = 0.0
         self._probe_in_flight = False
+        self.name = name
+        # When the current outage began (the closed -> open transition), for the recovery line.
+        self._outage_since = 0.0
         # Recent transitions, oldest first (for tests and the admin view).
         self.history: deque[str] = deque([CLOSED], maxlen=32)
 
-    def _set(self, state: str) -> None:
-        if state != self.state:
-            self.state = state
-            self.history.append(state)
+    def _set(self, state: str, cause: str = "") -> None:
+        if state == self.state:
+            return
+        before, self.state = self.state, state
+        self.history.append(state)
+        if before == CLOSED and state == OPEN:
+            self._outage_since = self._clock()
+            log.warning("L3 Redis %s: circuit breaker open after %d consecutive failed calls "
+                        "(last: %s); L3 reads miss and writes are dropped, next probe in %.1fs",
+                        self.name, self.failures, cause or "unknown", self.open_seconds)
+        elif state == CLOSED:
+            log.info("L3 Redis %s: circuit breaker closed, the probe succeeded after %.1fs "
+                     "open; L3 is used again", self.name, self._clock() - self._outage_since)
+        else:  # open -> half-open -> open while Redis stays down: not worth a line each time
+            log.debug("L3 Redis %s: circuit breaker %s -> %s%s", self.name, before, state,
+                      f" ({cause})" if cause else "")
 
     def admit(self) -> str | None:
         """'call' or 'probe' when the caller may go to Redis, None when it must miss."""
@@ -100,19 +147,21 @@ class CircuitBreaker:
         self._probe_in_flight = True
         return "probe"
 
-    def _open(self) -> None:
+    def _open(self, cause: str) -> None:
         self._opened_at = self._clock()
         self.opens += 1
-        self._set(OPEN)
+        self._set(OPEN, cause)
 
-    def record(self, ticket: str, ok: bool) -> None:
+    def record(self, ticket: str, ok: bool, cause: str = "") -> None:
+        """The outcome of an admitted call; ``cause`` (a failure's description) goes into the
+        log line of a transition it causes."""
         if ticket == "probe":
             self._probe_in_flight = False
             self.failures = 0 if ok else self.failures + 1
             if ok:
                 self._set(CLOSED)
             else:
-                self._open()
+                self._open(cause)
             return
         if self.state != CLOSED:
             return  # a call admitted before the breaker opened: the probe decides now
@@ -121,7 +170,7 @@ class CircuitBreaker:
         else:
             self.failures += 1
             if self.failures >= self.threshold:
-                self._open()
+                self._open(cause)
 
     def abandon(self, ticket: str) -> None:
         """The admitted call was cancelled: let another call probe."""
@@ -131,6 +180,15 @@ class CircuitBreaker:
 
 class _CallFailed(Exception):
     """A pipeline of this call failed in a way that counts against the breaker."""
+
+
+def describe(exc: BaseException) -> str:
+    """An exception as one short log phrase: its type and, when it has one, its message (redis-py
+    messages name host and port, never credentials)."""
+    if isinstance(exc, (asyncio.TimeoutError, RedisTimeoutError)):
+        return f"timeout: {exc}" if str(exc) else "timeout"
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 class RedisTier:
@@ -183,7 +241,9 @@ class RedisTier:
         self.max_pipeline = int(max_pipeline)
         self.max_pipeline_bytes = int(max_pipeline_bytes)
         self._sem = asyncio.Semaphore(concurrency)
-        self.breaker = CircuitBreaker(breaker_threshold, breaker_open_seconds)
+        self.url = redact_url(url)
+        self.breaker = CircuitBreaker(breaker_threshold, breaker_open_seconds, name=self.url)
+        self._start_probe: asyncio.Task[None] | None = None
         self._stats = dict.fromkeys(
             ("gets", "hits", "misses", "sets", "set_failures", "corrupt", "timeouts", "errors",
              "breaker_rejects", "exists_calls", "deletes", "bytes_read", "bytes_written"), 0)
@@ -225,7 +285,32 @@ class RedisTier:
         out["breaker_opens"] = self.breaker.opens
         return out
 
+    def start_probe(self) -> None:
+        """Ping Redis once in the background (on the running loop) and log whether it answers:
+        without it a Redis unreachable from the start shows nowhere until the breaker opens under
+        traffic. Later calls do nothing (every model's tier manager calls it). The ping is not
+        counted by the breaker."""
+        if self._start_probe is None:
+            self._start_probe = asyncio.ensure_future(self._ping_at_start())
+
+    async def _ping_at_start(self) -> None:
+        try:
+            await asyncio.wait_for(self._client.ping(), self.op_timeout)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - whatever it is, it is logged, never raised
+            log.warning("L3 Redis %s unreachable at start (%s); L3 is a miss until it answers",
+                        self.url, describe(exc))
+        else:
+            log.info("L3 Redis %s answers", self.url)
+
     async def aclose(self) -> None:
+        if self._start_probe is not None and not self._start_probe.done():
+            self._start_probe.cancel()
+            try:
+                await self._start_probe
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - it is being dropped
+                pass
         try:
             await self._client.aclose()
         except Exception:  # noqa: BLE001 - closing a dead connection must not raise either
@@ -246,10 +331,10 @@ class RedisTier:
                 return await asyncio.wait_for(run(), self.op_timeout)
             except (asyncio.TimeoutError, RedisTimeoutError) as exc:
                 self._stats["timeouts"] += 1
-                raise _CallFailed("timeout") from exc
+                raise _CallFailed(f"timeout after {self.op_timeout}s") from exc
             except (RedisError, OSError) as exc:
                 self._stats["errors"] += 1
-                raise _CallFailed(type(exc).__name__) from exc
+                raise _CallFailed(describe(exc)) from exc
 
     async def _guarded(self, body: Callable[[], Awaitable[Any]], on_reject: Any) -> Any:
         """Run ``body`` under the breaker; a failure or a rejection yields ``on_reject()``."""
@@ -258,22 +343,25 @@ class RedisTier:
             self._stats["breaker_rejects"] += 1
             return on_reject()
         ok = False
+        cause = ""
         try:
             result = await body()
             ok = True
             return result
-        except _CallFailed:
+        except _CallFailed as exc:
+            cause = str(exc)
             return on_reject()
         except asyncio.CancelledError:
             self.breaker.abandon(ticket)
             ticket = ""
             raise
-        except Exception:  # noqa: BLE001 - an L3 failure must never reach the engine
+        except Exception as exc:  # noqa: BLE001 - an L3 failure must never reach the engine
             self._stats["errors"] += 1
+            cause = describe(exc)
             return on_reject()
         finally:
             if ticket:
-                self.breaker.record(ticket, ok)
+                self.breaker.record(ticket, ok, cause)
 
     def _chunks(self, n: int) -> list[range]:
         step = self.max_pipeline
@@ -288,7 +376,7 @@ class RedisTier:
         for r in replies:
             if isinstance(r, (RedisConnectionError, RedisTimeoutError, OSError)):
                 self._stats["errors"] += 1
-                raise _CallFailed(type(r).__name__)
+                raise _CallFailed(describe(r))
 
     # -- operations ---------------------------------------------------------------------------
 
@@ -380,7 +468,7 @@ class RedisTier:
             for r in failed:
                 if isinstance(r, _CallFailed):
                     raise r
-                raise _CallFailed(type(r).__name__) from r
+                raise _CallFailed(describe(r)) from r
 
         await self._guarded(body, lambda: None)
         hits = sum(v is not None for v in out)
@@ -428,7 +516,7 @@ class RedisTier:
             results = await asyncio.gather(*(one(c) for c in chunks), return_exceptions=True)
             for r in results:
                 if isinstance(r, BaseException):
-                    raise r if isinstance(r, _CallFailed) else _CallFailed(type(r).__name__)
+                    raise r if isinstance(r, _CallFailed) else _CallFailed(describe(r))
 
         await self._guarded(body, lambda: None)
         self._stats["sets"] += stored

@@ -11,7 +11,8 @@ A screenshot goes to ``$RADIXD_ARTIFACTS/status_page.png`` (default ``build/arti
 by git); its path is printed in the test output.
 
 Chromium is Debian's ``chromium`` package; ``scripts/test.sh`` installs it (``radixd_chromium`` in
-``scripts/_env.sh``), so the browser tests require it.
+``scripts/_env.sh``, without recommended packages). The tests that run it are marked ``browser``:
+where it is missing they fail saying how to install it or deselect them (tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -24,14 +25,19 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+import uuid
 from array import array
+from collections.abc import Callable, Iterator
 from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
 
 import pytest
+import redis as redis_sync
 from radixd_client import Client
 from radixd_client.errors import QuotaExceeded
+
+from tests.redis_procs import SHARED_URL, Server, free_port
 
 from .conftest import SMALL_MODEL  # tests/daemon/conftest.py's; the admin_daemon fixture is here
 
@@ -148,6 +154,18 @@ def expected_metrics(stats: dict[str, Any], sessions: list[dict[str, Any]]) -> d
         for model, h in s["held"].items():
             for k in ("full_pages", "swa_pages", "receipts"):
                 want[f"{b}.held.{model}.{k}"] = h[k]
+    for name, m in stats["models"].items():
+        b = f"model.{name}"
+        want[f"{b}.hits.device"] = m["hit_tokens"]
+        t = m["tiers"]
+        if t is not None:
+            want[f"{b}.hits.host"] = t["loaded_tokens"]
+            want[f"{b}.hits.l3_pages"] = t["l3_hit_pages"]
+            for k, v in t.items():
+                if k not in ("loaded_tokens", "l3_hit_pages"):  # shown as hits by tier
+                    want[f"{b}.tiers.{k}"] = v
+    for k, v in (stats["l3"] or {}).items():
+        want[f"l3.{k}"] = v
     return want
 
 
@@ -252,9 +270,62 @@ def drive_traffic(sock: str) -> Client:
     return open_session
 
 
-def test_status_page_renders_what_the_api_says(admin_daemon, tmp_path: Path,
+@pytest.fixture
+def l3_prefix() -> Iterator[str]:
+    """A key prefix of this test's own on the shared Redis, its keys removed afterwards."""
+    prefix = f"radixd-status-{uuid.uuid4().hex[:12]}"
+    yield prefix
+    raw = redis_sync.Redis.from_url(SHARED_URL)
+    keys = list(raw.scan_iter(match=prefix + ":*", count=1000))
+    if keys:
+        raw.delete(*keys)
+    raw.close()
+
+
+def wait_for(fn: Callable[[], Any], what: str, timeout: float = 10.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = fn()
+        if got:
+            return got
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def host_round_trip(sock: str, base: str) -> None:
+    """bob's pages reach host (write-through), leave the device, and come back by a load: a
+    host hit on the page; their L3 write-through copies make Redis traffic."""
+    t = toks(6, 5000)
+    with Client(sock, token="bob-token", client_name="host-bob") as bob:
+        a = bob.alloc("m", 6)
+        bob.insert("m", t, a.full_pages, a.swa_pages)
+        wait_for(lambda: get_json(base + "/v1/stats")["models"]["m"]["tiers"]
+                 ["host_pages_in_tree"] >= 6, "the host copy")
+        bob.evict("m", full_pages=1000, swa_pages=1000)
+        m = bob.match("m", t)
+        assert (m.prefix_len, m.host_hit_len) == (0, 6 * P)
+        assert bob.load("m", t).loaded_len == 6 * P
+
+
+def settled_stats(base: str) -> None:
+    """Wait until the background copies (host, Redis) are done and /v1/stats stands still, so
+    that the page and the test read the same numbers."""
+    def still() -> bool:
+        a = get_json(base + "/v1/stats")
+        time.sleep(0.3)
+        b = get_json(base + "/v1/stats")
+        queues = [t[k] for m in b["models"].values() if (t := m["tiers"])
+                  for k in ("backup_queue", "l3_write_queue")]
+        return not any(queues) and (a["models"], a["l3"]) == (b["models"], b["l3"])
+
+    wait_for(still, "the tiers to settle")
+
+
+@pytest.mark.browser
+def test_status_page_renders_what_the_api_says(admin_daemon, tmp_path: Path, l3_prefix: str,
                                                capsys: pytest.CaptureFixture[str]) -> None:
     d = admin_daemon({
+        "l3": {"url": SHARED_URL, "key_prefix": l3_prefix},
         "admin": {"token": ADMIN_TOKEN},  # and port 0: the URL comes from the daemon's log
         # slow background checks: the only one is the full check requested below, so the
         # checker's verdict and time stand still between the page's read and ours
@@ -270,8 +341,10 @@ def test_status_page_renders_what_the_api_says(admin_daemon, tmp_path: Path,
     assert status == 200 and body == PAGE.read_bytes()
     assert http_get(base + "/v1/stats", token=None)[0] == 401
 
+    host_round_trip(d.socket, base)
     open_session = drive_traffic(d.socket)
     try:
+        settled_stats(base)
         d.check()  # a full invariant check, for the page to show (traffic has stopped)
 
         dom = chromium(tmp_path, f"{base}/#token={ADMIN_TOKEN}", "--dump-dom")
@@ -301,6 +374,12 @@ def test_status_page_renders_what_the_api_says(admin_daemon, tmp_path: Path,
         assert tenants["alice"]["sessions"] >= 1
         assert found["tenant.alice.quota_refusals"][0] >= 1
         assert found["model.m.pools.full.held"] == (3, "3")
+        # the tiers: a host hit, host pages in use, Redis written to, the breaker closed
+        assert found["model.m.hits.host"][0] == 6 * P
+        assert found["model.m.tiers.host_pages_used"][0] > 0
+        assert found["model.m.tiers.load_pages"][0] >= 6
+        assert found["l3.sets"][0] > 0 and found["l3.set_failures"][0] == 0
+        assert found["l3.breaker_state"] == ("closed", "closed")
 
         # the screenshot, kept as a build artifact
         shot = tmp_path / "status_page.png"
@@ -317,6 +396,7 @@ def test_status_page_renders_what_the_api_says(admin_daemon, tmp_path: Path,
         open_session.close()
 
 
+@pytest.mark.browser
 def test_status_page_asks_for_a_token(admin_daemon, tmp_path: Path) -> None:
     """No token in the fragment or storage: a form; a wrong one: rejected, no data shown."""
     base = admin_daemon({"admin": {"token": ADMIN_TOKEN}}).admin_url
@@ -329,3 +409,35 @@ def test_status_page_asks_for_a_token(admin_daemon, tmp_path: Path) -> None:
     assert re.search(r'<section id="login"(?![^>]*hidden)', dom), "no token form"
     assert "token rejected" in dom and 'data-state="unauthorized"' in dom
     assert not rendered_metrics(dom)
+
+
+@pytest.mark.browser
+def test_status_page_shows_an_open_breaker(admin_daemon, tmp_path: Path) -> None:
+    """Redis killed under a daemon: the breaker opens, and the page says so (in the API's words,
+    with the alarm style), beside the failures that opened it."""
+    srv = Server(free_port(), tmp_path)
+    srv.start()
+    try:
+        d = admin_daemon({"admin": {"token": ADMIN_TOKEN}, "checker": {"interval_s": 3600.0},
+                          "l3": {"url": srv.url, "key_prefix": "status-breaker",
+                                 "op_timeout_ms": 300, "breaker_threshold": 2,
+                                 "breaker_open_s": 3600.0}})
+        base = d.admin_url
+        srv.kill()
+        with Client(d.socket) as c:
+            for i in range(3):
+                c.prefetch("m", toks(2, 100 * (i + 1)), policy="wait_complete")
+        wait_for(lambda: get_json(base + "/v1/stats")["l3"]["breaker_state"] == "open",
+                 "the breaker to open")
+        dom = chromium(tmp_path, f"{base}/#token={ADMIN_TOKEN}", "--dump-dom")
+        stats = get_json(base + "/v1/stats")
+        found = rendered_metrics(dom)
+        check_rendered(found, expected_metrics(stats, get_json(base + "/v1/sessions")),
+                       stats["uptime_s"])
+        assert found["l3.breaker_state"] == ("open", "open")
+        assert re.search(r'data-metric="l3.breaker_state"[^>]*class="bad"', dom), dom[-3000:]
+        assert "Redis is failing" in dom
+        assert found["l3.breaker_opens"][0] == 1
+        assert found["l3.errors"][0] + found["l3.timeouts"][0] >= 2
+    finally:
+        srv.kill()

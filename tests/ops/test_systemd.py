@@ -333,6 +333,7 @@ def test_extending_timeout(short_tmp: Path) -> None:
 # -------------------------------------------------------------------------- socket activation
 
 
+@pytest.mark.systemd_tools
 def test_systemd_socket_activate(short_tmp: Path) -> None:
     """systemd-socket-activate listens, execs the daemon on the first connection, and that first
     connection is served; the daemon binds nothing itself and leaves the socket file alone."""
@@ -509,19 +510,45 @@ def test_units_settings() -> None:
     assert one(sock, "Install", "WantedBy") == "sockets.target"
 
 
-def _analyzable_units(directory: Path) -> list[str]:
-    """Copies of the units whose ExecStart= names an executable that exists here (verify fails
-    on a missing one): this environment's radixd entry point."""
-    radixd = Path(sys.executable).parent / "radixd"
-    if not os.access(radixd, os.X_OK):
-        radixd = directory / "radixd"
+SYSTEMD_README = UNITS / "README.md"
+UNIT_DIRS = (Path("/usr/lib/systemd/system"), Path("/lib/systemd/system"))
+
+
+def documented_venv() -> str:
+    """The virtual environment systemd/README.md's install commands create."""
+    found = re.findall(r"^sudo python3 -m venv (/\S+)$", SYSTEMD_README.read_text(), re.M)
+    assert len(found) == 1, "systemd/README.md must create exactly one venv"
+    return found[0]
+
+
+def installed_root(directory: Path, *, with_radixd: bool = True) -> Path:
+    """A scratch root installed the way systemd/README.md says: the shipped units, unedited, in
+    /etc/systemd/system; the documented venv's radixd (a stand-in script: verify checks that
+    ExecStart= names an executable, not what it does) unless ``with_radixd`` is False; and this
+    machine's own system units (verify resolves sysinit.target and the like in the root)."""
+    root = directory / "root"
+    units = root / "etc/systemd/system"
+    units.mkdir(parents=True)
+    readme = SYSTEMD_README.read_text()
+    for name in ("radixd.service", "radixd.socket"):
+        assert f"systemd/{name}" in readme and "/etc/systemd/system/" in readme, name
+        shutil.copy(UNITS / name, units / name)
+    system = next((d for d in UNIT_DIRS if (d / "sysinit.target").exists()), None)
+    assert system is not None, f"no systemd unit directory among {UNIT_DIRS}"
+    shutil.copytree(system, root / "usr/lib/systemd/system", symlinks=True)
+    if with_radixd:
+        radixd = root / documented_venv().lstrip("/") / "bin/radixd"
+        radixd.parent.mkdir(parents=True)
         radixd.write_text(f"#!/bin/sh\nexec {sys.executable} -m daemon.cli \"$@\"\n")
         radixd.chmod(0o755)
-    text = (UNITS / "radixd.service").read_text()
-    assert text.count("ExecStart=/usr/bin/radixd ") == 1
-    (directory / "radixd.service").write_text(
-        text.replace("ExecStart=/usr/bin/radixd ", f"ExecStart={radixd} "))
-    shutil.copy(UNITS / "radixd.socket", directory / "radixd.socket")
+    return root
+
+
+def _analyzable_units(directory: Path) -> list[str]:
+    """The shipped units copied unedited into ``directory`` (for `security --offline`, which
+    reads the file only)."""
+    for name in ("radixd.service", "radixd.socket"):
+        shutil.copy(UNITS / name, directory / name)
     return ["radixd.service", "radixd.socket"]
 
 
@@ -532,32 +559,51 @@ def _analyzable_units(directory: Path) -> list[str]:
 VERIFY_NOISE: tuple[re.Pattern[str], ...] = ()
 
 
-def _verify(directory: Path, files: list[str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["systemd-analyze", "verify", "--man=no", *files], cwd=directory,
-                          capture_output=True, text=True, timeout=120,
+INSTALLED_UNITS = ["/etc/systemd/system/radixd.service", "/etc/systemd/system/radixd.socket"]
+
+
+def _verify(root: Path, files: list[str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["systemd-analyze", "verify", "--man=no", f"--root={root}", *files],
+                          cwd=root, capture_output=True, text=True, timeout=120,
                           env={**clean_env(), "SYSTEMD_LOG_COLOR": "0"})
 
 
+def test_documented_install_path_is_execstart() -> None:
+    """The unit runs radixd from the venv systemd/README.md tells the operator to create, and
+    operations.md names the same path."""
+    venv = documented_venv()
+    service = parse_unit(UNITS / "radixd.service")
+    assert one(service, "Service", "ExecStart") == (
+        f"{venv}/bin/radixd serve --config /etc/radixd/radixd.toml")
+    assert not venv.startswith(("/home", "/root"))  # ProtectHome=yes would hide it
+    assert f"{venv}/bin/radixd" in (REPO / "docs/operations.md").read_text()
+
+
+@pytest.mark.systemd_tools
 def test_systemd_analyze_verify(tmp_path: Path) -> None:
-    """verify exits 0 on unknown keys and bad values, printing only warnings: so its output must
-    be empty, not just its exit code 0. A broken copy shows that warnings do reach us here."""
-    files = _analyzable_units(tmp_path)
-    result = _verify(tmp_path, files)
+    """The shipped units, unedited, installed as documented, pass verify. verify exits 0 on
+    unknown keys and bad values, printing only warnings: so its output must be empty, not just
+    its exit code 0. Without the venv's radixd it must complain (as it did about the
+    /usr/bin/radixd the unit used to name), and a broken copy shows that warnings reach us."""
+    result = _verify(installed_root(tmp_path), INSTALLED_UNITS)
     lines = [line for line in (result.stdout + result.stderr).splitlines()
              if line.strip() and not any(p.search(line) for p in VERIFY_NOISE)]
     print(f"systemd-analyze verify: rc={result.returncode}\n{result.stdout}{result.stderr}")
     assert result.returncode == 0 and not lines, "\n".join(lines)
 
-    broken = tmp_path / "broken"
-    broken.mkdir()
-    _analyzable_units(broken)
-    text = (broken / "radixd.service").read_text()
-    (broken / "radixd.service").write_text(
+    missing = _verify(installed_root(tmp_path / "missing", with_radixd=False), INSTALLED_UNITS)
+    assert f"Command {documented_venv()}/bin/radixd is not executable" in missing.stderr, missing
+
+    broken = installed_root(tmp_path / "broken")
+    service = broken / INSTALLED_UNITS[0].lstrip("/")
+    text = service.read_text()
+    service.write_text(
         text.replace("NoNewPrivileges=", "NoNewPrivilegs=").replace("Type=notify", "Type=notifyy"))
-    bad = _verify(broken, files)
+    bad = _verify(broken, INSTALLED_UNITS)
     assert "NoNewPrivilegs" in bad.stderr and "notifyy" in bad.stderr, bad
 
 
+@pytest.mark.systemd_tools
 def test_systemd_analyze_security_ratchet(tmp_path: Path) -> None:
     """The offline exposure score (0 best, 10 worst) must not rise: 3.5 when written."""
     _analyzable_units(tmp_path)
@@ -569,6 +615,7 @@ def test_systemd_analyze_security_ratchet(tmp_path: Path) -> None:
     assert float(match.group(1)) <= 4.0, result.stdout
 
 
+@pytest.mark.systemd_tools
 def test_sysusers_and_tmpfiles(tmp_path: Path) -> None:
     """The snippets applied to a scratch root: user and group radixd, and the directories with
     the owner and mode the units expect."""
@@ -595,3 +642,21 @@ def test_sysusers_and_tmpfiles(tmp_path: Path) -> None:
     for rel, (owner, grp, mode) in expect.items():
         st = (root / rel).stat()
         assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (owner, grp, mode), rel
+
+
+def test_missing_systemd_tools_fail_with_the_way_out(tmp_path: Path) -> None:
+    """Without systemd's tools on PATH a ``systemd_tools`` test fails (it is not skipped) with a
+    message that says how to install them and how to deselect it; deselected, nothing fails."""
+    test = "tests/ops/test_systemd.py::test_systemd_analyze_security_ratchet"
+    env = {**clean_env(), "PATH": str(tmp_path)}  # no systemd-analyze there
+    argv = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", test]
+    run = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "1 error" in run.stdout and "skipped" not in run.stdout, run.stdout
+    assert "systemd-analyze" in run.stdout and "not found" in run.stdout, run.stdout
+    assert "apt-get install --no-install-recommends systemd" in run.stdout, run.stdout
+    assert '-m "not systemd_tools"' in run.stdout, run.stdout
+
+    run = subprocess.run([*argv, "-m", "not systemd_tools"], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 5 and "1 deselected" in run.stdout, run.stdout  # 5: none ran
