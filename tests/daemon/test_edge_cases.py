@@ -204,6 +204,8 @@ def test_a_burst_of_connects_is_queued_not_refused(daemon) -> None:
     with open("/proc/sys/net/core/somaxconn") as f:
         somaxconn = int(f.read())
     burst = min(1000, somaxconn)
+    if burst < 200:
+        pytest.skip(f"net.core.somaxconn is {somaxconn}: too small to tell 1024 from 100")
     socks: list[socket.socket] = []
     refused = 0
     daemon.proc.send_signal(signal.SIGSTOP)
@@ -220,7 +222,6 @@ def test_a_burst_of_connects_is_queued_not_refused(daemon) -> None:
         daemon.proc.send_signal(signal.SIGCONT)
         for s in socks:
             s.close()
-    assert burst >= 200, f"somaxconn {somaxconn} is too small for this test"
     assert refused == 0, f"{refused} of {burst} connects got EAGAIN"
     raw = Raw(daemon.socket)  # and the daemon went on accepting
     assert raw.call(protocol.Ping(id=1, payload=b"x")).ok
