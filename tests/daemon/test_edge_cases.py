@@ -291,6 +291,8 @@ def test_requests_without_a_response_at_shutdown_were_not_executed(make_daemon) 
     executed = sum(r.ok for r in responses)
     refused = [r.error.code for r in responses if not r.ok]
     assert set(refused) <= {"shutting_down"}
+    oks = [r.ok for r in responses]
+    assert oks == sorted(oks, reverse=True)  # results first, then shutting_down, then nothing
     assert 0 < executed and len(responses) <= sent
     released = [line for line in d.log().splitlines() if "released" in line]
     assert len(released) == 1, d.log()[-3000:]
