@@ -155,15 +155,67 @@ class ModelCache:
         self.holdings[owner].receipts.discard(rid)
 
     def _check_held(self, owner: Owner, full: Iterable[int], swa: Iterable[int]) -> None:
+        """Ownership, after the shape checks (_check_ids, _check_shape) have passed."""
         for pages, owners, pool in ((full, self._full_owner, "full"),
                                     (swa, self._swa_owner, "swa")):
-            seen: set[int] = set()
             for p in pages:
                 if owners.get(p) != owner or (owner is None and p not in owners):
                     raise PageNotHeld(f"{pool} page {p} is not held by this session")
-                if p in seen:
-                    raise BadArgument(f"{pool} page {p} is listed twice")
-                seen.add(p)
+
+    @staticmethod
+    def _check_ids(full: array, swa: array) -> None:
+        """The request's own faults come first (bad_argument), ownership second (page_not_held):
+        a client is told what is wrong with what it sent whatever the daemon's state, and an
+        answer never depends on whether another id of a malformed list happens to be held. Any
+        int32 is a well-formed id: 0, negative ids and ids outside the pool are ids this session
+        does not hold (page_not_held)."""
+        for pages, pool in ((full, "full"), (swa, "swa")):
+            if len(set(pages)) != len(pages):
+                raise BadArgument(f"{pool}_pages lists a page twice")
+
+    def _check_shape(self, tokens: bytes, full: array, swa: array, prev_prefix_len: int,
+                     swa_evicted_len: int, *, tail: bool) -> None:
+        """bad_argument for what the request alone shows (counts, alignment, duplicates, the SWA
+        frontier), before any ownership check: the tree checks the same again (and, against its
+        own state, whether prev_prefix_len is cached), but only after _check_held would have
+        answered page_not_held. Ids that are no held page (0 in full_pages, negative ids) are
+        left to _check_held, as in free. ``tail``: the lists include the unaligned tail page
+        (cache_*)."""
+        P = self.profile.page_size
+        n = len(tokens) // (4 * P)
+        total = -(-(len(tokens) // 4) // P) if tail else n
+        for name, v in (("prev_prefix_len", prev_prefix_len),
+                        ("swa_evicted_len", swa_evicted_len)):
+            if not isinstance(v, int) or v < 0 or v % P:
+                raise BadArgument(f"{name} must be a non-negative multiple of page_size {P}, "
+                                  f"got {v!r}")
+        prev = prev_prefix_len // P
+        if prev > n:
+            raise BadArgument(f"prev_prefix_len={prev_prefix_len} is beyond the page-aligned "
+                              f"length {n * P} of the sequence")
+        want = total - prev
+        if len(full) != want:
+            raise BadArgument(f"full_pages has {len(full)} ids; pages [{prev}, {total}) need "
+                              f"{want}")
+        if self.swa_enabled:
+            if len(swa) != want:
+                raise BadArgument(f"swa_pages has {len(swa)} ids; pages [{prev}, {total}) need "
+                                  f"{want}")
+            frontier = min(swa_evicted_len // P, n)
+            for j, sp in enumerate(swa):
+                if prev + j < frontier and sp != 0:
+                    raise BadArgument(f"swa_pages[{j}] must be 0: page {prev + j} is below "
+                                      f"swa_evicted_len={swa_evicted_len}")
+                if sp == 0 and frontier <= prev + j < n:
+                    raise BadArgument(f"swa_pages[{j}] must be a page id: page {prev + j} is at "
+                                      f"or after swa_evicted_len={swa_evicted_len}")
+            live = [p for p in swa if p]
+            if len(set(live)) != len(live):
+                raise BadArgument("swa_pages must be distinct page ids")
+        elif (any(swa) if tail else len(swa)):  # (cache_* accept zeros there, as before)
+            raise BadArgument("this model has no sliding-window layers: swa_pages must be empty")
+        if len(set(full)) != len(full):
+            raise BadArgument("full_pages must be distinct page ids")
 
     def _release_pages(self, owner: Owner, full: Iterable[int], swa: Iterable[int]) -> None:
         """Pages that left the owner (to the tree or back to the free list)."""
@@ -300,6 +352,7 @@ class ModelCache:
     def free(self, owner: Owner, full: Iterable[int] = (), swa: Iterable[int] = ()) -> None:
         full = array("i", full)
         swa = array("i", swa)
+        self._check_ids(full, swa)
         self._check_held(owner, full, swa)
         self._release_pages(owner, full, swa)
         if full:
@@ -312,6 +365,7 @@ class ModelCache:
         prev_prefix_len: int = 0, swa_evicted_len: int = 0, *, lock: bool = False,
     ) -> tuple[InsertResult, int | None]:
         full, swa = _ids(full), _ids(swa)
+        self._check_shape(tokens, full, swa, prev_prefix_len, swa_evicted_len, tail=False)
         self._check_held(owner, full, (p for p in swa if p))
         res = self.tree.insert(namespace, tokens, full, swa, prev_prefix_len, swa_evicted_len,
                                lock=lock)
@@ -326,6 +380,7 @@ class ModelCache:
         prev_prefix_len: int, swa_evicted_len: int, rid: int | None,
     ) -> InsertResult:
         full, swa = _ids(full), _ids(swa)
+        self._check_shape(tokens, full, swa, prev_prefix_len, swa_evicted_len, tail=True)
         r = self._receipt(owner, rid) if rid is not None else None
         self._check_held(owner, full, (p for p in swa if p))
         res = self.tree.cache_finished(namespace, tokens, full, swa, prev_prefix_len,
@@ -341,6 +396,7 @@ class ModelCache:
         prev_prefix_len: int, swa_evicted_len: int, rid: int | None,
     ) -> tuple[InsertResult, int]:
         full, swa = _ids(full), _ids(swa)
+        self._check_shape(tokens, full, swa, prev_prefix_len, swa_evicted_len, tail=True)
         r = self._receipt(owner, rid) if rid is not None else None
         self._check_held(owner, full, (p for p in swa if p))
         res = self.tree.cache_unfinished(namespace, tokens, full, swa, prev_prefix_len,

@@ -38,6 +38,12 @@ log = logging.getLogger("radixd.server")
 
 _PEEK = msgspec.msgpack.Decoder(dict)
 ATTACH_SEND_TIMEOUT_S = 30.0
+#: the listen backlog of the engines' socket (also applied to a socket systemd passes): a burst
+#: of connects, e.g. every worker of an engine starting at once, must not see EAGAIN
+LISTEN_BACKLOG = 1024
+#: failed hellos are logged at most once per this many seconds per daemon; the next line says
+#: how many were left out meanwhile, so a token-guessing client cannot flood the log
+AUTH_LOG_INTERVAL_S = 5.0
 
 
 class Connection(asyncio.Protocol):
@@ -191,7 +197,9 @@ class Connection(asyncio.Protocol):
         rid, op = 0, None
         with contextlib.suppress(Exception):
             peek = _PEEK.decode(body)
-            rid = peek.get("id", 0) if isinstance(peek.get("id", 0), int) else 0
+            raw_id = peek.get("id", 0)
+            # bool is an int subclass: a `true` id is not an integer id (protocol.md 3.1)
+            rid = raw_id if type(raw_id) is int else 0
             op = peek.get("op")
         if isinstance(op, str) and op not in P.OPS:
             self._write(P.error_frame(rid, P.Code.UNKNOWN_OP,
@@ -206,8 +214,9 @@ class Connection(asyncio.Protocol):
                                f"speaks {P.PROTOCOL_VERSION}", supported=[P.PROTOCOL_VERSION])
         try:
             tenant = self.service.authenticate(req.token, self.peer)
-        except ServiceError:
+        except ServiceError as exc:
             self.auth_failures += 1
+            self.server.auth_failed(self.peer, str(exc))
             raise
         self.session = self.service.open_session(tenant, self.peer, req.client)
         if self._hello_timer is not None:
@@ -275,6 +284,16 @@ class Connection(asyncio.Protocol):
         self._write(frame)
         if not self.paused:
             self.transport.resume_reading()
+        self._process_soon()
+
+    def _process_soon(self) -> None:
+        """Go on with the frames that waited behind a load, prefetch or attach, from the event
+        loop rather than from inside the finished task, through one more frame (_resume), as
+        data_received does: every frame is then decoded at the same stack depth, so the
+        decoder's nesting limit (protocol.md 3.2) is the same for all."""
+        self.server.loop.call_soon(self._resume)
+
+    def _resume(self) -> None:
         self._process()
 
     def _attach(self, req: P.Attach) -> None:
@@ -323,7 +342,7 @@ class Connection(asyncio.Protocol):
             if not self.closed:
                 if not self.paused:
                     transport.resume_reading()
-                self._process()
+                self._process_soon()
 
 
 class Server:
@@ -358,6 +377,22 @@ class Server:
         self.socket_path = config.server.socket
         self.admin: Any = None  # what start_admin returned (it has an async stop())
         self.async_ops: set[asyncio.Task] = set()  # load/prefetch in flight
+        self._auth_logged_at = -AUTH_LOG_INTERVAL_S  # monotonic time of the last line
+        self._auth_suppressed = 0
+
+    def auth_failed(self, peer: Peer, reason: str) -> None:
+        """Log a failed hello, rate-limited (at most one line per AUTH_LOG_INTERVAL_S, with the
+        count of those left out): operators see guessing or misconfigured engines, and a client
+        cannot flood the log. ``reason`` is the refusal's message, which never holds the token."""
+        now = time.monotonic()
+        if now - self._auth_logged_at < AUTH_LOG_INTERVAL_S:
+            self._auth_suppressed += 1
+            return
+        self._auth_logged_at = now
+        left_out, self._auth_suppressed = self._auth_suppressed, 0
+        log.warning("failed hello (auth_failed) from pid %d uid %d gid %d: %s "
+                    "(%d earlier failures not logged)", peer.pid, peer.uid, peer.gid, reason,
+                    left_out)
 
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
@@ -377,7 +412,9 @@ class Server:
                 extra.close()
         else:
             sock = bind_unix_socket(path, self.config.server.socket_mode_int)
-        self._server = await self.loop.create_unix_server(lambda: Connection(self), sock=sock)
+        # create_unix_server listens again with its own default backlog (100) unless told
+        self._server = await self.loop.create_unix_server(lambda: Connection(self), sock=sock,
+                                                          backlog=LISTEN_BACKLOG)
         self.service.start_tiers()
         self.socket_path = path
         log.info("serving on %s (models: %s)%s", path, ", ".join(self.service.models),
@@ -458,6 +495,9 @@ class Server:
             await self.service.stop_tiers(deadline)
         except Exception:  # noqa: BLE001 - a failing drain must not keep the daemon up
             log.exception("stopping the memory tiers")
+        if self._auth_suppressed:
+            log.warning("%d failed hellos not logged before the stop", self._auth_suppressed)
+            self._auth_suppressed = 0
         violations = self.service.check(deep=False)
         if violations:
             log.error("invariant violations at shutdown: %s", violations)

@@ -114,7 +114,7 @@ BAD_CALLS = [
                      swa_pages=toks(2, 3)), "page_not_held"),
     (protocol.Insert(id=1, model=MODEL, tokens=toks(8), full_pages=b"",
                      prev_prefix_len=8), "bad_argument"),
-    (protocol.CacheFinished(id=1, model=MODEL, tokens=toks(4), full_pages=b"",
+    (protocol.CacheFinished(id=1, model=MODEL, tokens=b"", full_pages=b"",
                             receipt=99), "bad_receipt"),
     (protocol.Evict(id=1, model=MODEL, full_pages=-3), "bad_argument"),
     (protocol.Stats(id=1, model="nope"), "unknown_model"),
