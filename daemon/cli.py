@@ -81,14 +81,30 @@ def build_parser() -> argparse.ArgumentParser:
     _admin_args(check)
     check.set_defaults(handler=_check)
 
-    config = sub.add_parser("config", help="show the effective configuration, or an example")
+    config = sub.add_parser("config", help="check or show the effective configuration, or print "
+                                           "an example")
     csub = config.add_subparsers(dest="config_command", metavar="ACTION")
     show = csub.add_parser("show", help="print the effective configuration as JSON "
                                         "(tokens redacted)")
     _config_args(show)
     show.set_defaults(handler=_config_show)
-    example = csub.add_parser("example", help="print an example /etc/radixd/radixd.toml, every "
-                                              "key documented")
+    check_cfg = csub.add_parser(
+        "check", help="validate the configuration and every start-up check without starting",
+        description="Load the configuration and run every check radixd serve makes before it "
+                    "binds anything: each key's value, each model's device, and whether the "
+                    "pools and host tiers fit in the memory that is free. Binds nothing.",
+        epilog="exit codes: 0 the daemon would start (a one-line summary is printed); 2 the "
+               "configuration is invalid or does not fit this machine (the error names the key)")
+    _config_args(check_cfg)
+    check_cfg.set_defaults(handler=_config_check)
+    example = csub.add_parser(
+        "example", help="print an example /etc/radixd/radixd.toml, every key documented",
+        description="Print the documented example configuration: every key with its default, "
+                    "for a GPU server (a model on cuda:0, 27 GiB of device pools, 30 GiB of "
+                    "pinned host memory; tenants to fill in). --cpu prints a short one that "
+                    "starts on any machine: a small model in host memory, no tokens.")
+    example.add_argument("--cpu", action="store_true",
+                         help="a configuration that starts without a GPU (under 1 GiB of memory)")
     example.set_defaults(handler=_config_example)
 
     bench = sub.add_parser("bench", help="benchmarks against a running daemon")
@@ -160,12 +176,39 @@ def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from .app import run
+    from .config import ConfigError
+    from .sockets import SocketPathError
 
     try:
         return run(config)
+    except SocketPathError as exc:  # the operator's to fix: no traceback
+        print(f"radixd: server.{exc.strerror or exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except ConfigError as exc:
+        print(f"radixd: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     except OSError as exc:
         print(f"radixd: cannot serve: {exc}", file=sys.stderr)
         return EXIT_FAILURE
+
+
+def _preflight(config: Any) -> str | None:
+    """What start would allocate (one line), or None with the error printed: the checks of
+    ``radixd serve`` before it binds anything (devices, memory), without binding anything."""
+    from .app import preflight
+    from .config import ConfigError
+    from .sockets import SocketPathError, check_socket_path
+
+    try:
+        if not config.server.socket.startswith("@"):
+            check_socket_path(config.server.socket)
+        return preflight(config)
+    except SocketPathError as exc:
+        print(f"radixd: server.{exc.strerror or exc}", file=sys.stderr)
+        return None
+    except ConfigError as exc:
+        print(f"radixd: {exc}", file=sys.stderr)
+        return None
 
 
 def _config_show(args: argparse.Namespace) -> int:
@@ -175,17 +218,29 @@ def _config_show(args: argparse.Namespace) -> int:
     from .config import redacted
 
     print(json.dumps(redacted(config), indent=2))
+    return EXIT_OK if _preflight(config) is not None else EXIT_USAGE
+
+
+def _config_check(args: argparse.Namespace) -> int:
+    config = _load(args)
+    if config is None:
+        return EXIT_USAGE
+    summary = _preflight(config)
+    if summary is None:
+        return EXIT_USAGE
+    print(f"ok: configuration valid; {summary}; socket {config.server.socket}")
     return EXIT_OK
 
 
 def _config_example(args: argparse.Namespace) -> int:
     import importlib.resources
 
-    res = importlib.resources.files("daemon").joinpath("data").joinpath("radixd.example.toml")
+    name = "radixd.cpu.toml" if getattr(args, "cpu", False) else "radixd.example.toml"
+    res = importlib.resources.files("daemon").joinpath("data").joinpath(name)
     try:
         text = res.read_text(encoding="utf-8")
     except OSError:
-        print("radixd: the example configuration (daemon/data/radixd.example.toml) is not "
+        print(f"radixd: the example configuration (daemon/data/{name}) is not "
               "installed with this radixd", file=sys.stderr)
         return EXIT_FAILURE
     sys.stdout.write(text if text.endswith("\n") else text + "\n")
