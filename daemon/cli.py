@@ -17,6 +17,7 @@ import argparse
 import http.client
 import json
 import logging
+import os
 import socket
 import sys
 import time
@@ -129,8 +130,9 @@ def _socket_from_config(path: str | None) -> str | None:
 def _admin_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="FILE", help="TOML configuration file of the daemon "
                                                     "(default: $RADIXD_CONFIG if set)")
-    p.add_argument("--socket", metavar="PATH", help="the daemon's engine socket (locates the "
-                                                    "default token file beside it)")
+    p.add_argument("--socket", metavar="PATH",
+                   help="the daemon's engine socket: talk to the daemon on it (its admin "
+                        "endpoint and token are found beside it), or fail if none answers there")
     p.add_argument("--admin", metavar="URL",
                    help="admin endpoint: http://HOST:PORT or unix:/PATH (default: from the "
                         "configuration's [admin] section)")
@@ -270,12 +272,20 @@ class _UnixHTTPConnection(http.client.HTTPConnection):
 
 
 class AdminClient:
-    """A small blocking client of the admin endpoint: ``http://host:port`` or ``unix:/path``."""
+    """A small blocking client of the admin endpoint: ``http://host:port`` or ``unix:/path``.
+
+    ``refused_hint`` is added to the message of a 401 (where the token came from, and whether it
+    is a leftover of an earlier daemon); ``expect_instance`` / ``expect_socket`` make
+    :meth:`verify` refuse an endpoint that answers for another daemon than the one named."""
 
     def __init__(self, url: str, token: str | None, timeout: float = 10.0):
         self.url = url.rstrip("/")
         self.token = token
         self.timeout = timeout
+        self.refused_hint = ("pass --token or --token-file (the daemon writes a generated token "
+                             "to admin.token beside its socket)")
+        self.expect_instance: str | None = None
+        self.expect_socket: str | None = None
         if self.url.startswith("unix:"):
             self._unix: str | None = self.url[len("unix:"):]
             if not self._unix:
@@ -330,10 +340,26 @@ class AdminClient:
             message = str(data["error"].get("message", ""))
         if status == 401:
             raise AdminError(f"the admin endpoint at {self.url} refused the token ({message}); "
-                             "pass --token or --token-file (the daemon writes a generated token "
-                             "to admin.token beside its socket)")
+                             + self.refused_hint)
         raise AdminError(f"{method} {path} at {self.url}: HTTP {status}"
                          + (f": {message}" if message else ""))
+
+
+    def verify(self) -> None:
+        """AdminError unless the endpoint answers for the daemon the command named (its
+        instance, from the endpoint file beside its socket, or its socket path)."""
+        if self.expect_instance is not None:
+            got = self.json("GET", "/v1/stats").get("instance")
+            if got != self.expect_instance:
+                raise AdminError(f"the admin endpoint at {self.url} answers for daemon instance "
+                                 f"{got}, not {self.expect_instance} (the one on "
+                                 f"{self.expect_socket}); pass --admin")
+        elif self.expect_socket is not None:
+            server = self.json("GET", "/v1/config").get("server") or {}
+            theirs = str(server.get("socket", ""))
+            if os.path.realpath(theirs) != os.path.realpath(self.expect_socket):
+                raise AdminError(f"the admin endpoint at {self.url} answers for the daemon on "
+                                 f"{theirs}, not {self.expect_socket}; pass --admin")
 
 
 def admin_url(config: Any) -> str:
@@ -348,16 +374,19 @@ def admin_url(config: Any) -> str:
     return f"http://{host}:{a.port}"
 
 
-def _admin_token(args: argparse.Namespace, config: Any) -> str | None:
+def _admin_token(args: argparse.Namespace, config: Any,
+                 info: dict[str, Any] | None = None) -> tuple[str | None, str | None]:
+    """The token, and the file it was read from (None: given on the command line or
+    configured). The daemon's endpoint file (``info``) names the token file it wrote."""
     if args.token:
-        return str(args.token)
+        return str(args.token), None
     path = args.token_file
     if path is None:
         if config.admin.token:
-            return str(config.admin.token)
+            return str(config.admin.token), None
         from .config import admin_token_file
 
-        path = admin_token_file(config)
+        path = (info or {}).get("token_file") or admin_token_file(config)
     try:
         token = Path(path).read_text(encoding="utf-8").strip()
     except OSError as exc:
@@ -366,19 +395,91 @@ def _admin_token(args: argparse.Namespace, config: Any) -> str | None:
                          "--token or --token-file, or run as the daemon's user)") from None
     if not token:
         raise AdminError(f"the admin token file {path} is empty")
-    return token
+    return token, str(path)
+
+
+def _probe_socket(path: str) -> None:
+    """AdminError "no daemon at PATH" unless a daemon accepts connections on that socket."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(2.0)
+    try:
+        sock.connect(path)
+    except OSError as exc:
+        why = exc.strerror or str(exc) or type(exc).__name__
+        raise AdminError(f"no daemon at {path} ({why}): is it running, with this socket "
+                         "(server.socket)?") from None
+    finally:
+        sock.close()
+
+
+def _endpoint_info(socket_path: str) -> dict[str, Any] | None:
+    """What the daemon on ``socket_path`` wrote about its admin endpoint, if that daemon still
+    runs (a daemon killed without a clean stop leaves the file behind)."""
+    from .config import admin_endpoint_file
+
+    try:
+        info = json.loads(Path(admin_endpoint_file(socket_path)).read_text(encoding="utf-8"))
+        os.kill(int(info["pid"]), 0)
+    except PermissionError:  # alive, another user's
+        return info if isinstance(info, dict) else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return info if isinstance(info, dict) and isinstance(info.get("url"), str) else None
+
+
+def _refused_hint(path: str | None, info: dict[str, Any] | None) -> str:
+    """Why a token may have been refused: a leftover of an earlier daemon (the file is older
+    than this daemon's start, or is not the file this daemon wrote), or simply not its token."""
+    if path is None:
+        return ("the token given (--token or admin.token) is not this daemon's; pass the right "
+                "one, or --token-file")
+    try:
+        written = Path(path).stat().st_mtime
+    except OSError:
+        written = None
+    started = (info or {}).get("started")
+    theirs = (info or {}).get("token_file")
+    where = (f"this daemon wrote its token to {theirs}" if theirs else
+             "this daemon uses a configured token (admin.token or admin.token_sha256): pass "
+             "--token")
+    if isinstance(started, (int, float)) and written is not None and written < started - 1:
+        return (f"the token in {path} is stale: the file was written "
+                f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(written))}, before this "
+                "daemon started "
+                f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(started))} (by an earlier "
+                f"daemon); {where}")
+    if info is not None and (theirs is None or
+                             os.path.realpath(theirs) != os.path.realpath(path)):
+        return f"the token in {path} is not this daemon's; {where}"
+    return (f"the token in {path} is not this daemon's (the file is not older than the daemon, "
+            "so not a leftover); pass --token or --token-file")
 
 
 def _admin_client(args: argparse.Namespace) -> AdminClient | None:
     """The client per the flags, the configuration filling in what they leave out; None when
-    the configuration is invalid (already reported)."""
-    if args.admin and args.token:  # nothing left to look up
+    the configuration is invalid (already reported).
+
+    With ``--socket`` it talks to the daemon on that socket or to none: nothing listening there
+    is "no daemon at PATH", its endpoint is found in the file it wrote beside the socket, and an
+    endpoint that answers for another daemon is refused (see :meth:`AdminClient.verify`)."""
+    named = getattr(args, "socket", None)
+    if args.admin and args.token and not named:  # nothing left to look up
         return AdminClient(args.admin, args.token, timeout=args.timeout)
     config = _load(args)
     if config is None:
         return None
-    url = args.admin or admin_url(config)
-    return AdminClient(url, _admin_token(args, config), timeout=args.timeout)
+    sock = config.server.socket
+    if named:
+        _probe_socket(sock)
+    info = None if args.admin else _endpoint_info(sock)
+    url = args.admin or (info["url"] if info else admin_url(config))
+    token, path = _admin_token(args, config, info)
+    client = AdminClient(url, token, timeout=args.timeout)
+    client.refused_hint = _refused_hint(path, info)
+    if named:
+        client.expect_socket = sock
+        client.expect_instance = info.get("instance") if info else None
+    return client
 
 
 def _fail(exc: Exception) -> int:
@@ -391,6 +492,7 @@ def _status(args: argparse.Namespace) -> int:
         client = _admin_client(args)
         if client is None:
             return EXIT_USAGE
+        client.verify()
         stats = client.json("GET", "/v1/stats")
     except AdminError as exc:
         return _fail(exc)
@@ -406,6 +508,7 @@ def _check(args: argparse.Namespace) -> int:
         client = _admin_client(args)
         if client is None:
             return EXIT_USAGE
+        client.verify()
         res = client.json("POST", "/v1/check")
     except AdminError as exc:
         return _fail(exc)
@@ -451,6 +554,36 @@ def _table(rows: list[list[str]], left: int = 1, indent: str = "  ") -> list[str
     return out
 
 
+def _tier_lines(tiers: dict[str, Any] | None, device_hits: int, page_size: int) -> list[str]:
+    """A model's hits by tier and its host tier, from ``/v1/stats`` ``models.<m>.tiers``."""
+    if tiers is None:
+        return [f"  hits by tier: device {device_hits} tokens (no host tier)",
+                "  host tier: off (host_pages = 0 or export_pools = false)"]
+    l3_pages = int(tiers.get("l3_hit_pages", 0))
+    out = [f"  hits by tier: device {device_hits}, host {tiers.get('loaded_tokens', 0)} tokens "
+           f"(loaded back); L3 {l3_pages} pages ({l3_pages * page_size} tokens) fetched to host"]
+    cap, used = int(tiers.get("host_pages_capacity", 0)), int(tiers.get("host_pages_used", 0))
+    swa_cap = int(tiers.get("host_swa_pages_capacity", 0))
+    swa = (f", swa {tiers.get('host_swa_pages_used', 0)}/{swa_cap}" if swa_cap else "")
+    out.append(f"  host tier: full {used}/{cap} slots ({_pct(used, cap)}){swa}; "
+               f"{tiers.get('backup_pages', 0)} pages copied to host, "
+               f"{tiers.get('load_pages', 0)} loaded back; queue {tiers.get('backup_queue', 0)}"
+               + (f"; {tiers['copy_errors']} copy errors" if tiers.get("copy_errors") else ""))
+    return out
+
+
+def _l3_line(l3: dict[str, Any] | None) -> str:
+    """The Redis tier and its circuit breaker, from ``/v1/stats`` ``l3``."""
+    if l3 is None:
+        return "L3 (Redis): off (l3.url not set, or no model with a host tier uses it)"
+    state = str(l3.get("breaker_state", "?"))
+    return (f"L3 (Redis): breaker {state.upper() if state != 'closed' else state}; "
+            f"hits {l3.get('hits', 0)} of {l3.get('gets', 0)} pages asked, "
+            f"{l3.get('sets', 0)} written ({l3.get('set_failures', 0)} dropped); "
+            f"{l3.get('timeouts', 0)} timeouts, {l3.get('errors', 0)} errors, "
+            f"breaker opened {l3.get('breaker_opens', 0)} times")
+
+
 def format_status(stats: dict[str, Any], url: str = "") -> str:
     """The human summary ``radixd status`` prints, from a /v1/stats document."""
     lines = []
@@ -485,6 +618,8 @@ def format_status(stats: dict[str, Any], url: str = "") -> str:
         lines.append(f"  hits: {m.get('hit_tokens', 0)} of {m.get('match_tokens', 0)} tokens "
                      f"({100.0 * float(m.get('hit_rate', 0)):.1f}%) in {m.get('matches', 0)} "
                      "matches")
+        lines += _tier_lines(m.get("tiers"), int(m.get("hit_tokens", 0)),
+                             int(m.get("page_size") or 0))
         ev = {r: v for r, v in (m.get("evictions") or {}).items()
               if v.get("full") or v.get("swa")}
         if ev:
@@ -492,6 +627,8 @@ def format_status(stats: dict[str, Any], url: str = "") -> str:
                 f"{r} {v.get('full', 0)}/{v.get('swa', 0)}" for r, v in ev.items()))
         else:
             lines.append("  evicted pages: none")
+    lines.append("")
+    lines.append(_l3_line(stats.get("l3")))
     tenants = stats.get("tenants") or []
     if tenants:
         lines.append("")

@@ -339,6 +339,13 @@ def admin_token_file(config: Config, socket_path: str | None = None) -> str:
         Path(socket_path or config.server.socket).parent / "admin.token")
 
 
+def admin_endpoint_file(socket_path: str) -> str:
+    """Where a running daemon says which admin endpoint answers for its engine socket (JSON:
+    url, instance, pid, started, token_file), so that ``radixd status --socket PATH`` talks to
+    the daemon on PATH, not to whatever listens on the configured port: ``<socket>.admin``."""
+    return f"{socket_path}.admin"
+
+
 def redacted(config: Config) -> dict[str, Any]:
     """The effective configuration as JSON with every secret replaced: tokens, token digests
     and the password of the Redis URL (an ACL password travels in it)."""
