@@ -24,6 +24,7 @@ from .model_cache import ModelCache
 from .sdnotify import Notifier
 from .server import Server, tune_gc
 from .service import Service
+from .sockets import SocketPathError, check_socket_path
 
 log = logging.getLogger("radixd.app")
 
@@ -39,12 +40,21 @@ def _gib(n: int) -> str:
 def preflight(config: Config) -> str:
     """Every check ``radixd serve`` makes before it allocates or binds anything: each model's
     device exists, and its pools fit in the memory that is free (device pools on the GPU or in
-    host memory, host tiers in host memory, all models together). Raises ConfigError with one
-    line naming the model and the key to change; returns a one-line summary of what start would
-    allocate. ``radixd config check`` runs it so that an operator learns this before a restart,
-    and ``run`` runs it first so that start fails the same way (exit 2, no traceback)."""
+    host memory, host tiers in host memory, all models together), and the socket paths can hold
+    a socket. Raises ConfigError (or SocketPathError) with one line naming the model and the key
+    to change; returns a one-line summary of what start would allocate. ``radixd config check``
+    runs it so that an operator learns this before a restart, and ``run`` runs it first so that
+    start fails the same way (exit 2, no traceback)."""
     from .gpu.profile import ProfileError
     from .gpu.shared_memory import available_host_bytes
+
+    check_socket_path(config.server.socket)
+    if config.admin.enabled and config.admin.unix_socket:
+        try:
+            check_socket_path(config.admin.unix_socket)
+        except SocketPathError as exc:
+            exc.key = "admin.unix_socket"
+            raise
 
     host_need, device_need = 0, {}
     parts = []
@@ -177,6 +187,9 @@ class Daemon:
             return await start_admin(self.config, self.service, self.server, self.checker,
                                      str(self.server.socket_path))
         except TokenFileError:
+            raise
+        except SocketPathError as exc:
+            exc.key = "admin.unix_socket"
             raise
         except OSError as exc:
             if cfg.unix_socket is not None or "port" in cfg.model_fields_set:

@@ -184,7 +184,7 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         return run(config)
     except SocketPathError as exc:  # the operator's to fix: no traceback
-        print(f"radixd: server.{exc.strerror or exc}", file=sys.stderr)
+        print(f"radixd: {exc.key}: {exc.strerror or exc}", file=sys.stderr)
         return EXIT_USAGE
     except ConfigError as exc:
         print(f"radixd: {exc}", file=sys.stderr)
@@ -199,14 +199,12 @@ def _preflight(config: Any) -> str | None:
     ``radixd serve`` before it binds anything (devices, memory), without binding anything."""
     from .app import preflight
     from .config import ConfigError
-    from .sockets import SocketPathError, check_socket_path
+    from .sockets import SocketPathError
 
     try:
-        if not config.server.socket.startswith("@"):
-            check_socket_path(config.server.socket)
         return preflight(config)
     except SocketPathError as exc:
-        print(f"radixd: server.{exc.strerror or exc}", file=sys.stderr)
+        print(f"radixd: {exc.key}: {exc.strerror or exc}", file=sys.stderr)
         return None
     except ConfigError as exc:
         print(f"radixd: {exc}", file=sys.stderr)

@@ -16,12 +16,15 @@ from pathlib import Path
 class SocketPathError(OSError):
     """The socket's path cannot be used (its directory cannot be made, a file that is not a
     socket is in the way, the name is too long, permission): the configuration is at fault, not
-    the run, so ``radixd serve`` exits 2 with this message, which names the path."""
+    the run, so ``radixd serve`` exits 2 with this message, which names the path; ``key`` is
+    the configuration key that set the path (who binds an admin socket says so)."""
+
+    key = "server.socket"
 
 
 def _path_error(exc: OSError, path: str, what: str) -> SocketPathError:
     why = exc.strerror or str(exc)
-    return SocketPathError(exc.errno, f"socket {path}: {what}: {why}")
+    return SocketPathError(exc.errno, f"{path}: {what}: {why}")
 
 
 def check_socket_path(path: str) -> None:
@@ -31,7 +34,7 @@ def check_socket_path(path: str) -> None:
     for parent in (p.parent, *p.parent.parents):  # the nearest existing ancestor: a directory?
         if parent.exists():
             if not parent.is_dir():
-                raise SocketPathError(errno.ENOTDIR, f"socket {path}: {parent} is a file, not a "
+                raise SocketPathError(errno.ENOTDIR, f"{path}: {parent} is a file, not a "
                                                      "directory (choose another socket path)")
             return
 
@@ -52,8 +55,8 @@ def bind_unix_socket(path: str, mode: int) -> socket.socket:
     if p.exists() or p.is_symlink():
         if not stat.S_ISSOCK(p.lstat().st_mode):
             raise SocketPathError(errno.EEXIST,
-                                  f"socket {path}: exists and is not a socket; refusing to "
-                                  "replace it")
+                                  f"{path}: exists and is not a socket; refusing to replace "
+                                  "it")
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             probe.connect(path)

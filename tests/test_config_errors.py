@@ -67,7 +67,7 @@ def test_cuda_device_without_cuda_is_a_one_line_error(tmp_path: Path) -> None:
 def test_pools_bigger_than_memory_are_a_one_line_error(tmp_path: Path) -> None:
     big = CPU_MODEL.replace("full_pages = 16", "full_bytes = 1125899906842624")  # 1 PiB
     cfg = _config(tmp_path, big.replace("tiny", "huge"))
-    for args in (("serve",), ("config", "check")):
+    for args in (("serve",), ("config", "check"), ("config", "show")):
         line = _one_line_error(_radixd(*args, "--config", str(cfg)))
         assert 'models["huge"].full_pages' in line and "host memory" in line, line
         assert "full_bytes" in line, line
@@ -133,8 +133,14 @@ def test_socket_under_a_regular_file_names_the_path(tmp_path: Path) -> None:
     cfg = _config(tmp_path, CPU_MODEL, socket=str(sock))
     for args in (("serve",), ("config", "check")):
         line = _one_line_error(_radixd(*args, "--config", str(cfg)))
-        assert str(sock) in line and f"{blocker} is a file, not a directory" in line, line
-        assert "Errno" not in line, line
+        assert line.startswith(f"radixd: server.socket: {sock}: "), line
+        assert f"{blocker} is a file, not a directory" in line and "Errno" not in line, line
+    admin = cfg.read_text().replace(str(sock), str(tmp_path / "ok.sock")).replace(
+        "port = 0", f'unix_socket = "{sock}"')
+    cfg.write_text(admin)
+    for args in (("serve",), ("config", "check")):
+        line = _one_line_error(_radixd(*args, "--config", str(cfg)))
+        assert line.startswith(f"radixd: admin.unix_socket: {sock}: "), line
     not_a_socket = tmp_path / "plain"
     not_a_socket.write_text("")
     line = _one_line_error(_radixd("serve", "--config",
