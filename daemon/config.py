@@ -182,6 +182,8 @@ class ModelConfig(_Section):
         for pages, nbytes in (("full_pages", "full_bytes"), ("swa_pages", "swa_bytes")):
             if getattr(self, nbytes) is not None and pages in self.model_fields_set:
                 raise ValueError(f"{nbytes}: give {pages} or {nbytes}, not both")
+        if self.sliding_window is None and "num_swa_layers" not in self.model_fields_set:
+            self.__dict__["num_swa_layers"] = 0  # no window: no SWA layers, unless told otherwise
         if self.sliding_window is None and self.num_swa_layers:
             raise ValueError("num_swa_layers: must be 0 when sliding_window = 0 (a model "
                              f"without sliding-window layers), got {self.num_swa_layers}")

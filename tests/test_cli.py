@@ -402,3 +402,5 @@ def test_stale_token_is_told_apart_from_a_bad_one(live, capsys) -> None:
     err = capsys.readouterr().err
     assert "refused the token" in err and "is not this daemon's" in err, err
     assert "is stale" not in err, err
+    assert g.stop() == 0
+    assert g.token_file.read_text() == "0" * 64 + "\n", "not what the daemon wrote: it stays"

@@ -146,3 +146,14 @@ def test_socket_under_a_regular_file_names_the_path(tmp_path: Path) -> None:
     line = _one_line_error(_radixd("serve", "--config",
                                    str(_config(tmp_path, CPU_MODEL, socket=str(not_a_socket)))))
     assert str(not_a_socket) in line and "not a socket" in line, line
+
+
+def test_sliding_window_0_describes_a_model_without_swa() -> None:
+    cfg = load_config(None, env={}, overrides={"models": [{"name": "llama", "sliding_window": 0}]})
+    model = cfg.models[0]
+    assert model.num_swa_layers == 0 and model.profile().sliding_window is None
+    assert model.profile().swa_pages == 0
+    with pytest.raises(ConfigError, match=r'models\["llama"\]\.num_swa_layers: must be 0 when '
+                                          r"sliding_window = 0"):
+        load_config(None, env={}, overrides={"models": [
+            {"name": "llama", "sliding_window": 0, "num_swa_layers": 2}]})
