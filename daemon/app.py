@@ -56,8 +56,8 @@ def preflight(config: Config) -> str:
             exc.key = "admin.unix_socket"
             raise
 
-    host_need, device_need = 0, {}
-    parts = []
+    host_need, device_need = 0, dict[str, int]()
+    parts: list[str] = []
     for mc in config.models:
         where = f'models["{mc.name}"]'
         if not mc.export_pools:
@@ -75,13 +75,12 @@ def preflight(config: Config) -> str:
                 mc.host_swa_pages * profile.swa_page_bytes if profile.has_swa else 0)
         if device.type == "cpu":
             host_need += pools
-            keys = "full_pages/swa_pages"
             available = available_host_bytes()
             if available is not None and host_need > available:
                 raise ConfigError(
-                    f"{where}.{keys}: the device pools (on the CPU) need {_gib(pools)} but only "
+                    f"{where}.full_pages: the pools (on the CPU) need {_gib(pools)} but only "
                     f"{_gib(max(0, available - host_need + pools))} of host memory is free; "
-                    f"lower {where}.full_pages/swa_pages (or full_bytes/swa_bytes)")
+                    "lower full_pages/swa_pages (or full_bytes/swa_bytes)")
         else:
             import torch
 
@@ -89,16 +88,16 @@ def preflight(config: Config) -> str:
             free, _total = torch.cuda.mem_get_info(device)
             if device_need[str(device)] > free:
                 raise ConfigError(
-                    f"{where}.full_pages/swa_pages: the device pools need {_gib(pools)} but only "
+                    f"{where}.full_pages: the pools need {_gib(pools)} but only "
                     f"{_gib(max(0, free - device_need[str(device)] + pools))} is free on "
-                    f"{device}; lower {where}.full_pages/swa_pages (or full_bytes/swa_bytes)")
+                    f"{device}; lower full_pages/swa_pages (or full_bytes/swa_bytes)")
         host_need += host
         available = available_host_bytes()
         if host and available is not None and host_need > available:
             raise ConfigError(
                 f"{where}.host_pages: the host tier needs {_gib(host)} but only "
                 f"{_gib(max(0, available - host_need + host))} of host memory is free; lower "
-                f"{where}.host_pages/host_swa_pages (0: no host tier)")
+                "host_pages/host_swa_pages (0: no host tier)")
         parts.append(f"{mc.name}: {_gib(pools)} of pools on {device}"
                      + (f", {_gib(host)} host tier" if host else ""))
     return f"{len(config.models)} model(s): " + "; ".join(parts)
