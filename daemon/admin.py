@@ -10,7 +10,9 @@ route but ``GET /healthz`` and ``GET /`` (a static page with no data in it) need
 ``Authorization: Bearer <token>``, the token is kept only as its SHA-256 digest and compared in
 constant time, and no response ever contains a token or a digest. With no token configured, a
 random one is generated at start and written (mode 0600) to ``admin.token_file``, by default
-``admin.token`` beside the engines' socket, where ``radixd status`` finds it.
+``admin.token`` beside the engines' socket, where ``radixd status`` finds it; beside the socket
+too, ``<socket>.admin`` says which endpoint (and which daemon instance) answers for that socket.
+A clean stop removes both, if they still hold what this daemon wrote.
 
 Every route's query, body and response is a type in daemon/admin_types.py; the OpenAPI document
 at ``/v1/openapi.json`` is generated from them, and tests/ops/test_admin.py runs schemathesis
@@ -56,7 +58,7 @@ from .admin_types import (
 )
 from .admin_types import Checker as CheckerOut
 from .checker import Checker
-from .config import Config, admin_token_file, redacted
+from .config import Config, admin_endpoint_file, admin_token_file, redacted
 from .queries import NotFound, ServerState
 from .service import Service
 from .sockets import bind_tcp, bind_unix_socket
@@ -75,19 +77,39 @@ class AdminHandle:
     """A running admin endpoint: where it listens, and how to stop it."""
 
     def __init__(self, url: str, port: int | None, runner: web.AppRunner,
-                 unix_path: str | None, token_file: str | None):
+                 unix_path: str | None, token_file: str | None, *,
+                 written: dict[str, str] | None = None):
         self.url = url
         self.port = port
         self.token_file = token_file  # where a generated token was written (None: configured)
         self._runner = runner
         self._unix_path = unix_path
+        self._written = dict(written or {})  # path -> what this daemon wrote there
 
     async def stop(self) -> None:
+        """Stop serving, and remove the files this daemon wrote (the generated token, the
+        endpoint file) if they still hold what it wrote: left behind, the next daemon's
+        ``radixd status`` would read a token no daemon accepts. A file another daemon has
+        rewritten since is that daemon's, and stays."""
         await self._runner.cleanup()
         if self._unix_path is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._unix_path)
+        for path, text in self._written.items():
+            remove_if_unchanged(path, text)
         log.info("admin endpoint stopped")
+
+
+def remove_if_unchanged(path: str, text: str) -> bool:
+    """Unlink ``path`` if it holds exactly ``text``; True when it was removed."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            if f.read() != text:
+                return False
+        os.unlink(path)
+    except OSError:
+        return False
+    return True
 
 
 class BadRequest(Exception):
@@ -110,7 +132,7 @@ async def start_admin(config: Config, service: Service, state: ServerState, chec
 
     ``socket_path``: the engines' socket, beside which a generated token is written."""
     cfg = config.admin
-    digest, token_file = _token_digest(config, socket_path)
+    digest, token_file, token_text = _token_digest(config, socket_path)
     app = web.Application(middlewares=[_middleware], client_max_size=64 * 1024)
     admin = _Admin(config, service, state, checker, digest)
     app[_ADMIN] = admin
@@ -130,18 +152,30 @@ async def start_admin(config: Config, service: Service, state: ServerState, chec
         await site.start()
     except BaseException:
         await runner.cleanup()
+        if token_file is not None:
+            remove_if_unchanged(token_file, token_text)
         raise
     log.info("admin endpoint on %s", url)
-    return AdminHandle(url, port, runner, unix_path, token_file)
+    written = {token_file: token_text} if token_file is not None else {}
+    endpoint = admin_endpoint_file(socket_path)
+    text = json.dumps({"url": url, "instance": service.instance, "pid": os.getpid(),
+                       "started": state.started, "token_file": token_file}) + "\n"
+    try:
+        _write_secret(endpoint, text, mode=0o644)  # no secret: where to ask, and who answers
+        written[endpoint] = text
+    except OSError as exc:  # only a convenience for radixd status --socket
+        log.warning("cannot write the admin endpoint file %s: %s", endpoint, exc.strerror or exc)
+    return AdminHandle(url, port, runner, unix_path, token_file, written=written)
 
 
-def _token_digest(config: Config, socket_path: str) -> tuple[bytes, str | None]:
-    """The SHA-256 digest of the bearer token, generating (and writing) one if none is set."""
+def _token_digest(config: Config, socket_path: str) -> tuple[bytes, str | None, str]:
+    """The SHA-256 digest of the bearer token, generating (and writing) one if none is set;
+    then also where it was written and the file's text (removed at a clean stop)."""
     cfg = config.admin
     if cfg.token is not None:
-        return hashlib.sha256(cfg.token.encode()).digest(), None
+        return hashlib.sha256(cfg.token.encode()).digest(), None, ""
     if cfg.token_sha256 is not None:
-        return bytes.fromhex(cfg.token_sha256), None
+        return bytes.fromhex(cfg.token_sha256), None, ""
     # hex: a generated token never starts with '-', which a command line would read as a flag
     token = secrets.token_hex(32)
     path = admin_token_file(config, socket_path)
@@ -152,11 +186,11 @@ def _token_digest(config: Config, socket_path: str) -> tuple[bytes, str | None]:
                                         f"{exc.strerror or exc} (set admin.token_file, or "
                                         "admin.token_sha256)") from None
     log.info("admin token generated and written to %s (mode 0600)", path)
-    return hashlib.sha256(token.encode()).digest(), path
+    return hashlib.sha256(token.encode()).digest(), path, token + "\n"
 
 
-def _write_secret(path: str, text: str) -> None:
-    """Write atomically, never through a symlink, readable by the owner only."""
+def _write_secret(path: str, text: str, mode: int = 0o600) -> None:
+    """Write atomically, never through a symlink, readable by the owner only (by default)."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True, mode=0o750)
     tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
@@ -164,7 +198,7 @@ def _write_secret(path: str, text: str) -> None:
         tmp.unlink()
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
-        os.fchmod(fd, 0o600)
+        os.fchmod(fd, mode)
         os.write(fd, text.encode())
     finally:
         os.close(fd)

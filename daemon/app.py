@@ -18,14 +18,89 @@ from radixd_client import protocol as P
 
 from .admin import AdminHandle, TokenFileError, start_admin
 from .checker import Checker
-from .config import Config, ModelConfig
+from .config import Config, ConfigError, ModelConfig
 from .entities import ModelEntry, Tenant, build_tenants, namespace_quotas
 from .model_cache import ModelCache
 from .sdnotify import Notifier
 from .server import Server, tune_gc
 from .service import Service
+from .sockets import SocketPathError, check_socket_path
 
 log = logging.getLogger("radixd.app")
+
+
+def _gib(n: int) -> str:
+    """Bytes as an operator reads them (GiB, MiB or KiB, one decimal)."""
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} bytes"
+
+
+def preflight(config: Config) -> str:
+    """Every check ``radixd serve`` makes before it allocates or binds anything: each model's
+    device exists, and its pools fit in the memory that is free (device pools on the GPU or in
+    host memory, host tiers in host memory, all models together), and the socket paths can hold
+    a socket. Raises ConfigError (or SocketPathError) with one line naming the model and the key
+    to change; returns a one-line summary of what start would allocate. ``radixd config check``
+    runs it so that an operator learns this before a restart, and ``run`` runs it first so that
+    start fails the same way (exit 2, no traceback)."""
+    from .gpu.profile import ProfileError
+    from .gpu.shared_memory import available_host_bytes
+
+    check_socket_path(config.server.socket)
+    if config.admin.enabled and config.admin.unix_socket:
+        try:
+            check_socket_path(config.admin.unix_socket)
+        except SocketPathError as exc:
+            exc.key = "admin.unix_socket"
+            raise
+
+    host_need, device_need = 0, dict[str, int]()
+    parts: list[str] = []
+    for mc in config.models:
+        where = f'models["{mc.name}"]'
+        if not mc.export_pools:
+            parts.append(f"{mc.name}: bookkeeping only (export_pools = false)")
+            continue
+        profile = mc.profile()
+        try:
+            device = profile.resolve_device()
+        except ProfileError as exc:
+            raise ConfigError(f"{where}.{exc}") from None
+        pools = profile.full_pool_bytes + profile.swa_pool_bytes
+        host = 0
+        if mc.host_pages:
+            host = mc.host_pages * profile.full_page_bytes + (
+                mc.host_swa_pages * profile.swa_page_bytes if profile.has_swa else 0)
+        if device.type == "cpu":
+            host_need += pools
+            available = available_host_bytes()
+            if available is not None and host_need > available:
+                raise ConfigError(
+                    f"{where}.full_pages: the pools (on the CPU) need {_gib(pools)} but only "
+                    f"{_gib(max(0, available - host_need + pools))} of host memory is free; "
+                    "lower full_pages/swa_pages (or full_bytes/swa_bytes)")
+        else:
+            import torch
+
+            device_need[str(device)] = device_need.get(str(device), 0) + pools
+            free, _total = torch.cuda.mem_get_info(device)
+            if device_need[str(device)] > free:
+                raise ConfigError(
+                    f"{where}.full_pages: the pools need {_gib(pools)} but only "
+                    f"{_gib(max(0, free - device_need[str(device)] + pools))} is free on "
+                    f"{device}; lower full_pages/swa_pages (or full_bytes/swa_bytes)")
+        host_need += host
+        available = available_host_bytes()
+        if host and available is not None and host_need > available:
+            raise ConfigError(
+                f"{where}.host_pages: the host tier needs {_gib(host)} but only "
+                f"{_gib(max(0, available - host_need + host))} of host memory is free; lower "
+                "host_pages/host_swa_pages (0: no host tier)")
+        parts.append(f"{mc.name}: {_gib(pools)} of pools on {device}"
+                     + (f", {_gib(host)} host tier" if host else ""))
+    return f"{len(config.models)} model(s): " + "; ".join(parts)
 
 
 def build_pools(mc: ModelConfig) -> Any:
@@ -112,6 +187,9 @@ class Daemon:
                                      str(self.server.socket_path))
         except TokenFileError:
             raise
+        except SocketPathError as exc:
+            exc.key = "admin.unix_socket"
+            raise
         except OSError as exc:
             if cfg.unix_socket is not None or "port" in cfg.model_fields_set:
                 where = cfg.unix_socket or f"{cfg.host}:{cfg.port}"
@@ -134,7 +212,10 @@ def build(config: Config, *, create_pools: bool = True,
 
 
 def run(config: Config) -> int:
-    """Build the daemon and serve until SIGTERM/SIGINT; returns the process exit code."""
+    """Build the daemon and serve until SIGTERM/SIGINT; returns the process exit code.
+
+    Raises ConfigError (a model's device or memory) and SocketPathError (the socket's path)
+    before serving: the operator's to fix, exit 2."""
     try:
         import uvloop
 
@@ -142,6 +223,7 @@ def run(config: Config) -> int:
     except ImportError:  # pragma: no cover - uvloop is a dependency; asyncio works too
         log.warning("uvloop not available; using the default asyncio loop")
     notifier = Notifier.from_env()
+    preflight(config)  # ConfigError before anything is allocated or bound (exit 2)
     notifier.status("allocating KV pools")
     with notifier.extending_timeout():  # large pools can take longer than TimeoutStartSec
         daemon = build(config, notifier=notifier)

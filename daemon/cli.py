@@ -17,6 +17,7 @@ import argparse
 import http.client
 import json
 import logging
+import os
 import socket
 import sys
 import time
@@ -81,14 +82,30 @@ def build_parser() -> argparse.ArgumentParser:
     _admin_args(check)
     check.set_defaults(handler=_check)
 
-    config = sub.add_parser("config", help="show the effective configuration, or an example")
+    config = sub.add_parser("config", help="check or show the effective configuration, or print "
+                                           "an example")
     csub = config.add_subparsers(dest="config_command", metavar="ACTION")
     show = csub.add_parser("show", help="print the effective configuration as JSON "
                                         "(tokens redacted)")
     _config_args(show)
     show.set_defaults(handler=_config_show)
-    example = csub.add_parser("example", help="print an example /etc/radixd/radixd.toml, every "
-                                              "key documented")
+    check_cfg = csub.add_parser(
+        "check", help="validate the configuration and every start-up check without starting",
+        description="Load the configuration and run every check radixd serve makes before it "
+                    "binds anything: each key's value, each model's device, and whether the "
+                    "pools and host tiers fit in the memory that is free. Binds nothing.",
+        epilog="exit codes: 0 the daemon would start (a one-line summary is printed); 2 the "
+               "configuration is invalid or does not fit this machine (the error names the key)")
+    _config_args(check_cfg)
+    check_cfg.set_defaults(handler=_config_check)
+    example = csub.add_parser(
+        "example", help="print an example /etc/radixd/radixd.toml, every key documented",
+        description="Print the documented example configuration: every key with its default, "
+                    "for a GPU server (a model on cuda:0, 27 GiB of device pools, 30 GiB of "
+                    "pinned host memory; tenants to fill in). --cpu prints a short one that "
+                    "starts on any machine: a small model in host memory, no tokens.")
+    example.add_argument("--cpu", action="store_true",
+                         help="a configuration that starts without a GPU (under 1 GiB of memory)")
     example.set_defaults(handler=_config_example)
 
     bench = sub.add_parser("bench", help="benchmarks against a running daemon")
@@ -113,8 +130,9 @@ def _socket_from_config(path: str | None) -> str | None:
 def _admin_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="FILE", help="TOML configuration file of the daemon "
                                                     "(default: $RADIXD_CONFIG if set)")
-    p.add_argument("--socket", metavar="PATH", help="the daemon's engine socket (locates the "
-                                                    "default token file beside it)")
+    p.add_argument("--socket", metavar="PATH",
+                   help="the daemon's engine socket: talk to the daemon on it (its admin "
+                        "endpoint and token are found beside it), or fail if none answers there")
     p.add_argument("--admin", metavar="URL",
                    help="admin endpoint: http://HOST:PORT or unix:/PATH (default: from the "
                         "configuration's [admin] section)")
@@ -160,12 +178,37 @@ def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from .app import run
+    from .config import ConfigError
+    from .sockets import SocketPathError
 
     try:
         return run(config)
+    except SocketPathError as exc:  # the operator's to fix: no traceback
+        print(f"radixd: {exc.key}: {exc.strerror or exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except ConfigError as exc:
+        print(f"radixd: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     except OSError as exc:
         print(f"radixd: cannot serve: {exc}", file=sys.stderr)
         return EXIT_FAILURE
+
+
+def _preflight(config: Any) -> str | None:
+    """What start would allocate (one line), or None with the error printed: the checks of
+    ``radixd serve`` before it binds anything (devices, memory), without binding anything."""
+    from .app import preflight
+    from .config import ConfigError
+    from .sockets import SocketPathError
+
+    try:
+        return preflight(config)
+    except SocketPathError as exc:
+        print(f"radixd: {exc.key}: {exc.strerror or exc}", file=sys.stderr)
+        return None
+    except ConfigError as exc:
+        print(f"radixd: {exc}", file=sys.stderr)
+        return None
 
 
 def _config_show(args: argparse.Namespace) -> int:
@@ -175,17 +218,29 @@ def _config_show(args: argparse.Namespace) -> int:
     from .config import redacted
 
     print(json.dumps(redacted(config), indent=2))
+    return EXIT_OK if _preflight(config) is not None else EXIT_USAGE
+
+
+def _config_check(args: argparse.Namespace) -> int:
+    config = _load(args)
+    if config is None:
+        return EXIT_USAGE
+    summary = _preflight(config)
+    if summary is None:
+        return EXIT_USAGE
+    print(f"ok: configuration valid; {summary}; socket {config.server.socket}")
     return EXIT_OK
 
 
 def _config_example(args: argparse.Namespace) -> int:
     import importlib.resources
 
-    res = importlib.resources.files("daemon").joinpath("data").joinpath("radixd.example.toml")
+    name = "radixd.cpu.toml" if getattr(args, "cpu", False) else "radixd.example.toml"
+    res = importlib.resources.files("daemon").joinpath("data").joinpath(name)
     try:
         text = res.read_text(encoding="utf-8")
     except OSError:
-        print("radixd: the example configuration (daemon/data/radixd.example.toml) is not "
+        print(f"radixd: the example configuration (daemon/data/{name}) is not "
               "installed with this radixd", file=sys.stderr)
         return EXIT_FAILURE
     sys.stdout.write(text if text.endswith("\n") else text + "\n")
@@ -215,12 +270,20 @@ class _UnixHTTPConnection(http.client.HTTPConnection):
 
 
 class AdminClient:
-    """A small blocking client of the admin endpoint: ``http://host:port`` or ``unix:/path``."""
+    """A small blocking client of the admin endpoint: ``http://host:port`` or ``unix:/path``.
+
+    ``refused_hint`` is added to the message of a 401 (where the token came from, and whether it
+    is a leftover of an earlier daemon); ``expect_instance`` / ``expect_socket`` make
+    :meth:`verify` refuse an endpoint that answers for another daemon than the one named."""
 
     def __init__(self, url: str, token: str | None, timeout: float = 10.0):
         self.url = url.rstrip("/")
         self.token = token
         self.timeout = timeout
+        self.refused_hint = ("pass --token or --token-file (the daemon writes a generated token "
+                             "to admin.token beside its socket)")
+        self.expect_instance: str | None = None
+        self.expect_socket: str | None = None
         if self.url.startswith("unix:"):
             self._unix: str | None = self.url[len("unix:"):]
             if not self._unix:
@@ -275,10 +338,26 @@ class AdminClient:
             message = str(data["error"].get("message", ""))
         if status == 401:
             raise AdminError(f"the admin endpoint at {self.url} refused the token ({message}); "
-                             "pass --token or --token-file (the daemon writes a generated token "
-                             "to admin.token beside its socket)")
+                             + self.refused_hint)
         raise AdminError(f"{method} {path} at {self.url}: HTTP {status}"
                          + (f": {message}" if message else ""))
+
+
+    def verify(self) -> None:
+        """AdminError unless the endpoint answers for the daemon the command named (its
+        instance, from the endpoint file beside its socket, or its socket path)."""
+        if self.expect_instance is not None:
+            got = self.json("GET", "/v1/stats").get("instance")
+            if got != self.expect_instance:
+                raise AdminError(f"the admin endpoint at {self.url} answers for daemon instance "
+                                 f"{got}, not {self.expect_instance} (the one on "
+                                 f"{self.expect_socket}); pass --admin")
+        elif self.expect_socket is not None:
+            server = self.json("GET", "/v1/config").get("server") or {}
+            theirs = str(server.get("socket", ""))
+            if os.path.realpath(theirs) != os.path.realpath(self.expect_socket):
+                raise AdminError(f"the admin endpoint at {self.url} answers for the daemon on "
+                                 f"{theirs}, not {self.expect_socket}; pass --admin")
 
 
 def admin_url(config: Any) -> str:
@@ -293,16 +372,19 @@ def admin_url(config: Any) -> str:
     return f"http://{host}:{a.port}"
 
 
-def _admin_token(args: argparse.Namespace, config: Any) -> str | None:
+def _admin_token(args: argparse.Namespace, config: Any,
+                 info: dict[str, Any] | None = None) -> tuple[str | None, str | None]:
+    """The token, and the file it was read from (None: given on the command line or
+    configured). The daemon's endpoint file (``info``) names the token file it wrote."""
     if args.token:
-        return str(args.token)
+        return str(args.token), None
     path = args.token_file
     if path is None:
         if config.admin.token:
-            return str(config.admin.token)
+            return str(config.admin.token), None
         from .config import admin_token_file
 
-        path = admin_token_file(config)
+        path = (info or {}).get("token_file") or admin_token_file(config)
     try:
         token = Path(path).read_text(encoding="utf-8").strip()
     except OSError as exc:
@@ -311,19 +393,91 @@ def _admin_token(args: argparse.Namespace, config: Any) -> str | None:
                          "--token or --token-file, or run as the daemon's user)") from None
     if not token:
         raise AdminError(f"the admin token file {path} is empty")
-    return token
+    return token, str(path)
+
+
+def _probe_socket(path: str) -> None:
+    """AdminError "no daemon at PATH" unless a daemon accepts connections on that socket."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(2.0)
+    try:
+        sock.connect(path)
+    except OSError as exc:
+        why = exc.strerror or str(exc) or type(exc).__name__
+        raise AdminError(f"no daemon at {path} ({why}): is it running, with this socket "
+                         "(server.socket)?") from None
+    finally:
+        sock.close()
+
+
+def _endpoint_info(socket_path: str) -> dict[str, Any] | None:
+    """What the daemon on ``socket_path`` wrote about its admin endpoint, if that daemon still
+    runs (a daemon killed without a clean stop leaves the file behind)."""
+    from .config import admin_endpoint_file
+
+    try:
+        info = json.loads(Path(admin_endpoint_file(socket_path)).read_text(encoding="utf-8"))
+        os.kill(int(info["pid"]), 0)
+    except PermissionError:  # alive, another user's
+        return info if isinstance(info, dict) else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return info if isinstance(info, dict) and isinstance(info.get("url"), str) else None
+
+
+def _refused_hint(path: str | None, info: dict[str, Any] | None) -> str:
+    """Why a token may have been refused: a leftover of an earlier daemon (the file is older
+    than this daemon's start, or is not the file this daemon wrote), or simply not its token."""
+    if path is None:
+        return ("the token given (--token or admin.token) is not this daemon's; pass the right "
+                "one, or --token-file")
+    try:
+        written = Path(path).stat().st_mtime
+    except OSError:
+        written = None
+    started = (info or {}).get("started")
+    theirs = (info or {}).get("token_file")
+    where = (f"this daemon wrote its token to {theirs}" if theirs else
+             "this daemon uses a configured token (admin.token or admin.token_sha256): pass "
+             "--token")
+    if isinstance(started, (int, float)) and written is not None and written < started - 1:
+        return (f"the token in {path} is stale: the file was written "
+                f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(written))}, before this "
+                "daemon started "
+                f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(started))} (by an earlier "
+                f"daemon); {where}")
+    if info is not None and (theirs is None or
+                             os.path.realpath(theirs) != os.path.realpath(path)):
+        return f"the token in {path} is not this daemon's; {where}"
+    return (f"the token in {path} is not this daemon's (the file is not older than the daemon, "
+            "so not a leftover); pass --token or --token-file")
 
 
 def _admin_client(args: argparse.Namespace) -> AdminClient | None:
     """The client per the flags, the configuration filling in what they leave out; None when
-    the configuration is invalid (already reported)."""
-    if args.admin and args.token:  # nothing left to look up
+    the configuration is invalid (already reported).
+
+    With ``--socket`` it talks to the daemon on that socket or to none: nothing listening there
+    is "no daemon at PATH", its endpoint is found in the file it wrote beside the socket, and an
+    endpoint that answers for another daemon is refused (see :meth:`AdminClient.verify`)."""
+    named = getattr(args, "socket", None)
+    if args.admin and args.token and not named:  # nothing left to look up
         return AdminClient(args.admin, args.token, timeout=args.timeout)
     config = _load(args)
     if config is None:
         return None
-    url = args.admin or admin_url(config)
-    return AdminClient(url, _admin_token(args, config), timeout=args.timeout)
+    sock = config.server.socket
+    if named:
+        _probe_socket(sock)
+    info = None if args.admin else _endpoint_info(sock)
+    url = args.admin or (info["url"] if info else admin_url(config))
+    token, path = _admin_token(args, config, info)
+    client = AdminClient(url, token, timeout=args.timeout)
+    client.refused_hint = _refused_hint(path, info)
+    if named:
+        client.expect_socket = sock
+        client.expect_instance = info.get("instance") if info else None
+    return client
 
 
 def _fail(exc: Exception) -> int:
@@ -336,6 +490,7 @@ def _status(args: argparse.Namespace) -> int:
         client = _admin_client(args)
         if client is None:
             return EXIT_USAGE
+        client.verify()
         stats = client.json("GET", "/v1/stats")
     except AdminError as exc:
         return _fail(exc)
@@ -351,6 +506,7 @@ def _check(args: argparse.Namespace) -> int:
         client = _admin_client(args)
         if client is None:
             return EXIT_USAGE
+        client.verify()
         res = client.json("POST", "/v1/check")
     except AdminError as exc:
         return _fail(exc)
@@ -396,6 +552,36 @@ def _table(rows: list[list[str]], left: int = 1, indent: str = "  ") -> list[str
     return out
 
 
+def _tier_lines(tiers: dict[str, Any] | None, device_hits: int, page_size: int) -> list[str]:
+    """A model's hits by tier and its host tier, from ``/v1/stats`` ``models.<m>.tiers``."""
+    if tiers is None:
+        return [f"  hits by tier: device {device_hits} tokens (no host tier)",
+                "  host tier: off (host_pages = 0 or export_pools = false)"]
+    l3_pages = int(tiers.get("l3_hit_pages", 0))
+    out = [f"  hits by tier: device {device_hits}, host {tiers.get('loaded_tokens', 0)} tokens "
+           f"(loaded back); L3 {l3_pages} pages ({l3_pages * page_size} tokens) fetched to host"]
+    cap, used = int(tiers.get("host_pages_capacity", 0)), int(tiers.get("host_pages_used", 0))
+    swa_cap = int(tiers.get("host_swa_pages_capacity", 0))
+    swa = (f", swa {tiers.get('host_swa_pages_used', 0)}/{swa_cap}" if swa_cap else "")
+    out.append(f"  host tier: full {used}/{cap} slots ({_pct(used, cap)}){swa}; "
+               f"{tiers.get('backup_pages', 0)} pages copied to host, "
+               f"{tiers.get('load_pages', 0)} loaded back; queue {tiers.get('backup_queue', 0)}"
+               + (f"; {tiers['copy_errors']} copy errors" if tiers.get("copy_errors") else ""))
+    return out
+
+
+def _l3_line(l3: dict[str, Any] | None) -> str:
+    """The Redis tier and its circuit breaker, from ``/v1/stats`` ``l3``."""
+    if l3 is None:
+        return "L3 (Redis): off (l3.url not set, or no model with a host tier uses it)"
+    state = str(l3.get("breaker_state", "?"))
+    return (f"L3 (Redis): breaker {state.upper() if state != 'closed' else state}; "
+            f"hits {l3.get('hits', 0)} of {l3.get('gets', 0)} pages asked, "
+            f"{l3.get('sets', 0)} written ({l3.get('set_failures', 0)} dropped); "
+            f"{l3.get('timeouts', 0)} timeouts, {l3.get('errors', 0)} errors, "
+            f"breaker opened {l3.get('breaker_opens', 0)} times")
+
+
 def format_status(stats: dict[str, Any], url: str = "") -> str:
     """The human summary ``radixd status`` prints, from a /v1/stats document."""
     lines = []
@@ -430,6 +616,8 @@ def format_status(stats: dict[str, Any], url: str = "") -> str:
         lines.append(f"  hits: {m.get('hit_tokens', 0)} of {m.get('match_tokens', 0)} tokens "
                      f"({100.0 * float(m.get('hit_rate', 0)):.1f}%) in {m.get('matches', 0)} "
                      "matches")
+        lines += _tier_lines(m.get("tiers"), int(m.get("hit_tokens", 0)),
+                             int(m.get("page_size") or 0))
         ev = {r: v for r, v in (m.get("evictions") or {}).items()
               if v.get("full") or v.get("swa")}
         if ev:
@@ -437,6 +625,8 @@ def format_status(stats: dict[str, Any], url: str = "") -> str:
                 f"{r} {v.get('full', 0)}/{v.get('swa', 0)}" for r, v in ev.items()))
         else:
             lines.append("  evicted pages: none")
+    lines.append("")
+    lines.append(_l3_line(stats.get("l3")))
     tenants = stats.get("tenants") or []
     if tenants:
         lines.append("")

@@ -7,9 +7,11 @@ names the key. Every key is documented in docs/operations.md (and ``radixd confi
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import os
 import sys
+import typing
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit, urlunsplit
@@ -139,8 +141,14 @@ class ModelConfig(_Section):
     head_dim: int = 64
     dtype: str = "float16"
     device: str = "auto"
-    full_pages: int = 2048
-    swa_pages: int = 512
+    full_pages: int = Field(2048, description="full pool capacity in pages, page 0 (padding) "
+                                              "included")
+    swa_pages: int = Field(512, description="SWA pool capacity in pages")
+    full_bytes: int | None = Field(None, ge=1, description="full pool capacity in bytes instead "
+                                                           "of pages (rounded down to whole "
+                                                           "pages); not with full_pages")
+    swa_bytes: int | None = Field(None, ge=1, description="SWA pool capacity in bytes instead of "
+                                                          "pages; not with swa_pages")
     eviction_policy: str = Field("lru-depth", description="lru-depth (default) or lru")
     export_pools: bool = Field(True, description="allocate the KV pools and share them with "
                                                  "engines (off: bookkeeping only)")
@@ -171,21 +179,46 @@ class ModelConfig(_Section):
 
     @model_validator(mode="after")
     def _profile(self) -> ModelConfig:
-        self.profile()  # raises ProfileError naming the field
+        for pages, nbytes in (("full_pages", "full_bytes"), ("swa_pages", "swa_bytes")):
+            if getattr(self, nbytes) is not None and pages in self.model_fields_set:
+                raise ValueError(f"{nbytes}: give {pages} or {nbytes}, not both")
+        if self.sliding_window is None and "num_swa_layers" not in self.model_fields_set:
+            self.__dict__["num_swa_layers"] = 0  # no window: no SWA layers, unless told otherwise
+        if self.sliding_window is None and self.num_swa_layers:
+            raise ValueError("num_swa_layers: must be 0 when sliding_window = 0 (a model "
+                             f"without sliding-window layers), got {self.num_swa_layers}")
+        profile = self.profile()  # raises ProfileError naming the field
+        # the byte sizes resolved to pages once, so every reader of full_pages sees the capacity
+        # (written around validate_assignment, which would run this validator again)
+        self.__dict__["full_pages"] = profile.full_pages
+        if profile.sliding_window is not None:
+            self.__dict__["swa_pages"] = profile.swa_pages
         if self.host_pages == 1 or self.host_swa_pages == 1:
             raise ValueError("host_pages and host_swa_pages: 0 (off) or at least 2 (page 0 is "
                              "reserved)")
         return self
 
     def profile(self) -> ModelProfile:
+        """The model's KV layout; pool sizes from ``full_bytes``/``swa_bytes`` when given."""
+        window = self.sliding_window if self.num_swa_layers else None
+        data: dict[str, Any] = dict(
+            name=self.name, page_size=self.page_size, sliding_window=window,
+            num_full_layers=self.num_full_layers, num_swa_layers=self.num_swa_layers,
+            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, dtype=self.dtype,
+            device=self.device)
+        if self.full_bytes is not None:
+            data["full_bytes"] = self.full_bytes
+        else:
+            data["full_pages"] = self.full_pages
+        if window is not None:
+            if self.swa_bytes is not None:
+                data["swa_bytes"] = self.swa_bytes
+            else:
+                data["swa_pages"] = self.swa_pages
+        elif self.swa_bytes is not None:
+            data["swa_bytes"] = self.swa_bytes  # refused: the model has no SWA layers
         try:
-            window = self.sliding_window if self.num_swa_layers else None
-            return ModelProfile(
-                name=self.name, page_size=self.page_size, sliding_window=window,
-                num_full_layers=self.num_full_layers, num_swa_layers=self.num_swa_layers,
-                num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, dtype=self.dtype,
-                device=self.device, full_pages=self.full_pages,
-                swa_pages=self.swa_pages if window is not None else 0)
+            return ModelProfile.from_dict(data)
         except ProfileError as exc:
             raise ValueError(str(exc)) from None
 
@@ -308,6 +341,13 @@ def admin_token_file(config: Config, socket_path: str | None = None) -> str:
         Path(socket_path or config.server.socket).parent / "admin.token")
 
 
+def admin_endpoint_file(socket_path: str) -> str:
+    """Where a running daemon says which admin endpoint answers for its engine socket (JSON:
+    url, instance, pid, started, token_file), so that ``radixd status --socket PATH`` talks to
+    the daemon on PATH, not to whatever listens on the configured port: ``<socket>.admin``."""
+    return f"{socket_path}.admin"
+
+
 def redacted(config: Config) -> dict[str, Any]:
     """The effective configuration as JSON with every secret replaced: tokens, token digests
     and the password of the Redis URL (an ACL password travels in it)."""
@@ -330,31 +370,106 @@ ENV_PREFIX = "RADIXD_"
 _ENV_SECTIONS = {"SERVER": "server", "ADMIN": "admin", "CHECKER": "checker", "L3": "l3"}
 
 
-def _env_overrides(env: dict[str, str]) -> dict[str, Any]:
+def _env_overrides(env: dict[str, str]) -> tuple[dict[str, Any], dict[tuple[str, str], str]]:
     """``RADIXD_SERVER_SOCKET=/x`` -> {"server": {"socket": "/x"}}; ``RADIXD_LOG_LEVEL`` too.
 
     Values are parsed as TOML scalars when they parse (numbers, booleans, arrays), else strings.
+    Also returns which variable set which (section, key), so that an error about a value that
+    came from the environment names the variable the operator has to fix, not a TOML key.
     """
     out: dict[str, Any] = {}
+    origin: dict[tuple[str, str], str] = {}
     for key, raw in env.items():
         if not key.startswith(ENV_PREFIX):
             continue
         rest = key[len(ENV_PREFIX):]
         if rest == "LOG_LEVEL":
             out["log_level"] = raw
+            origin[("log_level", "")] = key
             continue
         if rest == "CONFIG":
             continue
         section, _, name = rest.partition("_")
         if section not in _ENV_SECTIONS or not name:
             raise ConfigError(f"{key}: unknown setting (sections: "
-                              f"{', '.join(ENV_PREFIX + s + '_<KEY>' for s in _ENV_SECTIONS)})")
+                              f"{', '.join(ENV_PREFIX + s + '_<KEY>' for s in _ENV_SECTIONS)})"
+                              + _suggest(rest, _env_names(), ENV_PREFIX))
         try:
             value = tomllib.loads(f"v = {raw}")["v"]
         except tomllib.TOMLDecodeError:
             value = raw
         out.setdefault(_ENV_SECTIONS[section], {})[name.lower()] = value
-    return out
+        origin[(_ENV_SECTIONS[section], name.lower())] = key
+    return out, origin
+
+
+def _env_names() -> list[str]:
+    """Every ``<SECTION>_<KEY>`` an environment variable may name (after ``RADIXD_``)."""
+    names = ["LOG_LEVEL", "CONFIG"]
+    for upper, section in _ENV_SECTIONS.items():
+        model = Config.model_fields[section].annotation
+        assert isinstance(model, type) and issubclass(model, BaseModel)
+        names += [f"{upper}_{key.upper()}" for key in model.model_fields]
+    return names
+
+
+def _suggest(word: str, choices: list[str], prefix: str = "") -> str:
+    """'; did you mean X?' for the closest valid name, or nothing when none is close."""
+    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.75)
+    return f"; did you mean {prefix}{close[0]}?" if close else ""
+
+
+def _section_fields(loc: tuple[Any, ...]) -> list[str]:
+    """The keys valid where ``loc`` (a pydantic error location, minus its last part) points."""
+    model: Any = Config
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        field = model.model_fields.get(part) if isinstance(model, type) else None
+        if field is None:
+            return []
+        ann = field.annotation
+        model = typing.get_args(ann)[0] if typing.get_origin(ann) is list else ann
+    return list(model.model_fields) if isinstance(model, type) and issubclass(
+        model, BaseModel) else []
+
+
+def _where(loc: tuple[Any, ...], data: dict[str, Any]) -> str:
+    """A location as the operator knows it: ``models["llama"].full_pages``, not
+    ``models.0.full_pages`` (a model or tenant is named by its name, not its position)."""
+    out = ""
+    for i, part in enumerate(loc):
+        if isinstance(part, int):
+            items = data.get(str(loc[i - 1])) if i == 1 else None
+            item = items[part] if isinstance(items, list) and part < len(items) else None
+            name = item.get("name") if isinstance(item, dict) else None
+            if name is None and i == 1 and loc[0] == "models" and isinstance(item, dict):
+                name = "default"
+            out += f"[{name!r}]".replace("'", '"') if isinstance(name, str) else f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out or "(top level)"
+
+
+def _describe(err: Any, data: dict[str, Any], origin: dict[tuple[str, str], str]) -> str:
+    """One pydantic error as one line naming the key (or the environment variable)."""
+    loc = tuple(err["loc"])
+    msg = str(err["msg"]).removeprefix("Value error, ")
+    var = origin.get((str(loc[0]), str(loc[1]) if len(loc) > 1 else "")) if loc else None
+    if err["type"] == "extra_forbidden":
+        key = str(loc[-1])
+        if var is not None:
+            return (f"{var}: no such setting ({'.'.join(map(str, loc))} is not a key)"
+                    + _suggest(var[len(ENV_PREFIX):], _env_names(), ENV_PREFIX))
+        return (f"{_where(loc, data)}: not a configuration key"
+                + _suggest(key, _section_fields(loc[:-1])))
+    field, sep, rest = msg.partition(": ")
+    if sep and field.isidentifier() and field in _section_fields(loc):
+        loc, msg = (*loc, field), rest  # "models.0: full_pages: ..." -> the key itself
+    where = _where(loc, data)
+    if var is not None:
+        return f"{var} (setting {where}): {msg}"
+    return f"{where}: {msg}"
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
@@ -379,13 +494,13 @@ def load_config(path: str | os.PathLike | None = None, *, env: dict[str, str] | 
             raise ConfigError(f"config file {path} does not exist") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {path}: not valid TOML: {exc}") from None
-    data = _merge(data, _env_overrides(env))
+    env_data, origin = _env_overrides(env)
+    data = _merge(data, env_data)
     data = _merge(data, overrides or {})
     try:
         return Config.model_validate(data)
     except ValidationError as exc:
-        lines = []
-        for err in exc.errors():
-            loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
-            lines.append(f"{loc}: {err['msg']}")
+        lines = [_describe(err, data, origin) for err in exc.errors()]
+        if len(lines) == 1:
+            raise ConfigError(f"invalid configuration: {lines[0]}") from None
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(lines)) from None

@@ -13,18 +13,50 @@ import stat
 from pathlib import Path
 
 
+class SocketPathError(OSError):
+    """The socket's path cannot be used (its directory cannot be made, a file that is not a
+    socket is in the way, the name is too long, permission): the configuration is at fault, not
+    the run, so ``radixd serve`` exits 2 with this message, which names the path; ``key`` is
+    the configuration key that set the path (who binds an admin socket says so)."""
+
+    key = "server.socket"
+
+
+def _path_error(exc: OSError, path: str, what: str) -> SocketPathError:
+    why = exc.strerror or str(exc)
+    return SocketPathError(exc.errno, f"{path}: {what}: {why}")
+
+
+def check_socket_path(path: str) -> None:
+    """Raise SocketPathError when ``path`` cannot be a socket because something on its way is a
+    file, not a directory (``radixd config check`` asks too, binding nothing)."""
+    p = Path(path)
+    for parent in (p.parent, *p.parent.parents):  # the nearest existing ancestor: a directory?
+        if parent.exists():
+            if not parent.is_dir():
+                raise SocketPathError(errno.ENOTDIR, f"{path}: {parent} is a file, not a "
+                                                     "directory (choose another socket path)")
+            return
+
+
 def bind_unix_socket(path: str, mode: int) -> socket.socket:
     """A listening, non-blocking Unix stream socket at ``path``, created with ``mode``.
 
     A stale socket (its daemon died) is replaced; a live one, or a file that is not a socket,
-    is an error rather than something to take over silently."""
+    is an error rather than something to take over silently. A path that cannot hold a socket
+    is a SocketPathError naming the path and what is wrong with it."""
     p = Path(path)
+    check_socket_path(path)
     if not p.parent.exists():
-        p.parent.mkdir(parents=True, mode=0o750)
+        try:
+            p.parent.mkdir(parents=True, mode=0o750)
+        except OSError as exc:
+            raise _path_error(exc, path, f"cannot create its directory {p.parent}") from None
     if p.exists() or p.is_symlink():
         if not stat.S_ISSOCK(p.lstat().st_mode):
-            raise OSError(errno.EEXIST,
-                          f"{path} exists and is not a socket; refusing to replace it")
+            raise SocketPathError(errno.EEXIST,
+                                  f"{path}: exists and is not a socket; refusing to replace "
+                                  "it")
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             probe.connect(path)
@@ -38,6 +70,12 @@ def bind_unix_socket(path: str, mode: int) -> socket.socket:
     old = os.umask(0o777 & ~mode)  # no window in which the socket has looser permissions
     try:
         sock.bind(path)
+    except OSError as exc:
+        sock.close()
+        if exc.errno in (errno.EACCES, errno.EPERM, errno.ENOENT, errno.ENOTDIR, errno.EROFS,
+                         errno.ENAMETOOLONG, errno.EINVAL) or "too long" in str(exc):
+            raise _path_error(exc, path, "cannot bind") from None
+        raise
     finally:
         os.umask(old)
     os.chmod(path, mode)

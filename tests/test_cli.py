@@ -310,3 +310,97 @@ def test_config_show_redacts_the_admin_token(tmp_path: Path, capsys) -> None:
     data = json.loads(out)
     assert data["admin"]["token"] == "<redacted>"
     assert data["tenants"][0]["token_sha256"] == "<redacted>"
+
+
+# ------------------------------------------------------------------ the daemon --socket names
+
+def _free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def test_status_shows_the_tiers_and_the_breaker(live, capsys) -> None:
+    from radixd_client import Client
+
+    redis_down = f"redis://127.0.0.1:{_free_port()}/0"  # nothing listens: every call fails
+    d = live({"l3": {"url": redis_down, "op_timeout_ms": 200, "breaker_threshold": 1,
+                     "breaker_open_s": 600}})
+    _cache(d.socket, 3)
+    with Client(d.socket) as c:
+        from array import array
+
+        for i in range(2):
+            tokens = array("i", range(500 + 100 * i, 500 + 100 * i + 8)).tobytes()
+            assert c.prefetch("m", tokens, policy="wait_complete").status == "none"
+    args = ["status", "--config", str(d.config_path), "--admin", d.admin_url]
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert "hits by tier: device 12, host 0 tokens (loaded back); L3 0 pages" in out, out
+    assert re.search(r"host tier: full \d+/4095 slots", out), out
+    assert "L3 (Redis): breaker OPEN;" in out and "breaker opened 1 times" in out, out
+    assert cli.main([*args, "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert stats["models"]["m"]["tiers"]["host_pages_capacity"] == 4095
+    assert stats["models"]["m"]["tiers"]["loaded_tokens"] == 0
+    assert stats["l3"]["breaker_state"] == "open" and stats["models"]["m"]["hit_tokens"] == 12
+
+    bare = live({"models": [{**_ops_conftest().SMALL_MODEL, "host_pages": 0}]})
+    assert cli.main(["status", "--config", str(bare.config_path), "--admin",
+                     bare.admin_url]) == 0
+    out = capsys.readouterr().out
+    assert "host tier: off" in out and "L3 (Redis): off" in out, out
+
+
+def test_status_with_socket_talks_to_the_daemon_on_it(live, tmp_path: Path, capsys) -> None:
+    a, b = live(), live()  # each on its own free admin port: not in any configuration
+    for d in (a, b):
+        instance = d.get_json("/v1/stats")["instance"]
+        assert cli.main(["status", "--socket", d.socket]) == 0
+        assert f"instance {instance}" in capsys.readouterr().out
+        assert cli.main(["check", "--socket", d.socket]) == 0
+        capsys.readouterr()
+    typo = tmp_path / "radixd.sokc"
+    for cmd in ("status", "check"):
+        assert cli.main([cmd, "--socket", str(typo)]) == cli.EXIT_FAILURE
+        assert f"no daemon at {typo}" in capsys.readouterr().err
+    # an endpoint that answers for another daemon than the socket named is refused
+    assert cli.main(["status", "--socket", a.socket, "--admin", b.admin_url,
+                     "--token", b.token]) == cli.EXIT_FAILURE
+    err = capsys.readouterr().err
+    assert f"answers for the daemon on {b.socket}, not {a.socket}" in err, err
+
+
+def test_clean_stop_removes_the_token_file(live) -> None:
+    d = live()
+    endpoint = Path(d.socket + ".admin")
+    assert d.token_file.exists() and endpoint.exists()
+    assert json.loads(endpoint.read_text())["token_file"] == str(d.token_file)
+    assert d.stop() == 0
+    assert not d.token_file.exists() and not endpoint.exists()
+
+
+def test_stale_token_is_told_apart_from_a_bad_one(live, capsys) -> None:
+    import os
+    import time
+
+    d = live({"admin": {"token": "configured-admin-token"}})
+    stale = Path(d.socket).parent / "admin.token"  # left by an earlier daemon
+    stale.write_text("f" * 64 + "\n")
+    old = time.time() - 3600
+    os.utime(stale, (old, old))
+    assert cli.main(["status", "--socket", d.socket]) == cli.EXIT_FAILURE
+    err = capsys.readouterr().err
+    assert "refused the token" in err and f"the token in {stale} is stale" in err, err
+    assert "configured token" in err, err
+
+    g = live()  # a generated token, overwritten after the daemon started: bad, not stale
+    g.token_file.write_text("0" * 64 + "\n")
+    assert cli.main(["status", "--socket", g.socket]) == cli.EXIT_FAILURE
+    err = capsys.readouterr().err
+    assert "refused the token" in err and "is not this daemon's" in err, err
+    assert "is stale" not in err, err
+    assert g.stop() == 0
+    assert g.token_file.read_text() == "0" * 64 + "\n", "not what the daemon wrote: it stays"

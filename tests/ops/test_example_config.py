@@ -166,3 +166,63 @@ def test_radixd_config_example_prints_it() -> None:
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout == EXAMPLE.read_text()
+
+
+CPU_EXAMPLE = REPO / "daemon" / "data" / "radixd.cpu.toml"
+
+
+def test_radixd_config_example_cpu_prints_the_cpu_variant() -> None:
+    out = subprocess.run([sys.executable, "-m", "daemon.cli", "config", "example", "--cpu"],
+                         cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == CPU_EXAMPLE.read_text()
+    config = load_config(CPU_EXAMPLE, env={})
+    assert all(m.device == "cpu" for m in config.models) and not config.tenants
+
+
+def test_cpu_example_starts_a_daemon(tmp_path: Path) -> None:
+    """The CPU variant, exactly as shipped, passes `radixd config check` and starts a daemon
+    that serves an engine (only the socket and admin port are moved, by environment, so that
+    the test does not collide with a daemon on this machine)."""
+    import os
+    import signal
+    import socket
+    import time
+    from array import array
+
+    from radixd_client import Client
+
+    sock = str(tmp_path / "radixd.sock")
+    env = {**os.environ, "RADIXD_SERVER_SOCKET": sock, "RADIXD_ADMIN_PORT": "0",
+           "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "daemon.cli"]
+    check = subprocess.run([*cmd, "config", "check", "--config", str(CPU_EXAMPLE)], cwd=REPO,
+                           env=env, capture_output=True, text=True, timeout=120)
+    assert check.returncode == 0, check.stderr
+    assert check.stdout.startswith("ok: configuration valid; 1 model(s): default: ")
+    log = tmp_path / "radixd.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([*cmd, "serve", "--config", str(CPU_EXAMPLE)], cwd=REPO,
+                                env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, f"exited {proc.returncode}:\n{log.read_text()}"
+            assert time.monotonic() < deadline, log.read_text()
+            try:
+                with socket.socket(socket.AF_UNIX) as s:
+                    s.connect(sock)
+                break
+            except OSError:
+                time.sleep(0.1)
+        with Client(sock) as c:
+            tokens = array("i", range(1, 1 + 3 * 16)).tobytes()
+            a = c.alloc("default", 3)
+            c.insert("default", tokens, a.full_pages, a.swa_pages)
+            assert c.match("default", tokens).prefix_len == 3 * 16
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+    text = log.read_text()
+    assert proc.returncode == 0, text
+    assert "Traceback" not in text and "invariant violations" not in text, text

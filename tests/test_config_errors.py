@@ -1,0 +1,159 @@
+"""A new user's configuration mistakes: one line naming the key, exit 2, no traceback.
+
+The start-up errors are checked on a real ``radixd serve`` process (what an operator sees), and
+``radixd config check`` must find the same problems without binding anything.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from daemon import cli
+from daemon.config import ConfigError, load_config
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+CPU_MODEL = ('[[models]]\nname = "tiny"\npage_size = 4\nsliding_window = 8\n'
+             'num_full_layers = 1\nnum_swa_layers = 1\nnum_kv_heads = 1\nhead_dim = 4\n'
+             'dtype = "float32"\ndevice = "cpu"\nfull_pages = 16\nswa_pages = 8\n'
+             'host_pages = 0\n')
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is a dependency
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def _radixd(*args: str, env: dict[str, str] | None = None,
+            timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "daemon.cli", *args], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def _config(tmp_path: Path, models: str, socket: str | None = None) -> Path:
+    path = tmp_path / "radixd.toml"
+    sock = socket or str(tmp_path / "radixd.sock")
+    path.write_text(f'[server]\nsocket = "{sock}"\n[admin]\nport = 0\n{models}')
+    return path
+
+
+def _one_line_error(out: subprocess.CompletedProcess[str]) -> str:
+    assert out.returncode == cli.EXIT_USAGE, (out.returncode, out.stdout, out.stderr)
+    assert "Traceback" not in out.stderr, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr
+    return lines[0]
+
+
+@pytest.mark.skipif(_has_cuda(), reason="needs a machine without CUDA")
+def test_cuda_device_without_cuda_is_a_one_line_error(tmp_path: Path) -> None:
+    cfg = _config(tmp_path, CPU_MODEL.replace('"cpu"', '"cuda:0"').replace("tiny", "llama"))
+    for args in (("serve",), ("config", "check"), ("config", "show")):
+        out = _radixd(*args, "--config", str(cfg))
+        line = _one_line_error(out)
+        assert 'models["llama"].device' in line and "CUDA is not available" in line, line
+    assert not (tmp_path / "radixd.sock").exists(), "config check binds nothing"
+
+
+def test_pools_bigger_than_memory_are_a_one_line_error(tmp_path: Path) -> None:
+    big = CPU_MODEL.replace("full_pages = 16", "full_bytes = 1125899906842624")  # 1 PiB
+    cfg = _config(tmp_path, big.replace("tiny", "huge"))
+    for args in (("serve",), ("config", "check"), ("config", "show")):
+        line = _one_line_error(_radixd(*args, "--config", str(cfg)))
+        assert 'models["huge"].full_pages' in line and "host memory" in line, line
+        assert "full_bytes" in line, line
+    host = CPU_MODEL.replace("host_pages = 0", "host_pages = 1000000000000")
+    line = _one_line_error(_radixd("config", "check", "--config", str(_config(tmp_path, host))))
+    assert 'models["tiny"].host_pages' in line, line
+
+
+def test_config_check_ok_summary(tmp_path: Path) -> None:
+    cfg = _config(tmp_path, CPU_MODEL)
+    out = _radixd("config", "check", "--config", str(cfg))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("ok: configuration valid; 1 model(s): tiny: ")
+    assert len(out.stdout.strip().splitlines()) == 1
+    assert not (tmp_path / "radixd.sock").exists(), "config check binds nothing"
+
+
+def test_full_bytes_and_swa_bytes_size_the_pools() -> None:
+    base = {"name": "b", "page_size": 4, "sliding_window": 8, "num_full_layers": 1,
+            "num_swa_layers": 1, "num_kv_heads": 1, "head_dim": 4, "dtype": "float32",
+            "device": "cpu"}
+    page = 2 * 4 * 1 * 4 * 4  # k and v, page_size, heads, head_dim, 4 bytes: one layer's page
+    cfg = load_config(None, env={}, overrides={"models": [
+        {**base, "full_bytes": 10 * page + 5, "swa_bytes": 3 * page}]})
+    assert (cfg.models[0].full_pages, cfg.models[0].swa_pages) == (10, 3)
+    assert cfg.models[0].profile().full_pages == 10
+    with pytest.raises(ConfigError, match=r'models\["b"\]\.full_bytes: .*not both'):
+        load_config(None, env={}, overrides={"models": [
+            {**base, "full_bytes": 10 * page, "full_pages": 10}]})
+
+
+def test_model_errors_name_the_model() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, env={}, overrides={"models": [{"name": "a"},
+                                                        {"name": "llama", "full_pages": 1}]})
+    assert str(info.value).startswith('invalid configuration: models["llama"].full_pages: ')
+    assert "models.1" not in str(info.value)
+    with pytest.raises(ConfigError, match=r'models\["llama"\]\.ful_pages: not a configuration '
+                                          r'key; did you mean full_pages\?'):
+        load_config(None, env={}, overrides={"models": [{"name": "llama", "ful_pages": 8}]})
+    with pytest.raises(ConfigError, match=r'tenants\["t"\]\.quota_full_pages'):
+        load_config(None, env={}, overrides={"tenants": [
+            {"name": "t", "token": "x", "quota_full_pages": -1}]})
+
+
+def test_misspelt_environment_variable_is_named(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, env={"RADIXD_SERVER_SOKET": "/x.sock"})
+    msg = str(info.value)
+    assert "RADIXD_SERVER_SOKET" in msg and "did you mean RADIXD_SERVER_SOCKET?" in msg, msg
+    with pytest.raises(ConfigError, match=r"RADIXD_SERVER_MAX_INFLIGHT \(setting "
+                                          r"server\.max_inflight\)"):
+        load_config(None, env={"RADIXD_SERVER_MAX_INFLIGHT": "0"})
+    out = _radixd("config", "check", "--config", str(_config(tmp_path, CPU_MODEL)),
+                  env={"RADIXD_SERVER_SOKET": "/x.sock"})
+    assert "RADIXD_SERVER_SOKET" in _one_line_error(out)
+
+
+def test_socket_under_a_regular_file_names_the_path(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    sock = blocker / "sub" / "radixd.sock"
+    cfg = _config(tmp_path, CPU_MODEL, socket=str(sock))
+    for args in (("serve",), ("config", "check")):
+        line = _one_line_error(_radixd(*args, "--config", str(cfg)))
+        assert line.startswith(f"radixd: server.socket: {sock}: "), line
+        assert f"{blocker} is a file, not a directory" in line and "Errno" not in line, line
+    admin = cfg.read_text().replace(str(sock), str(tmp_path / "ok.sock")).replace(
+        "port = 0", f'unix_socket = "{sock}"')
+    cfg.write_text(admin)
+    for args in (("serve",), ("config", "check")):
+        line = _one_line_error(_radixd(*args, "--config", str(cfg)))
+        assert line.startswith(f"radixd: admin.unix_socket: {sock}: "), line
+    not_a_socket = tmp_path / "plain"
+    not_a_socket.write_text("")
+    line = _one_line_error(_radixd("serve", "--config",
+                                   str(_config(tmp_path, CPU_MODEL, socket=str(not_a_socket)))))
+    assert str(not_a_socket) in line and "not a socket" in line, line
+
+
+def test_sliding_window_0_describes_a_model_without_swa() -> None:
+    cfg = load_config(None, env={}, overrides={"models": [{"name": "llama", "sliding_window": 0}]})
+    model = cfg.models[0]
+    assert model.num_swa_layers == 0 and model.profile().sliding_window is None
+    assert model.profile().swa_pages == 0
+    with pytest.raises(ConfigError, match=r'models\["llama"\]\.num_swa_layers: must be 0 when '
+                                          r"sliding_window = 0"):
+        load_config(None, env={}, overrides={"models": [
+            {"name": "llama", "sliding_window": 0, "num_swa_layers": 2}]})
