@@ -32,15 +32,12 @@ from .entities import Peer, Session
 from .metrics import OpStats
 from .sdnotify import Notifier, listen_fds, watchdog_interval
 from .service import Service, ServiceError, error_of
-from .sockets import bind_unix_socket
+from .sockets import LISTEN_BACKLOG, bind_unix_socket
 
 log = logging.getLogger("radixd.server")
 
 _PEEK = msgspec.msgpack.Decoder(dict)
 ATTACH_SEND_TIMEOUT_S = 30.0
-#: the listen backlog of the engines' socket (also applied to a socket systemd passes): a burst
-#: of connects, e.g. every worker of an engine starting at once, must not see EAGAIN
-LISTEN_BACKLOG = 1024
 #: failed hellos are logged at most once per this many seconds per daemon; the next line says
 #: how many were left out meanwhile, so a token-guessing client cannot flood the log
 AUTH_LOG_INTERVAL_S = 5.0

@@ -12,6 +12,10 @@ import socket
 import stat
 from pathlib import Path
 
+#: the listen backlog of the engines' socket (also applied to a socket systemd passes): a burst
+#: of connects, e.g. every worker of an engine starting at once, must not see EAGAIN
+LISTEN_BACKLOG = 1024
+
 
 class SocketPathError(OSError):
     """The socket's path cannot be used (its directory cannot be made, a file that is not a
@@ -79,7 +83,7 @@ def bind_unix_socket(path: str, mode: int) -> socket.socket:
     finally:
         os.umask(old)
     os.chmod(path, mode)
-    sock.listen(1024)
+    sock.listen(LISTEN_BACKLOG)
     sock.setblocking(False)
     return sock
 

@@ -298,10 +298,10 @@ class TierManager:
         a host copy; copy it (and the ancestors it needs) to host now, so the commit demotes it
         instead of deleting it.
 
-        Always under write_back; under the write-through policies the tree names only nodes the
-        policy says belong on host (``host_copy_hits``) whose background copy has not happened
-        yet (eviction overtook the copier). A node the running background copy is copying is
-        waited for rather than copied twice."""
+        Which nodes the tree names is ``host_copy_hits``: every node without a host copy under
+        write_back and write_through (0: the background copier's job, overtaken by eviction),
+        only those hit often enough under write_through_selective. A node the running
+        background copy is copying is waited for rather than copied twice."""
         self._finish_running(node)
         if node.host is not None:
             return

@@ -12,8 +12,8 @@ runs from inside the tree and nothing re-enters the tree while it evicts:
    copy, deleted when not. The cleanup the commit goes on with may name more nodes; the caller
    repeats 2 and 3 until none is left, then resumes its eviction for what is still missing.
 
-The stop falls exactly where the old in-line copy happened, so the order of victims, splits and
-cleanups is that of a one-shot eviction.
+The tree stops at the node it names, before touching it, so the order of victims, splits and
+cleanups is that of an eviction that never stops (tests/tree/test_eviction.py checks it).
 """
 
 from __future__ import annotations
@@ -156,7 +156,10 @@ class Eviction:
         while True:
             parent = n.parent
             if not committed and self.wants_host_copy(n):
-                self.awaiting_copy.append(n)
+                # named once: a cleanup that climbed here already may name it again (an unpin
+                # checks every node it guarded, a child's cleanup first)
+                if n not in self.awaiting_copy:
+                    self.awaiting_copy.append(n)
                 return False
             committed = False
             np_ = len(n.full)

@@ -86,8 +86,8 @@ class RadixTree(Matching, Insertion, Locking, Eviction, Tiering):
         # (None: no tier wants copies)
         self.host_copy_hits: int | None = None
         self.awaiting_copy: list[Node] = []
-        # L3 write_back: host-only leaves dropped from host are kept here (slots freed, bytes
-        # still there) until the tiers have read them (take_host_drops)
+        # L3 write_back: host-only leaves dropped from host are kept here, their slots still held,
+        # until the tiers have read them (ModelCache.flush_host_drops, then release_host_drops)
         self.report_host_drops = False
         self.host_drops: list[Node] = []
         self._next_id = 1

@@ -179,3 +179,18 @@ def test_matched_prefix_is_read_only_and_duplicates_switch_to_canonical(client: 
         lc.append(1)
         lc.finish()
     assert stats(client)["held_full_pages"] == 0
+
+
+def test_finish_frees_pages_reserved_past_the_end(client: Client) -> None:
+    """A decode step allocated the next page, then the request ended before writing it:
+    ``finish`` inserts what was computed and frees the rest, so the session holds nothing."""
+    lc = RequestLifecycle(client, "m", list(range(300, 310)))
+    lc.admit()
+    prefill(lc, 16)
+    lc.reserve(lc.computed_len + 3 * P)  # pages ahead of what is computed
+    assert stats(client)["held_full_pages"] > 0
+    res = lc.finish()
+    assert res.inserted_len == 8  # the aligned part of the 10 computed tokens
+    s = stats(client)
+    assert (s["held_full_pages"], s["held_swa_pages"]) == (0, 0), s
+    assert lc.done

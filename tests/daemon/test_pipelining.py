@@ -190,3 +190,53 @@ def test_random_interleavings_of_sync_and_async_clients(daemon: Any, tasks: list
         close.set()
         worker.join(60)
     assert not errors, errors
+
+
+@pytest.fixture
+def small_window_daemon(make_daemon: Any) -> Any:
+    """max_inflight 2: the AsyncClient keeps at most two requests in flight."""
+    return make_daemon({"server": {"max_inflight": 2}})
+
+
+@pytest.mark.parametrize("loop_factory", LOOPS)
+def test_attach_runs_while_callers_hold_every_slot(small_window_daemon: Any,
+                                                   loop_factory: Any) -> None:
+    """Callers that got their in-flight slot just as an attach closed the gate wait for the
+    attach holding that slot: the attach, which has the connection alone, needs none (it
+    waited for one of theirs forever)."""
+    async def main() -> None:
+        async with await AsyncClient.connect(small_window_daemon.socket) as c:
+            pings = [asyncio.ensure_future(c.ping(b"%d" % i)) for i in range(6)]
+            await asyncio.sleep(0)  # two are sent, four wait for a slot
+            pools = await asyncio.wait_for(c.attach(MODEL), 10)
+            pools.close()
+            results = await asyncio.wait_for(asyncio.gather(*pings), 10)
+            assert [r.payload for r in results] == [b"%d" % i for i in range(6)]
+
+    run(loop_factory, main())
+
+
+@pytest.mark.parametrize("loop_factory", LOOPS)
+def test_a_call_cancelled_at_the_attach_gate_gives_its_slot_back(small_window_daemon: Any,
+                                                                 loop_factory: Any) -> None:
+    """Calls cancelled while they wait at a closed attach gate holding a slot give the slot
+    back: afterwards the client still runs max_inflight calls at once (it hung instead). The
+    gate is held closed by hand, as an attach holds it, so that the callers are cancelled
+    exactly there."""
+    async def main() -> None:
+        async with await AsyncClient.connect(small_window_daemon.socket) as c:
+            pings = [asyncio.ensure_future(c.ping(b"x")) for _ in range(6)]
+            await asyncio.sleep(0)  # two are sent, four wait for a slot
+            c._gate_open = False  # an attach starts: the gate closes
+            c._gate.clear()
+            await asyncio.sleep(0.3)  # the two answers free two slots: two callers take them
+            for p in pings:
+                p.cancel()
+            done = await asyncio.gather(*pings, return_exceptions=True)
+            assert sum(isinstance(r, asyncio.CancelledError) for r in done) >= 4
+            c._gate_open = True  # the attach is over
+            c._gate.set()
+            both = await asyncio.wait_for(asyncio.gather(c.ping(b"a"), c.ping(b"b")), 5)
+            assert [r.payload for r in both] == [b"a", b"b"]
+
+    run(loop_factory, main())

@@ -53,8 +53,8 @@ def _rss_kib(pid: int) -> int:
 
 
 def test_attach_hold_has_no_read_backpressure(daemon) -> None:
-    """server.py:88-97/237/244-245: while an attach waits for the transport's write buffer to drain
-    (`holding`), data_received keeps appending to self.buf and _process returns at once; reading
+    """While an attach waits for the transport's write buffer to drain (`holding`),
+    data_received keeps appending to the connection's frame buffer and _process returns; reading
     is paused only above the write high-water mark (max_inflight * 64 KiB = 16 MiB). A client that
     leaves one big response unread (below the mark), sends attach and then streams requests makes
     the daemon buffer all of them: unbounded memory (and `_send_with_fds` polls every 1 ms

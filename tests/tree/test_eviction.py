@@ -313,3 +313,38 @@ def test_tree_package_stays_pure():
                     path
     tree, _, _ = two_phase_tree(1)
     assert not any(callable(v) for v in vars(tree).values())
+
+
+@pytest.mark.parametrize("P", [1, 4])
+def test_an_unpin_names_a_victim_once_when_only_the_parent_wants_a_copy(P):
+    """An unpin checks every node its pin guarded, child first: the child's cleanup climbs to a
+    parent the policy wants on host (more hits than the child) and names it, then the loop
+    reaches that parent itself. It must be named once, copied once, committed once (it was
+    named twice, and the commit failed the load that unpinned with an internal error)."""
+    from daemon.tree import EvictResult
+
+    mc = make_cache(P, window_pages=1, full=16, swa=16)
+    owner = 1
+    f, s = mc.alloc(owner, 2)
+    mc.insert(owner, NS, seq(P, [1, 2]), f, s)
+    f, s = mc.alloc(owner, 4)
+    mc.insert(owner, NS, seq(P, [1, 2, 3, 4]), f, s)  # parent B [1, 2], child A [3, 4]
+    tree = mc.tree
+    _res, rid = mc.match(owner, NS, seq(P, [1, 2, 3, 4]), lock=True)  # splits at the window
+    mc.release_swa(owner, rid)  # decoding past the window
+    mc.evict(0, 4)  # the path loses its SWA while its full KV is locked
+    (b,) = [n for n in tree.iter_nodes() if n.parent is not None and n.parent.parent is None]
+    leaf = max(tree.iter_nodes(), key=lambda n: n.depth)
+    assert leaf.parent is not b and leaf is not b  # at least one node between them
+    pin = tree.pin(leaf)  # a copy (a load) holds the path
+    mc.unlock(owner, rid)  # pinned: nothing is dropped yet
+    for n in tree.iter_nodes():
+        n.hits = 3 if n is b else 0
+    tree.host_copy_hits = 1  # write_through_selective: the parent qualifies, the rest not
+    offered: list[int] = []
+    mc.copy_to_host = lambda n: offered.append(n.id)  # the tiers decline (no host room)
+    mc.unpin(pin)
+    assert offered == [b.id]
+    assert not tree.awaiting_copy and b.id not in tree.nodes  # declined: deleted
+    assert mc.check() == []
+    assert isinstance(tree.commit_evictions(), EvictResult)  # nothing left to commit

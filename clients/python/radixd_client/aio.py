@@ -264,12 +264,12 @@ class AsyncClient(Operations):
     def _dispatch(self, reply: Reply) -> None:
         """Settle the caller's future with a reply the connection already decoded."""
         fut: asyncio.Future[Any] = reply.context
-        if self._slots is not None:
-            self._slots.release()
         fds: list[int] = []
-        if reply.id == self._attach_id:
+        if reply.id == self._attach_id:  # the exclusive call: it took no slot
             self._attach_id = None
             fds, self._attach_fds = self._attach_fds, []
+        elif self._slots is not None:
+            self._slots.release()
         if fut.done():  # the caller was cancelled
             close_fds(fds)
             return
@@ -339,23 +339,30 @@ class AsyncClient(Operations):
 
     async def _call(self, op: str, req: Request, exclusive: bool = False) -> Any:
         # While an attach has the connection to itself, others wait (also for a slot, then
-        # again for the gate, as another attach may have started meanwhile).
+        # again for the gate, as another attach may have started meanwhile). The exclusive
+        # call (attach) takes no slot: it runs alone, and callers waiting at the gate with a
+        # slot must not keep it from running.
         while not (self._gate_open or exclusive or self._closed_error is not None):
             await self._gate.wait()
-        if self._slots is not None:
-            await self._slots.acquire()
-            while not (self._gate_open or exclusive or self._closed_error is not None):
-                await self._gate.wait()
+        slots = None if exclusive else self._slots
+        if slots is not None:
+            await slots.acquire()
+            try:
+                while not (self._gate_open or self._closed_error is not None):
+                    await self._gate.wait()
+            except BaseException:  # cancelled while waiting: the slot goes back
+                slots.release()
+                raise
         if self._closed_error is not None:
-            if self._slots is not None:
-                self._slots.release()
+            if slots is not None:
+                slots.release()
             raise self._lost()
         fut: asyncio.Future[Any] = self._loop.create_future()
         try:
             frame = self._conn.send(op, req, fut)
         except BaseException:
-            if self._slots is not None:
-                self._slots.release()
+            if slots is not None:
+                slots.release()
             raise
         if op == "attach":
             self._attach_id = req.id

@@ -348,9 +348,23 @@ class RequestLifecycle:
         token has no KV yet); afterwards the request holds nothing."""
         end = self.computed_len if end is None else end
         toks, full, swa, prev, frontier = self._insert_args(end)
+        # pages reserved past ``end`` (a decode step allocated ahead, an engine that stopped
+        # early) are not part of the insert: they are freed with it, in the same round trip
+        hi = _ceil_div(end, self.page_size)
+        rest_full = [p for p in self.full_table[hi:] if p in self.writable_full]
+        rest_swa = [p for p in self.swa_table[hi:] if p and p in self.writable_swa]
         self.last_op = "cache_finished"
-        res: InsertResult = self.client.cache_finished(
-            self.model, toks, full, swa, prev, frontier, self.receipt)
+        if not rest_full and not rest_swa:
+            res: InsertResult = self.client.cache_finished(
+                self.model, toks, full, swa, prev, frontier, self.receipt)
+        else:
+            with self.client.batch() as b:  # on an error nothing is forgotten: abort() cleans
+                fin = b.cache_finished(self.model, toks, full, swa, prev, frontier,
+                                       self.receipt)
+                freed = b.free(self.model, rest_full, rest_swa)
+            res = fin.result()
+            self.last_op = "free"
+            freed.result()
         self.finished_inserted_len = res.inserted_len
         self._forget()
         return res
