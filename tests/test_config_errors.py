@@ -24,14 +24,6 @@ CPU_MODEL = ('[[models]]\nname = "tiny"\npage_size = 4\nsliding_window = 8\n'
              'host_pages = 0\n')
 
 
-def _has_cuda() -> bool:
-    try:
-        import torch
-    except ImportError:  # pragma: no cover - torch is a dependency
-        return False
-    return bool(torch.cuda.is_available())
-
-
 def _radixd(*args: str, env: dict[str, str] | None = None,
             timeout: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "daemon.cli", *args], cwd=REPO_ROOT,
@@ -54,7 +46,7 @@ def _one_line_error(out: subprocess.CompletedProcess[str]) -> str:
     return lines[0]
 
 
-@pytest.mark.skipif(_has_cuda(), reason="needs a machine without CUDA")
+@pytest.mark.cpu_only  # deselected where CUDA is there (tests/conftest.py)
 def test_cuda_device_without_cuda_is_a_one_line_error(tmp_path: Path) -> None:
     cfg = _config(tmp_path, CPU_MODEL.replace('"cpu"', '"cuda:0"').replace("tiny", "llama"))
     for args in (("serve",), ("config", "check"), ("config", "show")):

@@ -57,7 +57,9 @@ class BatchOperations:
     __slots__ = ()
 
     def _call(self, op: str, req: Request) -> Any:
-        raise NotImplementedError
+        """Send ``req`` and give what the caller gets: the result (``Client``), an awaitable
+        (``AsyncClient``) or a future (a batch). Each class that mixes this in defines it."""
+        raise NotImplementedError(f"{type(self).__name__} must define _call")
 
     def ping(self, payload: bytes = b"") -> PingResult:
         return self._call("ping", Ping(payload=payload))  # type: ignore[no-any-return]
