@@ -10,6 +10,22 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 
 
+def loop_factories() -> list[Any]:
+    """The event loops the asyncio client is tested on: asyncio's own and uvloop."""
+    import asyncio
+
+    import pytest
+
+    params = [pytest.param(asyncio.new_event_loop, id="asyncio")]
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a daemon dependency
+        pass
+    else:
+        params.append(pytest.param(uvloop.new_event_loop, id="uvloop"))
+    return params
+
+
 def daemon_conftest() -> Any:
     """tests/daemon/conftest.py (its Daemon, fixtures and helpers) under the name pytest gives
     it, loaded once: pytest runs in importlib mode, where conftests are not importable."""

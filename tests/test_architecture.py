@@ -86,13 +86,17 @@ def cycles(graph: dict[str, set[str]]) -> list[set[str]]:
     return out
 
 
+def run_tool(name: str, *args: str) -> None:
+    """Run a tool of the test extras from this venv; its output is the failure message."""
+    exe = shutil.which(name, path=str(Path(sys.executable).parent))
+    assert exe, f"{name} is missing: install the test extras (pip install -e '.[test]')"
+    r = subprocess.run([exe, *args], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
 def test_import_contracts_hold() -> None:
     """Layers, the pure tree, the client and the bench free of the daemon (pyproject.toml)."""
-    exe = shutil.which("lint-imports", path=str(Path(sys.executable).parent))
-    assert exe, "lint-imports is missing: install the test extras (pip install -e '.[test]')"
-    r = subprocess.run([exe, "--no-logo", "--no-cache"], cwd=REPO, capture_output=True, text=True,
-                       timeout=120)
-    assert r.returncode == 0, r.stdout + r.stderr
+    run_tool("lint-imports", "--no-logo", "--no-cache")
 
 
 def test_no_import_cycle_anywhere() -> None:
@@ -157,8 +161,4 @@ def test_no_module_is_oversized() -> None:
 
 
 def test_ruff_is_clean() -> None:
-    exe = shutil.which("ruff", path=str(Path(sys.executable).parent))
-    assert exe, "ruff is missing: install the test extras (pip install -e '.[test]')"
-    r = subprocess.run([exe, "check", "."], cwd=REPO, capture_output=True, text=True,
-                       timeout=120)
-    assert r.returncode == 0, r.stdout + r.stderr
+    run_tool("ruff", "check", ".")

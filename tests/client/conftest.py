@@ -20,6 +20,8 @@ from typing import Any
 import pytest
 from radixd_client import protocol as P
 
+from tests.harness import loop_factories
+
 CLOSE = object()
 
 MODEL = P.ModelInfo(
@@ -139,18 +141,7 @@ def open_fds() -> set[int]:
     return {int(x) for x in os.listdir("/proc/self/fd")}
 
 
-def _loop_factories() -> list[Any]:
-    params = [pytest.param(asyncio.new_event_loop, id="asyncio")]
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop is a daemon dependency
-        pass
-    else:
-        params.append(pytest.param(uvloop.new_event_loop, id="uvloop"))
-    return params
-
-
-@pytest.fixture(params=_loop_factories())
+@pytest.fixture(params=loop_factories())
 def run(request: pytest.FixtureRequest) -> Callable[[Any], Any]:
     """Run a coroutine to completion on a fresh loop of the parametrized kind."""
 

@@ -21,14 +21,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from radixd_client import AsyncClient, Client, pages
 
+from tests.harness import loop_factories
+
 MODEL = "m"
-LOOPS = [pytest.param(asyncio.new_event_loop, id="asyncio")]
-try:
-    import uvloop
-except ImportError:  # pragma: no cover - uvloop is a daemon dependency
-    pass
-else:
-    LOOPS.append(pytest.param(uvloop.new_event_loop, id="uvloop"))
+LOOPS = loop_factories()
 
 
 def run(loop_factory: Any, coro: Any) -> Any:

@@ -3,6 +3,7 @@ answered and the session survives; a held attach applies backpressure."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import msgspec
@@ -70,12 +71,10 @@ def test_attach_hold_has_no_read_backpressure(daemon) -> None:
     frame = protocol.encode(protocol.Ping(id=3, payload=b"\1" * (1 << 20)))
     c.s.settimeout(5)
     sent = 0
-    try:
+    with contextlib.suppress(TimeoutError):  # the send stalling is the backpressure expected
         for _ in range(256):  # 256 MiB of requests
             c.s.sendall(frame)
             sent += len(frame)
-    except TimeoutError:
-        pass  # backpressure: what should happen early
     time.sleep(0.5)
     grown_mib = (_rss_kib(daemon.proc.pid) - before) / 1024
     c.close()

@@ -12,6 +12,7 @@ a batch's a :class:`BatchFuture` of it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 from .errors import BatchSkipped, ProtocolError, RadixdError
@@ -56,10 +57,9 @@ class BatchOperations:
 
     __slots__ = ()
 
-    def _call(self, op: str, req: Request) -> Any:
-        """Send ``req`` and give what the caller gets: the result (``Client``), an awaitable
-        (``AsyncClient``) or a future (a batch). Each class that mixes this in defines it."""
-        raise NotImplementedError(f"{type(self).__name__} must define _call")
+    #: Sends a request and gives what the caller gets: the result (``Client``), an awaitable
+    #: (``AsyncClient``) or a future (a batch); defined by each class that mixes this in.
+    _call: Callable[[str, Request], Any]
 
     def ping(self, payload: bytes = b"") -> PingResult:
         return self._call("ping", Ping(payload=payload))  # type: ignore[no-any-return]
