@@ -141,6 +141,7 @@ def build_tiers(config: Config, models: dict[str, ModelEntry], tenants: list[Ten
                 l3: Any) -> None:
     """A host tier and its manager for every model with exported pools and a host tier (the
     manager copies between the two)."""
+    from .keyed_tier import KeyedTier
     from .storage.host_tier import HostTier
     from .tiers import TierManager
 
@@ -152,6 +153,7 @@ def build_tiers(config: Config, models: dict[str, ModelEntry], tenants: list[Ten
             host = HostTier(entry.cache.profile, mc.host_pages, mc.host_swa_pages)
             entry.tiers = TierManager(entry.cache, entry.pools, host, mc,
                                       l3 if mc.l3 else None, config.l3, host_quotas, l3_quotas)
+            entry.keyed = KeyedTier(entry.cache, host, host_quotas)
 
 
 def build_service(config: Config, *, create_pools: bool = True) -> Service:
