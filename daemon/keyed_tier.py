@@ -21,6 +21,11 @@ first, then the keys that do not fit are declined (slot 0, counted in ``full``).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import hashlib
+import logging
+import time
 from array import array
 from collections.abc import Hashable
 from typing import Any
@@ -28,12 +33,20 @@ from typing import Any
 from radixd_client import protocol as P
 
 from .model_cache import ModelCache
+from .storage.codec import encode_page
 from .storage.host_pool import HostPool
 from .storage.host_tier import HostTier
 from .storage.keyed_pages import KeyedPage, KeyedPages, KvPin, keyed_hash
+from .storage.redis_tier import RedisTier
+
+log = logging.getLogger("radixd.keyed")
 
 #: Most keys one request may name.
 MAX_KEYS = 65536
+#: Most keyed pages one L3 write batch encodes.
+L3_WRITE_BATCH = 64
+#: Most keyed pages waiting for Redis (each holds its host slot): past it the oldest are dropped.
+MAX_L3_QUEUE = 4096
 
 
 class KvError(Exception):
@@ -47,17 +60,30 @@ class KvError(Exception):
 class KeyedTier:
     """Keyed pages of one model over its host tier."""
 
-    def __init__(self, cache: ModelCache, host: HostTier, host_quotas: dict[str, int]) -> None:
+    def __init__(self, cache: ModelCache, host: HostTier, host_quotas: dict[str, int],
+                 model: str, l3: RedisTier | None = None, l3_policy: str = "write_through"
+                 ) -> None:
         self.cache = cache
         self.host = host
         self.host_quotas = host_quotas
-        self.model = cache.profile.name
+        self.model = model
         self.fingerprint = cache.profile.layout_fingerprint()
         self.pages = KeyedPages()
         cache.keyed = self  # the tree's host copies make room through make_room
+        self.l3 = l3
+        self.l3_policy = l3_policy
+        # L3 names a keyed page by its host hash salted with the model's name (as the tiers do
+        # for tree pages: two models of one layout must not share values)
+        self._l3_salt = b"radixd-l3-keyed\x00" + model.encode() + b"\x00"
+        # (pool kind, held host slot or 0, L3 id, key, encoded value or None, the page)
+        self._l3_queue: list[tuple[str, int, bytes, bytes, bytes | None, KeyedPage]] = []
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self._writing = False
         self.counters = dict.fromkeys((
             "kv_lookups", "kv_lookup_keys", "kv_hit_keys", "kv_reserved", "kv_committed",
-            "kv_aborted", "kv_declined", "kv_evicted", "kv_cleared"), 0)
+            "kv_aborted", "kv_declined", "kv_evicted", "kv_cleared", "kv_l3_write_pages",
+            "kv_l3_write_failures", "kv_l3_fetched", "kv_l3_fetch_timeouts"), 0)
 
     # ------------------------------------------------------------------ validation
 
@@ -105,7 +131,14 @@ class KeyedTier:
             self.host.keyed[kind].discard(s)
             pool.release(s)
 
-    def _drop(self, page: KeyedPage) -> None:
+    def _drop(self, page: KeyedPage, evicted: bool = False) -> None:
+        """Forget a page and free its slot; an evicted page L3 write-back still owes Redis is
+        encoded first (its bytes are intact until the slot is freed)."""
+        if evicted and self.l3 is not None and self.l3_policy == "write_back" and not page.in_l3:
+            value = encode_page(pool=page.kind, page_hash=self.l3_id(page.hash),
+                                fingerprint=self.fingerprint, key=page.key,
+                                payload=self.host.pool(page.kind).page_bytes(page.slot))
+            self._queue((page.kind, 0, self.l3_id(page.hash), page.key, value, page))
         self.pages.remove(page)
         self._free(page.kind, [page.slot])
 
@@ -128,7 +161,7 @@ class KeyedTier:
         if page is None and tree is None:
             return False
         if page is not None and (tree is None or page.stamp <= tree[1]):
-            self._drop(page)
+            self._drop(page, evicted=True)
             self.counters["kv_evicted"] += 1
         elif kind == "full":
             self.cache.evict_host(1, namespace=tree[0])  # type: ignore[index]
@@ -225,6 +258,11 @@ class KeyedTier:
                           "reservation is committed")
         pages = self.pages.commit(pin, self.cache.tree.clock)
         self.counters["kv_committed"] += len(pages)
+        if self.l3 is not None and self.l3_policy == "write_through":
+            for page in pages:  # the slot is held (a reader) until its value is encoded
+                if self.host.hold(page.kind, (page.slot,)):
+                    self._queue((page.kind, page.slot, self.l3_id(page.hash), page.key, None,
+                                 page))
         return pages
 
     def release(self, owner: Hashable, pin_id: int) -> None:
@@ -242,12 +280,136 @@ class KeyedTier:
         return len(pins)
 
     def clear(self, ns: str) -> list[KeyedPage]:
-        """Drop the namespace's unpinned keyed pages; returns them."""
+        """Drop the namespace's unpinned keyed pages, and their Redis copies (in the
+        background, fail-soft); returns them."""
         gone = [p for p in self.pages.pages.values() if p.ns == ns and not p.pins]
         for page in gone:
             self._drop(page)
         self.counters["kv_cleared"] += len(gone)
+        if self.l3 is not None and gone:
+            for kind in P.KV_POOLS:
+                ids = [self.l3_id(p.hash) for p in gone if p.kind == kind]
+                if ids:
+                    asyncio.get_running_loop().create_task(self.l3.delete(ids, kind))
         return gone
+
+    # ------------------------------------------------------------------ L3 (Redis)
+
+    def l3_id(self, page_hash: bytes) -> bytes:
+        """A keyed page's name in Redis."""
+        return hashlib.sha256(self._l3_salt + page_hash).digest()
+
+    def _queue(self, item: tuple[str, int, bytes, bytes, bytes | None, KeyedPage]) -> None:
+        self._l3_queue.append(item)
+        if len(self._l3_queue) > MAX_L3_QUEUE:
+            drop = len(self._l3_queue) - MAX_L3_QUEUE
+            for kind, slot, *_ in self._l3_queue[:drop]:
+                if slot:
+                    self.host.unhold(kind, (slot,))
+            del self._l3_queue[:drop]
+            self.counters["kv_l3_write_failures"] += drop
+        if self._wake is not None:
+            self._wake.set()
+
+    def start(self) -> None:
+        """Start the L3 writer (on the running loop) when the model writes to Redis."""
+        if self.l3 is not None:
+            self._wake = asyncio.Event()
+            self._task = asyncio.create_task(self._writer(), name=f"radixd-kv-l3-{self.model}")
+
+    async def drain(self, deadline: float) -> None:
+        """Finish queued Redis writes by ``deadline`` (time.monotonic(); shutdown)."""
+        while (self._l3_queue or self._writing) and time.monotonic() < deadline:
+            if self._wake is not None:
+                self._wake.set()
+            await asyncio.sleep(0.01)
+
+    async def aclose(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+            self._task = None
+        for kind, slot, *_ in self._l3_queue:
+            if slot:
+                self.host.unhold(kind, (slot,))
+        self._l3_queue.clear()
+
+    async def _writer(self) -> None:
+        assert self._wake is not None and self.l3 is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._l3_queue:
+                batch = self._l3_queue[:L3_WRITE_BATCH]
+                del self._l3_queue[:L3_WRITE_BATCH]
+                self._writing = True
+                try:
+                    try:
+                        values = await loop.run_in_executor(None, self._encode, batch)
+                    finally:
+                        for kind, slot, *_ in batch:
+                            if slot:
+                                self.host.unhold(kind, (slot,))
+                    written = await self.l3.set_pages(values)
+                    self.counters["kv_l3_write_pages"] += written
+                    self.counters["kv_l3_write_failures"] += len(values) - written
+                    if written == len(values):
+                        for *_, page in batch:
+                            page.in_l3 = True
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    log.exception("keyed L3 write failed")
+                    self.counters["kv_l3_write_failures"] += len(batch)
+                finally:
+                    self._writing = False
+
+    def _encode(self, batch: list[tuple[str, int, bytes, bytes, bytes | None, KeyedPage]]
+                ) -> list[bytes]:
+        """Runs in a worker thread: the slots are held, so their bytes cannot change."""
+        return [value if value is not None else
+                encode_page(pool=kind, page_hash=l3id, fingerprint=self.fingerprint, key=key,
+                            payload=self.host.pool(kind).page_bytes(slot))
+                for kind, slot, l3id, key, value, _ in batch]
+
+    async def fetch(self, ns: str, kind: str, keys: list[bytes], timeout_s: float) -> int:
+        """Bring the keys only Redis holds into host (verified values; any mismatch is a miss),
+        waiting at most ``timeout_s``; returns how many arrived. Redis down is a miss."""
+        self.pool(kind)
+        self.check_keys(keys, unique=False)
+        if self.l3 is None:
+            return 0
+        missing = list(dict.fromkeys(
+            k for k in keys if self.pages.get(ns, kind, k) is None
+            and not self.pages.is_reserved(ns, kind, k)))
+        if not missing:
+            return 0
+        hashes = [keyed_hash(ns, self.fingerprint, kind, k) for k in missing]
+        try:
+            values = await asyncio.wait_for(
+                self.l3.get_pages([self.l3_id(h) for h in hashes], kind, self.fingerprint,
+                                  page_keys=missing), timeout_s)
+        except asyncio.TimeoutError:
+            self.counters["kv_l3_fetch_timeouts"] += 1
+            return 0
+        found = [(k, h, v) for k, h, v in zip(missing, hashes, values, strict=True)
+                 if v is not None]
+        # what arrived meanwhile (another fetch, a commit) is not stored twice
+        found = [(k, h, v) for k, h, v in found if self.pages.get(ns, kind, k) is None
+                 and not self.pages.is_reserved(ns, kind, k)]
+        fit = self.fit_quota(ns, len(found)) if kind == "full" else len(found)
+        self.make_room(kind, fit)
+        fit = min(fit, self.host.pool(kind).available)
+        clock = self.cache.tree.clock
+        pool = self.host.pool(kind)
+        for k, h, v in found[:fit]:  # on the loop: a slot is never visible before it is full
+            slot = self._take(kind, h)
+            pool.write_page_bytes(slot, v.payload)
+            self.pages.add_stored(ns, kind, k, slot, h, clock)
+        self.counters["kv_l3_fetched"] += fit
+        return fit
 
     # ------------------------------------------------------------------ checking and reporting
 

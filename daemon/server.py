@@ -171,7 +171,7 @@ class Connection(asyncio.Protocol):
             elif isinstance(req, P.Hello):
                 raise ServiceError(P.Code.ALREADY_AUTHENTICATED,
                                    f"this connection is already session {self.session.id}")
-            elif op in Service.ASYNC_HANDLERS:
+            elif Service.waits(op, req):
                 self._run_async(rid, op, Service.ASYNC_HANDLERS[op](self.service, self.session,
                                                                      req), t0)
                 return

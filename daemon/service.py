@@ -64,10 +64,15 @@ class Service(ServiceQueries):
         for entry in self.models.values():
             if entry.tiers is not None:
                 entry.tiers.start()
+            if entry.keyed is not None:
+                entry.keyed.start()
 
     async def stop_tiers(self, deadline: float) -> None:
         """Finish what the write policies owe to host and L3 by ``deadline`` (monotonic)."""
         for entry in self.models.values():
+            if entry.keyed is not None:
+                await entry.keyed.drain(deadline)
+                await entry.keyed.aclose()
             if entry.tiers is not None:
                 await entry.tiers.drain(deadline)
                 await entry.tiers.aclose()
@@ -481,7 +486,27 @@ class Service(ServiceQueries):
         _, keyed = self._keyed(s, r.model)
         return P.KvClearResult(removed=len(keyed.clear(s.tenant.namespace)))
 
-    ASYNC_HANDLERS = {"load": load, "prefetch": prefetch}
+    async def kv_lookup_fetch(self, s: Session, r: P.KvLookup) -> P.KvLookupResult:
+        """``kv_lookup`` with ``fetch``: keys only Redis holds come to host first (a miss when
+        Redis is down, slow or holds a bad value), then the lookup."""
+        _, keyed = self._keyed(s, r.model)
+        if not isinstance(r.timeout_ms, int) or not 0 <= r.timeout_ms <= 600_000:
+            raise ServiceError(P.Code.BAD_ARGUMENT,
+                               f"timeout_ms must be between 0 and 600000, got {r.timeout_ms!r}")
+        timeout = (r.timeout_ms or self.config.l3.prefetch_timeout_ms) / 1000
+        fetched = await keyed.fetch(s.tenant.namespace, r.pool, r.keys, timeout)
+        if s.id not in self.sessions:  # the session ended meanwhile: nothing to pin for
+            raise ServiceError(P.Code.SHUTTING_DOWN, "the session ended during the fetch")
+        res = keyed.lookup(s.id, s.tenant.namespace, r.pool, r.keys, r.pin)
+        res.fetched = fetched
+        return res
+
+    @staticmethod
+    def waits(op: str, req: Any) -> bool:
+        """Whether a (top-level) request runs as a task that may wait (a copy, Redis)."""
+        return op in Service.ASYNC_HANDLERS and (op != "kv_lookup" or req.fetch)
+
+    ASYNC_HANDLERS = {"load": load, "prefetch": prefetch, "kv_lookup": kv_lookup_fetch}
     #: operations whose response carries file descriptors (SCM_RIGHTS)
     FD_HANDLERS = {"attach": attach, "kv_attach": kv_attach}
 
