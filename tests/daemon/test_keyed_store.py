@@ -191,7 +191,7 @@ def test_eviction_is_shared_with_tree_host_pages_and_spares_pins(make_daemon) ->
         e.close()
 
 
-def test_redis_write_through_then_eviction_then_fetch(make_daemon, prefix: str) -> None:
+def test_redis_write_through_then_eviction_then_fetch(make_daemon, prefix: str) -> None:  # noqa: F811
     d = make_daemon(l3_config(SHARED_URL, prefix, host_pages=8, host_swa_pages=4))
     with Client(d.socket) as c:
         pools = c.kv_attach("m")
