@@ -226,18 +226,27 @@ class KeyedTier:
         pool = self.pool(kind)
         self.check_keys(keys, unique=True)
         slots = array("i", bytes(4 * len(keys)))
+        clock = self.cache.tree.clock
+        want = 0
+        for k in keys:
+            page = self.pages.get(ns, kind, k)
+            if page is not None:
+                self.pages.touch(page, clock)  # in use: the last to make room
+            elif not self.pages.is_reserved(ns, kind, k):
+                want += 1
+        fit = self.fit_quota(ns, want) if kind == "full" else want
+        self.make_room(kind, fit)
+        # after the eviction: a key it took is no longer stored, and is written (or declined)
         todo: list[int] = []
         busy = 0
         for i, k in enumerate(keys):
             if self.pages.get(ns, kind, k) is not None:
-                continue  # stored already: nothing to write
+                continue  # stored: nothing to write
             if self.pages.is_reserved(ns, kind, k):
                 busy += 1  # another reservation is writing it
                 continue
             todo.append(i)
-        fit = self.fit_quota(ns, len(todo)) if kind == "full" else len(todo)
-        self.make_room(kind, fit)
-        fit = min(fit, pool.available)
+        fit = min(fit, len(todo), pool.available)
         taken: dict[bytes, tuple[int, bytes]] = {}
         for i in todo[:fit]:
             h = keyed_hash(ns, self.fingerprint, kind, keys[i])

@@ -88,7 +88,7 @@ class KeyedStore(RuleBasedStateMachine):
     @rule(owner=st.sampled_from(OWNERS))
     def clear(self, owner: str) -> None:
         ns = NS[owner]
-        pinned = {(ns, kind, k) for o, n, kind, w, ks in self.pins.values() if n == ns
+        pinned = {(ns, kind, k) for _o, n, kind, _w, ks in self.pins.values() if n == ns
                   for k in ks}
         gone = self.kv.clear(ns)
         for page in gone:
@@ -99,7 +99,7 @@ class KeyedStore(RuleBasedStateMachine):
     def consistent(self) -> None:
         assert self.kv.check(set(OWNERS)) == []
         assert self.host.audit({"full": set(), "swa": set()}) == []
-        for _, ns, kind, written, ks in self.pins.values():
+        for _, ns, kind, _w, ks in self.pins.values():
             for k in ks:  # pinned pages stay, with their bytes
                 page = self.kv.pages.get(ns, kind, k)
                 assert page is not None
