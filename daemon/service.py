@@ -452,9 +452,8 @@ class Service(ServiceQueries):
             if pool is None:
                 continue
             if pool.fd is None:
-                raise ServiceError(P.Code.BAD_ARGUMENT,
-                                   f"model {r.model!r}: its {pool.kind} host pool is pinned "
-                                   "memory, not a memfd, and cannot be mapped by another process")
+                raise ServiceError(P.Code.SHUTTING_DOWN,
+                                   f"model {r.model!r}: its {pool.kind} host pool is closed")
             fds.append(pool.fd)
             infos.append(P.KvPoolInfo(pool=pool.kind, fd_index=len(fds) - 1, slots=pool.capacity,
                                       page_nbytes=pool.page_nbytes, nbytes=pool.nbytes,
