@@ -7,17 +7,28 @@ from __future__ import annotations
 
 import os
 import re
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 from radixd_client import Client
 
+from daemon.cli import format_status
+
 from .conftest import SMALL_MODEL
-from .test_tiers import P, Engine, admin_stats, seq, tier_stats, wait_for
+from .test_tiers import Engine, P, admin_stats, seq, tier_stats, wait_for
 
 
 def _config(state: Path, **model: Any) -> dict[str, Any]:
     return {"server": {"state_dir": str(state)}, "models": [{**SMALL_MODEL, **model}]}
+
+
+def _metrics(d: Any) -> str:
+    url = re.findall(r"admin endpoint on (http://\S+)", d.log())[-1]
+    token = (d.tmp / "admin.token").read_text().strip()
+    req = urllib.request.Request(url + "/metrics", headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(req, timeout=5) as r:
+        return r.read().decode()
 
 
 def _stop(d: Any) -> None:
@@ -26,16 +37,23 @@ def _stop(d: Any) -> None:
 
 
 def _fill(make_daemon: Any, state: Path, seqs: list[list[int]], **model: Any
-          ) -> tuple[Engine, Any]:
+          ) -> tuple[tuple[dict, dict], Any]:
+    """Cache ``seqs`` in a daemon on ``state``, wait for their host copies, stop it; returns the
+    KV the tree kept per page (the first writer's: a later duplicate page is freed) and the
+    daemon."""
     d = make_daemon(_config(state, **model))
     e = Engine(d.socket)
+    kept: tuple[dict, dict] = ({}, {})
     for toks in seqs:
         e.cache(toks)
+        for mine, theirs in zip(kept, (e.full, e.swa), strict=True):
+            for k, v in theirs.items():
+                mine.setdefault(k, v)
     want = len({tuple(t[: (i + 1) * P]) for t in seqs for i in range(len(t) // P)})
     wait_for(lambda: tier_stats(d)["tree_host_pages"] == want, "the host copies")
     e.close()
     _stop(d)
-    return e, d
+    return kept, d
 
 
 def test_host_tier_survives_a_restart_byte_exact(make_daemon, tmp_path: Path) -> None:
@@ -52,14 +70,19 @@ def test_host_tier_survives_a_restart_byte_exact(make_daemon, tmp_path: Path) ->
         assert (m.prefix_len, m.host_hit_len) == (0, 10 * P)  # host only: device starts empty
         r = e2.c.load("m", a, lock=True)
         assert (r.prefix_len, r.loaded_len) == (10 * P, 10 * P)
-        assert e2.verify(a, r, expect=(e1.full, e1.swa)) > 10
+        assert e2.verify(a, r, expect=e1) > 10
         e2.c.unlock("m", r.receipt)
         r = e2.c.load("m", b)
         assert r.prefix_len == 6 * P
-        e2.verify(b, r, expect=(e1.full, e1.swa))
-        st = admin_stats(d2)["warm_restart"]
+        e2.verify(b, r, expect=e1)
+        stats = admin_stats(d2)
+        st = stats["warm_restart"]
         assert st["source"] == "state_dir" and st["dropped_pages"] == 0
-        assert st["kept_pages"] >= 16
+        assert st["kept_pages"] == 16 + 2 * 2
+        assert "warm restart: kept 20 host pages, dropped 0" in format_status(stats)
+        metrics = _metrics(d2)
+        assert 'radixd_warm_restart_pages{outcome="kept"} 20.0' in metrics
+        assert "radixd_warm_restart_restore_seconds" in metrics
     finally:
         e2.close()
     d2.check()
@@ -83,7 +106,7 @@ def test_a_corrupted_page_is_dropped_never_served(make_daemon, tmp_path: Path) -
         assert (m.prefix_len, m.host_hit_len) == (0, 4 * P)
         r = e2.c.load("m", a)
         assert (r.prefix_len, r.loaded_len) == (4 * P, 4 * P)
-        e2.verify(a, r, expect=(e1.full, e1.swa))  # what is served is exactly right
+        e2.verify(a, r, expect=e1)  # what is served is exactly right
         st = admin_stats(d2)["warm_restart"]
         assert st["dropped_pages"] >= 4
     finally:
