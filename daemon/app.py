@@ -49,6 +49,12 @@ def preflight(config: Config) -> str:
     from .gpu.shared_memory import available_host_bytes
 
     check_socket_path(config.server.socket)
+    if config.server.state_dir:
+        from .storage.host_snapshot import check_state_dir
+
+        problem = check_state_dir(config.server.state_dir)
+        if problem:
+            raise ConfigError(f"server.state_dir: {problem}")
     if config.admin.enabled and config.admin.unix_socket:
         try:
             check_socket_path(config.admin.unix_socket)
@@ -165,7 +171,12 @@ def build_service(config: Config, *, create_pools: bool = True) -> Service:
     tenants = build_tenants(config)
     l3 = build_l3(config)
     build_tiers(config, models, tenants, l3)
-    return Service(config, models, tenants, l3)
+    service = Service(config, models, tenants, l3)
+    if config.server.state_dir and create_pools:
+        from .warm_restart import restore_host_state
+
+        service.restart = restore_host_state(models, config.server.state_dir)
+    return service
 
 
 @dataclass

@@ -27,6 +27,7 @@ from .entities import (
 )
 from .gpu.allocator import OutOfPages
 from .queries import ServiceQueries, held_pages
+from .warm_restart import RestartReport, save_host_state
 
 log = logging.getLogger("radixd.service")
 
@@ -55,6 +56,8 @@ class Service(ServiceQueries):
         self.sessions: dict[int, Session] = {}
         self._next_session = 1
         self.instance = secrets.token_hex(8)
+        #: what the last start restored of the host tier (daemon/warm_restart.py)
+        self.restart = RestartReport()
         self.limits = P.Limits(max_frame_bytes=config.server.max_frame_bytes,
                                max_tokens=config.server.max_tokens,
                                max_inflight=config.server.max_inflight)
@@ -78,6 +81,8 @@ class Service(ServiceQueries):
                 await entry.tiers.aclose()
         if self.l3 is not None:
             await self.l3.aclose()
+        if self.config.server.state_dir:
+            save_host_state(self.models, self.config.server.state_dir)
 
     # ------------------------------------------------------------------ sessions
 
