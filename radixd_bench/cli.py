@@ -1,4 +1,4 @@
-"""``radixd bench multiturn``'s command line: its options, and the run they start.
+"""``radixd bench``'s command line (multiturn, soak): their options, and the runs they start.
 
 ``radixd``'s own CLI (daemon/cli.py) only hands the ``bench`` subcommand to
 :func:`add_bench_commands`, so the daemon's command line does not import the bench (or
@@ -31,6 +31,7 @@ def add_bench_commands(bench: argparse.ArgumentParser, resolve_socket: SocketRes
     """Add the benchmarks under ``radixd bench``."""
     bsub = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK")
     _bench_multiturn_args(bsub)
+    _bench_soak_args(bsub)
     bench.set_defaults(resolve_socket=resolve_socket)
 
 
@@ -194,3 +195,72 @@ def _bench_multiturn(args: argparse.Namespace) -> int:
         print(f"radixd bench multiturn: cannot write the report: {exc}", file=sys.stderr)
         return EXIT_FAILURE
     return EXIT_OK
+
+
+def _bench_soak_args(bsub: Any) -> None:
+    from .soak import SoakOptions
+
+    d = SoakOptions()
+    p = bsub.add_parser(
+        "soak", help="a daemon of its own under pressure and faults, every hit verified",
+        description=(
+            "Start a radixd (CPU, float32 pools: device about a third of the working set, host "
+            "tier about half, Redis write-through to a redis-server of its own on a spare port, "
+            "a state directory, two tenants with quotas), run client processes that verify every "
+            "page they hit, SIGKILL clients and Redis periodically, restart the daemon once, and "
+            "report mismatches, invariant violations, leaked pages, failed requests by code, "
+            "RSS and its slope, descriptors and Redis breaker figures. Needs redis-server on "
+            "PATH and a radixd source or install importable by this Python."),
+        epilog="exit codes: 0 ok; 1 mismatches, violations or leaks, or a failure; 2 bad "
+               "arguments")
+    p.add_argument("--duration", type=_positive_float, default=d.duration_s, metavar="SECONDS",
+                   help="length of the run (default %(default)s)")
+    p.add_argument("--clients", type=_positive_int(1), default=d.clients, metavar="N",
+                   help="client processes (default %(default)s)")
+    p.add_argument("--kill-every", type=_positive_float, default=d.kill_every_s,
+                   metavar="SECONDS", help="SIGKILL a random client this often (default "
+                                           "%(default)s)")
+    p.add_argument("--redis-kill-every", type=_positive_float, default=d.redis_kill_every_s,
+                   metavar="SECONDS", help="SIGKILL Redis and start it empty this often "
+                                           "(default %(default)s)")
+    p.add_argument("--restart-at", type=float, default=None, metavar="SECONDS",
+                   help="restart the daemon this long into the run (default: half way; "
+                        "negative: never)")
+    p.add_argument("--seed", type=int, default=d.seed, metavar="N",
+                   help="seed of the documents, prompts and faults (default %(default)s)")
+    p.add_argument("--workdir", metavar="DIR",
+                   help="scratch directory (config, logs, state), kept (default: a temporary "
+                        "one, removed after a clean run)")
+    p.add_argument("--json", metavar="PATH", help="write the report as JSON")
+    p.set_defaults(handler=_bench_soak)
+
+
+def _bench_soak(args: argparse.Namespace) -> int:
+    import json
+
+    from .options import BenchError
+    from .soak import SoakOptions, format_report, run_soak
+
+    restart = args.restart_at
+    opts = SoakOptions(duration_s=args.duration, clients=args.clients,
+                       kill_every_s=args.kill_every, redis_kill_every_s=args.redis_kill_every,
+                       restart_at_s=(float("inf") if restart is not None and restart < 0
+                                     else restart),
+                       seed=args.seed, workdir=args.workdir)
+    try:
+        report = run_soak(opts)
+    except BenchError as exc:
+        print(f"radixd bench soak: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    except KeyboardInterrupt:
+        print("radixd bench soak: interrupted", file=sys.stderr)
+        return EXIT_FAILURE
+    print(format_report(report))
+    if args.json:
+        try:
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=2, default=str)
+        except OSError as exc:
+            print(f"radixd bench soak: cannot write the report: {exc}", file=sys.stderr)
+            return EXIT_FAILURE
+    return EXIT_OK if report["ok"] else EXIT_FAILURE
