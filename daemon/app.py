@@ -107,7 +107,7 @@ def build_pools(mc: ModelConfig) -> Any:
     """The device KV pools of one model (torch is imported only when pools are wanted)."""
     from .gpu.pools import KVPools
 
-    return KVPools(mc.profile())
+    return KVPools(mc.profile(), mc.segments())
 
 
 def build_l3(config: Config) -> Any:
@@ -133,7 +133,8 @@ def build_model(config: Config, mc: ModelConfig, pools: Any) -> ModelEntry:
         full_pages=profile.full_pages, swa_pages=profile.swa_pages,
         host_pages=mc.host_pages if pools is not None else 0,
         l3=bool(pools is not None and mc.host_pages and mc.l3 and config.l3.url))
-    cache = ModelCache(profile, pools=pools, policy=mc.eviction_policy)
+    cache = ModelCache(profile, pools=pools, policy=mc.eviction_policy,
+                       segment_pages=mc.segments(profile))
     return ModelEntry(mc.name, cache, info, pools)
 
 
