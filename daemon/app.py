@@ -20,6 +20,7 @@ from .admin import AdminHandle, TokenFileError, start_admin
 from .checker import Checker
 from .config import Config, ConfigError, ModelConfig
 from .entities import ModelEntry, Tenant, build_tenants, namespace_quotas
+from .gpu.shared_memory import hide_descriptors
 from .model_cache import ModelCache
 from .sdnotify import Notifier
 from .server import Server, tune_gc
@@ -225,6 +226,7 @@ def run(config: Config) -> int:
         log.warning("uvloop not available; using the default asyncio loop")
     notifier = Notifier.from_env()
     preflight(config)  # ConfigError before anything is allocated or bound (exit 2)
+    hide_descriptors()  # the pools' memfds: not through /proc/<pid>/fd (memory isolation)
     notifier.status("allocating KV pools")
     with notifier.extending_timeout():  # large pools can take longer than TimeoutStartSec
         daemon = build(config, notifier=notifier)

@@ -46,10 +46,11 @@ class PageNotHeld(AllocatorError):
 
 @dataclass
 class Holding:
-    namespace: str = ""  # whose segments its pages come from (a session has one namespace)
     full: set[int] = field(default_factory=set)
     swa: set[int] = field(default_factory=set)
     receipts: set[int] = field(default_factory=set)
+    # the namespace each held page was allocated for (whose segment it lies in)
+    namespace_of: dict[tuple[str, int], str] = field(default_factory=dict)
 
 
 class Watch:
@@ -234,10 +235,12 @@ class ModelCache:
         for p in full:
             del self._full_owner[p]
             h.full.discard(p)
+            h.namespace_of.pop(("full", p), None)
         for p in swa:
             if p:
                 del self._swa_owner[p]
                 h.swa.discard(p)
+                h.namespace_of.pop(("swa", p), None)
 
     # ------------------------------------------------------------------ operations
 
@@ -343,7 +346,8 @@ class ModelCache:
 
     def _hand_out(self, owner: Owner, full: array, swa: array, namespace: str) -> None:
         h = self._holding(owner)
-        h.namespace = namespace
+        h.namespace_of.update((("full", p), namespace) for p in full)
+        h.namespace_of.update((("swa", p), namespace) for p in swa)
         for p in full:
             self._full_owner[p] = owner
         for p in swa:

@@ -351,9 +351,10 @@ def audit_model_segments(cache: Any) -> list[str]:
             if pages:
                 by_ns.setdefault((kind, key), []).extend(pages)
     for h in cache.holdings.values():
-        key = cache.space(h.namespace)
-        by_ns.setdefault(("full", key), []).extend(h.full)
-        by_ns.setdefault(("swa", key), []).extend(h.swa)
+        for kind, pages in (("full", h.full), ("swa", h.swa)):
+            for p in pages:
+                key = cache.space(h.namespace_of.get((kind, p), ""))
+                by_ns.setdefault((kind, key), []).append(p)
     v: list[str] = []
     for (kind, key), pages in by_ns.items():
         a = pools.get(kind)

@@ -78,3 +78,16 @@ def create_sealed_memfd(name: str, nbytes: int) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def hide_descriptors() -> bool:
+    """Make this process non-dumpable (``PR_SET_DUMPABLE`` 0), so that a process of the same
+    non-root user cannot open the pools' memfds through ``/proc/<pid>/fd`` (that would bypass
+    memory isolation: docs/operations.md). Also turns off core dumps. False where it failed."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(4, 0, 0, 0, 0) == 0  # PR_SET_DUMPABLE
+    except (OSError, AttributeError):
+        return False

@@ -282,7 +282,7 @@ def test_session_limit_and_restart_detection(make_daemon) -> None:
 def test_a_model_without_sliding_window_layers(make_daemon) -> None:
     """num_swa_layers = 0 (TOML cannot say null): no SWA pool, plain prefix caching."""
     model = {"name": "dense", "page_size": 4, "num_full_layers": 1, "num_swa_layers": 0,
-             "num_kv_heads": 1, "head_dim": 4, "dtype": "float32", "device": "cpu",
+             "num_kv_heads": 1, "head_dim": 64, "dtype": "float32", "device": "cpu",
              "full_pages": 32}
     d = make_daemon({"models": [model]})
     with Client(d.socket) as c:

@@ -12,7 +12,7 @@ P = 4
 
 
 SMALL = {"name": "m", "page_size": P, "sliding_window": 2 * P, "num_full_layers": 1,
-         "num_swa_layers": 1, "num_kv_heads": 1, "head_dim": 4, "dtype": "float32",
+         "num_swa_layers": 1, "num_kv_heads": 1, "head_dim": 64, "dtype": "float32",
          "device": "cpu", "full_pages": 21, "swa_pages": 21, "export_pools": False}
 
 
