@@ -210,7 +210,7 @@ class ModelConfig(_Section):
     def segments(self, profile: ModelProfile | None = None) -> int | None:
         """Pages per segment, or None for the single shared pool (memory_isolation = none)."""
         return resolve_segment_pages(profile or self.profile(), self.memory_isolation,
-                                     self.segment_pages)
+                                     self.segment_pages, mapped=self.export_pools)
 
     def profile(self) -> ModelProfile:
         """The model's KV layout; pool sizes from ``full_bytes``/``swa_bytes`` when given."""

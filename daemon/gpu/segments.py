@@ -43,12 +43,14 @@ AUTO_SEGMENTS = 128
 ISOLATION_MODES = ("segments", "none")
 
 
-def resolve_segment_pages(profile: ModelProfile, isolation: str, segment_pages: int
-                          ) -> int | None:
+def resolve_segment_pages(profile: ModelProfile, isolation: str, segment_pages: int,
+                          mapped: bool = True) -> int | None:
     """The segment size of a model in pages, or None for the single shared pool.
 
     ``segment_pages`` 0 is automatic: about :data:`AUTO_SEGMENTS` segments per model, rounded up
-    to whole OS pages per (layer, kv) strip. Raises ValueError with the reason and a remedy."""
+    to whole OS pages per (layer, kv) strip. ``mapped``: the pools exist and are mapped (else
+    only the bookkeeping, which needs no alignment). Raises ValueError with the reason and a
+    remedy."""
     if isolation not in ISOLATION_MODES:
         raise ValueError(f"memory_isolation: {isolation!r} is not one of {list(ISOLATION_MODES)}")
     if isolation == "none":
@@ -68,7 +70,7 @@ def resolve_segment_pages(profile: ModelProfile, isolation: str, segment_pages: 
         raise ValueError(f"segment_pages: {segment_pages} pages make {count} segments; at most "
                          f"{MAX_SEGMENTS} per model (each is a descriptor in attach): use "
                          f"segment_pages >= {-(-sum(pools) // (MAX_SEGMENTS - len(pools)))}")
-    if not profile.device.startswith("cuda"):
+    if mapped and not profile.device.startswith("cuda"):
         for pages, kind in zip(pools, ("full", "swa"), strict=False):
             try:
                 check_segment_alignment(strip, segment_pages, pages, f"{kind} pool")
