@@ -439,7 +439,7 @@ class _Admin:
             uptime_s=round(max(0.0, time.time() - self.state.started), 3),
             ready=bool(self.state.ready), sessions=svc.session_count(),
             ops_total=self.state.ops, checker=checker, models=models, tenants=tenants,
-            l3=svc.l3_stats()))
+            l3=svc.l3_stats(), warm_restart=svc.restart.as_dict()))
 
     async def tenants(self, request: web.Request, _: NoQuery) -> web.Response:
         return _respond(self.service.tenant_views())

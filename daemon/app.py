@@ -50,6 +50,12 @@ def preflight(config: Config) -> str:
     from .gpu.shared_memory import available_host_bytes
 
     check_socket_path(config.server.socket)
+    if config.server.state_dir:
+        from .storage.host_snapshot import check_state_dir
+
+        problem = check_state_dir(config.server.state_dir)
+        if problem:
+            raise ConfigError(f"server.state_dir: {problem}")
     if config.admin.enabled and config.admin.unix_socket:
         try:
             check_socket_path(config.admin.unix_socket)
@@ -143,6 +149,7 @@ def build_tiers(config: Config, models: dict[str, ModelEntry], tenants: list[Ten
                 l3: Any) -> None:
     """A host tier and its manager for every model with exported pools and a host tier (the
     manager copies between the two)."""
+    from .keyed_tier import KeyedTier
     from .storage.host_tier import HostTier
     from .tiers import TierManager
 
@@ -154,6 +161,8 @@ def build_tiers(config: Config, models: dict[str, ModelEntry], tenants: list[Ten
             host = HostTier(entry.cache.profile, mc.host_pages, mc.host_swa_pages)
             entry.tiers = TierManager(entry.cache, entry.pools, host, mc,
                                       l3 if mc.l3 else None, config.l3, host_quotas, l3_quotas)
+            entry.keyed = KeyedTier(entry.cache, host, host_quotas, mc.name,
+                                    l3 if mc.l3 else None, config.l3.write_policy)
 
 
 def build_service(config: Config, *, create_pools: bool = True) -> Service:
@@ -164,7 +173,12 @@ def build_service(config: Config, *, create_pools: bool = True) -> Service:
     tenants = build_tenants(config)
     l3 = build_l3(config)
     build_tiers(config, models, tenants, l3)
-    return Service(config, models, tenants, l3)
+    service = Service(config, models, tenants, l3)
+    if config.server.state_dir and create_pools:
+        from .warm_restart import restore_host_state
+
+        service.restart = restore_host_state(models, config.server.state_dir)
+    return service
 
 
 @dataclass

@@ -590,6 +590,13 @@ def format_status(stats: dict[str, Any], url: str = "") -> str:
                  f"up {_duration(float(stats.get('uptime_s', 0)))}  {ready}"
                  + (f"  ({url})" if url else ""))
     lines.append(f"sessions {stats.get('sessions', 0)}  operations {stats.get('ops_total', 0)}")
+    wr = stats.get("warm_restart") or {}
+    if wr.get("source") == "state_dir":
+        lines.append(f"warm restart: kept {wr.get('kept_pages', 0)} host pages, dropped "
+                     f"{wr.get('dropped_pages', 0)}, restored in "
+                     f"{float(wr.get('restore_seconds', 0)):.3f} s")
+    elif wr.get("reason"):
+        lines.append(f"warm restart: saved state refused ({wr['reason']})")
     chk = stats.get("checker") or {}
     if chk.get("ok") is None:
         lines.append("last check: none yet")

@@ -69,6 +69,10 @@ class ServerConfig(_Section):
                                                "successful hello before it is closed")
     max_auth_failures: int = Field(3, ge=1,
                                    description="failed hellos before the connection is closed")
+    state_dir: str | None = Field(None, description="directory (tmpfs: /run or /dev/shm) where a "
+                                                    "graceful stop saves the host tier and the "
+                                                    "next start restores it (warm restart); "
+                                                    "unset: the host tier starts empty")
 
     @field_validator("socket_mode")
     @classmethod
@@ -79,6 +83,13 @@ class ServerConfig(_Section):
             raise ValueError(f"must be an octal string like '0660', got {v!r}") from None
         if not 0 <= mode <= 0o777:
             raise ValueError(f"must be between 0000 and 0777, got {v!r}")
+        return v
+
+    @field_validator("state_dir")
+    @classmethod
+    def _state_dir(cls, v: str | None) -> str | None:
+        if v is not None and (not v or not os.path.isabs(v)):
+            raise ValueError(f"must be an absolute path, got {v!r}")
         return v
 
     @property

@@ -55,6 +55,7 @@ class ModelEntry:
     info: P.ModelInfo
     pools: Any = None  # daemon.gpu.pools.KVPools when exported
     tiers: Any = None  # daemon.tiers.TierManager when the host tier is on
+    keyed: Any = None  # daemon.keyed_tier.KeyedTier when the host tier is on
 
 
 def build_tenants(config: Config) -> list[Tenant]:

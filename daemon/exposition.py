@@ -180,6 +180,18 @@ class Collector:
         reg.gauge("radixd_info", "Build and instance information (always 1).",
                   ("version", "instance")).add_metric([__version__, service.instance], 1)
 
+        # -- the last start's warm restart of the host tier (server.state_dir)
+        wr = service.restart
+        pages = reg.gauge("radixd_warm_restart_pages",
+                  "Host pages the last start restored (kept) or refused (dropped: failed "
+                  "verification, layout changed, or did not fit) from server.state_dir.",
+                          ("outcome",))
+        pages.add_metric(["kept"], wr.kept_pages)
+        pages.add_metric(["dropped"], wr.dropped_pages)
+        reg.gauge("radixd_warm_restart_restore_seconds",
+                  "Seconds the last start spent restoring the host tier (0: nothing saved)."
+                  ).add_metric([], wr.restore_seconds)
+
         _tenant_families(reg, service, self.tenant_label_limit)
         return iter(reg.out.values())
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .gpu.allocator import AllocatorError, OutOfPages
 from .gpu.segments import PairedSegmentAllocator, audit_model_segments
@@ -118,6 +118,9 @@ class ModelCache:
         )
         self.swa_enabled = self.tree.swa_enabled
         self.host: HostTier | None = None  # set by the tier manager when L2 is on
+        # the key-addressed store sharing the host pools (daemon/keyed_tier.py): host copies
+        # make room through its make_room and count its pages against host quotas
+        self.keyed: Any = None
         # The tier layer's half of a two-phase eviction (daemon.tree.eviction), called by this
         # cache between tree operations, never from inside one: copy a node the tree named to
         # host (or decline), and read host pages the tree dropped before their slots are reused.

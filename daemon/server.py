@@ -166,12 +166,12 @@ class Connection(asyncio.Protocol):
             self.session.ops += 1
             if isinstance(req, P.Batch):
                 self._write(P.ok_frame(rid, self._batch(req)))
-            elif isinstance(req, P.Attach):
+            elif op in Service.FD_HANDLERS:
                 self._attach(req)
             elif isinstance(req, P.Hello):
                 raise ServiceError(P.Code.ALREADY_AUTHENTICATED,
                                    f"this connection is already session {self.session.id}")
-            elif op in Service.ASYNC_HANDLERS:
+            elif Service.waits(op, req):
                 self._run_async(rid, op, Service.ASYNC_HANDLERS[op](self.service, self.session,
                                                                      req), t0)
                 return
@@ -293,8 +293,10 @@ class Connection(asyncio.Protocol):
     def _resume(self) -> None:
         self._process()
 
-    def _attach(self, req: P.Attach) -> None:
-        result, fds = self.service.attach(self.session, req)  # type: ignore[arg-type]
+    def _attach(self, req: Any) -> None:
+        """An ``attach`` or ``kv_attach``: the response carries descriptors."""
+        handler = Service.FD_HANDLERS[req.__struct_config__.tag]
+        result, fds = handler(self.service, self.session, req)  # type: ignore[arg-type]
         frame = P.ok_frame(req.id, result)
         if not fds:
             self._write(frame)

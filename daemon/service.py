@@ -28,6 +28,7 @@ from .entities import (
 )
 from .gpu.allocator import OutOfPages
 from .queries import ServiceQueries, held_pages
+from .warm_restart import RestartReport, save_host_state
 
 log = logging.getLogger("radixd.service")
 
@@ -56,6 +57,8 @@ class Service(ServiceQueries):
         self.sessions: dict[int, Session] = {}
         self._next_session = 1
         self.instance = secrets.token_hex(8)
+        #: what the last start restored of the host tier (daemon/warm_restart.py)
+        self.restart = RestartReport()
         self.limits = P.Limits(max_frame_bytes=config.server.max_frame_bytes,
                                max_tokens=config.server.max_tokens,
                                max_inflight=config.server.max_inflight)
@@ -65,15 +68,22 @@ class Service(ServiceQueries):
         for entry in self.models.values():
             if entry.tiers is not None:
                 entry.tiers.start()
+            if entry.keyed is not None:
+                entry.keyed.start()
 
     async def stop_tiers(self, deadline: float) -> None:
         """Finish what the write policies owe to host and L3 by ``deadline`` (monotonic)."""
         for entry in self.models.values():
+            if entry.keyed is not None:
+                await entry.keyed.drain(deadline)
+                await entry.keyed.aclose()
             if entry.tiers is not None:
                 await entry.tiers.drain(deadline)
                 await entry.tiers.aclose()
         if self.l3 is not None:
             await self.l3.aclose()
+        if self.config.server.state_dir:
+            save_host_state(self.models, self.config.server.state_dir)
 
     # ------------------------------------------------------------------ sessions
 
@@ -116,6 +126,8 @@ class Service(ServiceQueries):
         if self.sessions.pop(session.id, None) is None:
             return
         for entry in self.models.values():
+            if entry.keyed is not None:
+                entry.keyed.release_owner(session.id)
             locks, full, swa = entry.cache.release_owner(session.id)
             if locks or full or swa:
                 log.info("session %d closed: released %d locks, %d full and %d swa pages of %s",
@@ -364,6 +376,8 @@ class Service(ServiceQueries):
                 "quota_l3_bytes": t.quota_l3,
                 **t.counters,
             }
+            if entry.keyed is not None:
+                out[name].update(entry.keyed.stats(t.namespace))
         return P.StatsResult(tenant=t.name, namespace=t.namespace, models=out)
 
     def attach(self, s: Session, r: P.Attach) -> tuple[P.AttachResult, list[int]]:
@@ -443,12 +457,88 @@ class Service(ServiceQueries):
         timeout = (r.timeout_ms or self.config.l3.prefetch_timeout_ms) / 1000
         return await entry.tiers.prefetch(s.tenant.namespace, tokens, r.policy, timeout)
 
-    ASYNC_HANDLERS = {"load": load, "prefetch": prefetch}
+    # ------------------------------------------------------------------ keyed pages
+
+    def _keyed(self, s: Session, name: str) -> tuple[ModelEntry, Any]:
+        entry = self._model(s, name)
+        if entry.keyed is None:
+            raise ServiceError(P.Code.BAD_ARGUMENT,
+                               f"model {name!r} has no host tier (host_pages = 0 or pools not "
+                               "exported): it has no key-addressed store")
+        return entry, entry.keyed
+
+    def kv_attach(self, s: Session, r: P.KvAttach) -> tuple[P.KvAttachResult, list[int]]:
+        """The host pools' descriptions plus their memfds, for the engine to map."""
+        _, keyed = self._keyed(s, r.model)
+        infos: list[P.KvPoolInfo] = []
+        fds: list[int] = []
+        for pool in (keyed.host.full, keyed.host.swa):
+            if pool is None:
+                continue
+            if pool.fd is None:
+                raise ServiceError(P.Code.SHUTTING_DOWN,
+                                   f"model {r.model!r}: its {pool.kind} host pool is closed")
+            fds.append(pool.fd)
+            infos.append(P.KvPoolInfo(pool=pool.kind, fd_index=len(fds) - 1, slots=pool.capacity,
+                                      page_nbytes=pool.page_nbytes, nbytes=pool.nbytes,
+                                      description=pool.describe()))
+        return P.KvAttachResult(pools=infos), fds
+
+    def kv_lookup(self, s: Session, r: P.KvLookup) -> P.KvLookupResult:
+        _, keyed = self._keyed(s, r.model)
+        if r.fetch:
+            raise ServiceError(P.Code.BAD_ARGUMENT,
+                               "kv_lookup with fetch waits for Redis: not allowed in a batch")
+        return keyed.lookup(s.id, s.tenant.namespace, r.pool, r.keys, r.pin)
+
+    def kv_reserve(self, s: Session, r: P.KvReserve) -> P.KvReserveResult:
+        _, keyed = self._keyed(s, r.model)
+        return keyed.reserve(s.id, s.tenant.namespace, r.pool, r.keys)
+
+    def kv_commit(self, s: Session, r: P.KvCommit) -> P.Empty:
+        _, keyed = self._keyed(s, r.model)
+        keyed.commit(s.id, r.pin)
+        return P.Empty()
+
+    def kv_release(self, s: Session, r: P.KvRelease) -> P.Empty:
+        _, keyed = self._keyed(s, r.model)
+        keyed.release(s.id, r.pin)
+        return P.Empty()
+
+    def kv_clear(self, s: Session, r: P.KvClear) -> P.KvClearResult:
+        _, keyed = self._keyed(s, r.model)
+        return P.KvClearResult(removed=len(keyed.clear(s.tenant.namespace)))
+
+    async def kv_lookup_fetch(self, s: Session, r: P.KvLookup) -> P.KvLookupResult:
+        """``kv_lookup`` with ``fetch``: keys only Redis holds come to host first (a miss when
+        Redis is down, slow or holds a bad value), then the lookup."""
+        _, keyed = self._keyed(s, r.model)
+        if not isinstance(r.timeout_ms, int) or not 0 <= r.timeout_ms <= 600_000:
+            raise ServiceError(P.Code.BAD_ARGUMENT,
+                               f"timeout_ms must be between 0 and 600000, got {r.timeout_ms!r}")
+        timeout = (r.timeout_ms or self.config.l3.prefetch_timeout_ms) / 1000
+        fetched = await keyed.fetch(s.tenant.namespace, r.pool, r.keys, timeout)
+        if s.id not in self.sessions:  # the session ended meanwhile: nothing to pin for
+            raise ServiceError(P.Code.SHUTTING_DOWN, "the session ended during the fetch")
+        res = keyed.lookup(s.id, s.tenant.namespace, r.pool, r.keys, r.pin)
+        res.fetched = fetched
+        return res
+
+    @staticmethod
+    def waits(op: str, req: Any) -> bool:
+        """Whether a (top-level) request runs as a task that may wait (a copy, Redis)."""
+        return op in Service.ASYNC_HANDLERS and (op != "kv_lookup" or req.fetch)
+
+    ASYNC_HANDLERS = {"load": load, "prefetch": prefetch, "kv_lookup": kv_lookup_fetch}
+    #: operations whose response carries file descriptors (SCM_RIGHTS)
+    FD_HANDLERS = {"attach": attach, "kv_attach": kv_attach}
 
     HANDLERS = {
         "ping": ping, "match": match, "lock": lock, "unlock": unlock, "release_swa": release_swa,
         "alloc": alloc, "free": free, "insert": insert, "cache_unfinished": cache_unfinished,
         "cache_finished": cache_finished, "evict": evict, "stats": stats,
+        "kv_lookup": kv_lookup, "kv_reserve": kv_reserve, "kv_commit": kv_commit,
+        "kv_release": kv_release, "kv_clear": kv_clear,
     }
 
     # ------------------------------------------------------------------ checking
@@ -458,6 +548,8 @@ class Service(ServiceQueries):
         v: list[str] = []
         for name, entry in self.models.items():
             v += [f"{name}: {x}" for x in entry.cache.check(deep=deep)]
+            if entry.keyed is not None:
+                v += [f"{name}: {x}" for x in entry.keyed.check(set(self.sessions))]
             ghosts = [o for o in entry.cache.holdings
                       if o not in self.sessions and not _is_job(o)]
             if ghosts:

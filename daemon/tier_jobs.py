@@ -66,15 +66,22 @@ def reserve_host(mc: ModelCache, ns: Namespace, kind: str, hashes: list[bytes],
     pool = host.pool(kind)
     if any(pool.lookup(h) is not None for h in hashes):
         return None  # a copy of one of them is in flight (or read by L3): evict nothing for it
+    keyed = mc.keyed  # keyed pages share the pool, its eviction order and the quota
     if kind == "full" and quota:
-        over = ns.host_pages + want - quota
-        if over > 0:
-            mc.evict_host(over, namespace=ns.name)
-            if ns.host_pages + want > quota:
+        if keyed is not None:
+            if keyed.fit_quota(ns.name, want) < want:
                 return None
+        else:
+            over = ns.host_pages + want - quota
+            if over > 0:
+                mc.evict_host(over, namespace=ns.name)
+                if ns.host_pages + want > quota:
+                    return None
     short = want - host.available(kind)
     if short > 0:
-        if kind == "full":
+        if keyed is not None:
+            keyed.make_room(kind, want)
+        elif kind == "full":
             mc.evict_host(short)
         else:
             mc.evict_host(0, swa_slots=short)

@@ -7,14 +7,20 @@ header so that a reader can prove the bytes are what it asked for before using t
     0      4     magic b"RXP1"
     4      2     format version (u16, currently 1)
     6      1     pool kind (0 = full, 1 = swa)
-    7      1     flags (reserved, must be 0)
-    8      4     page_size: tokens in the page (u32)
+    7      1     flags (0: a tree page; 1 = KEYED: a keyed page, see below; others refused)
+    8      4     page_size: tokens in the page (u32); KEYED: the key's length in bytes
     12     8     payload length in bytes (u64)
     20     32    layout fingerprint (ModelProfile.layout_fingerprint())
     52     32    page hash (the chain hash that names this prefix position)
     84     4     checksum (u32, CRC-32 of bytes 0..84, the tokens and the payload)
     88     4*page_size   the page's token ids, int32 little-endian
     ...    payload length  the payload (one page of all layers, page-first)
+
+A **keyed page** (the key-addressed store, daemon/keyed_tier.py) has flag KEYED: its header
+carries the engine's key (1..128 bytes) where a tree page carries its tokens, the page hash field
+names the keyed page's L3 identity, and the checksum covers the key instead of the tokens. A
+reader expecting one kind refuses the other, and a keyed value whose key differs from the one
+asked for is refused (``decode_page(..., expect_key=...)``).
 
 All integers are little-endian. The value is self-describing: one key, one round trip, atomic under
 Redis eviction (no metadata key that can outlive its payload, the race two-key layouts have).
@@ -45,6 +51,8 @@ from dataclasses import dataclass
 
 MAGIC = b"RXP1"
 FORMAT_VERSION = 1
+#: Flag of a keyed page: the bytes after the header are its key, not tokens.
+FLAG_KEYED = 0x01
 FINGERPRINT_BYTES = 32
 HASH_BYTES = 32
 
@@ -79,8 +87,9 @@ class PageValue:
     page_size: int
     fingerprint: bytes
     page_hash: bytes
-    tokens: bytes  # int32 little-endian, page_size of them
+    tokens: bytes  # int32 little-endian, page_size of them (a keyed page: its key)
     payload: memoryview
+    keyed: bool = False
 
     def token_ids(self) -> list[int]:
         return list(memoryview(self.tokens).cast("i"))
@@ -109,8 +118,9 @@ def encode_page(
     pool: str,
     page_hash: bytes,
     fingerprint: bytes,
-    tokens: bytes | bytearray | memoryview | Iterable[int],
+    tokens: bytes | bytearray | memoryview | Iterable[int] = b"",
     payload: bytes | bytearray | memoryview,
+    key: bytes | None = None,
 ) -> bytes:
     """One stored value: header + tokens + payload, the payload copied once (by the join).
 
@@ -123,15 +133,21 @@ def encode_page(
         raise ValueError(f"page_hash must be {HASH_BYTES} bytes, got {len(page_hash)}")
     if len(fingerprint) != FINGERPRINT_BYTES:
         raise ValueError(f"fingerprint must be {FINGERPRINT_BYTES} bytes, got {len(fingerprint)}")
-    tok = _token_bytes(tokens)
-    if len(tok) % 4:
-        raise ValueError("token bytes must be a whole number of int32")
+    if key is not None:  # a keyed page: the key where the tokens go
+        if not 1 <= len(key) <= 128:
+            raise ValueError(f"key must be 1..128 bytes, got {len(key)}")
+        tok, flags, count = bytes(key), FLAG_KEYED, len(key)
+    else:
+        tok = _token_bytes(tokens)
+        if len(tok) % 4:
+            raise ValueError("token bytes must be a whole number of int32")
+        flags, count = 0, len(tok) // 4
     view = memoryview(payload)
     if not view.c_contiguous:
         raise ValueError("payload must be C-contiguous")
     if view.format != "B" or view.ndim != 1:
         view = view.cast("B")
-    pre = _PRE.pack(MAGIC, FORMAT_VERSION, code, 0, len(tok) // 4, view.nbytes,
+    pre = _PRE.pack(MAGIC, FORMAT_VERSION, code, flags, count, view.nbytes,
                     bytes(fingerprint), bytes(page_hash))
     crc = zlib.crc32(view, zlib.crc32(tok, zlib.crc32(pre)))
     return b"".join((pre, _CRC.pack(crc), tok, view))
@@ -156,8 +172,11 @@ def decode_page(
     expect_hash: bytes,
     expect_fingerprint: bytes,
     expect_pool: str,
+    expect_key: bytes | None = None,
 ) -> PageValue:
-    """Verify ``value`` completely and return it as a PageValue; CorruptPage on any mismatch."""
+    """Verify ``value`` completely and return it as a PageValue; CorruptPage on any mismatch.
+
+    ``expect_key``: the value must be a keyed page of exactly this key (None: a tree page)."""
     expect_code = pool_code(expect_pool)
     mv = memoryview(value)
     if mv.format != "B" or mv.ndim != 1:
@@ -170,11 +189,13 @@ def decode_page(
         raise CorruptPage("bad magic")
     if version != FORMAT_VERSION:
         raise CorruptPage(f"unsupported version {version}")
-    if flags != 0:
+    if flags & ~FLAG_KEYED:
         raise CorruptPage(f"unknown flags {flags:#x}")
+    if bool(flags & FLAG_KEYED) != (expect_key is not None):
+        raise CorruptPage("wrong page kind (a keyed page and a tree page are not each other)")
     if code != expect_code:
         raise CorruptPage(f"wrong pool (stored code {code}, expected {expect_pool})")
-    tok_end = HEADER_BYTES + 4 * page_size
+    tok_end = HEADER_BYTES + (page_size if flags & FLAG_KEYED else 4 * page_size)
     if n != tok_end + plen:
         kind = "truncated" if n < tok_end + plen else "length mismatch"
         raise CorruptPage(f"{kind} (value {n} bytes, header says {tok_end + plen})")
@@ -188,6 +209,8 @@ def decode_page(
     crc = zlib.crc32(payload, zlib.crc32(tokens, zlib.crc32(mv[: _PRE.size])))
     if crc != stored_crc:
         raise CorruptPage("checksum mismatch")
+    if expect_key is not None and tokens != expect_key:
+        raise CorruptPage("wrong key")
     return PageValue(
         pool=expect_pool,
         page_size=page_size,
@@ -195,6 +218,7 @@ def decode_page(
         page_hash=page_hash,
         tokens=tokens.tobytes(),
         payload=payload,
+        keyed=expect_key is not None,
     )
 
 

@@ -6,9 +6,10 @@ page-first layout of docs/design.md (the L2 tier), so one page of all layers is 
 block of ``page_nbytes`` bytes that can go to Redis as one value (:meth:`HostPool.page_bytes`,
 zero-copy) and come back without re-layout (:meth:`HostPool.write_page_bytes`).
 
-Memory: pinned (page-locked) when CUDA is available, so device<->host copies are DMA transfers
-that can run asynchronously on a stream; otherwise a sealed memfd mapped shared, exactly like the
-CPU device pools (``daemon.gpu.pools``), so a later step can hand it to another process.
+Memory: a sealed memfd mapped shared, exactly like the CPU device pools (``daemon.gpu.pools``), so
+it can be handed to another process (``kv_attach``). When CUDA is available the same mapping is
+also page-locked (``cudaHostRegister``), so device<->host copies are DMA transfers that can run
+asynchronously on a stream.
 
 Slots are handed out by a :class:`~daemon.gpu.allocator.PageAllocator`; slot 0 is reserved (never
 handed out, zeroed). Slots are content-addressed: an index maps a 32-byte page hash to the slot
@@ -28,6 +29,7 @@ from __future__ import annotations
 import math
 import os
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -55,6 +57,23 @@ def _check_hash(page_hash: object) -> bytes:
             + (f" of length {len(page_hash)}" if isinstance(page_hash, bytes) else "")
         )
     return page_hash
+
+
+def page_lock(ptr: int, nbytes: int) -> Callable[[], None]:
+    """Page-lock an existing host mapping for CUDA (``cudaHostRegister``), so device<->host
+    copies are asynchronous DMA like those of ``pin_memory=True`` tensors, while the memory stays
+    a memfd that can be handed to engines. Returns the matching unregister call."""
+    cudart = torch.cuda.cudart()
+    err = cudart.cudaHostRegister(ptr, nbytes, 0)
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostRegister failed with CUDA error {int(err)}")
+    return lambda: cudart.cudaHostUnregister(ptr)
+
+
+def _release(fd: int, unregister: Callable[[], None] | None) -> None:
+    if unregister is not None:
+        unregister()
+    os.close(fd)
 
 
 class HostPool:
@@ -113,16 +132,18 @@ class HostPool:
                 f"{label}: {capacity_pages} pages x {self.page_nbytes} B = {self.nbytes} B but "
                 f"only {available} bytes of host memory are available; lower its capacity"
             )
+        # Always a memfd, pinned or not: engines map it (kv_attach) and a warm restart keeps it.
+        fd, mapping = create_memfd(f"radixd-{profile.name}-{kind}-host", self.nbytes)
+        buffer = tensor_over(mapping, self.dtype, self.shape)
+        unregister = None
         if self.pinned:
             try:
-                buffer = torch.empty(self.shape, dtype=self.dtype, pin_memory=True)
+                unregister = page_lock(buffer.data_ptr(), self.nbytes)
             except RuntimeError as exc:
+                os.close(fd)
                 raise PoolError(f"{label}: cannot pin {self.nbytes} bytes ({exc})") from exc
-        else:
-            fd, mapping = create_memfd(f"radixd-{profile.name}-{kind}-host", self.nbytes)
-            self._finalizer = weakref.finalize(self, os.close, fd)
-            self.fd = fd
-            buffer = tensor_over(mapping, self.dtype, self.shape)
+        self._finalizer = weakref.finalize(self, _release, fd, unregister)
+        self.fd = fd
         self._buffer: torch.Tensor | None = buffer
         # A flat byte view of the whole pool for zero-copy page access (numpy keeps the tensor,
         # and so the memory, alive for as long as a memoryview of it exists).

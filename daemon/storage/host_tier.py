@@ -30,6 +30,8 @@ class HostTier:
         self.pending: dict[str, set[int]] = {"full": set(), "swa": set()}
         # references taken by readers that outlive the tree's hold (the L3 writer)
         self.readers: dict[str, Counter[int]] = {"full": Counter(), "swa": Counter()}
+        # slots the key-addressed store (daemon/keyed_tier.py) holds, one reference each
+        self.keyed: dict[str, set[int]] = {"full": set(), "swa": set()}
 
     def pool(self, kind: str) -> HostPool:
         p = self.full if kind == "full" else self.swa
@@ -123,8 +125,9 @@ class HostTier:
             tree = in_tree.get(kind, set())
             pend = self.pending[kind]
             readers = self.readers[kind]
+            keyed = self.keyed[kind]
             for s in held:
-                want = (s in tree) + (s in pend) + readers.get(s, 0)
+                want = (s in tree) + (s in pend) + readers.get(s, 0) + (s in keyed)
                 if pool.refcount(s) != want:
                     v.append(f"{kind} host slot {s}: {pool.refcount(s)} references, the tree, "
                              f"copies and readers account for {want}")
@@ -132,10 +135,13 @@ class HostTier:
             if tree & pend:
                 v.append(f"{kind} host slots {sorted(tree & pend)[:10]} are in the tree and "
                          "pending a copy")
-            if held != tree | pend | set(readers):
+            if keyed & (tree | pend):
+                v.append(f"{kind} host slots {sorted(keyed & (tree | pend))[:10]} are keyed "
+                         "and in the tree or pending")
+            if held != tree | pend | set(readers) | keyed:
                 v.append(f"{kind} host pool: held {len(held)} != tree {len(tree)} + pending "
-                         f"{len(pend)} + read {len(readers)}; unaccounted "
-                         f"{sorted(held ^ (tree | pend | set(readers)))[:10]}")
+                         f"{len(pend)} + read {len(readers)} + keyed {len(keyed)}; unaccounted "
+                         f"{sorted(held ^ (tree | pend | set(readers) | keyed))[:10]}")
         return v
 
     def describe(self) -> dict[str, Any]:
@@ -144,6 +150,7 @@ class HostTier:
             out["swa"] = self.swa.describe()
         out["pending"] = {k: len(v) for k, v in self.pending.items()}
         out["read"] = {k: len(v) for k, v in self.readers.items()}
+        out["keyed"] = {k: len(v) for k, v in self.keyed.items()}
         return out
 
     def close(self) -> None:

@@ -418,8 +418,10 @@ class RedisTier:
         return await self._guarded(body, lambda: [False] * len(keys)) if keys else []
 
     async def get_pages(self, hashes: Sequence[bytes], pool: str,
-                        fingerprint: bytes) -> list[PageValue | None]:
-        """The stored, verified pages (None for a miss or a corrupt value, which is deleted)."""
+                        fingerprint: bytes, page_keys: Sequence[bytes] | None = None
+                        ) -> list[PageValue | None]:
+        """The stored, verified pages (None for a miss or a corrupt value, which is deleted).
+        ``page_keys``: keyed pages, each value must carry its key (codec, KEYED)."""
         n = len(hashes)
         keys = [self.key(h, pool) for h in hashes]
         out: list[PageValue | None] = [None] * n
@@ -432,7 +434,8 @@ class RedisTier:
             checked: list[tuple[int, PageValue | None]] = []
             for i, raw in got:
                 try:
-                    checked.append((i, decode_page(raw, hashes[i], fingerprint, pool)))
+                    checked.append((i, decode_page(raw, hashes[i], fingerprint, pool,
+                                                   page_keys[i] if page_keys else None)))
                 except CorruptPage:
                     checked.append((i, None))
             return checked

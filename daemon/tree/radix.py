@@ -137,6 +137,12 @@ class RadixTree(Matching, Insertion, Locking, Eviction, Tiering):
         self._next_id = i + 1
         return i
 
+    @property
+    def clock(self) -> int:
+        """The churn clock recency is measured on (read by the key-addressed store, whose pages
+        share the host eviction order with the tree's: daemon/keyed_tier.py)."""
+        return self._clock
+
     def _advance(self, ntokens: int) -> None:
         """Recency is measured in cache churn (tokens of KV handed to the tree), so that "how long
         ago" means "how much new content arrived since", and policies can weigh it against depth."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import struct
+from array import array
 from typing import Any
 
 import msgspec
@@ -33,6 +34,12 @@ REQUESTS: list[P.Request] = [
     P.Stats(id=14, model="m"),
     P.Load(id=16, model="m", tokens=TOK, lock=True),
     P.Prefetch(id=17, model="m", tokens=TOK, policy="timeout", timeout_ms=50),
+    P.KvAttach(id=18, model="m"),
+    P.KvLookup(id=19, model="m", keys=[b"k1", b"k2"], pool="swa", fetch=True, timeout_ms=5),
+    P.KvReserve(id=20, model="m", keys=[b"k1"]),
+    P.KvCommit(id=21, model="m", pin=3),
+    P.KvRelease(id=22, model="m", pin=4),
+    P.KvClear(id=23, model="m"),
     P.Batch(id=15, stop_on_error=False, ops=[
         P.Ping(payload=b"x"), P.Match(model="m", tokens=TOK), P.Lock(model="m", node=1),
         P.Unlock(model="m", receipt=2), P.ReleaseSwa(model="m", receipt=3),
@@ -41,6 +48,8 @@ REQUESTS: list[P.Request] = [
         P.CacheUnfinished(model="m", tokens=TOK, full_pages=PAGES, receipt=4),
         P.CacheFinished(model="m", tokens=TOK, full_pages=PAGES),
         P.Evict(model="m", full_pages=1), P.Stats(),
+        P.KvLookup(model="m", keys=[b"k"]), P.KvReserve(model="m", keys=[b"k"]),
+        P.KvCommit(model="m", pin=1), P.KvRelease(model="m", pin=2), P.KvClear(model="m"),
     ]),
 ]
 
@@ -85,6 +94,14 @@ RESULTS: dict[str, P.Result] = {
     "load": P.LoadResult(prefix_len=16, full_pages=PAGES, swa_pages=PAGES[:4], node=9,
                          full_hit_len=16, host_hit_len=0, receipt=7, loaded_len=8),
     "prefetch": P.PrefetchResult(status="complete", l3_hit_len=32, fetched_len=32),
+    "kv_attach": P.KvAttachResult(pools=[P.KvPoolInfo(pool="full", fd_index=0, slots=4,
+                                                      page_nbytes=64, nbytes=256)]),
+    "kv_lookup": P.KvLookupResult(present=b"\x01\x00", slots=array("i", [5, 0]), prefix=1,
+                                  pin=9, fetched=1),
+    "kv_reserve": P.KvReserveResult(slots=array("i", [0, 7]), pin=2, full=1, busy=0),
+    "kv_commit": P.Empty(),
+    "kv_release": P.Empty(),
+    "kv_clear": P.KvClearResult(removed=3),
     "batch": P.BatchResult(results=[
         P.BatchItem(ok=True, result=msgspec.Raw(P.encode_body(P.LockResult(receipt=1)))),
         P.BatchItem(ok=False, error=P.Error(code=P.Code.BAD_RECEIPT, message="no",

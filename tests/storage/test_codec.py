@@ -77,7 +77,8 @@ def test_every_corruption_kind_detected() -> None:
     assert _reason(value + b"\0").startswith("length mismatch")
     assert _reason(b"XXXX" + value[4:]) == "bad magic"
     assert _reason(_corrupt(value, 4, 0x02)).startswith("unsupported version")
-    assert _reason(_corrupt(value, 7, 0x01)).startswith("unknown flags")
+    assert _reason(_corrupt(value, 7, 0x02)).startswith("unknown flags")
+    assert _reason(_corrupt(value, 7, 0x01)).startswith("wrong page kind")
     assert _reason(value, expect_pool="swa").startswith("wrong pool")
     assert _reason(_corrupt(value, 6, 0x01)).startswith("wrong pool")
     assert _reason(value, expect_fingerprint=bytes(32)) == "wrong layout fingerprint"
@@ -132,3 +133,25 @@ def test_bench_runs(capsys) -> None:
     out = codec.bench(payload_bytes=1 << 16, seconds=0.01)
     assert out["encode_gbps"] > 0 and out["decode_gbps"] > 0
     assert "encode_gbps" in capsys.readouterr().out
+
+
+def test_keyed_page_round_trip_and_every_mismatch_is_refused() -> None:
+    """A keyed page carries its key where a tree page carries tokens; the key is verified."""
+    h, fp, key = os.urandom(32), os.urandom(32), b"sha256hex-key_tp0"
+    payload = os.urandom(1000)
+    value = encode_page(pool="swa", page_hash=h, fingerprint=fp, key=key, payload=payload)
+    got = decode_page(value, h, fp, "swa", expect_key=key)
+    assert got.keyed and got.tokens == key and bytes(got.payload) == payload
+    assert len(value) == HEADER_BYTES + len(key) + len(payload)
+    assert _reason(value, expect_hash=h, expect_fingerprint=fp, expect_pool="swa",
+                   expect_key=b"sha256hex-key_tp1") == "wrong key"
+    # a keyed value read as a tree page, and a tree page read as a keyed one
+    assert _reason(value, expect_hash=h, expect_fingerprint=fp,
+                   expect_pool="swa").startswith("wrong page kind")
+    tree, _, _ = _value("full", 16, 4096)
+    assert _reason(tree, expect_key=b"k").startswith("wrong page kind")
+    # a flipped key byte is caught by the checksum before the key comparison
+    assert _reason(_corrupt(value, HEADER_BYTES + 3), expect_hash=h, expect_fingerprint=fp,
+                   expect_pool="swa", expect_key=key) == "checksum mismatch"
+    with pytest.raises(ValueError):
+        encode_page(pool="full", page_hash=h, fingerprint=fp, key=b"", payload=payload)

@@ -326,7 +326,7 @@ async def test_cuda_round_trip_on_copy_stream(dtype: str) -> None:
                                               device=pool.device))
             torch.cuda.synchronize()
             with HostPool(p, 32, kind) as host:
-                assert host.pinned and host.buffer.is_pinned()
+                assert host.pinned and host.buffer.is_pinned() and host.fd is not None
                 pages = list(range(pool.num_pages - 1, pool.num_pages - 21, -1))
                 slots = [host.store(h(i)) for i in range(20)]
                 for s in slots[5:8]:  # make the slots non-consecutive

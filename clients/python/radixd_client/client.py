@@ -28,9 +28,9 @@ from .operations import BatchBuilder, BatchFuture, Operations
 from .protocol import (
     PROTOCOL_VERSION,
     Attach,
-    AttachResult,
     Hello,
     HelloResult,
+    KvAttach,
     Limits,
     MatchResult,
     ModelInfo,
@@ -39,7 +39,7 @@ from .protocol import (
 )
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
-    from .pools import AttachedPools
+    from .pools import AttachedPools, KvHostPools
 
 __all__ = ["BatchFuture", "Client", "ClientBatch", "pages"]
 
@@ -249,13 +249,39 @@ class Client(Operations):
         """
         from .pools import attach_pools
 
+        result, fds = self._call_with_fds("attach", Attach(model=model))
+        try:
+            pools = self._attached.get(model)
+            if pools is not None and not pools.closed:  # again: the same tensors, updated
+                pools.update(result, fds)
+                return pools
+            pools = self._attached[model] = attach_pools(model, result, fds)
+            return pools
+        finally:
+            close_fds(fds)
+
+    def kv_attach(self, model: str) -> KvHostPools:
+        """Map the host (L2) pools of ``model`` into this process (needs torch): the memory the
+        key-addressed store's slots index (``kv_lookup``, ``kv_reserve``). See
+        :class:`~radixd_client.pools.KvHostPools`."""
+        from .pools import attach_host_pools
+
+        result, fds = self._call_with_fds("kv_attach", KvAttach(model=model))
+        try:
+            return attach_host_pools(model, result, fds)
+        finally:
+            close_fds(fds)
+
+    def _call_with_fds(self, op: str, req: Request) -> tuple[Any, list[int]]:
+        """One call whose response carries descriptors (SCM_RIGHTS): the result and the fds,
+        which the caller closes."""
         sock = self._sock
         if sock is None:
             raise _lost(self._close_reason)
         conn = self._conn
         if conn.buffered:  # bytes no request asked for: the stream is out of step
-            raise self._broken("unexpected bytes from the daemon before attach")
-        frame = conn.send("attach", Attach(model=model))
+            raise self._broken(f"unexpected bytes from the daemon before {op}")
+        frame = conn.send(op, req)
         fds: list[int] = []
         try:
             try:
@@ -269,9 +295,9 @@ class Client(Operations):
                     k, ancdata, msg_flags, _addr = sock.recvmsg_into(
                         [conn.recv_buffer()], space, RECVMSG_FLAGS)
                     if not take_fds(ancdata, msg_flags, fds):
-                        raise self._broken("the attach response carried too many descriptors")
+                        raise self._broken(f"the {op} response carried too many descriptors")
                     if not k:
-                        raise self._eof("attach")
+                        raise self._eof(op)
                     conn.received(k)
                     reply = conn.next_event()
             except RadixdError:
@@ -281,19 +307,14 @@ class Client(Operations):
             except OSError as exc:
                 raise self._broken(f"{type(exc).__name__}: {exc}", exc) from exc
             except BaseException as exc:
-                self._broken(f"interrupted by {type(exc).__name__} during attach", exc)
+                self._broken(f"interrupted by {type(exc).__name__} during {op}", exc)
                 raise
             if not reply.ok:
                 raise reply.value
-            result: AttachResult = reply.value
-            pools = self._attached.get(model)
-            if pools is not None and not pools.closed:  # again: the same tensors, updated
-                pools.update(result, fds)
-                return pools
-            pools = self._attached[model] = attach_pools(model, result, fds)
-            return pools
-        finally:
+        except BaseException:
             close_fds(fds)
+            raise
+        return reply.value, fds
 
     # -- lifetime -------------------------------------------------------------------------------
 

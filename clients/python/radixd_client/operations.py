@@ -29,6 +29,14 @@ from .protocol import (
     Free,
     Insert,
     InsertResult,
+    KvClear,
+    KvClearResult,
+    KvCommit,
+    KvLookup,
+    KvLookupResult,
+    KvRelease,
+    KvReserve,
+    KvReserveResult,
     Load,
     LoadResult,
     Lock,
@@ -121,6 +129,44 @@ class BatchOperations:
 
     def stats(self, model: str | None = None) -> StatsResult:
         return self._call("stats", Stats(model=model))  # type: ignore[no-any-return]
+
+    # -- the key-addressed page store (docs/protocol.md, "Keyed pages") ------------------------
+
+    def kv_lookup(self, model: str, keys: list[bytes], pool: str = "full", *, pin: bool = True,
+                  fetch: bool = False, timeout_s: float = 0.0) -> KvLookupResult:
+        """Which ``keys`` the store holds in host pool ``pool``, and their slots.
+
+        With ``pin`` the present keys' slots are neither evicted nor reused until
+        :meth:`kv_release` of the returned pin: copy out of them meanwhile. ``fetch`` first
+        brings keys only Redis (L3) holds into host, waiting at most ``timeout_s`` (0: the
+        daemon's ``prefetch_timeout_ms``); not allowed in a batch.
+        """
+        return self._call("kv_lookup", KvLookup(  # type: ignore[no-any-return]
+            model=model, keys=list(keys), pool=pool, pin=pin, fetch=fetch,
+            timeout_ms=max(0, round(timeout_s * 1000))))
+
+    def kv_reserve(self, model: str, keys: list[bytes], pool: str = "full") -> KvReserveResult:
+        """A fresh host slot for each key not stored yet (0: nothing to write), under a pin.
+
+        Write each page into its slot, then :meth:`kv_commit` publishes them (or
+        :meth:`kv_release` gives the slots back). Keys that found no room or quota get slot 0
+        and are counted in ``full``: a cache may decline to store.
+        """
+        return self._call("kv_reserve", KvReserve(  # type: ignore[no-any-return]
+            model=model, keys=list(keys), pool=pool))
+
+    def kv_commit(self, model: str, pin: int) -> Empty:
+        """Publish a reservation's pages to every session of the namespace; ends the pin."""
+        return self._call("kv_commit", KvCommit(model=model, pin=pin))  # type: ignore[no-any-return]
+
+    def kv_release(self, model: str, pin: int) -> Empty:
+        """End a lookup pin, or abort a reservation (its slots are freed)."""
+        return self._call(  # type: ignore[no-any-return]
+            "kv_release", KvRelease(model=model, pin=pin))
+
+    def kv_clear(self, model: str) -> KvClearResult:
+        """Drop this namespace's unpinned keyed pages of ``model``."""
+        return self._call("kv_clear", KvClear(model=model))  # type: ignore[no-any-return]
 
 
 class Operations(BatchOperations):

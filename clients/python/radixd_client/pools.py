@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from .errors import PoolError
-from .protocol import AttachResult, PoolInfo
+from .protocol import AttachResult, KvAttachResult, PoolInfo
 from .segments import SegmentedRegion
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -48,7 +48,9 @@ __all__ = [
     "POOL_LAYOUT",
     "AttachedPools",
     "CudaIpcHandle",
+    "KvHostPools",
     "PoolError",
+    "attach_host_pools",
     "attach_pools",
     "export_cuda_ipc_handle",
     "map_pool_fd",
@@ -164,13 +166,18 @@ def map_pool_fd(fd: int, description: Mapping[str, Any]) -> torch.Tensor:
     with SIGBUS on first access.
     """
     _dtype, _shape, expected = _check_description(description, "memfd")
+    return _map_fd(fd, expected, _dtype, _shape)
+
+
+def _map_fd(fd: int, expected: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """``expected`` bytes of a memfd, mapped shared as a tensor of ``dtype`` and ``shape``."""
     size = os.fstat(fd).st_size
     if size < expected:
         raise PoolError(f"description.nbytes: {expected} bytes but the fd only holds {size}")
     mapping = mmap.mmap(fd, expected, flags=mmap.MAP_SHARED,
                         prot=mmap.PROT_READ | mmap.PROT_WRITE, **_NO_FD_COPY)
     try:
-        return tensor_over(mapping, _dtype, _shape)
+        return tensor_over(mapping, dtype, shape)
     except BaseException:
         with contextlib.suppress(BufferError):
             mapping.close()
@@ -457,3 +464,56 @@ def attach_pools(model: str, result: AttachResult, fds: Sequence[int]) -> Attach
     pools = AttachedPools(model, tensors, infos, regions)
     pools.update(result, fds)
     return pools
+
+
+# ---------------------------------------------------------------------------- host pools
+
+class KvHostPools:
+    """The host (L2) pools of one model as ``kv_attach`` maps them, for the key-addressed store.
+
+    ``full`` and ``swa`` (None when the model has no SWA host pool) are ``torch.uint8`` tensors
+    ``[slots, page_nbytes]`` over the daemon's own host memory: row ``s`` is the slot ``s`` that
+    ``kv_lookup`` and ``kv_reserve`` name. Slot 0 is reserved: never write it.
+    ``page_nbytes`` maps each pool kind to its page size in bytes.
+    """
+
+    def __init__(self, model: str, tensors: Mapping[str, torch.Tensor],
+                 infos: Mapping[str, Any]) -> None:
+        if "full" not in tensors:
+            raise PoolError(f"{model}: the daemon sent no full host pool")
+        self.model = model
+        self.infos: dict[str, Any] = dict(infos)
+        self.full: torch.Tensor = tensors["full"]
+        self.swa: torch.Tensor | None = tensors.get("swa")
+        self.page_nbytes: dict[str, int] = {k: int(t.shape[1]) for k, t in tensors.items()}
+
+    def pool(self, kind: str) -> torch.Tensor:
+        t = self.full if kind == "full" else self.swa if kind == "swa" else None
+        if t is None:
+            raise PoolError(f"{self.model}: no {kind!r} host pool")
+        return t
+
+    def __repr__(self) -> str:
+        return f"<KvHostPools {self.model}: " + ", ".join(
+            f"{k}={n}B x {self.pool(k).shape[0]}" for k, n in self.page_nbytes.items()) + ">"
+
+
+def attach_host_pools(model: str, result: KvAttachResult, fds: Sequence[int]) -> KvHostPools:
+    """Map every host pool of a ``kv_attach`` response; ``fds`` are not closed here."""
+    import torch
+
+    tensors: dict[str, Any] = {}
+    infos: dict[str, Any] = {}
+    for info in result.pools:
+        if info.pool in infos:
+            raise PoolError(f"{model}: the daemon sent the {info.pool!r} host pool twice")
+        if not 0 <= info.fd_index < len(fds):
+            raise PoolError(f"{model} {info.pool} host pool: fd_index {info.fd_index} but "
+                            f"{len(fds)} fds came with the response")
+        if info.slots < 1 or info.page_nbytes < 1 or info.nbytes != info.slots * info.page_nbytes:
+            raise PoolError(f"{model} {info.pool} host pool: {info.slots} slots x "
+                            f"{info.page_nbytes} B disagree with nbytes {info.nbytes}")
+        tensors[info.pool] = _map_fd(fds[info.fd_index], info.nbytes, torch.uint8,
+                                     (info.slots, info.page_nbytes))
+        infos[info.pool] = info
+    return KvHostPools(model, tensors, infos)

@@ -169,10 +169,58 @@ class Prefetch(Request, tag="prefetch"):
     timeout_ms: int = 0  # policy "timeout": the wait; 0 takes the daemon's prefetch_timeout_ms
 
 
-# operations allowed inside a batch (everything but hello, attach and batch itself)
+# ---- the key-addressed page store (docs/protocol.md, "Keyed pages")
+
+#: Pool kinds of a keyed page; "swa" only on a model with an SWA host pool.
+KV_POOLS = ("full", "swa")
+#: Length bounds of a keyed page's key, in bytes.
+KV_KEY_MIN, KV_KEY_MAX = 1, 128
+
+
+class KvAttach(Request, tag="kv_attach"):
+    """Map the model's host (L2) pools: their memfds come with the response (SCM_RIGHTS)."""
+
+    model: str
+
+
+class KvLookup(Request, tag="kv_lookup"):
+    """Which keys the store holds (and their slots); with ``pin``, the slots stay put."""
+
+    model: str
+    keys: list[bytes]
+    pool: str = "full"
+    pin: bool = True
+    fetch: bool = False  # first bring keys only Redis (L3) holds into host
+    timeout_ms: int = 0  # fetch: the wait; 0 takes the daemon's prefetch_timeout_ms
+
+
+class KvReserve(Request, tag="kv_reserve"):
+    """Fresh host slots for the keys not stored yet, to write and then ``kv_commit``."""
+
+    model: str
+    keys: list[bytes]
+    pool: str = "full"
+
+
+class KvCommit(Request, tag="kv_commit"):
+    model: str
+    pin: int
+
+
+class KvRelease(Request, tag="kv_release"):
+    model: str
+    pin: int
+
+
+class KvClear(Request, tag="kv_clear"):
+    model: str
+
+
+# operations allowed inside a batch (everything but hello, attach, kv_attach, load, prefetch,
+# kv_lookup with fetch, and batch itself)
 BatchOp = Union[  # noqa: UP007 - msgspec needs a real Union of tagged structs
     Ping, Match, Lock, Unlock, ReleaseSwa, Alloc, Free, Insert, CacheUnfinished, CacheFinished,
-    Evict, Stats,
+    Evict, Stats, KvLookup, KvReserve, KvCommit, KvRelease, KvClear,
 ]
 
 
@@ -183,7 +231,8 @@ class Batch(Request, tag="batch"):
 
 AnyRequest = Union[  # noqa: UP007
     Hello, Ping, Attach, Match, Lock, Unlock, ReleaseSwa, Alloc, Free, Insert, CacheUnfinished,
-    CacheFinished, Evict, Stats, Load, Prefetch, Batch,
+    CacheFinished, Evict, Stats, Load, Prefetch, Batch, KvAttach, KvLookup, KvReserve,
+    KvCommit, KvRelease, KvClear,
 ]
 
 OPS: dict[str, type[Request]] = {
@@ -315,6 +364,40 @@ class EvictResult(Result):
     host_pages: int = 0
 
 
+class KvPoolInfo(Result):
+    """One host pool of a model, as ``kv_attach`` maps it: ``slots`` x ``page_nbytes`` bytes."""
+
+    pool: str  # "full" or "swa"
+    fd_index: int  # index into the fds that came with this frame
+    slots: int  # slot 0 is reserved (never handed out)
+    page_nbytes: int
+    nbytes: int  # slots * page_nbytes
+    description: dict[str, Any] = {}  # the host pool's own description (dtype, page shape)
+
+
+class KvAttachResult(Result):
+    pools: list[KvPoolInfo]
+
+
+class KvLookupResult(Result):
+    present: bytes  # one byte per key: 1 present, 0 absent
+    slots: array  # the slot of each present key, 0 where absent (int32 LE bin on the wire)
+    prefix: int  # leading keys present
+    pin: int  # 0 when not pinned or nothing present
+    fetched: int = 0  # keys brought from Redis (L3) into host by this call
+
+
+class KvReserveResult(Result):
+    slots: array  # a fresh slot per key, 0 where there is nothing to write (int32 LE bin)
+    pin: int  # 0 when no slot was reserved
+    full: int = 0  # keys that got no slot for want of room or quota (declined, not an error)
+    busy: int = 0  # keys another session has reserved and not committed yet (slot 0)
+
+
+class KvClearResult(Result):
+    removed: int
+
+
 class StatsResult(Result):
     tenant: str
     namespace: str
@@ -355,6 +438,12 @@ RESULT_TYPES: dict[str, type[Result]] = {
     "load": LoadResult,
     "prefetch": PrefetchResult,
     "batch": BatchResult,
+    "kv_attach": KvAttachResult,
+    "kv_lookup": KvLookupResult,
+    "kv_reserve": KvReserveResult,
+    "kv_commit": Empty,
+    "kv_release": Empty,
+    "kv_clear": KvClearResult,
 }
 
 
@@ -367,10 +456,26 @@ class Response(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 # ---------------------------------------------------------------------------- codec
 
-_encoder = msgspec.msgpack.Encoder()
+def _enc_hook(obj: Any) -> Any:
+    """``array('i')`` fields (the keyed store's slots) travel as int32 little-endian ``bin``."""
+    if isinstance(obj, array):
+        return int32_bytes(obj)
+    raise NotImplementedError(f"cannot encode {type(obj).__name__}")
+
+
+def _dec_hook(kind: type, obj: Any) -> Any:
+    if kind is array and isinstance(obj, (bytes, bytearray)):
+        if len(obj) & 3:
+            raise ValueError(f"int32 bytes: length {len(obj)} is not a multiple of 4")
+        return int32_array(obj)
+    raise NotImplementedError(f"cannot decode {kind.__name__}")
+
+
+_encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
 _request_decoder = msgspec.msgpack.Decoder(AnyRequest)
 _response_decoder = msgspec.msgpack.Decoder(Response)
-_result_decoders = {op: msgspec.msgpack.Decoder(t) for op, t in RESULT_TYPES.items()}
+_result_decoders = {op: msgspec.msgpack.Decoder(t, dec_hook=_dec_hook)
+                    for op, t in RESULT_TYPES.items()}
 
 
 def encode(obj: Any) -> bytes:

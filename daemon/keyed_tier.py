@@ -1,0 +1,468 @@
+"""The key-addressed page store of one model: engine-supplied keys naming host (L2) slots, beside
+the tree's token-addressed pages and sharing their host pools, eviction order and quotas.
+
+Engines (the SGLang HiCache backend) map the model's host pools (``kv_attach``) and copy page
+bytes in and out of the slots this store names; no page byte travels through the socket. The
+bookkeeping (keys, pins, recency) is :class:`~daemon.storage.keyed_pages.KeyedPages`; this layer
+takes and frees the slots in the content-addressed :class:`~daemon.storage.host_pool.HostPool`
+(each keyed page holds one reference, recorded in ``HostTier.keyed`` for the conservation check).
+
+Eviction (one order for keyed pages and the tree's host-only pages): both are stamped on the
+tree's churn clock (a keyed page when it is committed or hit). When a pool kind runs short, the
+next victim is whichever is older: the least recently used unpinned keyed page, or the tree's next
+host victim (the head of its host eviction queue, whose key is the tree policy's ``host_key``);
+a tie goes to the keyed page. The tree's own host copies (``tier_jobs.reserve_host``) make room
+through :meth:`KeyedTier.make_room` too, so neither side can starve the other.
+
+Quotas: a tenant's ``quota_host`` counts full host pages of its namespace, the tree's and the
+keyed ones (stored or reserved) together; over it, the namespace's own oldest host pages go
+first, then the keys that do not fit are declined (slot 0, counted in ``full``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import time
+from array import array
+from collections.abc import Hashable
+from typing import Any
+
+from radixd_client import protocol as P
+
+from .model_cache import ModelCache
+from .storage.codec import encode_page
+from .storage.host_pool import HostPool
+from .storage.host_tier import HostTier
+from .storage.keyed_pages import KeyedPage, KeyedPages, KvPin, keyed_hash
+from .storage.redis_tier import RedisTier
+
+log = logging.getLogger("radixd.keyed")
+
+#: Most keys one request may name.
+MAX_KEYS = 65536
+#: Most keyed pages one L3 write batch encodes.
+L3_WRITE_BATCH = 64
+#: Most keyed pages waiting for Redis (each holds its host slot): past it the oldest are dropped.
+MAX_L3_QUEUE = 4096
+
+
+class KvError(Exception):
+    """A refused keyed-store request, with its protocol error code."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class KeyedTier:
+    """Keyed pages of one model over its host tier."""
+
+    def __init__(self, cache: ModelCache, host: HostTier, host_quotas: dict[str, int],
+                 model: str, l3: RedisTier | None = None, l3_policy: str = "write_through"
+                 ) -> None:
+        self.cache = cache
+        self.host = host
+        self.host_quotas = host_quotas
+        self.model = model
+        self.fingerprint = cache.profile.layout_fingerprint()
+        self.pages = KeyedPages()
+        cache.keyed = self  # the tree's host copies make room through make_room
+        self.l3 = l3
+        self.l3_policy = l3_policy
+        # L3 names a keyed page by its host hash salted with the model's name (as the tiers do
+        # for tree pages: two models of one layout must not share values)
+        self._l3_salt = b"radixd-l3-keyed\x00" + model.encode() + b"\x00"
+        # (pool kind, held host slot or 0, L3 id, key, encoded value or None, the page)
+        self._l3_queue: list[tuple[str, int, bytes, bytes, bytes | None, KeyedPage]] = []
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self._writing = False
+        self.counters = dict.fromkeys((
+            "kv_lookups", "kv_lookup_keys", "kv_hit_keys", "kv_reserved", "kv_committed",
+            "kv_aborted", "kv_declined", "kv_evicted", "kv_cleared", "kv_l3_write_pages",
+            "kv_l3_write_failures", "kv_l3_fetched", "kv_l3_fetch_timeouts"), 0)
+
+    # ------------------------------------------------------------------ validation
+
+    def pool(self, kind: str) -> HostPool:
+        if kind not in P.KV_POOLS:
+            raise KvError(P.Code.BAD_ARGUMENT,
+                          f"pool must be one of {list(P.KV_POOLS)}, got {kind!r}")
+        p = self.host.full if kind == "full" else self.host.swa
+        if p is None:
+            raise KvError(P.Code.BAD_ARGUMENT,
+                          f"model {self.model!r} has no {kind} host pool (no sliding-window "
+                          "layers, or host_swa_pages = 0)")
+        return p
+
+    @staticmethod
+    def check_keys(keys: list[bytes], unique: bool) -> None:
+        if len(keys) > MAX_KEYS:
+            raise KvError(P.Code.BAD_ARGUMENT, f"{len(keys)} keys; at most {MAX_KEYS} per request")
+        for i, k in enumerate(keys):
+            if not P.KV_KEY_MIN <= len(k) <= P.KV_KEY_MAX:
+                raise KvError(P.Code.BAD_ARGUMENT,
+                              f"keys[{i}]: {len(k)} bytes; a key is {P.KV_KEY_MIN} to "
+                              f"{P.KV_KEY_MAX} bytes")
+        if unique and len(set(keys)) != len(keys):
+            raise KvError(P.Code.BAD_ARGUMENT, "keys: a key appears twice in one reservation")
+
+    def _pin(self, owner: Hashable, pin_id: int) -> KvPin:
+        pin = self.pages.pin_of(owner, pin_id) if isinstance(pin_id, int) else None
+        if pin is None:
+            raise KvError(P.Code.BAD_RECEIPT,
+                          f"pin {pin_id!r} is not one this session holds on model {self.model!r} "
+                          "(never taken, already committed or released)")
+        return pin
+
+    # ------------------------------------------------------------------ slots
+
+    def _take(self, kind: str, h: bytes) -> int:
+        slot = self.host.pool(kind).store(h)
+        self.host.keyed[kind].add(slot)
+        return slot
+
+    def _free(self, kind: str, slots: list[int]) -> None:
+        pool = self.host.pool(kind)
+        for s in slots:
+            self.host.keyed[kind].discard(s)
+            pool.release(s)
+
+    def _drop(self, page: KeyedPage, evicted: bool = False) -> None:
+        """Forget a page and free its slot; an evicted page L3 write-back still owes Redis is
+        encoded first (its bytes are intact until the slot is freed)."""
+        if evicted and self.l3 is not None and self.l3_policy == "write_back" and not page.in_l3:
+            value = encode_page(pool=page.kind, page_hash=self.l3_id(page.hash),
+                                fingerprint=self.fingerprint, key=page.key,
+                                payload=self.host.pool(page.kind).page_bytes(page.slot))
+            self._queue((page.kind, 0, self.l3_id(page.hash), page.key, value, page))
+        self.pages.remove(page)
+        self._free(page.kind, [page.slot])
+
+    def _tree_victim(self, ns: str | None) -> tuple[str, float] | None:
+        """The namespace and key of the tree's next host victim (of ``ns`` if given)."""
+        best: tuple[str, float] | None = None
+        for name, space in self.cache.tree.namespaces.items():
+            if ns is not None and name != ns:
+                continue
+            q = space.host_q
+            if q.peek() is not None and (best is None or q.heap[0][0] < best[1]):
+                best = (name, q.heap[0][0])
+        return best
+
+    def _evict_one(self, kind: str, ns: str | None) -> bool:
+        """Evict the older of the next keyed victim and the tree's next host victim; False
+        when neither exists."""
+        page = next(self.pages.victims(kind, ns), None)
+        tree = self._tree_victim(ns) if kind == "full" or self.cache.tree.host_swa_pages else None
+        if page is None and tree is None:
+            return False
+        if page is not None and (tree is None or page.stamp <= tree[1]):
+            self._drop(page, evicted=True)
+            self.counters["kv_evicted"] += 1
+        elif kind == "full":
+            self.cache.evict_host(1, namespace=tree[0])  # type: ignore[index]
+        else:
+            self.cache.evict_host(0, namespace=tree[0], swa_slots=1)  # type: ignore[index]
+        return True
+
+    def make_room(self, kind: str, need: int, ns: str | None = None) -> None:
+        """Evict (keyed and tree host pages, one order) until ``need`` slots of ``kind`` are
+        free or nothing evictable is left; ``ns``: only that namespace's pages."""
+        self.cache.flush_host_drops()
+        pool = self.host.pool(kind)
+        while pool.available < need and self._evict_one(kind, ns):
+            pass
+
+    def host_used(self, ns: str) -> int:
+        """Full host pages the namespace holds: the tree's and the keyed ones."""
+        space = self.cache.tree.namespaces.get(ns)
+        return (space.host_pages if space is not None else 0) + self.pages.pages_of(ns)
+
+    def fit_quota(self, ns: str, want: int) -> int:
+        """How many of ``want`` new full host pages the namespace's quota admits, after its own
+        oldest host pages went."""
+        quota = self.host_quotas.get(ns, 0)
+        if not quota:
+            return want
+        while self.host_used(ns) + want > quota and self._evict_one("full", ns):
+            pass
+        return max(0, min(want, quota - self.host_used(ns)))
+
+    # ------------------------------------------------------------------ operations
+
+    def lookup(self, owner: Hashable, ns: str, kind: str, keys: list[bytes], pin: bool
+               ) -> P.KvLookupResult:
+        self.pool(kind)
+        self.check_keys(keys, unique=False)
+        present = bytearray(len(keys))
+        slots = array("i", bytes(4 * len(keys)))
+        found: list[KeyedPage] = []
+        clock = self.cache.tree.clock
+        prefix = -1
+        for i, k in enumerate(keys):
+            page = self.pages.get(ns, kind, k)
+            if page is None:
+                if prefix < 0:
+                    prefix = i
+                continue
+            present[i] = 1
+            slots[i] = page.slot
+            self.pages.touch(page, clock)
+            found.append(page)
+        c = self.counters
+        c["kv_lookups"] += 1
+        c["kv_lookup_keys"] += len(keys)
+        c["kv_hit_keys"] += len(found)
+        pin_id = self.pages.pin_pages(owner, ns, kind, found).id if pin and found else 0
+        return P.KvLookupResult(present=bytes(present), slots=slots,
+                                prefix=len(keys) if prefix < 0 else prefix, pin=pin_id)
+
+    def reserve(self, owner: Hashable, ns: str, kind: str, keys: list[bytes]
+                ) -> P.KvReserveResult:
+        pool = self.pool(kind)
+        self.check_keys(keys, unique=True)
+        slots = array("i", bytes(4 * len(keys)))
+        clock = self.cache.tree.clock
+        want = 0
+        for k in keys:
+            page = self.pages.get(ns, kind, k)
+            if page is not None:
+                self.pages.touch(page, clock)  # in use: the last to make room
+            elif not self.pages.is_reserved(ns, kind, k):
+                want += 1
+        fit = self.fit_quota(ns, want) if kind == "full" else want
+        self.make_room(kind, fit)
+        # after the eviction: a key it took is no longer stored, and is written (or declined)
+        todo: list[int] = []
+        busy = 0
+        for i, k in enumerate(keys):
+            if self.pages.get(ns, kind, k) is not None:
+                continue  # stored: nothing to write
+            if self.pages.is_reserved(ns, kind, k):
+                busy += 1  # another reservation is writing it
+                continue
+            todo.append(i)
+        fit = min(fit, len(todo), pool.available)
+        taken: dict[bytes, tuple[int, bytes]] = {}
+        for i in todo[:fit]:
+            h = keyed_hash(ns, self.fingerprint, kind, keys[i])
+            slots[i] = self._take(kind, h)
+            taken[keys[i]] = (slots[i], h)
+        declined = len(todo) - fit
+        c = self.counters
+        c["kv_reserved"] += fit
+        c["kv_declined"] += declined
+        pin_id = self.pages.reserve(owner, ns, kind, taken).id if taken else 0
+        return P.KvReserveResult(slots=slots, pin=pin_id, full=declined, busy=busy)
+
+    def commit(self, owner: Hashable, pin_id: int) -> list[KeyedPage]:
+        pin = self._pin(owner, pin_id)
+        if not pin.is_reservation:
+            raise KvError(P.Code.BAD_ARGUMENT,
+                          f"pin {pin_id} is a lookup pin: release it (kv_release), only a "
+                          "reservation is committed")
+        pages = self.pages.commit(pin, self.cache.tree.clock)
+        self.counters["kv_committed"] += len(pages)
+        if self.l3 is not None and self.l3_policy == "write_through":
+            for page in pages:  # the slot is held (a reader) until its value is encoded
+                if self.host.hold(page.kind, (page.slot,)):
+                    self._queue((page.kind, page.slot, self.l3_id(page.hash), page.key, None,
+                                 page))
+        return pages
+
+    def release(self, owner: Hashable, pin_id: int) -> None:
+        pin = self._pin(owner, pin_id)
+        freed = self.pages.release(pin)
+        if freed:
+            self._free(pin.kind, freed)
+            self.counters["kv_aborted"] += len(freed)
+
+    def release_owner(self, owner: Hashable) -> int:
+        """Every pin and reservation of an owner ends (its session is gone)."""
+        pins = self.pages.owner_pins(owner)
+        for pin in pins:
+            self.release(owner, pin.id)
+        return len(pins)
+
+    def clear(self, ns: str) -> list[KeyedPage]:
+        """Drop the namespace's unpinned keyed pages, and their Redis copies (in the
+        background, fail-soft); returns them."""
+        gone = [p for p in self.pages.pages.values() if p.ns == ns and not p.pins]
+        for page in gone:
+            self._drop(page)
+        self.counters["kv_cleared"] += len(gone)
+        if self.l3 is not None and gone:
+            for kind in P.KV_POOLS:
+                ids = [self.l3_id(p.hash) for p in gone if p.kind == kind]
+                if ids:
+                    asyncio.get_running_loop().create_task(self.l3.delete(ids, kind))
+        return gone
+
+    # ------------------------------------------------------------------ L3 (Redis)
+
+    def l3_id(self, page_hash: bytes) -> bytes:
+        """A keyed page's name in Redis."""
+        return hashlib.sha256(self._l3_salt + page_hash).digest()
+
+    def _queue(self, item: tuple[str, int, bytes, bytes, bytes | None, KeyedPage]) -> None:
+        self._l3_queue.append(item)
+        if len(self._l3_queue) > MAX_L3_QUEUE:
+            drop = len(self._l3_queue) - MAX_L3_QUEUE
+            for kind, slot, *_ in self._l3_queue[:drop]:
+                if slot:
+                    self.host.unhold(kind, (slot,))
+            del self._l3_queue[:drop]
+            self.counters["kv_l3_write_failures"] += drop
+        if self._wake is not None:
+            self._wake.set()
+
+    def start(self) -> None:
+        """Start the L3 writer (on the running loop) when the model writes to Redis."""
+        if self.l3 is not None:
+            self._wake = asyncio.Event()
+            self._task = asyncio.create_task(self._writer(), name=f"radixd-kv-l3-{self.model}")
+
+    async def drain(self, deadline: float) -> None:
+        """Finish queued Redis writes by ``deadline`` (time.monotonic(); shutdown)."""
+        while (self._l3_queue or self._writing) and time.monotonic() < deadline:
+            if self._wake is not None:
+                self._wake.set()
+            await asyncio.sleep(0.01)
+
+    async def aclose(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+            self._task = None
+        for kind, slot, *_ in self._l3_queue:
+            if slot:
+                self.host.unhold(kind, (slot,))
+        self._l3_queue.clear()
+
+    async def _writer(self) -> None:
+        assert self._wake is not None and self.l3 is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._l3_queue:
+                batch = self._l3_queue[:L3_WRITE_BATCH]
+                del self._l3_queue[:L3_WRITE_BATCH]
+                self._writing = True
+                try:
+                    try:
+                        values = await loop.run_in_executor(None, self._encode, batch)
+                    finally:
+                        for kind, slot, *_ in batch:
+                            if slot:
+                                self.host.unhold(kind, (slot,))
+                    written = await self.l3.set_pages(values)
+                    self.counters["kv_l3_write_pages"] += written
+                    self.counters["kv_l3_write_failures"] += len(values) - written
+                    if written == len(values):
+                        for *_, page in batch:
+                            page.in_l3 = True
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    log.exception("keyed L3 write failed")
+                    self.counters["kv_l3_write_failures"] += len(batch)
+                finally:
+                    self._writing = False
+
+    def _encode(self, batch: list[tuple[str, int, bytes, bytes, bytes | None, KeyedPage]]
+                ) -> list[bytes]:
+        """Runs in a worker thread: the slots are held, so their bytes cannot change."""
+        return [value if value is not None else
+                encode_page(pool=kind, page_hash=l3id, fingerprint=self.fingerprint, key=key,
+                            payload=self.host.pool(kind).page_bytes(slot))
+                for kind, slot, l3id, key, value, _ in batch]
+
+    async def fetch(self, ns: str, kind: str, keys: list[bytes], timeout_s: float) -> int:
+        """Bring the keys only Redis holds into host (verified values; any mismatch is a miss),
+        waiting at most ``timeout_s``; returns how many arrived. Redis down is a miss."""
+        self.pool(kind)
+        self.check_keys(keys, unique=False)
+        if self.l3 is None:
+            return 0
+        missing = list(dict.fromkeys(
+            k for k in keys if self.pages.get(ns, kind, k) is None
+            and not self.pages.is_reserved(ns, kind, k)))
+        if not missing:
+            return 0
+        hashes = [keyed_hash(ns, self.fingerprint, kind, k) for k in missing]
+        try:
+            values = await asyncio.wait_for(
+                self.l3.get_pages([self.l3_id(h) for h in hashes], kind, self.fingerprint,
+                                  page_keys=missing), timeout_s)
+        except asyncio.TimeoutError:
+            self.counters["kv_l3_fetch_timeouts"] += 1
+            return 0
+        found = [(k, h, v) for k, h, v in zip(missing, hashes, values, strict=True)
+                 if v is not None]
+        # what arrived meanwhile (another fetch, a commit) is not stored twice
+        found = [(k, h, v) for k, h, v in found if self.pages.get(ns, kind, k) is None
+                 and not self.pages.is_reserved(ns, kind, k)]
+        fit = self.fit_quota(ns, len(found)) if kind == "full" else len(found)
+        self.make_room(kind, fit)
+        fit = min(fit, self.host.pool(kind).available)
+        clock = self.cache.tree.clock
+        pool = self.host.pool(kind)
+        for k, h, v in found[:fit]:  # on the loop: a slot is never visible before it is full
+            slot = self._take(kind, h)
+            pool.write_page_bytes(slot, v.payload)
+            self.pages.add_stored(ns, kind, k, slot, h, clock)
+        self.counters["kv_l3_fetched"] += fit
+        return fit
+
+    # ------------------------------------------------------------------ checking and reporting
+
+    def check(self, live_owners: set[Hashable]) -> list[str]:
+        """The store's invariants: its bookkeeping, and per host pool kind free + tree host +
+        keyed + reserved (+ copies in flight) = capacity, with no slot in two places and every
+        keyed slot holding the page's own hash."""
+        v = self.pages.audit(live_owners)
+        for kind in P.KV_POOLS:
+            pool = self.host.full if kind == "full" else self.host.swa
+            stored = [p.slot for p in self.pages.pages.values() if p.kind == kind]
+            reserved = [s for pin in self.pages.pins.values()
+                        if pin.kind == kind and pin.reserved is not None
+                        for s, _ in pin.reserved.values()]
+            if pool is None:
+                if stored or reserved:
+                    v.append(f"keyed {kind} pages but no {kind} host pool")
+                continue
+            mine = set(stored) | set(reserved)
+            if len(mine) != len(stored) + len(reserved):
+                v.append(f"keyed {kind}: a host slot is held by two keyed pages or reservations")
+            if mine != self.host.keyed[kind]:
+                v.append(f"keyed {kind}: slots {sorted(mine ^ self.host.keyed[kind])[:10]} "
+                         "disagree with the host tier's keyed set")
+            held = pool.held()
+            if mine - held:
+                v.append(f"keyed {kind}: slots {sorted(mine - held)[:10]} are free in the pool")
+            others = held - mine  # the tree's host pages, copies in flight, L3 readers
+            if pool.available + len(others) + len(stored) + len(reserved) != pool.usable:
+                v.append(f"keyed {kind}: free {pool.available} + tree and copies {len(others)} "
+                         f"+ keyed {len(stored)} + reserved {len(reserved)} != capacity "
+                         f"{pool.usable}")
+            for page in self.pages.pages.values():
+                if page.kind == kind and pool.hash_of(page.slot) != page.hash:
+                    v.append(f"keyed page {page.key!r}: slot {page.slot} holds another hash")
+                    break
+        return v
+
+    def stats(self, ns: str) -> dict[str, int]:
+        """The namespace's keyed pages and the model's keyed-store counters."""
+        out: dict[str, Any] = {
+            "kv_pages": sum(1 for p in self.pages.pages.values() if p.ns == ns),
+            "kv_pages_model": len(self.pages.pages),
+            "kv_pins": len(self.pages.pins),
+        }
+        out.update(self.counters)
+        return out

@@ -1,0 +1,240 @@
+"""The on-disk (tmpfs) form of the host tier across a restart: an index and one page file per pool.
+
+A graceful stop writes, into ``[server] state_dir``:
+
+* ``host-<n>-<kind>.pages`` for every host pool that holds pages: the held pages, concatenated
+  in the order the index lists their slots (only held slots, so the file is as large as what the
+  tier held, not its capacity);
+* ``host-index.bin``, written last and atomically (a temporary name, then ``rename``): the magic
+  ``b"RXHS"``, the index format version (u32), a CRC-32 of the body (u32), and the body, one
+  msgpack map (:class:`HostSnapshot`).
+
+The body is extensible: ``sections`` maps a section name to its version, and a reader drops (with
+a log line) a section whose version it does not know, rather than the whole snapshot. Sections of
+version 1: ``tree`` (the host copies of the prefix tree, as nodes listed parent first) and
+``keyed`` (the key-addressed store's stored pages). Per model the body records its layout
+fingerprint and per pool the page size in bytes, the slots and a CRC-32 of each page's bytes
+(:func:`zlib.crc32`, the checksum of :mod:`daemon.storage.codec`, for the same reasons: any
+corruption up to 32 bits is caught, the rest with probability 2**-32).
+
+Why written at stop rather than a pool mapped from tmpfs: the host pools are sealed memfds that
+engines map (``kv_attach``); a regular tmpfs file cannot be sealed, and an engine truncating it
+would crash the daemon with SIGBUS. The price is one copy of the held pages at stop and one at
+start (memory bandwidth; see bench/restart_bench.py). The systemd FD store, where it is used,
+needs no copy at all: the memfds themselves survive.
+
+A snapshot is consumed when read (:func:`take_snapshot` removes the index first), so a daemon
+that crashes later never restores pages it has since overwritten.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import zlib
+from array import array
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+log = logging.getLogger("radixd.warm_restart")
+
+MAGIC = b"RXHS"
+#: Version of the index container (the header and the body's top-level fields).
+INDEX_VERSION = 1
+#: Section versions this daemon writes and reads.
+SECTIONS = {"tree": 1, "keyed": 1}
+INDEX_NAME = "host-index.bin"
+_HEAD = struct.Struct("<4sII")
+
+
+class SnapshotError(ValueError):
+    """The index cannot be used at all (missing pieces are not errors: they restore nothing)."""
+
+
+class PoolImage(msgspec.Struct, array_like=True):
+    """One host pool's held pages: ``slots[i]``'s bytes are page ``i`` of ``file``."""
+
+    file: str
+    page_nbytes: int
+    slots: bytes  # array('i')
+    crcs: bytes  # array('I'), one CRC-32 per page
+
+
+class TreeNodeRecord(msgspec.Struct, array_like=True):
+    """A node with a host copy. ``parent``: index of its parent in the list, -1 for the root of
+    namespace ``ns``; ``host``/``host_swa``: array('i') of its host slots (``host_swa`` empty
+    when it has no SWA copies, 0 entries where a page has none)."""
+
+    parent: int
+    ns: str
+    tokens: bytes
+    host: bytes
+    host_swa: bytes
+
+
+class KeyedRecord(msgspec.Struct, array_like=True):
+    ns: str
+    kind: str
+    key: bytes
+    slot: int
+
+
+class ModelImage(msgspec.Struct):
+    fingerprint: bytes
+    pools: dict[str, PoolImage] = {}
+    tree: list[TreeNodeRecord] = []
+    keyed: list[KeyedRecord] = []
+
+
+class HostSnapshot(msgspec.Struct):
+    sections: dict[str, int]
+    models: dict[str, ModelImage]
+
+
+@dataclass
+class PageSource:
+    """Verified access to one pool's saved pages: ``page(slot)`` is the bytes saved for ``slot``
+    when they match their checksum, else None (never served)."""
+
+    page_nbytes: int
+    offsets: dict[int, int] = field(default_factory=dict)  # slot -> index in the file
+    crcs: array = field(default_factory=lambda: array("I"))
+    data: memoryview | None = None
+
+    def page(self, slot: int) -> memoryview | None:
+        i = self.offsets.get(slot)
+        if i is None or self.data is None:
+            return None
+        start = i * self.page_nbytes
+        chunk = self.data[start : start + self.page_nbytes]
+        if len(chunk) != self.page_nbytes or zlib.crc32(chunk) != self.crcs[i]:
+            return None
+        return chunk
+
+
+def pool_file(model_index: int, kind: str) -> str:
+    return f"host-{model_index}-{kind}.pages"
+
+
+def check_state_dir(path: str) -> str:
+    """Create ``path`` if missing and prove it is a writable directory; returns the error text
+    (empty when usable), for the config check and start-up to report with the key's name."""
+    if not os.path.isabs(path):
+        return f"{path!r} is not an absolute path"
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+    except OSError as exc:
+        return f"cannot create {path!r}: {exc.strerror}"
+    if not os.path.isdir(path):
+        return f"{path!r} is not a directory"
+    if not os.access(path, os.W_OK | os.X_OK):
+        return f"{path!r} is not writable by uid {os.getuid()}"
+    return ""
+
+
+def write_pool(state_dir: str, name: str, pages: Iterator[tuple[int, memoryview]],
+               page_nbytes: int) -> PoolImage:
+    """Write the pages of one pool (slot, bytes) to ``name``; returns their index entry."""
+    slots, crcs = array("i"), array("I")
+    with open(os.path.join(state_dir, name), "wb", buffering=1 << 20) as f:
+        for slot, data in pages:
+            f.write(data)
+            slots.append(slot)
+            crcs.append(zlib.crc32(data))
+    return PoolImage(name, page_nbytes, slots.tobytes(), crcs.tobytes())
+
+
+def write_index(state_dir: str, snap: HostSnapshot) -> int:
+    """Write the index atomically (it names the page files, so it goes last); returns bytes."""
+    body = msgspec.msgpack.encode(snap)
+    path = os.path.join(state_dir, INDEX_NAME)
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(_HEAD.pack(MAGIC, INDEX_VERSION, zlib.crc32(body)))
+        f.write(body)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return _HEAD.size + len(body)
+
+
+def decode_index(raw: bytes) -> HostSnapshot:
+    """The index from its bytes; SnapshotError names what is wrong with it."""
+    if len(raw) < _HEAD.size:
+        raise SnapshotError(f"index is {len(raw)} bytes, shorter than its header")
+    magic, version, crc = _HEAD.unpack_from(raw)
+    if magic != MAGIC:
+        raise SnapshotError(f"index magic {magic!r}, expected {MAGIC!r}")
+    if version != INDEX_VERSION:
+        raise SnapshotError(f"index format version {version}; this daemon reads {INDEX_VERSION}")
+    body = memoryview(raw)[_HEAD.size :]
+    if zlib.crc32(body) != crc:
+        raise SnapshotError("index checksum mismatch")
+    try:
+        snap = msgspec.msgpack.decode(body, type=HostSnapshot)
+    except msgspec.DecodeError as exc:
+        raise SnapshotError(f"index body does not decode: {exc}") from None
+    for name, ver in list(snap.sections.items()):
+        if SECTIONS.get(name) != ver:
+            log.warning("warm restart: dropping section %r version %s (this daemon reads %s)",
+                        name, ver, SECTIONS.get(name, "none"))
+            del snap.sections[name]
+    return snap
+
+
+def take_snapshot(state_dir: str) -> HostSnapshot | None:
+    """Read and consume the index of ``state_dir``: None when there is none (a first start, or
+    the last stop was not graceful). Raises SnapshotError for an index that cannot be used."""
+    path = os.path.join(state_dir, INDEX_NAME)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        return None
+    os.unlink(path)  # consumed: a later crash must not restore pages overwritten since
+    return decode_index(raw)
+
+
+def open_pool(state_dir: str, image: PoolImage) -> PageSource:
+    """The saved pages of one pool (an empty source when its file is missing or short)."""
+    src = PageSource(image.page_nbytes)
+    slots = array("i")
+    slots.frombytes(image.slots)
+    src.crcs.frombytes(image.crcs)
+    if len(src.crcs) != len(slots) or os.sep in image.file:
+        return src
+    try:
+        with open(os.path.join(state_dir, image.file), "rb") as f:
+            src.data = memoryview(f.read())
+    except OSError as exc:
+        log.warning("warm restart: cannot read %s: %s", image.file, exc)
+        return src
+    src.offsets = {s: i for i, s in enumerate(slots)}
+    return src
+
+
+def remove_pages(state_dir: str) -> None:
+    """Delete the page files (after a restore, or when a stop saves nothing)."""
+    for name in os.listdir(state_dir):
+        if name.startswith("host-") and (name.endswith(".pages") or name.endswith(".tmp")):
+            try:
+                os.unlink(os.path.join(state_dir, name))
+            except OSError as exc:  # pragma: no cover - a file removed by someone else
+                log.warning("warm restart: cannot remove %s: %s", name, exc)
+
+
+def as_slots(raw: bytes) -> array:
+    a = array("i")
+    a.frombytes(raw)
+    return a
+
+
+def to_plain(snap: HostSnapshot) -> dict[str, Any]:
+    """A JSON-able summary of a snapshot (logs and tests)."""
+    return {name: {"nodes": len(m.tree), "keyed": len(m.keyed),
+                   "pages": {k: len(p.slots) // 4 for k, p in m.pools.items()}}
+            for name, m in snap.models.items()}

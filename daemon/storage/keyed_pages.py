@@ -1,0 +1,255 @@
+"""The bookkeeping of the key-addressed page store: which engine-supplied key names which host slot,
+who pins what, and the store's recency order. Pure: no memory, no I/O (``daemon.keyed_tier``
+composes it with the host pools, the tree's host pages and Redis).
+
+A keyed page lives in one namespace, one model (this object is per model) and one pool kind
+("full" or "swa"), and occupies exactly one host slot. Its identity in the content-addressed host
+pool is :func:`keyed_hash`, domain-separated from the tree's chain hashes.
+
+States of a key:
+
+* **reserved**: a session holds a fresh slot for it under a reservation pin and is writing it;
+  invisible to lookups; freed if the pin is released or the session ends;
+* **stored** (a :class:`KeyedPage`): visible to every session of the namespace, in the recency
+  order; a lookup pin on it keeps it from eviction and :meth:`KeyedPages.clear`.
+
+Not thread-safe: the daemon calls it from its event loop only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Hashable, Iterator
+from dataclasses import dataclass, field
+
+#: Domain tag of a keyed page's host-pool hash (tree page hashes chain from a namespace seed).
+KEYED_HASH_TAG = b"radixd-keyed-page\x00"
+
+Slot = int
+PageId = tuple[str, str, bytes]  # (namespace, pool kind, key)
+
+
+def keyed_hash(namespace: str, fingerprint: bytes, kind: str, key: bytes) -> bytes:
+    """The 32-byte content address of a keyed page: SHA-256 over a domain tag and the
+    length-prefixed namespace, layout fingerprint, pool kind and key, so it can equal neither a
+    tree page hash nor the hash of another (namespace, layout, kind, key)."""
+    h = hashlib.sha256(KEYED_HASH_TAG)
+    for part in (namespace.encode(), fingerprint, kind.encode(), key):
+        h.update(len(part).to_bytes(4, "little"))
+        h.update(part)
+    return h.digest()
+
+
+@dataclass(eq=False)
+class KeyedPage:
+    """A stored keyed page. ``stamp``: last commit or hit, on the tree's churn clock."""
+
+    ns: str
+    kind: str
+    key: bytes
+    slot: Slot
+    hash: bytes
+    stamp: int
+    pins: int = 0
+    in_l3: bool = False  # written to Redis (or read from it): an eviction owes Redis nothing
+
+
+@dataclass(eq=False)
+class KvPin:
+    """A lookup pin (``pages``) or a reservation (``reserved``: key -> (slot, hash))."""
+
+    id: int
+    owner: Hashable
+    ns: str
+    kind: str
+    pages: list[KeyedPage] = field(default_factory=list)
+    reserved: dict[bytes, tuple[Slot, bytes]] | None = None
+
+    @property
+    def is_reservation(self) -> bool:
+        return self.reserved is not None
+
+
+class KeyedPages:
+    """Keys, slots, pins and recency of one model's keyed pages."""
+
+    def __init__(self) -> None:
+        self.pages: dict[PageId, KeyedPage] = {}
+        # per pool kind, every stored page, least recently used first
+        self.order: dict[str, OrderedDict[PageId, KeyedPage]] = {
+            "full": OrderedDict(), "swa": OrderedDict()}
+        self.reserving: dict[PageId, int] = {}  # key being written -> its reservation pin
+        self.pins: dict[int, KvPin] = {}
+        self.by_owner: dict[Hashable, set[int]] = {}
+        # full-pool host pages per namespace, stored or reserved (the host quota counts them)
+        self.ns_pages: dict[str, int] = {}
+        self._next_pin = 1
+
+    # -- queries ---------------------------------------------------------------------------------
+
+    def get(self, ns: str, kind: str, key: bytes) -> KeyedPage | None:
+        return self.pages.get((ns, kind, key))
+
+    def is_reserved(self, ns: str, kind: str, key: bytes) -> bool:
+        return (ns, kind, key) in self.reserving
+
+    def pages_of(self, ns: str) -> int:
+        """Full-pool host slots the namespace's keyed pages occupy (stored or reserved)."""
+        return self.ns_pages.get(ns, 0)
+
+    def victims(self, kind: str, ns: str | None = None) -> Iterator[KeyedPage]:
+        """Unpinned stored pages of ``kind`` (of one namespace, if given), least recent first."""
+        for page in self.order[kind].values():
+            if not page.pins and (ns is None or page.ns == ns):
+                yield page
+
+    def pin_of(self, owner: Hashable, pin_id: int) -> KvPin | None:
+        """The owner's pin ``pin_id``, or None when it has none by that id."""
+        pin = self.pins.get(pin_id)
+        return pin if pin is not None and pin.owner == owner else None
+
+    # -- changes ---------------------------------------------------------------------------------
+
+    def _count(self, ns: str, kind: str, delta: int) -> None:
+        if kind == "full":
+            left = self.ns_pages.get(ns, 0) + delta
+            if left:
+                self.ns_pages[ns] = left
+            else:
+                self.ns_pages.pop(ns, None)
+
+    def _new_pin(self, owner: Hashable, ns: str, kind: str) -> KvPin:
+        pin = KvPin(self._next_pin, owner, ns, kind)
+        self._next_pin += 1
+        self.pins[pin.id] = pin
+        self.by_owner.setdefault(owner, set()).add(pin.id)
+        return pin
+
+    def _end_pin(self, pin: KvPin) -> None:
+        del self.pins[pin.id]
+        ids = self.by_owner[pin.owner]
+        ids.discard(pin.id)
+        if not ids:
+            del self.by_owner[pin.owner]
+
+    def touch(self, page: KeyedPage, stamp: int) -> None:
+        """A hit: the page becomes the most recent of its kind."""
+        page.stamp = stamp
+        self.order[page.kind].move_to_end((page.ns, page.kind, page.key))
+
+    def pin_pages(self, owner: Hashable, ns: str, kind: str, pages: list[KeyedPage]) -> KvPin:
+        pin = self._new_pin(owner, ns, kind)
+        pin.pages = pages
+        for p in pages:
+            p.pins += 1
+        return pin
+
+    def reserve(self, owner: Hashable, ns: str, kind: str,
+                slots: dict[bytes, tuple[Slot, bytes]]) -> KvPin:
+        """A reservation pin over fresh slots (key -> (slot, hash)) the caller took."""
+        pin = self._new_pin(owner, ns, kind)
+        pin.reserved = dict(slots)
+        for key in slots:
+            self.reserving[(ns, kind, key)] = pin.id
+        self._count(ns, kind, len(slots))
+        return pin
+
+    def commit(self, pin: KvPin, stamp: int) -> list[KeyedPage]:
+        """The reservation's keys become stored pages (the most recent); the pin ends."""
+        assert pin.reserved is not None
+        self._end_pin(pin)
+        out = []
+        for key, (slot, h) in pin.reserved.items():
+            pid = (pin.ns, pin.kind, key)
+            del self.reserving[pid]
+            page = KeyedPage(pin.ns, pin.kind, key, slot, h, stamp)
+            self.pages[pid] = page
+            self.order[pin.kind][pid] = page
+            out.append(page)
+        return out
+
+    def release(self, pin: KvPin) -> list[Slot]:
+        """End a pin; returns the slots of an aborted reservation, for the caller to free."""
+        self._end_pin(pin)
+        if pin.reserved is None:
+            for p in pin.pages:
+                p.pins -= 1
+            return []
+        for key in pin.reserved:
+            del self.reserving[(pin.ns, pin.kind, key)]
+        self._count(pin.ns, pin.kind, -len(pin.reserved))
+        return [slot for slot, _ in pin.reserved.values()]
+
+    def owner_pins(self, owner: Hashable) -> list[KvPin]:
+        return [self.pins[i] for i in sorted(self.by_owner.get(owner, ()))]
+
+    def remove(self, page: KeyedPage) -> None:
+        """Forget an unpinned stored page (evicted or cleared); the caller frees its slot."""
+        if page.pins:
+            raise ValueError(f"keyed page {page.key!r} is pinned {page.pins} times")
+        pid = (page.ns, page.kind, page.key)
+        del self.pages[pid]
+        del self.order[page.kind][pid]
+        self._count(page.ns, page.kind, -1)
+
+    def add_stored(self, ns: str, kind: str, key: bytes, slot: Slot, h: bytes, stamp: int
+                   ) -> KeyedPage:
+        """A page that arrived stored (fetched from Redis): no reservation in between."""
+        pid = (ns, kind, key)
+        page = KeyedPage(ns, kind, key, slot, h, stamp, in_l3=True)
+        self.pages[pid] = page
+        self.order[kind][pid] = page
+        self._count(ns, kind, 1)
+        return page
+
+    # -- checking ----------------------------------------------------------------------------------
+
+    def audit(self, live_owners: set[Hashable]) -> list[str]:
+        """Internal consistency: indexes, pin counts, owners alive, counters recomputed."""
+        v: list[str] = []
+        for kind, order in self.order.items():
+            mine = {pid for pid in self.pages if pid[1] == kind}
+            if set(order) != mine:
+                v.append(f"keyed {kind}: recency order and pages disagree on "
+                         f"{sorted(set(order) ^ mine)[:5]}")
+        for pid, page in self.pages.items():
+            if pid != (page.ns, page.kind, page.key):
+                v.append(f"keyed page {pid!r} is indexed under another key")
+        want_pins: dict[int, int] = {}
+        reserving: dict[PageId, int] = {}
+        counts: dict[str, int] = {}
+        for pin_id, pin in self.pins.items():
+            if pin.id != pin_id:
+                v.append(f"keyed pin {pin_id} records id {pin.id}")
+            if pin.owner not in live_owners:
+                v.append(f"keyed pin {pin_id} belongs to {pin.owner!r}, which is gone")
+            if pin_id not in self.by_owner.get(pin.owner, ()):
+                v.append(f"keyed pin {pin_id} is not listed for its owner")
+            if pin.reserved is None:
+                for p in pin.pages:
+                    if self.pages.get((p.ns, p.kind, p.key)) is not p:
+                        v.append(f"keyed pin {pin_id} pins a page that is not stored")
+                    want_pins[id(p)] = want_pins.get(id(p), 0) + 1
+            else:
+                for key in pin.reserved:
+                    pid = (pin.ns, pin.kind, key)
+                    if pid in reserving or pid in self.pages:
+                        v.append(f"keyed key {key!r} is reserved twice or reserved and stored")
+                    reserving[pid] = pin_id
+                    if pin.kind == "full":
+                        counts[pin.ns] = counts.get(pin.ns, 0) + 1
+        if reserving != self.reserving:
+            v.append("keyed reservations and the reserving index disagree")
+        listed = {i for ids in self.by_owner.values() for i in ids}
+        if listed != set(self.pins):
+            v.append(f"keyed pins listed by owners {len(listed)} != pins {len(self.pins)}")
+        for page in self.pages.values():
+            if page.pins != want_pins.get(id(page), 0):
+                v.append(f"keyed page {page.key!r}: pin count {page.pins}, pins account for "
+                         f"{want_pins.get(id(page), 0)}")
+            if page.kind == "full":
+                counts[page.ns] = counts.get(page.ns, 0) + 1
+        if counts != self.ns_pages:
+            v.append(f"keyed pages per namespace {self.ns_pages} != recomputed {counts}")
+        return v

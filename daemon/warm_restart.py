@@ -1,0 +1,288 @@
+"""Warm restart of the host tier (L2): save it at a graceful stop, rebuild it at the next start.
+
+At stop (:func:`save_host_state`, after the tiers drained): per model, every tree node with a
+host copy that hangs from its namespace root through nodes with host copies (the part of the tree
+that can exist without device pages), and every stored keyed page, with their pages and
+checksums (format: :mod:`daemon.storage.host_snapshot`). Device pages are not saved: on a GPU they
+cannot outlive the process, and on the CPU device they are not kept either (the engines that
+wrote them are gone; what they computed survives through the host copies).
+
+At start (:func:`restore_host_state`, before serving): a model whose layout fingerprint or page
+size changed restores nothing (one log line says why); each page is verified against its
+checksum and a page that fails is dropped with everything below it in the tree, never served.
+Kept pages get new slots in the fresh pools (content index, allocator, reference counts and the
+tree's host-page counts, the per-namespace quotas included, all follow from the ordinary
+operations: ``HostPool.store``, ``RadixTree.adopt_host``, ``KeyedPages.add_stored``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from array import array
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from .entities import ModelEntry
+from .storage.host_snapshot import (
+    SECTIONS,
+    HostSnapshot,
+    KeyedRecord,
+    ModelImage,
+    PageSource,
+    SnapshotError,
+    TreeNodeRecord,
+    as_slots,
+    open_pool,
+    pool_file,
+    remove_pages,
+    take_snapshot,
+    write_index,
+    write_pool,
+)
+from .storage.keyed_pages import keyed_hash
+from .tree import HASH_BYTES, Node, chain_hashes
+
+log = logging.getLogger("radixd.warm_restart")
+
+
+@dataclass
+class RestartReport:
+    """What the last start restored: status, the admin endpoint and /metrics show it."""
+
+    source: str = "none"  # "none" (nothing to restore), "state_dir"
+    kept_pages: int = 0
+    dropped_pages: int = 0
+    restore_seconds: float = 0.0
+    reason: str = ""  # why nothing was restored, when a snapshot was refused whole
+    models: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"source": self.source, "kept_pages": self.kept_pages,
+                "dropped_pages": self.dropped_pages,
+                "restore_seconds": round(self.restore_seconds, 6), "reason": self.reason,
+                "models": self.models}
+
+
+# ---------------------------------------------------------------------------------------- save
+
+def _host_nodes(root: Node) -> Iterator[Node]:
+    """Nodes with a host copy reachable from ``root`` through nodes with one, parents first."""
+    stack = [c for c in (root.children or {}).values() if c.host is not None]
+    while stack:
+        n = stack.pop()
+        yield n
+        stack.extend(c for c in (n.children or {}).values() if c.host is not None)
+
+
+def _image(entry: ModelEntry, index: int, state_dir: str) -> ModelImage:
+    tree = entry.cache.tree
+    host = entry.tiers.host  # type: ignore[union-attr]
+    img = ModelImage(fingerprint=tree.layout_fingerprint)
+    used: dict[str, list[int]] = {"full": [], "swa": []}
+    for ns_name, ns in sorted(tree.namespaces.items()):
+        pos: dict[int, int] = {ns.root.id: -1}
+        for n in _host_nodes(ns.root):
+            pos[n.id] = len(img.tree)
+            hs = n.host_swa.tobytes() if n.host_swa is not None else b""
+            img.tree.append(TreeNodeRecord(pos[n.parent.id], ns_name, n.tokens,  # type: ignore
+                                           n.host.tobytes(), hs))  # type: ignore[union-attr]
+            used["full"].extend(n.host)  # type: ignore[arg-type]
+            if n.host_swa is not None:
+                used["swa"].extend(s for s in n.host_swa if s)
+    if entry.keyed is not None:
+        for page in entry.keyed.pages.pages.values():
+            img.keyed.append(KeyedRecord(page.ns, page.kind, page.key, page.slot))
+            used[page.kind].append(page.slot)
+    for kind, slots in used.items():
+        if not slots:
+            continue
+        pool = host.pool(kind)
+        img.pools[kind] = write_pool(state_dir, pool_file(index, kind),
+                                     ((s, pool.page_bytes(s)) for s in slots), pool.page_nbytes)
+    return img
+
+
+def save_host_state(models: dict[str, ModelEntry], state_dir: str) -> int:
+    """Write every model's host tier to ``state_dir``; returns the pages saved. Called after the
+    tiers drained (no copy in flight, nothing pending). A model whose copies outlived the drain
+    saves nothing (its pages may be half written)."""
+    t0 = time.perf_counter()
+    remove_pages(state_dir)
+    snap = HostSnapshot(sections=dict(SECTIONS), models={})
+    for i, (name, entry) in enumerate(models.items()):
+        if entry.tiers is None:
+            continue
+        if entry.tiers.copying or any(entry.tiers.host.pending.values()):
+            log.warning("warm restart: %s has copies in flight; its host tier is not saved", name)
+            continue
+        snap.models[name] = _image(entry, i, state_dir)
+    pages = sum(len(p.slots) // 4 for m in snap.models.values() for p in m.pools.values())
+    size = write_index(state_dir, snap)
+    log.info("warm restart: saved %d host pages of %d model(s) to %s (index %d bytes) in %.3f s",
+             pages, len(snap.models), state_dir, size, time.perf_counter() - t0)
+    return pages
+
+
+# ---------------------------------------------------------------------------------------- restore
+
+class _Restorer:
+    """Rebuilds one model's host tier from its image."""
+
+    def __init__(self, entry: ModelEntry, img: ModelImage, sources: dict[str, PageSource],
+                 sections: dict[str, int]) -> None:
+        self.entry = entry
+        self.tree = entry.cache.tree
+        self.host = entry.tiers.host  # type: ignore[union-attr]
+        self.img = img
+        self.sources = sources
+        self.sections = sections
+        self.kept = 0
+        self.dropped = 0
+
+    def _copy(self, kind: str, old: int, h: bytes) -> int | None:
+        """The verified page saved in ``old`` stored under hash ``h`` in a new slot, or None."""
+        if not old:
+            return None
+        src = self.sources.get(kind)
+        data = src.page(old) if src is not None else None
+        if data is None:
+            return None
+        pool = self.host.pool(kind)
+        if pool.available == 0 or pool.lookup(h) is not None:
+            return None
+        slot = pool.store(h)
+        pool.write_page_bytes(slot, data)
+        return slot
+
+    def _give_back(self, kind: str, slots: Any) -> None:
+        for s in slots:
+            if s:
+                self.host.pool(kind).release(s)
+
+    def tree_nodes(self) -> None:
+        tree = self.tree
+        pb = tree.page_bytes
+        swa_pool = self.host.swa is not None
+        # per record index: (tokens from the root, last page hash) when restored, else None
+        paths: list[tuple[bytes, bytes] | None] = []
+        for rec in self.img.tree:
+            host = as_slots(rec.host)
+            hswa = as_slots(rec.host_swa) if rec.host_swa else array("i", bytes(4 * len(host)))
+            npages = len(rec.tokens) // pb
+            parent = paths[rec.parent] if 0 <= rec.parent < len(paths) else None
+            if (rec.parent >= 0 and parent is None) or npages == 0 \
+                    or len(rec.tokens) != npages * pb or len(host) != npages \
+                    or len(hswa) != npages:
+                paths.append(None)
+                self.dropped += len(host) + sum(1 for s in hswa if s)
+                continue
+            ns = tree.namespace(rec.ns)
+            prefix, prev = parent if parent is not None else (b"", ns.seed)
+            hashes = chain_hashes(prev, rec.tokens, pb)
+            hs = [hashes[j * HASH_BYTES : (j + 1) * HASH_BYTES] for j in range(npages)]
+            full = [self._copy("full", host[j], hs[j]) for j in range(npages)]
+            if any(s is None for s in full):
+                self._give_back("full", full)
+                paths.append(None)
+                self.dropped += npages + sum(1 for s in hswa if s)
+                continue
+            swa = [self._copy("swa", hswa[j], hs[j]) if swa_pool else None
+                   for j in range(npages)]
+            self.dropped += sum(1 for j in range(npages) if hswa[j] and swa[j] is None)
+            start = len(prefix) // pb
+            tokens = prefix + rec.tokens
+            slots = {start + j: s for j, s in enumerate(full)}
+            swa_slots = {start + j: s for j, s in enumerate(swa) if s}
+            got, got_swa = tree.adopt_host(rec.ns, tokens, start, start + npages, slots,
+                                           swa_slots)
+            self._give_back("full", slots.values())
+            self._give_back("swa", swa_slots.values())
+            if got != npages:  # pragma: no cover - a saved tree is a tree
+                paths.append(None)
+                self.dropped += npages
+                continue
+            self.kept += got + got_swa
+            paths.append((tokens, hashes[-HASH_BYTES:]))
+
+    def keyed_pages(self) -> None:
+        keyed = self.entry.keyed
+        fp = self.tree.layout_fingerprint
+        for rec in self.img.keyed:
+            h = keyed_hash(rec.ns, fp, rec.kind, rec.key) if rec.kind in ("full", "swa") \
+                else b""
+            slot = self._copy(rec.kind, rec.slot, h) if h and keyed is not None and \
+                (rec.kind == "full" or self.host.swa is not None) and \
+                keyed.pages.get(rec.ns, rec.kind, rec.key) is None else None
+            if slot is None:
+                self.dropped += 1
+                continue
+            self.host.keyed[rec.kind].add(slot)
+            keyed.pages.add_stored(rec.ns, rec.kind, rec.key, slot, h,  # type: ignore[union-attr]
+                                   self.tree.clock)
+            self.kept += 1
+
+    def run(self) -> None:
+        if "tree" in self.sections:
+            self.tree_nodes()
+        else:
+            self.dropped += sum(len(r.host) // 4 for r in self.img.tree)
+        if "keyed" in self.sections:
+            self.keyed_pages()
+        else:
+            self.dropped += len(self.img.keyed)
+
+
+def _image_pages(img: ModelImage) -> int:
+    return sum(len(p.slots) // 4 for p in img.pools.values())
+
+
+def restore_host_state(models: dict[str, ModelEntry], state_dir: str) -> RestartReport:
+    """Rebuild the host tiers from ``state_dir`` (before anything is served)."""
+    t0 = time.perf_counter()
+    report = RestartReport()
+    try:
+        snap = take_snapshot(state_dir)
+    except SnapshotError as exc:
+        log.warning("warm restart: the saved host state is not used: %s", exc)
+        report.reason = str(exc)
+        remove_pages(state_dir)
+        return report
+    if snap is None:
+        remove_pages(state_dir)
+        return report
+    report.source = "state_dir"
+    for name, img in snap.models.items():
+        entry = models.get(name)
+        pages = _image_pages(img)
+        why = ""
+        if entry is None or entry.tiers is None:
+            why = "the model has no host tier in this configuration"
+        elif img.fingerprint != entry.cache.tree.layout_fingerprint:
+            why = (f"its layout changed (fingerprint {img.fingerprint.hex()[:16]} saved, "
+                   f"{entry.cache.tree.layout_fingerprint.hex()[:16]} now)")
+        elif any(kind == "swa" and entry.tiers.host.swa is None or
+                 p.page_nbytes != entry.tiers.host.pool(kind).page_nbytes
+                 for kind, p in img.pools.items() if kind in ("full", "swa")):
+            why = "its host pools changed shape"
+        if why:
+            log.warning("warm restart: dropping the %d saved host pages of model %r: %s",
+                        pages, name, why)
+            report.dropped_pages += pages
+            report.models[name] = {"kept_pages": 0, "dropped_pages": pages}
+            continue
+        sources = {kind: open_pool(state_dir, p) for kind, p in img.pools.items()}
+        r = _Restorer(entry, img, sources, snap.sections)  # type: ignore[arg-type]
+        r.run()
+        report.kept_pages += r.kept
+        report.dropped_pages += r.dropped
+        report.models[name] = {"kept_pages": r.kept, "dropped_pages": r.dropped}
+        if r.dropped:
+            log.warning("warm restart: model %r: %d saved host pages failed verification or did "
+                        "not fit and were dropped", name, r.dropped)
+    remove_pages(state_dir)
+    report.restore_seconds = time.perf_counter() - t0
+    log.info("warm restart: kept %d host pages, dropped %d, in %.3f s", report.kept_pages,
+             report.dropped_pages, report.restore_seconds)
+    return report

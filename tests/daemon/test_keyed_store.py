@@ -1,0 +1,241 @@
+"""The key-addressed page store through a real daemon on a real socket: engines map the host pools
+(kv_attach), reserve slots, write pages into them, commit, and other sessions look them up and read
+the same bytes. Every daemon fixture ends with a strict full check (the keyed store's included)."""
+
+from __future__ import annotations
+
+import pytest
+import redis as redis_sync
+import torch
+from radixd_client import Client
+from radixd_client.errors import RadixdError
+from radixd_client.protocol import Code, KvAttach, KvLookup
+
+from tests.redis_procs import SHARED_URL, free_port
+
+from .conftest import SMALL_MODEL, Raw
+from .test_tiers import Engine, l3_config, prefix, seq, wait_for  # noqa: F401 - prefix: fixture
+
+HOST = {**SMALL_MODEL, "host_pages": 16, "host_swa_pages": 8}
+
+
+def keys(*names: str) -> list[bytes]:
+    return [n.encode() for n in names]
+
+
+def fill(pools, kind: str, slots, seed: int) -> list[torch.Tensor]:
+    """Write a distinct random page into each non-zero slot; returns what was written."""
+    g = torch.Generator().manual_seed(seed)
+    pool = pools.pool(kind)
+    out = []
+    for s in slots:
+        page = torch.randint(0, 256, (pools.page_nbytes[kind],), dtype=torch.uint8, generator=g)
+        if s:
+            pool[s].copy_(page)
+        out.append(page)
+    return out
+
+
+def test_first_slice_store_then_lookup_from_another_session(make_daemon) -> None:
+    d = make_daemon({"models": [HOST]})
+    with Client(d.socket) as a, Client(d.socket) as b:
+        pa = a.kv_attach("m")
+        assert pa.full.dtype == torch.uint8 and pa.full.shape[0] == 16
+        assert pa.swa is not None and pa.swa.shape[0] == 8
+        r = a.kv_reserve("m", keys("k1", "k2", "k3"))
+        assert r.pin and r.full == 0 and all(r.slots) and len(set(r.slots)) == 3
+        pages = fill(pa, "full", r.slots, 1)
+        # reserved keys are invisible until committed
+        assert b.kv_lookup("m", keys("k1"), pin=False).present == b"\x00"
+        a.kv_commit("m", r.pin)
+        pb = b.kv_attach("m")
+        got = b.kv_lookup("m", keys("k1", "k2", "k3", "nope"))
+        assert got.present == b"\x01\x01\x01\x00" and got.prefix == 3 and got.pin
+        assert list(got.slots) == [*r.slots, 0]
+        for s, want in zip(got.slots[:3], pages, strict=True):
+            assert torch.equal(pb.full[s], want)
+        b.kv_release("m", got.pin)
+        # a key stored already gets slot 0: nothing to write
+        again = a.kv_reserve("m", keys("k2", "k4"))
+        assert again.slots[0] == 0 and again.slots[1] and again.pin
+        a.kv_release("m", again.pin)  # abort: k4 is not stored
+        assert b.kv_lookup("m", keys("k4"), pin=False).present == b"\x00"
+        s = b.stats("m").models["m"]
+        assert s["kv_pages"] == 3 and s["kv_committed"] == 3 and s["kv_aborted"] == 1
+
+
+def stats(c: Client) -> dict[str, int]:
+    return c.stats("m").models["m"]
+
+
+def store(c: Client, pools, names: list[str], seed: int, kind: str = "full"
+          ) -> dict[str, torch.Tensor]:
+    """Reserve, write and commit these keys; returns what each key's page holds."""
+    r = c.kv_reserve("m", keys(*names), kind)
+    pages = fill(pools, kind, r.slots, seed)
+    if r.pin:
+        c.kv_commit("m", r.pin)
+    return {n: p for n, p, s in zip(names, pages, r.slots, strict=True) if s}
+
+
+def read(c: Client, pools, names: list[str], kind: str = "full", fetch: bool = False
+         ) -> dict[str, torch.Tensor]:
+    got = c.kv_lookup("m", keys(*names), kind, fetch=fetch, timeout_s=5)
+    out = {n: pools.pool(kind)[s].clone() for n, p, s in
+           zip(names, got.present, got.slots, strict=True) if p}
+    if got.pin:
+        c.kv_release("m", got.pin)
+    return out
+
+
+def test_bad_input_is_refused_with_a_code_and_changes_nothing(make_daemon) -> None:
+    d = make_daemon({"models": [HOST, {**HOST, "name": "nowin", "sliding_window": None,
+                                       "num_swa_layers": 0, "swa_pages": 0}]})
+    with Client(d.socket) as c:
+        pools = c.kv_attach("m")
+        store(c, pools, ["a"], 1)
+
+        def code(fn, *args, **kw) -> str:
+            with pytest.raises(RadixdError) as info:
+                fn(*args, **kw)
+            return info.value.code
+
+        assert code(c.kv_lookup, "nope", keys("a")) == Code.UNKNOWN_MODEL
+        assert code(c.kv_reserve, "m", [b""]) == Code.BAD_ARGUMENT
+        assert code(c.kv_reserve, "m", [b"x" * 129]) == Code.BAD_ARGUMENT
+        assert code(c.kv_lookup, "m", [b"x" * 129]) == Code.BAD_ARGUMENT
+        assert code(c.kv_reserve, "m", keys("b", "b")) == Code.BAD_ARGUMENT
+        assert code(c.kv_reserve, "m", keys("b"), "mamba") == Code.BAD_ARGUMENT
+        assert code(c.kv_reserve, "nowin", keys("b"), "swa") == Code.BAD_ARGUMENT
+        assert code(c.kv_release, "m", 12345) == Code.BAD_RECEIPT
+        assert code(c.kv_commit, "m", 12345) == Code.BAD_RECEIPT
+        r = c.kv_reserve("m", keys("b"))
+        c.kv_release("m", r.pin)
+        assert code(c.kv_release, "m", r.pin) == Code.BAD_RECEIPT  # double release
+        assert code(c.kv_commit, "m", r.pin) == Code.BAD_RECEIPT  # commit after release
+        look = c.kv_lookup("m", keys("a"))
+        assert code(c.kv_commit, "m", look.pin) == Code.BAD_ARGUMENT  # a lookup pin
+        c.kv_release("m", look.pin)
+        # a pin is the session's own: another session cannot end it
+        look = c.kv_lookup("m", keys("a"))
+        with Client(d.socket) as other:
+            assert code(other.kv_release, "m", look.pin) == Code.BAD_RECEIPT
+        c.kv_release("m", look.pin)
+        # fetch is not a batch operation
+        with c.batch() as b:
+            f = b._call("kv_lookup", KvLookup(model="m", keys=keys("a"), fetch=True))
+        assert f.exception() is not None and f.exception().code == Code.BAD_ARGUMENT
+        s = stats(c)
+        assert s["kv_pages"] == 1 and s["kv_pins"] == 0
+        assert read(c, pools, ["a", "b"]).keys() == {"a"}
+
+
+def test_tenants_do_not_see_each_others_keys_and_quota_declines(make_daemon) -> None:
+    d = make_daemon({"models": [HOST], "tenants": [
+        {"name": "t1", "token": "one", "quota_host_pages": 4},
+        {"name": "t2", "token": "two"}]})
+    with Client(d.socket, token="one") as a, Client(d.socket, token="two") as b:
+        pa, pb = a.kv_attach("m"), b.kv_attach("m")
+        store(b, pb, ["shared-name"], 2)
+        assert read(a, pa, ["shared-name"]) == {}
+        r = a.kv_reserve("m", keys("k1", "k2", "k3", "k4", "k5", "k6"))
+        assert r.full == 2 and list(r.slots[4:]) == [0, 0] and all(r.slots[:4])
+        a.kv_commit("m", r.pin)
+        assert stats(a)["kv_pages"] == 4 and stats(b)["kv_pages"] == 1
+        # over quota the tenant's own oldest pages go first
+        r = a.kv_reserve("m", keys("k7"))
+        assert r.full == 0 and r.slots[0]
+        a.kv_commit("m", r.pin)
+        assert read(a, pa, ["k1", "k7"]).keys() == {"k7"} and stats(a)["kv_pages"] == 4
+        assert read(b, pb, ["shared-name"]).keys() == {"shared-name"}
+
+
+def test_session_death_releases_pins_and_reservations(make_daemon) -> None:
+    d = make_daemon({"models": [HOST]})
+    with Client(d.socket) as keep:
+        pools = keep.kv_attach("m")
+        store(keep, pools, ["a"], 1)
+        dying = Client(d.socket)
+        dying.kv_lookup("m", keys("a"))
+        r = dying.kv_reserve("m", keys("b", "c"))
+        assert r.pin and stats(keep)["kv_pins"] == 2
+        dying.close()
+        wait_for(lambda: stats(keep)["kv_pins"] == 0, "the session's pins to end")
+        assert read(keep, pools, ["a", "b", "c"]).keys() == {"a"}
+        assert keep.kv_clear("m").removed == 1
+
+
+def test_eviction_is_shared_with_tree_host_pages_and_spares_pins(make_daemon) -> None:
+    """16 host slots (15 usable): keyed pages and the tree's host copies compete for them."""
+    d = make_daemon({"models": [HOST]})
+    e = Engine(d.socket)
+    try:
+        pools = e.c.kv_attach("m")
+        written = store(e.c, pools, [f"k{i}" for i in range(10)], 3)
+        pin = e.c.kv_lookup("m", keys("k0", "k1")).pin  # pinned: never evicted
+        e.cache(seq(10))  # write_through: 10 pages to host, only 5 slots free
+        wait_for(lambda: stats(e.c)["tree_host_pages"] == 10, "the tree's host copies")
+        s = stats(e.c)
+        assert s["kv_evicted"] == 5 and s["kv_pages"] == 5
+        got = read(e.c, pools, [f"k{i}" for i in range(10)])
+        assert {"k0", "k1"} <= got.keys()
+        for name, page in got.items():
+            assert torch.equal(page, written[name])
+        e.c.kv_release("m", pin)
+        # and the other way round: keyed pages take the tree's (older) host-only pages
+        e.c.evict("m", full_pages=1000, swa_pages=1000)
+        store(e.c, pools, [f"n{i}" for i in range(12)], 4)
+        s = stats(e.c)
+        assert s["kv_pages"] >= 12 and s["tree_host_pages"] < 10
+    finally:
+        e.close()
+
+
+def test_redis_write_through_then_eviction_then_fetch(make_daemon, prefix: str) -> None:  # noqa: F811
+    d = make_daemon(l3_config(SHARED_URL, prefix, host_pages=8, host_swa_pages=4))
+    with Client(d.socket) as c:
+        pools = c.kv_attach("m")
+        written = store(c, pools, ["a", "b", "c"], 5)
+        sw = store(c, pools, ["w"], 6, "swa")
+        wait_for(lambda: stats(c)["kv_l3_write_pages"] == 4, "the Redis writes")
+        store(c, pools, [f"x{i}" for i in range(7)], 7)  # 7 usable slots: a, b, c evicted
+        assert read(c, pools, ["a", "b", "c"]) == {}
+        got = c.kv_lookup("m", keys("a", "b", "c", "never"), fetch=True, timeout_s=5)
+        assert got.present == b"\x01\x01\x01\x00" and got.fetched == 3 and got.prefix == 3
+        for name, s in zip("abc", got.slots, strict=False):
+            assert torch.equal(pools.full[s], written[name])
+        c.kv_release("m", got.pin)
+        # a corrupted value in Redis is a miss, never served
+        raw = redis_sync.Redis.from_url(SHARED_URL)
+        try:
+            for k in raw.scan_iter(match=prefix + ":*"):
+                v = bytearray(raw.get(k))
+                v[-1] ^= 0xFF
+                raw.set(k, bytes(v))
+        finally:
+            raw.close()
+        store(c, pools, [f"y{i}" for i in range(7)], 8)  # a, b, c leave host again
+        assert c.kv_lookup("m", keys("a"), fetch=True, pin=False).present == b"\x00"
+        # the SWA page went through Redis too, kind-checked
+        assert read(c, pools, ["w"], "swa", fetch=True).keys() == sw.keys()
+
+
+def test_redis_down_is_a_miss(make_daemon) -> None:
+    d = make_daemon(l3_config(f"redis://127.0.0.1:{free_port()}/0", "down"))
+    with Client(d.socket) as c:
+        pools = c.kv_attach("m")
+        store(c, pools, ["a"], 1)
+        got = c.kv_lookup("m", keys("a", "b"), fetch=True, timeout_s=2)
+        assert got.present == b"\x01\x00" and got.fetched == 0
+        c.kv_release("m", got.pin)
+
+
+def test_kv_attach_raw_frame_without_fds_reader_still_answers(make_daemon) -> None:
+    """kv_attach on a model without a host tier is a clean error, the session survives."""
+    d = make_daemon({"models": [{**SMALL_MODEL, "host_pages": 0}]})
+    raw = Raw(d.socket)
+    try:
+        r = raw.call(KvAttach(id=7, model="m"))
+        assert not r.ok and r.error.code == Code.BAD_ARGUMENT
+    finally:
+        raw.close()

@@ -1,0 +1,152 @@
+"""Warm restart of the host tier through real daemons: host pages written through, SIGTERM, a new
+daemon on the same ``[server] state_dir``; a second client matches and loads the prefix and reads
+back byte-exact pages. Corrupted pages are dropped, never served; a layout change drops the
+model's pages with a log line. Every daemon fixture ends with a strict full invariant check."""
+
+from __future__ import annotations
+
+import os
+import re
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from radixd_client import Client
+
+from daemon.cli import format_status
+
+from .conftest import SMALL_MODEL
+from .test_tiers import Engine, P, admin_stats, seq, tier_stats, wait_for
+
+
+def _config(state: Path, **model: Any) -> dict[str, Any]:
+    return {"server": {"state_dir": str(state)}, "models": [{**SMALL_MODEL, **model}]}
+
+
+def _metrics(d: Any) -> str:
+    url = re.findall(r"admin endpoint on (http://\S+)", d.log())[-1]
+    token = (d.tmp / "admin.token").read_text().strip()
+    req = urllib.request.Request(url + "/metrics", headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(req, timeout=5) as r:
+        return r.read().decode()
+
+
+def _stop(d: Any) -> None:
+    d.check()
+    assert d.stop() == 0, d.log()[-3000:]
+
+
+def _fill(make_daemon: Any, state: Path, seqs: list[list[int]], **model: Any
+          ) -> tuple[tuple[dict, dict], Any]:
+    """Cache ``seqs`` in a daemon on ``state``, wait for their host copies, stop it; returns the
+    KV the tree kept per page (the first writer's: a later duplicate page is freed) and the
+    daemon."""
+    d = make_daemon(_config(state, **model))
+    e = Engine(d.socket)
+    kept: tuple[dict, dict] = ({}, {})
+    for toks in seqs:
+        e.cache(toks)
+        for mine, theirs in zip(kept, (e.full, e.swa), strict=True):
+            for k, v in theirs.items():
+                mine.setdefault(k, v)
+    want = len({tuple(t[: (i + 1) * P]) for t in seqs for i in range(len(t) // P)})
+    wait_for(lambda: tier_stats(d)["tree_host_pages"] == want, "the host copies")
+    e.close()
+    _stop(d)
+    return kept, d
+
+
+def test_host_tier_survives_a_restart_byte_exact(make_daemon, tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    a, b = seq(10), seq(6, base=5000)
+    e1, d1 = _fill(make_daemon, state, [a, b])
+    saved = re.search(r"warm restart: saved (\d+) host pages", d1.log())
+    assert saved and int(saved.group(1)) == 16 + 2 * 2  # full pages and two SWA windows
+    d2 = make_daemon(_config(state))
+    assert "warm restart: kept" in d2.log()
+    e2 = Engine(d2.socket, seed=9)
+    try:
+        m = e2.c.match("m", a)
+        assert (m.prefix_len, m.host_hit_len) == (0, 10 * P)  # host only: device starts empty
+        r = e2.c.load("m", a, lock=True)
+        assert (r.prefix_len, r.loaded_len) == (10 * P, 10 * P)
+        assert e2.verify(a, r, expect=e1) > 10
+        e2.c.unlock("m", r.receipt)
+        r = e2.c.load("m", b)
+        assert r.prefix_len == 6 * P
+        e2.verify(b, r, expect=e1)
+        stats = admin_stats(d2)
+        st = stats["warm_restart"]
+        assert st["source"] == "state_dir" and st["dropped_pages"] == 0
+        assert st["kept_pages"] == 16 + 2 * 2
+        assert "warm restart: kept 20 host pages, dropped 0" in format_status(stats)
+        metrics = _metrics(d2)
+        assert 'radixd_warm_restart_pages{outcome="kept"} 20.0' in metrics
+        assert "radixd_warm_restart_restore_seconds" in metrics
+    finally:
+        e2.close()
+    d2.check()
+
+
+def test_a_corrupted_page_is_dropped_never_served(make_daemon, tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    a = seq(8)
+    e1, _ = _fill(make_daemon, state, [a[: 4 * P], a])  # two nodes: pages 0-3, then 4-7
+    files = sorted(state.glob("host-*-full.pages"))
+    assert len(files) == 1
+    raw = bytearray(files[0].read_bytes())
+    page = len(raw) // 8
+    raw[5 * page + 5] ^= 0xFF  # a page of the second node: that node goes, the first stays
+    files[0].write_bytes(bytes(raw))
+    d2 = make_daemon(_config(state))
+    assert "failed verification" in d2.log()
+    e2 = Engine(d2.socket, seed=3)
+    try:
+        m = e2.c.match("m", a)
+        assert (m.prefix_len, m.host_hit_len) == (0, 4 * P)
+        r = e2.c.load("m", a)
+        assert (r.prefix_len, r.loaded_len) == (4 * P, 4 * P)
+        e2.verify(a, r, expect=e1)  # what is served is exactly right
+        st = admin_stats(d2)["warm_restart"]
+        assert st["dropped_pages"] >= 4
+    finally:
+        e2.close()
+
+
+def test_a_layout_change_drops_the_models_pages(make_daemon, tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    _fill(make_daemon, state, [seq(6)])
+    d2 = make_daemon(_config(state, head_dim=8))
+    assert "its layout changed" in d2.log()
+    with Client(d2.socket) as c:
+        assert c.match("m", seq(6)).host_hit_len == 0
+    assert admin_stats(d2)["warm_restart"]["kept_pages"] == 0
+
+
+def test_an_unclean_stop_restores_nothing(make_daemon, tmp_path: Path) -> None:
+    """The index is consumed at start: a daemon killed later (no save) must not bring back
+    pages it may have overwritten since."""
+    state = tmp_path / "state"
+    _fill(make_daemon, state, [seq(6)])
+    d2 = make_daemon(_config(state))
+    assert not (state / "host-index.bin").exists()
+    d2.proc.kill()
+    d2.proc.wait()
+    d2.proc.returncode = 0  # killed on purpose: the fixture's exit check does not apply
+    d3 = make_daemon(_config(state))
+    with Client(d3.socket) as c:
+        assert c.match("m", seq(6)).host_hit_len == 0
+
+
+def test_state_dir_must_be_absolute(tmp_path: Path) -> None:
+    from daemon.config import ConfigError, load_config
+
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[server]\nstate_dir = "relative/dir"\n')
+    try:
+        load_config(str(cfg))
+    except ConfigError as exc:
+        assert "state_dir" in str(exc) and "absolute" in str(exc)
+    else:
+        raise AssertionError("a relative state_dir was accepted")
+    assert os.path.isabs(str(tmp_path))

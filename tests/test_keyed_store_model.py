@@ -1,0 +1,118 @@
+"""The key-addressed store against a dict reference model (hypothesis, stateful): random
+lookups, reservations, commits, aborts, clears and session ends by two sessions in two
+namespaces, over a small real host tier so eviction and quotas happen. After every step the store's
+invariant check and the host tier's conservation check are clean, every pinned page is present
+with its bytes, and every present page holds what was committed under its key."""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+from hypothesis import settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from daemon.gpu.profile import ModelProfile
+from daemon.keyed_tier import KeyedTier
+from daemon.model_cache import ModelCache
+from daemon.storage.host_tier import HostTier
+
+PROFILE = ModelProfile(name="tiny", page_size=4, sliding_window=8, num_full_layers=1,
+                       num_swa_layers=1, num_kv_heads=1, head_dim=2, dtype="float32",
+                       device="cpu", full_pages=8, swa_pages=8)
+KEYS = [b"k%d" % i for i in range(10)]
+OWNERS = ("s1", "s2")
+NS = {"s1": "a", "s2": "b"}  # one namespace per session; "a" has a host quota
+
+
+class KeyedStore(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.cache = ModelCache(PROFILE)
+        self.host = HostTier(PROFILE, 7, 4, pin_memory=False)
+        self.cache.host = self.host
+        self.kv = KeyedTier(self.cache, self.host, {"a": 4}, "tiny")
+        self.stored: dict[tuple[str, str, bytes], bytes] = {}  # committed content, may be evicted
+        self.pins: dict[int, tuple[str, str, str, dict[bytes, bytes] | None, list[bytes]]] = {}
+        self.stamp = 0
+
+    def _content(self, kind: str) -> bytes:
+        self.stamp += 1
+        return self.stamp.to_bytes(4, "little") * (self.host.pool(kind).page_nbytes // 4)
+
+    @rule(owner=st.sampled_from(OWNERS), kind=st.sampled_from(["full", "swa"]),
+          keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=5, unique=True))
+    def reserve(self, owner: str, kind: str, keys: list[bytes]) -> None:
+        ns = NS[owner]
+        r = self.kv.reserve(owner, ns, kind, keys)
+        written: dict[bytes, bytes] = {}
+        for k, s in zip(keys, r.slots, strict=True):
+            if s:
+                data = self._content(kind)
+                self.host.pool(kind).write_page_bytes(s, data)
+                written[k] = data
+        assert len(written) + r.full + r.busy + sum(
+            1 for k, s in zip(keys, r.slots, strict=True)
+            if not s and self.kv.pages.get(ns, kind, k) is not None) == len(keys)
+        if r.pin:
+            self.pins[r.pin] = (owner, ns, kind, written, [])
+
+    @rule(owner=st.sampled_from(OWNERS), kind=st.sampled_from(["full", "swa"]),
+          keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=6), pin=st.booleans())
+    def lookup(self, owner: str, kind: str, keys: list[bytes], pin: bool) -> None:
+        ns = NS[owner]
+        r = self.kv.lookup(owner, ns, kind, keys, pin)
+        for k, p, s in zip(keys, r.present, r.slots, strict=True):
+            assert p == ((ns, kind, k) in self.stored) or not p  # present: committed before
+            if p:
+                assert bytes(self.host.pool(kind).page_bytes(s)) == self.stored[(ns, kind, k)]
+        if r.pin:
+            self.pins[r.pin] = (owner, ns, kind, None, [k for k, p in zip(keys, r.present,
+                                                                         strict=True) if p])
+
+    @precondition(lambda self: self.pins)
+    @rule(data=st.data(), commit=st.booleans())
+    def end_pin(self, data: st.DataObject, commit: bool) -> None:
+        pin = data.draw(st.sampled_from(sorted(self.pins)))
+        owner, ns, kind, written, _ = self.pins.pop(pin)
+        if commit and written is not None:
+            self.kv.commit(owner, pin)
+            for k, v in written.items():
+                self.stored[(ns, kind, k)] = v
+        else:
+            self.kv.release(owner, pin)
+
+    @rule(owner=st.sampled_from(OWNERS))
+    def session_ends(self, owner: str) -> None:
+        self.kv.release_owner(owner)
+        self.pins = {p: v for p, v in self.pins.items() if v[0] != owner}
+
+    @rule(owner=st.sampled_from(OWNERS))
+    def clear(self, owner: str) -> None:
+        ns = NS[owner]
+        pinned = {(ns, kind, k) for _o, n, kind, _w, ks in self.pins.values() if n == ns
+                  for k in ks}
+        gone = self.kv.clear(ns)
+        for page in gone:
+            assert (page.ns, page.kind, page.key) not in pinned
+            self.stored.pop((page.ns, page.kind, page.key), None)
+
+    @invariant()
+    def consistent(self) -> None:
+        assert self.kv.check(set(OWNERS)) == []
+        assert self.host.audit({"full": set(), "swa": set()}) == []
+        for _, ns, kind, _w, ks in self.pins.values():
+            for k in ks:  # pinned pages stay, with their bytes
+                page = self.kv.pages.get(ns, kind, k)
+                assert page is not None
+                assert bytes(self.host.pool(kind).page_bytes(page.slot)) == self.stored[
+                    (ns, kind, k)]
+        for (ns, kind, k), page in self.kv.pages.pages.items():
+            assert bytes(self.host.pool(kind).page_bytes(page.slot)) == self.stored[
+                (ns, kind, k)]
+        assert self.kv.host_used("a") <= 4  # the quota holds
+
+    def teardown(self) -> None:
+        self.host.close()
+
+
+TestKeyedStore = KeyedStore.TestCase
+TestKeyedStore.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
