@@ -114,7 +114,12 @@ def build_pools(mc: ModelConfig) -> Any:
     """The device KV pools of one model (torch is imported only when pools are wanted)."""
     from .gpu.pools import KVPools
 
-    return KVPools(mc.profile(), mc.segments())
+    segments = mc.segments()
+    if segments is None and mc.memory_isolation == "auto":
+        log.warning("model %r: its pools are on CUDA, where memory isolation between tenants is "
+                    "not built yet: every tenant allowed on the model can map all of its pages "
+                    "(docs/operations.md, memory isolation)", mc.name)
+    return KVPools(mc.profile(), segments)
 
 
 def build_l3(config: Config) -> Any:

@@ -176,10 +176,11 @@ class ModelConfig(_Section):
     write_through_threshold: int = Field(2, ge=1, description="hits before a node is copied to "
                                                               "host (write_through_selective)")
     l3: bool = Field(True, description="use the L3 (Redis) tier for this model when l3.url is set")
-    memory_isolation: Literal["segments", "none"] = Field(
-        "segments", description="segments: each namespace's pages come from its own segments "
-                                "and an engine maps only its tenant's; none: one pool every "
-                                "tenant maps whole (no memory isolation)")
+    memory_isolation: Literal["auto", "segments", "none"] = Field(
+        "auto", description="segments: each namespace's pages come from its own segments "
+                            "and an engine maps only its tenant's; none: one pool every "
+                            "tenant maps whole (no memory isolation); auto: segments on the "
+                            "CPU device, none on CUDA (not built there yet; logged)")
     segment_pages: int = Field(0, ge=0, description="pages per segment (memory_isolation = "
                                                     "segments); 0: automatic, about 128 "
                                                     "segments per model")

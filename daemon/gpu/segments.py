@@ -40,7 +40,29 @@ if TYPE_CHECKING:
 MAX_SEGMENTS = 240
 #: How many segments (both pools together) the automatic segment size aims at.
 AUTO_SEGMENTS = 128
-ISOLATION_MODES = ("segments", "none")
+ISOLATION_MODES = ("auto", "segments", "none")
+
+
+def effective_isolation(isolation: str, device: str) -> str:
+    """What ``memory_isolation`` means on ``device``: ``auto`` is ``segments`` on the CPU and
+    ``none`` on CUDA, where segmented pools are not built yet (a default config must start on a
+    GPU; the daemon logs a warning then). An explicit ``segments`` on CUDA is a config error."""
+    if isolation not in ISOLATION_MODES:
+        raise ValueError(f"memory_isolation: {isolation!r} is not one of {list(ISOLATION_MODES)}")
+    on_cuda = device.startswith("cuda") or (device == "auto" and _cuda_available())
+    if isolation == "auto":
+        return "none" if on_cuda else "segments"
+    if isolation == "segments" and on_cuda:
+        raise ValueError('memory_isolation: "segments" is built for CPU pools only in this '
+                         'version; on a CUDA device use "auto" or "none" (no memory isolation '
+                         "between tenants)")
+    return isolation
+
+
+def _cuda_available() -> bool:
+    import torch  # only for device "auto": where the pools will live decides
+
+    return torch.cuda.is_available()
 
 
 def resolve_segment_pages(profile: ModelProfile, isolation: str, segment_pages: int,
@@ -51,8 +73,7 @@ def resolve_segment_pages(profile: ModelProfile, isolation: str, segment_pages: 
     to whole OS pages per (layer, kv) strip. ``mapped``: the pools exist and are mapped (else
     only the bookkeeping, which needs no alignment). Raises ValueError with the reason and a
     remedy."""
-    if isolation not in ISOLATION_MODES:
-        raise ValueError(f"memory_isolation: {isolation!r} is not one of {list(ISOLATION_MODES)}")
+    isolation = effective_isolation(isolation, profile.device)
     if isolation == "none":
         return None
     if not isinstance(segment_pages, int) or isinstance(segment_pages, bool) or segment_pages < 0:

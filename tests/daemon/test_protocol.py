@@ -228,6 +228,8 @@ def test_random_and_malformed_frames_from_several_clients(daemon, script) -> Non
 def test_attach_response_keeps_request_order(daemon) -> None:
     """attach sends fds (SCM_RIGHTS) out of band: frames pipelined behind it must wait."""
     raw = Raw(daemon.socket)
+    # a page gives the namespace a segment of each pool (attach sends only those)
+    assert raw.call(protocol.Alloc(id=11, model=MODEL, n=1)).ok
     raw.s.sendall(b"".join(protocol.encode(r) for r in (
         protocol.Attach(id=12, model=MODEL), protocol.Ping(id=13),
         protocol.Attach(id=14, model=MODEL), protocol.Ping(id=15))))
@@ -248,7 +250,7 @@ def test_attach_response_keeps_request_order(daemon) -> None:
             ids.append(protocol.decode_response(buf[4 : 4 + n]).id)
             buf = buf[4 + n :]
     assert ids == [12, 13, 14, 15]
-    assert fds_seen == 4  # two pools, twice
+    assert fds_seen == 4  # one segment of each of two pools, twice
     raw.close()
 
 

@@ -98,3 +98,16 @@ def test_one_segment_is_the_single_shared_pool() -> None:
         a.alloc(1, "")
     a.free(got)
     assert a.audit() == [] and a.available == 7
+
+
+def test_memory_isolation_auto_means_segments_on_the_cpu_and_none_on_cuda() -> None:
+    from daemon.gpu.segments import effective_isolation
+
+    assert effective_isolation("auto", "cpu") == "segments"
+    assert effective_isolation("auto", "cuda:0") == "none"
+    assert effective_isolation("none", "cpu") == "none"
+    assert effective_isolation("segments", "cpu") == "segments"
+    with pytest.raises(ValueError, match='"segments" is built for CPU pools only'):
+        effective_isolation("segments", "cuda")
+    with pytest.raises(ValueError, match="is not one of"):
+        effective_isolation("isolated", "cpu")
