@@ -20,6 +20,7 @@ from .admin import AdminHandle, TokenFileError, start_admin
 from .checker import Checker
 from .config import Config, ConfigError, ModelConfig
 from .entities import ModelEntry, Tenant, build_tenants, namespace_quotas
+from .gpu.shared_memory import hide_descriptors
 from .model_cache import ModelCache
 from .sdnotify import Notifier
 from .server import Server, tune_gc
@@ -113,7 +114,12 @@ def build_pools(mc: ModelConfig) -> Any:
     """The device KV pools of one model (torch is imported only when pools are wanted)."""
     from .gpu.pools import KVPools
 
-    return KVPools(mc.profile())
+    segments = mc.segments()
+    if segments is None and mc.memory_isolation == "auto":
+        log.warning("model %r: its pools are on CUDA, where memory isolation between tenants is "
+                    "not built yet: every tenant allowed on the model can map all of its pages "
+                    "(docs/operations.md, memory isolation)", mc.name)
+    return KVPools(mc.profile(), segments)
 
 
 def build_l3(config: Config) -> Any:
@@ -139,7 +145,8 @@ def build_model(config: Config, mc: ModelConfig, pools: Any) -> ModelEntry:
         full_pages=profile.full_pages, swa_pages=profile.swa_pages,
         host_pages=mc.host_pages if pools is not None else 0,
         l3=bool(pools is not None and mc.host_pages and mc.l3 and config.l3.url))
-    cache = ModelCache(profile, pools=pools, policy=mc.eviction_policy)
+    cache = ModelCache(profile, pools=pools, policy=mc.eviction_policy,
+                       segment_pages=mc.segments(profile))
     return ModelEntry(mc.name, cache, info, pools)
 
 
@@ -238,6 +245,7 @@ def run(config: Config) -> int:
         log.warning("uvloop not available; using the default asyncio loop")
     notifier = Notifier.from_env()
     preflight(config)  # ConfigError before anything is allocated or bound (exit 2)
+    hide_descriptors()  # the pools' memfds: not through /proc/<pid>/fd (memory isolation)
     notifier.status("allocating KV pools")
     with notifier.extending_timeout():  # large pools can take longer than TimeoutStartSec
         daemon = build(config, notifier=notifier)

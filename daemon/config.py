@@ -19,6 +19,7 @@ from urllib.parse import urlsplit, urlunsplit
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .gpu.profile import ModelProfile, ProfileError
+from .gpu.segments import resolve_segment_pages
 from .tree.policy import POLICIES
 
 if sys.version_info >= (3, 11):
@@ -175,6 +176,14 @@ class ModelConfig(_Section):
     write_through_threshold: int = Field(2, ge=1, description="hits before a node is copied to "
                                                               "host (write_through_selective)")
     l3: bool = Field(True, description="use the L3 (Redis) tier for this model when l3.url is set")
+    memory_isolation: Literal["auto", "segments", "none"] = Field(
+        "auto", description="segments: each namespace's pages come from its own segments "
+                            "and an engine maps only its tenant's; none: one pool every "
+                            "tenant maps whole (no memory isolation); auto: segments on the "
+                            "CPU device, none on CUDA (not built there yet; logged)")
+    segment_pages: int = Field(0, ge=0, description="pages per segment (memory_isolation = "
+                                                    "segments); 0: automatic, about 128 "
+                                                    "segments per model")
 
     @field_validator("sliding_window")
     @classmethod
@@ -204,10 +213,16 @@ class ModelConfig(_Section):
         self.__dict__["full_pages"] = profile.full_pages
         if profile.sliding_window is not None:
             self.__dict__["swa_pages"] = profile.swa_pages
+        self.segments(profile)  # raises naming segment_pages
         if self.host_pages == 1 or self.host_swa_pages == 1:
             raise ValueError("host_pages and host_swa_pages: 0 (off) or at least 2 (page 0 is "
                              "reserved)")
         return self
+
+    def segments(self, profile: ModelProfile | None = None) -> int | None:
+        """Pages per segment, or None for the single shared pool (memory_isolation = none)."""
+        return resolve_segment_pages(profile or self.profile(), self.memory_isolation,
+                                     self.segment_pages, mapped=self.export_pools)
 
     def profile(self) -> ModelProfile:
         """The model's KV layout; pool sizes from ``full_bytes``/``swa_bytes`` when given."""

@@ -14,7 +14,8 @@ from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .gpu.allocator import AllocatorError, OutOfPages, PairedAllocator
+from .gpu.allocator import AllocatorError, OutOfPages
+from .gpu.segments import PairedSegmentAllocator, audit_model_segments
 from .tree import (
     DEFAULT_POLICY,
     BadArgument,
@@ -48,6 +49,8 @@ class Holding:
     full: set[int] = field(default_factory=set)
     swa: set[int] = field(default_factory=set)
     receipts: set[int] = field(default_factory=set)
+    # the namespace each held page was allocated for (whose segment it lies in)
+    namespace_of: dict[tuple[str, int], str] = field(default_factory=dict)
 
 
 class Watch:
@@ -65,7 +68,7 @@ class Watch:
 class TreeSink:
     """The tree's page sink: the allocators, plus the watches of copies in flight."""
 
-    def __init__(self, alloc: PairedAllocator) -> None:
+    def __init__(self, alloc: PairedSegmentAllocator) -> None:
         self.alloc = alloc
         self.watches: list[Watch] = []
 
@@ -93,11 +96,18 @@ class ModelCache:
     """Tree + allocators (+ pools) of one model profile, with per-owner accounting."""
 
     def __init__(
-        self, profile: ModelProfile, *, pools: KVPools | None = None, policy: str = DEFAULT_POLICY
+        self, profile: ModelProfile, *, pools: KVPools | None = None, policy: str = DEFAULT_POLICY,
+        segment_pages: int | None = None,
     ) -> None:
+        """``segment_pages``: pages per segment, each serving one namespace (memory isolation,
+        daemon.gpu.segments); None: one segment per pool that every namespace shares."""
         self.profile = profile
         self.pools = pools
-        self.alloc_state = PairedAllocator(profile.full_pages, profile.swa_pages or 0)
+        self.isolated = segment_pages is not None
+        renew = pools.renew_segment if pools is not None and self.isolated else None
+        self.alloc_state = PairedSegmentAllocator(
+            profile.full_pages, profile.swa_pages or 0,
+            segment_pages or max(profile.full_pages, profile.swa_pages or 0), renew)
         self.sink = TreeSink(self.alloc_state)
         self.tree = RadixTree(
             profile.page_size,
@@ -228,10 +238,12 @@ class ModelCache:
         for p in full:
             del self._full_owner[p]
             h.full.discard(p)
+            h.namespace_of.pop(("full", p), None)
         for p in swa:
             if p:
                 del self._swa_owner[p]
                 h.swa.discard(p)
+                h.namespace_of.pop(("swa", p), None)
 
     # ------------------------------------------------------------------ operations
 
@@ -256,54 +268,89 @@ class ModelCache:
     def release_swa(self, owner: Owner, rid: int) -> None:
         self.tree.release_swa(self._receipt(owner, rid))
 
-    def alloc(self, owner: Owner, n: int) -> tuple[array, array]:
-        """Full and SWA pages together, evicting unlocked cached pages if the pools are short."""
+    def space(self, namespace: str) -> str:
+        """The allocator's key for ``namespace``: itself when isolated, else the shared one."""
+        return namespace if self.isolated else ""
+
+    def segment_generation(self, namespace: str) -> int:
+        """Grows whenever a segment is assigned to ``namespace``: a client whose mapping is of
+        an older generation attaches again (docs/protocol.md 4.3). 0 without isolation."""
+        if not self.isolated:
+            return 0
+        return sum(a.assignments.get(namespace, 0) for _, a in self.alloc_state.allocators())
+
+    def _short(self, key: str, n_full: int, n_swa: int) -> tuple[int, int]:
+        a = self.alloc_state
+        swa_free = a.swa.available_to(key) if a.swa is not None else 0
+        return max(0, n_full - a.full.available_to(key)), max(0, n_swa - swa_free)
+
+    def _make_room(self, namespace: str, n_full: int, n_swa: int, reason: str) -> None:
+        """Evict until ``namespace`` can take the pages: its own cold pages first (they free
+        pages of its segments), then, when isolated, other namespaces' cold pages, the largest
+        first, until enough of their segments empty and return to the free list."""
+        key = self.space(namespace)
+        need_full, need_swa = self._short(key, n_full, n_swa)
+        if not (need_full or need_swa):
+            return
+        ev = self._evict(need_full, need_swa, reason, namespace if self.isolated else None)
+        need_full, need_swa = self._short(key, n_full, n_swa)
+        if self.isolated and (need_full or need_swa):
+            step = self.alloc_state.full.segment_pages
+            others = sorted((ns for ns in self.tree.namespaces.values() if ns.name != namespace),
+                            key=lambda ns: -(ns.full_pages + ns.swa_pages))
+            for victim in others:
+                while need_full or need_swa:
+                    got = self._evict(step if need_full else 0, step if need_swa else 0, reason,
+                                      victim.name)
+                    ev.add(got)
+                    need_full, need_swa = self._short(key, n_full, n_swa)
+                    if not (got.full_pages or got.swa_pages):
+                        break
+        self.counters["evicted_for_alloc_full"] += ev.full_pages
+        self.counters["evicted_for_alloc_swa"] += ev.swa_pages
+
+    def alloc(self, owner: Owner, n: int, namespace: str = "") -> tuple[array, array]:
+        """Full and SWA pages together from ``namespace``'s segments, evicting unlocked cached
+        pages if they are short."""
         if not isinstance(n, int) or n < 0:
             raise BadArgument(f"n_pages must be a non-negative int, got {n!r}")
-        a = self.alloc_state
-        need_full = max(0, n - a.full.available)
-        need_swa = max(0, n - a.swa.available) if a.swa is not None else 0
-        if not self.can_alloc(n):
+        if not self.can_alloc(n, namespace):
             # it cannot succeed: refuse before evicting anyone's cache for nothing
             self.counters["alloc_failures"] += 1
-            raise self.oom_error(n)
-        if need_full or need_swa:
-            ev = self._evict(need_full, need_swa, "alloc")
-            self.counters["evicted_for_alloc_full"] += ev.full_pages
-            self.counters["evicted_for_alloc_swa"] += ev.swa_pages
+            raise self.oom_error(n, namespace)
+        self._make_room(namespace, n, n if self.alloc_state.swa is not None else 0, "alloc")
         try:
-            full, swa = a.alloc(n)
+            full, swa = self.alloc_state.alloc(n, self.space(namespace))
         except OutOfPages as exc:
             self.counters["alloc_failures"] += 1
-            raise self.oom_error(n) from exc
+            raise self.oom_error(n, namespace) from exc
         self.counters["allocs"] += 1
-        self._hand_out(owner, full, swa)
+        self._hand_out(owner, full, swa, namespace)
         return full, swa
 
-    def alloc_unpaired(self, owner: Owner, n_full: int, n_swa: int) -> tuple[array, array]:
-        """``n_full`` full and ``n_swa`` SWA pages (a load needs fewer SWA pages than full ones),
-        evicting unlocked, unpinned cached pages if the pools are short."""
+    def alloc_unpaired(self, owner: Owner, n_full: int, n_swa: int, namespace: str = ""
+                       ) -> tuple[array, array]:
+        """``n_full`` full and ``n_swa`` SWA pages of ``namespace`` (a load needs fewer SWA pages
+        than full ones), evicting unlocked, unpinned cached pages if the pools are short."""
         a = self.alloc_state
-        swa_free = a.swa.available if a.swa is not None else 0
         if n_swa and a.swa is None:
             raise BadArgument("this model has no SWA pool")
-        need_full = max(0, n_full - a.full.available)
-        need_swa = max(0, n_swa - swa_free)
+        key = self.space(namespace)
+        need_full, need_swa = self._short(key, n_full, n_swa)
         if need_full > self.tree.full_evictable or need_swa > self.tree.swa_evictable:
-            raise self.oom_error(max(n_full, n_swa))
-        if need_full or need_swa:
-            ev = self._evict(need_full, need_swa, "load")
-            self.counters["evicted_for_alloc_full"] += ev.full_pages
-            self.counters["evicted_for_alloc_swa"] += ev.swa_pages
-        if n_full > a.full.available or (n_swa and n_swa > a.swa.available):  # type: ignore
-            raise self.oom_error(max(n_full, n_swa))  # the evictable pages were pinned
-        full = a.full.alloc(n_full)
-        swa = a.swa.alloc(n_swa) if n_swa else array("i")  # type: ignore[union-attr]
-        self._hand_out(owner, full, swa)
+            raise self.oom_error(max(n_full, n_swa), namespace)
+        self._make_room(namespace, n_full, n_swa, "load")
+        if any(self._short(key, n_full, n_swa)):
+            raise self.oom_error(max(n_full, n_swa), namespace)  # the evictable pages were pinned
+        full = a.full.alloc(n_full, key)
+        swa = a.swa.alloc(n_swa, key) if n_swa else array("i")  # type: ignore[union-attr]
+        self._hand_out(owner, full, swa, namespace)
         return full, swa
 
-    def _hand_out(self, owner: Owner, full: array, swa: array) -> None:
+    def _hand_out(self, owner: Owner, full: array, swa: array, namespace: str) -> None:
         h = self._holding(owner)
+        h.namespace_of.update((("full", p), namespace) for p in full)
+        h.namespace_of.update((("swa", p), namespace) for p in swa)
         for p in full:
             self._full_owner[p] = owner
         for p in swa:
@@ -322,27 +369,31 @@ class ModelCache:
             del self._swa_owner[p]
         return array("i", sorted(h.full)), array("i", sorted(h.swa))
 
-    def can_alloc(self, n: int) -> bool:
-        """Whether ``n`` pages of each pool are free or can be made free by evicting."""
+    def can_alloc(self, n: int, namespace: str = "") -> bool:
+        """Whether ``n`` pages of each pool are free to ``namespace`` or might be made free by
+        evicting (isolated: an upper bound, as another namespace's cold pages help only when a
+        whole segment of theirs empties)."""
         a = self.alloc_state
-        if n > a.full.available + self.tree.full_evictable:
+        key = self.space(namespace)
+        if n > a.full.available_to(key) + self.tree.full_evictable:
             return False
-        return a.swa is None or n <= a.swa.available + self.tree.swa_evictable
+        return a.swa is None or n <= a.swa.available_to(key) + self.tree.swa_evictable
 
-    def oom_error(self, n: int) -> OutOfPages:
+    def oom_error(self, n: int, namespace: str = "") -> OutOfPages:
         a = self.alloc_state
         t = self.tree
         held_full = len(self._full_owner)
         held_swa = len(self._swa_owner)
-        swa_free = a.swa.available if a.swa is not None else 0
+        key = self.space(namespace)
+        swa_free = a.swa.available_to(key) if a.swa is not None else 0
         return OutOfPages(
-            f"cannot allocate {n} pages: full pool {a.full.available} free, "
+            f"cannot allocate {n} pages: full pool {a.full.available_to(key)} free, "
             f"{t.full_evictable} evictable, {t.full_protected} locked, {held_full} held by "
             f"sessions; "
             f"swa pool {swa_free} free, {t.swa_evictable} evictable, {t.swa_protected} locked, "
             f"{held_swa} held by sessions",
             requested=n,
-            full_available=a.full.available,
+            full_available=a.full.available_to(key),
             full_evictable=t.full_evictable,
             full_locked=t.full_protected,
             full_held=held_full,
@@ -502,6 +553,7 @@ class ModelCache:
         self.flush_host_drops()  # their slots are held for the tiers, out of the tree already
         audit = audit_tree(self.tree, deep=deep)
         v = audit.violations
+        v += audit_model_segments(self)
         a = self.alloc_state
         v += a.full.audit()
         pools = [("full", a.full, audit.full_pages, self._full_owner)]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import os
 import secrets
 from array import array
 from typing import Any
@@ -254,7 +255,8 @@ class Service(ServiceQueries):
         return P.MatchResult(prefix_len=res.prefix_len, full_pages=res.full_pages.tobytes(),
                              swa_pages=res.swa_pages.tobytes(), node=res.node_id,
                              full_hit_len=res.full_hit_len, host_hit_len=res.host_hit_len,
-                             receipt=rid)
+                             receipt=rid,
+                             segments_gen=entry.cache.segment_generation(s.tenant.namespace))
 
     def lock(self, s: Session, r: P.Lock) -> P.LockResult:
         entry = self._model(s, r.model)
@@ -276,13 +278,15 @@ class Service(ServiceQueries):
         if r.n < 0 or r.n > cap:
             raise ServiceError(P.Code.BAD_ARGUMENT,
                                f"n must be between 0 and the pools' {cap} pages, got {r.n}")
-        if not entry.cache.can_alloc(r.n):  # refuse before any quota eviction, for nothing
+        ns = s.tenant.namespace
+        if not entry.cache.can_alloc(r.n, ns):  # refuse before any quota eviction, for nothing
             entry.cache.counters["alloc_failures"] += 1
-            raise entry.cache.oom_error(r.n)
+            raise entry.cache.oom_error(r.n, ns)
         self._enforce_quota(s, entry, r.n)
-        full, swa = entry.cache.alloc(s.id, r.n)
+        full, swa = entry.cache.alloc(s.id, r.n, ns)
         s.tenant.counters["allocated_pages"] += r.n
-        return P.AllocResult(full_pages=full.tobytes(), swa_pages=swa.tobytes())
+        return P.AllocResult(full_pages=full.tobytes(), swa_pages=swa.tobytes(),
+                             segments_gen=entry.cache.segment_generation(ns))
 
     def free(self, s: Session, r: P.Free) -> P.Empty:
         entry = self._model(s, r.model)
@@ -297,7 +301,8 @@ class Service(ServiceQueries):
             entry.tiers.used(res.node_id, inserted=True)
         return P.InsertResult(prefix_len=res.prefix_len, inserted_len=res.inserted_len,
                               full_pages=res.full_pages.tobytes(),
-                              swa_pages=res.swa_pages.tobytes(), node=res.node_id, receipt=rid)
+                              swa_pages=res.swa_pages.tobytes(), node=res.node_id, receipt=rid,
+                              segments_gen=entry.cache.segment_generation(s.tenant.namespace))
 
     def insert(self, s: Session, r: P.Insert) -> P.InsertResult:
         entry = self._model(s, r.model)
@@ -376,16 +381,27 @@ class Service(ServiceQueries):
         return P.StatsResult(tenant=t.name, namespace=t.namespace, models=out)
 
     def attach(self, s: Session, r: P.Attach) -> tuple[P.AttachResult, list[int]]:
-        """Pool descriptions plus the fds to pass with them (CPU pools are memfds)."""
+        """Pool descriptions plus the fds to pass with them (CPU pools are memfds). A segmented
+        pool passes only the segments of the session's namespace: never another's memory."""
         entry = self._model(s, r.model)
         if entry.pools is None:
             raise ServiceError(P.Code.BAD_ARGUMENT,
                                f"model {r.model!r} does not export its pools (export_pools off)")
         infos: list[P.PoolInfo] = []
+        segments: list[P.SegmentInfo] = []
         fds: list[int] = []
+        alloc = dict(entry.cache.alloc_state.allocators())
+        key = entry.cache.space(s.tenant.namespace)
         for pool in entry.pools.pools():
             desc = pool.describe()
-            if pool.fd is not None:
+            if pool.num_segments:
+                kind, index, handle = "memfd_segments", -1, b""
+                for seg in alloc[pool.kind].segments_of(key):
+                    fds.append(pool.segment_fds[seg])
+                    segments.append(P.SegmentInfo(
+                        pool=pool.kind, index=seg, epoch=pool.segment_epochs[seg],
+                        fd_index=len(fds) - 1, nbytes=os.fstat(fds[-1]).st_size))
+            elif pool.fd is not None:
                 fds.append(pool.fd)
                 kind, index, handle = "memfd", len(fds) - 1, b""
             else:
@@ -394,7 +410,9 @@ class Service(ServiceQueries):
                                     dtype=desc["dtype"], shape=desc["shape"],
                                     nbytes=desc["nbytes"], device=desc["device"],
                                     description=desc, handle=handle))
-        return P.AttachResult(pools=infos), fds
+        return P.AttachResult(
+            pools=infos, segment_pages=entry.pools.segment_pages or 0, segments=segments,
+            generation=entry.cache.segment_generation(s.tenant.namespace)), fds
 
     async def load(self, s: Session, r: P.Load) -> P.LoadResult:
         """Host copies of the path back to device, then a match: answered once the data is
@@ -420,7 +438,8 @@ class Service(ServiceQueries):
             entry.tiers.counters["loaded_tokens"] += loaded
         return P.LoadResult(prefix_len=m.prefix_len, full_pages=m.full_pages,
                             swa_pages=m.swa_pages, node=m.node, full_hit_len=m.full_hit_len,
-                            host_hit_len=m.host_hit_len, receipt=m.receipt, loaded_len=loaded)
+                            host_hit_len=m.host_hit_len, receipt=m.receipt, loaded_len=loaded,
+                            segments_gen=m.segments_gen)
 
     async def prefetch(self, s: Session, r: P.Prefetch) -> P.PrefetchResult:
         """Pages only L3 holds, to host. Never an error caused by L3: a miss instead."""

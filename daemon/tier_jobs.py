@@ -241,7 +241,7 @@ def begin_load(mc: ModelCache, namespace: str, tokens: bytes, device_len: int,
     try:
         if admit is not None:
             admit(len(plan.full), len(plan.swa))
-        full, swa = mc.alloc_unpaired(owner, len(plan.full), len(plan.swa))
+        full, swa = mc.alloc_unpaired(owner, len(plan.full), len(plan.swa), namespace)
     except BaseException:
         mc.unpin(pin)
         raise

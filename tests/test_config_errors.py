@@ -19,7 +19,7 @@ from daemon.config import ConfigError, load_config
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 CPU_MODEL = ('[[models]]\nname = "tiny"\npage_size = 4\nsliding_window = 8\n'
-             'num_full_layers = 1\nnum_swa_layers = 1\nnum_kv_heads = 1\nhead_dim = 4\n'
+             'num_full_layers = 1\nnum_swa_layers = 1\nnum_kv_heads = 1\nhead_dim = 64\n'
              'dtype = "float32"\ndevice = "cpu"\nfull_pages = 16\nswa_pages = 8\n'
              'host_pages = 0\n')
 
@@ -80,7 +80,7 @@ def test_config_check_ok_summary(tmp_path: Path) -> None:
 def test_full_bytes_and_swa_bytes_size_the_pools() -> None:
     base = {"name": "b", "page_size": 4, "sliding_window": 8, "num_full_layers": 1,
             "num_swa_layers": 1, "num_kv_heads": 1, "head_dim": 4, "dtype": "float32",
-            "device": "cpu"}
+            "device": "cpu", "memory_isolation": "none"}  # 10 pages: no whole OS pages
     page = 2 * 4 * 1 * 4 * 4  # k and v, page_size, heads, head_dim, 4 bytes: one layer's page
     cfg = load_config(None, env={}, overrides={"models": [
         {**base, "full_bytes": 10 * page + 5, "swa_bytes": 3 * page}]})

@@ -201,13 +201,13 @@ def test_check_catches_a_page_leaked_from_the_free_list():
     cache.insert(1, NS, seq([1, 2]), f, w)
     assert cache.check() == []
     a = cache.alloc_state
-    leaked = a.full._free.pop()  # gone from the free list, behind the allocator's back
+    leaked = a.full._seg_free[0].pop()  # gone from the free list, behind the allocator's back
     v = cache.check()
     assert v and any("full pool" in x for x in v)
     assert any(str(leaked) in x and "unaccounted" in x for x in v)
-    a.full._free.append(leaked)
+    a.full._seg_free[0].append(leaked)
     assert cache.check() == []
-    leaked = a.swa._free.pop(0)
+    leaked = a.swa._seg_free[0].pop(0)
     v = cache.check()
     assert any("swa pool" in x for x in v)
 
@@ -228,7 +228,7 @@ def test_check_catches_a_page_owned_twice():
     cache.holdings[2].full.discard(p)
     assert cache.check() == []
     # a free page also held by a session
-    q = cache.alloc_state.swa._free[-1]
+    q = cache.alloc_state.swa._seg_free[0][-1]
     cache._swa_owner[q] = 2
     cache.holdings[2].swa.add(q)
     v = cache.check()

@@ -31,7 +31,7 @@ make_daemon = daemon_conftest().make_daemon  # the fixture, reused
 
 MODEL = {
     "name": "m", "page_size": 4, "sliding_window": 8, "num_full_layers": 1,
-    "num_swa_layers": 1, "num_kv_heads": 1, "head_dim": 4, "dtype": "float32",
+    "num_swa_layers": 1, "num_kv_heads": 1, "head_dim": 64, "dtype": "float32",
     "device": "cpu", "full_pages": 256, "swa_pages": 128, "host_pages": 0,
     "host_swa_pages": 0,
 }

@@ -33,9 +33,10 @@ from radixd_client.pools import (
     map_pool_fd,
     tensor_over,
 )
+from radixd_client.segments import SegmentedRegion, segment_bytes
 
 from daemon.gpu.profile import DTYPE_ITEMSIZE, ModelProfile, torch_dtype
-from daemon.gpu.shared_memory import available_host_bytes, create_memfd
+from daemon.gpu.shared_memory import available_host_bytes, create_memfd, create_sealed_memfd
 
 __all__ = ["POOL_LAYOUT", "KVPools", "Pool", "PoolError", "map_pool_fd"]
 
@@ -51,7 +52,8 @@ _POOL_KINDS = ("full", "swa")
 class Pool:
     """One KV pool (full or SWA): a single tensor ``[layers, 2, pages, page_size, heads, dim]``."""
 
-    def __init__(self, profile: ModelProfile, kind: str, device: torch.device) -> None:
+    def __init__(self, profile: ModelProfile, kind: str, device: torch.device,
+                 segment_pages: int | None = None) -> None:
         if kind not in _POOL_KINDS:
             raise ValueError(f"kind: expected one of {_POOL_KINDS}, got {kind!r}")
         layers = profile.num_full_layers if kind == "full" else profile.num_swa_layers
@@ -75,7 +77,25 @@ class Pool:
         self._mapping: mmap.mmap | None = None
         self._finalizer: weakref.finalize | None = None
         label = f"{profile.name} {kind} pool"
-        if device.type == "cpu":
+        # segmented (memory isolation): one memfd per segment, assembled into one range
+        self.segment_pages = segment_pages
+        self.segment_fds: list[int] = []
+        self.segment_epochs: list[int] = []
+        self._region: SegmentedRegion | None = None
+        if segment_pages is not None and device.type != "cpu":
+            raise PoolError(f"{label}: memory_isolation = \"segments\" is built for CPU pools "
+                            f"only in this version; {device} pools need memory_isolation = "
+                            "\"none\" (no memory isolation between tenants)")
+        if segment_pages is not None:
+            self._region = SegmentedRegion(self.shape, DTYPE_ITEMSIZE[profile.dtype],
+                                           segment_pages)
+            self._finalizer = weakref.finalize(self, _close_all, self.segment_fds)
+            for seg in range(self._region.num_segments):
+                self.segment_fds.append(self._segment_memfd(seg))
+                self.segment_epochs.append(0)
+                self._region.map_segment(seg, self.segment_fds[seg])
+            buffer = self._region.tensor(self.dtype)
+        elif device.type == "cpu":
             fd, mapping = create_memfd(f"radixd-{profile.name}-{kind}", self.nbytes)
             # An unclosed pool must not leak its fd for the daemon's lifetime.
             self._finalizer = weakref.finalize(self, os.close, fd)
@@ -94,6 +114,35 @@ class Pool:
         # Zero the padding page through a byte view: fill_ is not implemented for every dtype
         # (float8) on every device, zeroing bytes always is.
         buffer.view(torch.uint8)[:, :, 0].zero_()
+
+    # -- segments -----------------------------------------------------------------------------
+
+    def _segment_memfd(self, seg: int) -> int:
+        return create_sealed_memfd(
+            f"radixd-{self.model}-{self.kind}-seg{seg}",
+            segment_bytes(self.shape, DTYPE_ITEMSIZE[self.dtype_name], self.segment_pages or 0,
+                          seg))
+
+    @property
+    def num_segments(self) -> int:
+        return 0 if self._region is None else self._region.num_segments
+
+    def renew_segment(self, seg: int) -> None:
+        """Give segment ``seg`` fresh zeroed memory (a new memfd mapped in place of the old one,
+        whose fd is closed): it changes namespace. A process that still maps the old memfd
+        keeps seeing only the old bytes, never what the new namespace writes, and the memory
+        is zero for the new one. Its epoch grows so that clients remap it."""
+        if self._region is None:
+            raise PoolError(f"{self.model} {self.kind} pool is not segmented")
+        fd = self._segment_memfd(seg)
+        try:
+            self._region.map_segment(seg, fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        old, self.segment_fds[seg] = self.segment_fds[seg], fd
+        os.close(old)
+        self.segment_epochs[seg] += 1
 
     # -- views --------------------------------------------------------------------------------
 
@@ -142,7 +191,8 @@ class Pool:
             "version": DESCRIPTION_VERSION,
             "model": self.model,
             "kind": self.kind,
-            "storage": "memfd" if self.fd is not None else self.device.type,
+            "storage": ("memfd_segments" if self._region is not None
+                        else "memfd" if self.fd is not None else self.device.type),
             "device": str(self.device),
             "dtype": self.dtype_name,
             "shape": list(buffer.shape),
@@ -153,6 +203,8 @@ class Pool:
             "page_size": self.page_size,
             "layout": list(POOL_LAYOUT),
             "layout_fingerprint": self._fingerprint,
+            "segment_pages": self.segment_pages or 0,
+            "num_segments": self.num_segments,
         }
 
     # -- lifetime -----------------------------------------------------------------------------
@@ -166,8 +218,9 @@ class Pool:
         """
         self._buffer = None
         self._mapping = None
+        self._region = None
         if self._finalizer is not None:
-            self._finalizer()  # closes the fd exactly once
+            self._finalizer()  # closes the fd(s) exactly once
             self._finalizer = None
         self.fd = None
 
@@ -176,21 +229,30 @@ class Pool:
         return f"<Pool {self.model}/{self.kind} {list(self.shape)} {self.dtype_name} {state}>"
 
 
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
+    fds.clear()
+
+
 class KVPools:
     """The device KV pools of one model profile: ``full`` always, ``swa`` when the model has SWA.
 
     A context manager; :meth:`close` releases the fds and the memory.
     """
 
-    def __init__(self, profile: ModelProfile) -> None:
+    def __init__(self, profile: ModelProfile, segment_pages: int | None = None) -> None:
+        """``segment_pages``: build each pool from segments of that many pages (memory
+        isolation between namespaces); None: one allocation per pool, shared by all."""
         self.profile = profile
         self.device = profile.resolve_device()
+        self.segment_pages = segment_pages
         self._check_fits()
-        self.full = Pool(profile, "full", self.device)
+        self.full = Pool(profile, "full", self.device, segment_pages)
         self.swa: Pool | None = None
         if profile.has_swa:
             try:
-                self.swa = Pool(profile, "swa", self.device)
+                self.swa = Pool(profile, "swa", self.device, segment_pages)
             except BaseException:
                 self.full.close()
                 raise
@@ -227,6 +289,10 @@ class KVPools:
         if kind == "swa" and self.swa is not None:
             return self.swa
         raise PoolError(f"pool: {self.profile.name} has no {kind!r} pool")
+
+    def renew_segment(self, kind: str, seg: int) -> None:
+        """Fresh zeroed memory for segment ``seg`` of pool ``kind`` (see Pool.renew_segment)."""
+        self.pool(kind).renew_segment(seg)
 
     def page_view(self, kind: str, page_id: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per-layer ``(K, V)`` views ``[page_size, kv_heads, head_dim]`` of one page."""

@@ -38,7 +38,19 @@ def available_host_bytes() -> int | None:
 
 
 def create_memfd(name: str, nbytes: int) -> tuple[int, mmap.mmap]:
-    """Create a sealed, fully backed memfd of ``nbytes`` and map it shared, read-write.
+    """Create a sealed, fully backed memfd of ``nbytes`` and map it shared, read-write."""
+    fd = create_sealed_memfd(name, nbytes)
+    try:
+        mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED,
+                            prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, mapping
+
+
+def create_sealed_memfd(name: str, nbytes: int) -> int:
+    """Create a sealed, fully backed (zeroed) memfd of ``nbytes``, not mapped.
 
     ``posix_fallocate`` backs every page now, so running out of memory is an error here rather
     than a SIGBUS in the middle of a kernel later. The size is then sealed (no shrink, no grow):
@@ -62,9 +74,20 @@ def create_memfd(name: str, nbytes: int) -> tuple[int, mmap.mmap]:
         fcntl.fcntl(
             fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
         )
-        mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED,
-                            prot=mmap.PROT_READ | mmap.PROT_WRITE)
     except BaseException:
         os.close(fd)
         raise
-    return fd, mapping
+    return fd
+
+
+def hide_descriptors() -> bool:
+    """Make this process non-dumpable (``PR_SET_DUMPABLE`` 0), so that a process of the same
+    non-root user cannot open the pools' memfds through ``/proc/<pid>/fd`` (that would bypass
+    memory isolation: docs/operations.md). Also turns off core dumps. False where it failed."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(4, 0, 0, 0, 0) == 0  # PR_SET_DUMPABLE
+    except (OSError, AttributeError):
+        return False

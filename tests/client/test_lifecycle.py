@@ -23,7 +23,7 @@ make_daemon = daemon_conftest().make_daemon  # the fixture, reused
 P, W = 4, 8
 MODEL = {
     "name": "m", "page_size": P, "sliding_window": W, "num_full_layers": 1,
-    "num_swa_layers": 1, "num_kv_heads": 1, "head_dim": 4, "dtype": "float32",
+    "num_swa_layers": 1, "num_kv_heads": 1, "head_dim": 64, "dtype": "float32",
     "device": "cpu", "full_pages": 64, "swa_pages": 32, "host_pages": 0, "host_swa_pages": 0,
 }
 

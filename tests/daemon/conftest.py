@@ -53,7 +53,7 @@ def write_config(path: Path, config: dict[str, Any]) -> None:
 
 SMALL_MODEL = {
     "name": "m", "page_size": 4, "sliding_window": 8, "num_full_layers": 1,
-    "num_swa_layers": 1, "num_kv_heads": 1, "head_dim": 4, "dtype": "float32",
+    "num_swa_layers": 1, "num_kv_heads": 1, "head_dim": 64, "dtype": "float32",
     "device": "cpu", "full_pages": 64, "swa_pages": 32,
 }
 

@@ -25,7 +25,7 @@ P = 4
 MODEL = "m"
 AUTH_LOG_INTERVAL_S = 5.0  # operations.md: at most one line about failed hellos per 5 s
 DENSE = {"name": "dense", "page_size": 4, "num_full_layers": 1, "num_swa_layers": 0,
-         "num_kv_heads": 1, "head_dim": 4, "dtype": "float32", "device": "cpu",
+         "num_kv_heads": 1, "head_dim": 64, "dtype": "float32", "device": "cpu",
          "full_pages": 32}
 
 

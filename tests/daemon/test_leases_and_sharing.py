@@ -173,7 +173,7 @@ def test_kv_written_by_one_process_is_read_by_another(daemon) -> None:
 def test_pages_helper_and_attach_in_process(daemon) -> None:
     with Client(daemon.socket) as c:
         pools = c.attach(MODEL)
-        assert tuple(pools.full.shape) == (1, 2, 64, P, 1, 4)
+        assert tuple(pools.full.shape) == (1, 2, 64, P, 1, 64)
         a = c.alloc(MODEL, 2)
         ids = pages(a.full_pages)
         assert len(ids) == 2 and 0 not in ids

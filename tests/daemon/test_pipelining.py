@@ -83,7 +83,7 @@ async def assert_nothing_held(c: AsyncClient) -> None:
 def daemon(make_daemon: Any) -> Any:
     """Pools big enough that no alloc of these workloads runs out of pages."""
     model = {"name": MODEL, "page_size": 4, "sliding_window": 8, "num_full_layers": 1,
-             "num_swa_layers": 1, "num_kv_heads": 1, "head_dim": 4, "dtype": "float32",
+             "num_swa_layers": 1, "num_kv_heads": 1, "head_dim": 64, "dtype": "float32",
              "device": "cpu", "full_pages": 4096, "swa_pages": 4096}
     return make_daemon({"models": [model]})
 

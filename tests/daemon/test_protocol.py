@@ -228,6 +228,8 @@ def test_random_and_malformed_frames_from_several_clients(daemon, script) -> Non
 def test_attach_response_keeps_request_order(daemon) -> None:
     """attach sends fds (SCM_RIGHTS) out of band: frames pipelined behind it must wait."""
     raw = Raw(daemon.socket)
+    # a page gives the namespace a segment of each pool (attach sends only those)
+    assert raw.call(protocol.Alloc(id=11, model=MODEL, n=1)).ok
     raw.s.sendall(b"".join(protocol.encode(r) for r in (
         protocol.Attach(id=12, model=MODEL), protocol.Ping(id=13),
         protocol.Attach(id=14, model=MODEL), protocol.Ping(id=15))))
@@ -248,7 +250,7 @@ def test_attach_response_keeps_request_order(daemon) -> None:
             ids.append(protocol.decode_response(buf[4 : 4 + n]).id)
             buf = buf[4 + n :]
     assert ids == [12, 13, 14, 15]
-    assert fds_seen == 4  # two pools, twice
+    assert fds_seen == 4  # one segment of each of two pools, twice
     raw.close()
 
 
@@ -282,7 +284,7 @@ def test_session_limit_and_restart_detection(make_daemon) -> None:
 def test_a_model_without_sliding_window_layers(make_daemon) -> None:
     """num_swa_layers = 0 (TOML cannot say null): no SWA pool, plain prefix caching."""
     model = {"name": "dense", "page_size": 4, "num_full_layers": 1, "num_swa_layers": 0,
-             "num_kv_heads": 1, "head_dim": 4, "dtype": "float32", "device": "cpu",
+             "num_kv_heads": 1, "head_dim": 64, "dtype": "float32", "device": "cpu",
              "full_pages": 32}
     d = make_daemon({"models": [model]})
     with Client(d.socket) as c:

@@ -12,15 +12,15 @@ P = 4
 
 
 SMALL = {"name": "m", "page_size": P, "sliding_window": 2 * P, "num_full_layers": 1,
-         "num_swa_layers": 1, "num_kv_heads": 1, "head_dim": 4, "dtype": "float32",
+         "num_swa_layers": 1, "num_kv_heads": 1, "head_dim": 64, "dtype": "float32",
          "device": "cpu", "full_pages": 21, "swa_pages": 21, "export_pools": False}
 
 
-def _service(tenants):
+def _service(tenants, model=SMALL):
     from daemon.app import build_service
     from daemon.config import Config
 
-    return build_service(Config(models=[SMALL], tenants=tenants), create_pools=False)
+    return build_service(Config(models=[model], tenants=tenants), create_pools=False)
 
 
 def _session(svc, token):
@@ -41,8 +41,11 @@ def test_quota_eviction_happens_even_when_the_alloc_then_fails() -> None:
     'refuse before evicting anyone's cache for nothing')."""
     from daemon.gpu.allocator import OutOfPages
 
+    # One shared pool: the setup needs the pool exactly full, which with segments depends on how
+    # the namespaces' pages fall into segments (bob's alloc would evict alice's pages to empty one)
     svc = _service([{"name": "a", "token": "ta", "namespace": "na", "quota_full_pages": 10},
-                    {"name": "b", "token": "tb", "namespace": "nb"}])
+                    {"name": "b", "token": "tb", "namespace": "nb"}],
+                   model={**SMALL, "memory_isolation": "none"})
     sa, sb = _session(svc, "ta"), _session(svc, "tb")
     cache = svc.models["m"].cache
     from radixd_client import protocol as Pr

@@ -82,9 +82,10 @@ class CacheMachine(RuleBasedStateMachine):
         window_extra=st.booleans(),
         full_cap=st.integers(12, 96),
         swa_ratio=st.sampled_from([0.5, 1.0]),
+        segment_pages=st.sampled_from([None, 3, 8]),
     )
     def setup(self, page_size: int, window_pages: int, window_extra: bool, full_cap: int,
-              swa_ratio: float) -> None:
+              swa_ratio: float, segment_pages: int | None) -> None:
         self.P = page_size
         window = window_pages * page_size - (1 if window_extra and page_size > 1 else 0)
         self.wp = -(-window // page_size)
@@ -92,7 +93,9 @@ class CacheMachine(RuleBasedStateMachine):
             name="m", page_size=page_size, num_full_layers=1, num_kv_heads=1, head_dim=1,
             full_pages=full_cap, sliding_window=window, num_swa_layers=1,
             swa_pages=max(2, int(full_cap * swa_ratio)), dtype="float32", device="cpu")
-        self.cache = ModelCache(profile)
+        # segment_pages: memory isolation (pages of a namespace from its own segments, checked
+        # by ModelCache.check), or None, one shared pool
+        self.cache = ModelCache(profile, segment_pages=segment_pages)
         self.tree = self.cache.tree
         self.model: dict[str, dict[bytes, list[int]]] = {ns: {} for ns in NAMESPACES}
         self.locks: dict[int, ModelLock] = {}
@@ -265,7 +268,7 @@ class CacheMachine(RuleBasedStateMachine):
         total = -(-(len(tokens) // 4) // self.P)
         need = total - res.prefix_len // self.P
         try:
-            full, swa = self.cache.alloc(owner, need)
+            full, swa = self.cache.alloc(owner, need, ns)
         except OutOfPages as exc:
             event("alloc failed: out of pages")
             assert "evictable" in str(exc) and exc.counts["requested"] == need

@@ -106,6 +106,7 @@ class AsyncClient(Operations):
         self._gate.set()
         self._attach_lock = asyncio.Lock()
         self._attach_id: int | None = None
+        self._attached: dict[str, AttachedPools] = {}  # to map segments as they come
         self._attach_fds: list[int] = []  # received with the attach response, not yet handed
         self._slots: asyncio.Semaphore | None = None  # max_inflight, once known
         self._wbuf: list[memoryview] = []
@@ -368,7 +369,13 @@ class AsyncClient(Operations):
             self._attach_id = req.id
         self._write(frame)
         self._wake.set()
-        return await fut
+        value = await fut
+        if self._attached and op != "attach":  # segments this process has not mapped yet
+            from .pools import models_to_update
+
+            for model in models_to_update(req, value, self._attached):
+                await self.attach(model)
+        return value
 
     # -- batches, receipts, pools ---------------------------------------------------------------
 
@@ -409,7 +416,12 @@ class AsyncClient(Operations):
                 self._gate_open = True
                 self._gate.set()
         try:
-            return attach_pools(model, result, fds)
+            pools = self._attached.get(model)
+            if pools is not None and not pools.closed:  # again: the same tensors, updated
+                pools.update(result, fds)
+                return pools
+            pools = self._attached[model] = attach_pools(model, result, fds)
+            return pools
         finally:
             close_fds(fds)
 

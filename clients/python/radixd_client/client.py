@@ -146,6 +146,7 @@ class Client(Operations):
     def _start(self, sock: socket.socket, token: str | None, client_name: str) -> None:
         self._sock: socket.socket | None = sock
         self._conn = ClientConnection()
+        self._attached: dict[str, AttachedPools] = {}  # to map segments as they come
         self._close_reason = "closed by the client"
         try:
             hello: HelloResult = self._call(
@@ -199,8 +200,18 @@ class Client(Operations):
             self._broken(f"interrupted by {type(exc).__name__} in the middle of a call", exc)
             raise
         if reply.ok:
+            self._follow_segments(req, reply.value)
             return reply.value
         raise reply.value
+
+    def _follow_segments(self, req: Request, value: Any) -> None:
+        """A result naming a segment generation this process has not mapped: attach again
+        first, so that its pages are mapped when the caller reads them (protocol.md 4.3)."""
+        if self._attached:
+            from .pools import models_to_update
+
+            for model in models_to_update(req, value, self._attached):
+                self.attach(model)
 
     # -- batches and receipts -------------------------------------------------------------------
 
@@ -240,7 +251,12 @@ class Client(Operations):
 
         result, fds = self._call_with_fds("attach", Attach(model=model))
         try:
-            return attach_pools(model, result, fds)
+            pools = self._attached.get(model)
+            if pools is not None and not pools.closed:  # again: the same tensors, updated
+                pools.update(result, fds)
+                return pools
+            pools = self._attached[model] = attach_pools(model, result, fds)
+            return pools
         finally:
             close_fds(fds)
 

@@ -13,8 +13,9 @@ from array import array
 
 __all__ = ["MAX_FDS", "RECVMSG_FLAGS", "ancillary_space", "close_fds", "take_fds"]
 
-#: How many descriptors an ``attach`` response may carry (one per memfd pool; 2 today).
-MAX_FDS = 16
+#: How many descriptors an ``attach`` response may carry (a memfd per pool or segment; the
+#: kernel passes at most 253 in one message, SCM_MAX_FD).
+MAX_FDS = 253
 #: Received descriptors are close-on-exec from the start: no fork/exec between can leak them.
 RECVMSG_FLAGS = getattr(socket, "MSG_CMSG_CLOEXEC", 0)
 

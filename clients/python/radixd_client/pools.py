@@ -6,6 +6,13 @@ layers). A CPU pool (kind ``"memfd"``) lives in a sealed memfd whose fd arrives 
 frame (SCM_RIGHTS); :func:`map_pool_fd` maps it. A GPU pool (kind ``"cuda_ipc"``) is opened from
 the CUDA IPC handle in ``PoolInfo.handle`` (see :func:`export_cuda_ipc_handle` for its format).
 
+A segmented pool (kind ``"memfd_segments"``: the daemon isolates tenants in memory) arrives as one
+memfd per segment of this session's namespace (``AttachResult.segments``); they are mapped in
+place in one address range (:mod:`radixd_client.segments`), and the rest of the range is private
+zeros. When a result's ``segments_gen`` is above :attr:`AttachedPools.generation`, the namespace
+got segments this process has not mapped: attaching again (``Client.attach``, which the clients
+do by themselves) maps them into the same tensors (:meth:`AttachedPools.update`).
+
 Each pool is one tensor ``[layers, 2, pages, page_size, kv_heads, head_dim]``; ``pool[layer, 0]``
 (K) and ``pool[layer, 1]`` (V) are contiguous page-major views ``[pages, page_size, kv_heads,
 head_dim]``, which is what paged-attention kernels index with a page id.
@@ -30,6 +37,7 @@ import msgspec
 
 from .errors import PoolError
 from .protocol import AttachResult, KvAttachResult, PoolInfo
+from .segments import SegmentedRegion
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import torch
@@ -46,6 +54,7 @@ __all__ = [
     "attach_pools",
     "export_cuda_ipc_handle",
     "map_pool_fd",
+    "models_to_update",
     "open_cuda_ipc",
 ]
 
@@ -284,12 +293,46 @@ class AttachedPools:
     """
 
     def __init__(self, model: str, tensors: Mapping[str, torch.Tensor],
-                 infos: Mapping[str, PoolInfo]) -> None:
+                 infos: Mapping[str, PoolInfo],
+                 regions: Mapping[str, SegmentedRegion] | None = None) -> None:
         if "full" not in tensors:
             raise PoolError(f"{model}: the daemon sent no full pool")
         self.model = model
         self.infos: dict[str, PoolInfo] = dict(infos)
         self._tensors: dict[str, torch.Tensor] | None = dict(tensors)
+        self._regions: dict[str, SegmentedRegion] = dict(regions or {})
+        #: (pool, segment) -> epoch of each segment mapped here
+        self.segments: dict[tuple[str, int], int] = {}
+        #: the namespace's segment generation these mappings reflect
+        self.generation = 0
+
+    # -- segments -------------------------------------------------------------------------------
+
+    def needs_update(self, segments_gen: int) -> bool:
+        """Whether a result's ``segments_gen`` names segments this process has not mapped."""
+        return bool(self._regions) and self._tensors is not None and (
+            segments_gen > self.generation)
+
+    def update(self, result: AttachResult, fds: Sequence[int]) -> None:
+        """Map the segments an attach response lists (new ones, and those with a new epoch) and
+        put private zeros where segments no longer listed were. ``fds`` are not closed here."""
+        listed: dict[tuple[str, int], tuple[int, int]] = {}
+        for seg in result.segments:
+            if seg.pool not in self._regions:
+                raise PoolError(f"{self.model}: segment {seg.index} of the {seg.pool!r} pool, "
+                                "which is not segmented")
+            if not 0 <= seg.fd_index < len(fds):
+                raise PoolError(f"{self.model} {seg.pool} segment {seg.index}: fd_index "
+                                f"{seg.fd_index} but {len(fds)} fds came with the response")
+            listed[(seg.pool, seg.index)] = (seg.epoch, fds[seg.fd_index])
+        for key in [k for k in self.segments if k not in listed]:
+            self._regions[key[0]].unmap_segment(key[1])
+            del self.segments[key]
+        for key, (epoch, fd) in listed.items():
+            if self.segments.get(key) != epoch:
+                self._regions[key[0]].map_segment(key[1], fd)
+                self.segments[key] = epoch
+        self.generation = result.generation
 
     # -- pools ----------------------------------------------------------------------------------
 
@@ -350,6 +393,7 @@ class AttachedPools:
     def close(self) -> None:
         """Drop this object's references to the pools; idempotent."""
         self._tensors = None
+        self._regions = {}
 
     def __enter__(self) -> AttachedPools:
         return self
@@ -366,15 +410,42 @@ class AttachedPools:
         return f"<AttachedPools {self.model}: {parts}>"
 
 
+def models_to_update(req: Any, value: Any, attached: Mapping[str, AttachedPools]) -> list[str]:
+    """The models whose attached pools a call's result says are out of date: it names a segment
+    generation above theirs (for a batch, ``value`` is its ``(ok, result)`` outcomes in the
+    order of ``req.ops``). The clients attach those again before returning (protocol.md 4.3)."""
+    if not attached:
+        return []
+    pairs = (zip(req.ops, (v for _ok, v in value), strict=False)
+             if isinstance(value, list) else ((req, value),))
+    out: list[str] = []
+    for r, v in pairs:
+        model = getattr(r, "model", "")
+        pools = attached.get(model)
+        if (pools is not None and model not in out
+                and pools.needs_update(getattr(v, "segments_gen", 0))):
+            out.append(model)
+    return out
+
+
 def attach_pools(model: str, result: AttachResult, fds: Sequence[int]) -> AttachedPools:
     """Map every pool of an ``attach`` response. ``fds`` are the descriptors that came with the
     frame; they are not closed here (the caller closes them, mapped or not)."""
     tensors: dict[str, Any] = {}
     infos: dict[str, PoolInfo] = {}
+    regions: dict[str, SegmentedRegion] = {}
     for info in result.pools:
         if info.pool in infos:
             raise PoolError(f"{model}: the daemon sent the {info.pool!r} pool twice")
-        if info.kind == "memfd":
+        if info.kind == "memfd_segments":
+            dtype, shape, _nbytes = _check_description(info.description, "memfd_segments")
+            if result.segment_pages < 1:
+                raise PoolError(f"{model} {info.pool} pool: segmented, but segment_pages is "
+                                f"{result.segment_pages}")
+            region = regions[info.pool] = SegmentedRegion(
+                shape, DTYPE_ITEMSIZE[info.description["dtype"]], result.segment_pages)
+            tensor = region.tensor(dtype)
+        elif info.kind == "memfd":
             if not 0 <= info.fd_index < len(fds):
                 raise PoolError(f"{model} {info.pool} pool: fd_index {info.fd_index} but "
                                 f"{len(fds)} fds came with the response")
@@ -390,7 +461,9 @@ def attach_pools(model: str, result: AttachResult, fds: Sequence[int]) -> Attach
                             f"{list(tensor.shape)} {tensor.dtype}")
         tensors[info.pool] = tensor
         infos[info.pool] = info
-    return AttachedPools(model, tensors, infos)
+    pools = AttachedPools(model, tensors, infos, regions)
+    pools.update(result, fds)
+    return pools
 
 
 # ---------------------------------------------------------------------------- host pools

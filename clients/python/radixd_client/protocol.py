@@ -284,7 +284,9 @@ class PingResult(Result):
 
 class PoolInfo(Result):
     pool: str  # "full" or "swa"
-    kind: str  # "memfd": an fd arrives with the frame (SCM_RIGHTS); "cuda_ipc": see handle
+    # "memfd": an fd arrives with the frame (SCM_RIGHTS); "cuda_ipc": see handle;
+    # "memfd_segments": one fd per segment, listed in AttachResult.segments (protocol.md 4.3)
+    kind: str
     fd_index: int  # index into the fds that came with this frame (-1 if none)
     dtype: str
     shape: list[int]  # [layers, 2, pages, page_size, kv_heads, head_dim]
@@ -294,8 +296,21 @@ class PoolInfo(Result):
     handle: bytes = b""  # cuda_ipc only: an opaque handle (see docs/protocol.md)
 
 
+class SegmentInfo(Result):
+    """One segment of a segmented pool this session may map (docs/protocol.md 4.3)."""
+
+    pool: str  # "full" or "swa"
+    index: int  # pages [index * segment_pages, (index + 1) * segment_pages) of that pool
+    epoch: int  # grows each time the segment gets fresh memory: a new epoch is a new memfd
+    fd_index: int  # index into the fds that came with this frame
+    nbytes: int  # size of that memfd
+
+
 class AttachResult(Result):
     pools: list[PoolInfo]
+    segment_pages: int = 0  # 0: pools are not segmented (memory_isolation = "none")
+    segments: list[SegmentInfo] = []  # the segments of this session's namespace, now
+    generation: int = 0  # segments_gen of the namespace these segments are of
 
 
 class MatchResult(Result):
@@ -306,6 +321,7 @@ class MatchResult(Result):
     full_hit_len: int
     host_hit_len: int
     receipt: int | None = None
+    segments_gen: int = 0  # above the attach's generation: attach again (protocol.md 4.3)
 
 
 class LoadResult(MatchResult):
@@ -329,6 +345,7 @@ class Empty(Result):
 class AllocResult(Result):
     full_pages: bytes
     swa_pages: bytes
+    segments_gen: int = 0  # above the attach's generation: attach again (protocol.md 4.3)
 
 
 class InsertResult(Result):
@@ -338,6 +355,7 @@ class InsertResult(Result):
     swa_pages: bytes
     node: int
     receipt: int | None = None
+    segments_gen: int = 0  # above the attach's generation: attach again (protocol.md 4.3)
 
 
 class EvictResult(Result):

@@ -1,0 +1,386 @@
+"""Page allocators over segments: the pages a namespace gets come only from its own segments.
+
+A pool of ``capacity`` pages is cut into segments of ``segment_pages`` consecutive page ids
+(segment = page // segment_pages; the last one may be shorter). A segment is either free (on the
+free list) or assigned to one namespace, and every page of an assigned segment is handed out to
+that namespace only, so what an engine of another tenant maps (the segments of its own
+namespaces, docs/protocol.md) never holds another namespace's KV. A segment whose last page
+comes back returns to the free list at once, and any namespace can take it from there: memory
+still flows between tenants. When a segment is assigned to a namespace other than the one it
+last served, ``on_assign(segment)`` runs first: the pool gives it fresh, zeroed memory there
+(daemon.gpu.pools), so no byte crosses namespaces and a mapping of the old memory shows nothing
+new.
+
+Pure bookkeeping (no torch), like :class:`daemon.gpu.allocator.PageAllocator`: one state byte per
+page catches a double free in O(1). Page 0 (padding) is never handed out and not counted in
+segment 0's pages in use; it is zero in every fresh memory a segment gets.
+
+With ``segment_pages >= capacity`` there is one segment and every namespace shares it: that is
+the single shared pool (``memory_isolation = "none"``); callers then pass one namespace key.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+from array import array
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+from radixd_client.errors import PoolError
+from radixd_client.segments import check_segment_alignment
+
+from daemon.gpu.allocator import AllocatorError, OutOfPages
+
+if TYPE_CHECKING:
+    from daemon.gpu.profile import ModelProfile
+
+#: Segments per model (both pools) at most: an ``attach`` passes one descriptor per segment, and
+#: one message carries at most 253 (SCM_MAX_FD).
+MAX_SEGMENTS = 240
+#: How many segments (both pools together) the automatic segment size aims at.
+AUTO_SEGMENTS = 128
+ISOLATION_MODES = ("auto", "segments", "none")
+
+
+def effective_isolation(isolation: str, device: str) -> str:
+    """What ``memory_isolation`` means on ``device``: ``auto`` is ``segments`` on the CPU and
+    ``none`` on CUDA, where segmented pools are not built yet (a default config must start on a
+    GPU; the daemon logs a warning then). An explicit ``segments`` on CUDA is a config error."""
+    if isolation not in ISOLATION_MODES:
+        raise ValueError(f"memory_isolation: {isolation!r} is not one of {list(ISOLATION_MODES)}")
+    on_cuda = device.startswith("cuda") or (device == "auto" and _cuda_available())
+    if isolation == "auto":
+        return "none" if on_cuda else "segments"
+    if isolation == "segments" and on_cuda:
+        raise ValueError('memory_isolation: "segments" is built for CPU pools only in this '
+                         'version; on a CUDA device use "auto" or "none" (no memory isolation '
+                         "between tenants)")
+    return isolation
+
+
+def _cuda_available() -> bool:
+    import torch  # only for device "auto": where the pools will live decides
+
+    return torch.cuda.is_available()
+
+
+def resolve_segment_pages(profile: ModelProfile, isolation: str, segment_pages: int,
+                          mapped: bool = True) -> int | None:
+    """The segment size of a model in pages, or None for the single shared pool.
+
+    ``segment_pages`` 0 is automatic: about :data:`AUTO_SEGMENTS` segments per model, rounded up
+    to whole OS pages per (layer, kv) strip. ``mapped``: the pools exist and are mapped (else
+    only the bookkeeping, which needs no alignment). Raises ValueError with the reason and a
+    remedy."""
+    isolation = effective_isolation(isolation, profile.device)
+    if isolation == "none":
+        return None
+    if not isinstance(segment_pages, int) or isinstance(segment_pages, bool) or segment_pages < 0:
+        raise ValueError(f"segment_pages: a number of pages >= 1, or 0 for automatic; got "
+                         f"{segment_pages!r}")
+    layers = profile.num_full_layers
+    strip = profile.full_page_bytes // (2 * layers)  # one page of one (layer, kv) strip
+    unit = mmap.PAGESIZE // math.gcd(mmap.PAGESIZE, strip)
+    pools = [profile.full_pages] + ([profile.swa_pages] if profile.has_swa else [])
+    if segment_pages == 0:
+        want = max(1, -(-sum(pools) // AUTO_SEGMENTS))
+        segment_pages = -(-want // unit) * unit
+    count = sum(-(-p // segment_pages) for p in pools)
+    if count > MAX_SEGMENTS:
+        raise ValueError(f"segment_pages: {segment_pages} pages make {count} segments; at most "
+                         f"{MAX_SEGMENTS} per model (each is a descriptor in attach): use "
+                         f"segment_pages >= {-(-sum(pools) // (MAX_SEGMENTS - len(pools)))}")
+    if mapped and not profile.device.startswith("cuda"):
+        for pages, kind in zip(pools, ("full", "swa"), strict=False):
+            try:
+                check_segment_alignment(strip, segment_pages, pages, f"{kind} pool")
+            except PoolError as exc:
+                raise ValueError(f"segment_pages: {exc}") from None
+    return segment_pages
+
+_FREE = 0
+_USED = 1
+
+
+class SegmentedAllocator:
+    """Hands out page ids 1..capacity-1 of one pool, per namespace, from whole segments."""
+
+    def __init__(self, capacity: int, segment_pages: int, name: str = "pool",
+                 on_assign: Callable[[int], None] | None = None) -> None:
+        if capacity < 1:
+            raise ValueError(f"{name}: capacity must be >= 1 page (page 0 is reserved), "
+                             f"got {capacity}")
+        if segment_pages < 1:
+            raise ValueError(f"{name}: segment_pages must be >= 1, got {segment_pages}")
+        self.name = name
+        self.capacity = capacity
+        self.segment_pages = segment_pages = min(segment_pages, capacity)
+        self.num_segments = -(-capacity // segment_pages)
+        self.on_assign = on_assign
+        self._state = bytearray(capacity)
+        self._state[0] = _USED  # the padding page is permanently taken
+        nseg = self.num_segments
+        # per segment: its free pages (a stack, low ids popped first) and its pages in use
+        self._seg_free = [array("i", range(min(capacity, (s + 1) * segment_pages) - 1,
+                                           max(1, s * segment_pages) - 1, -1))
+                          for s in range(nseg)]
+        self._seg_used = [0] * nseg
+        self.owner: list[str | None] = [None] * nseg  # the namespace a segment serves now
+        self.last_owner: list[str | None] = [None] * nseg  # ... or served last (None: never)
+        self._free_segments: list[int] = list(range(nseg - 1, -1, -1))  # low ids popped first
+        self._ns_segments: dict[str, list[int]] = {}
+        self._ns_free: dict[str, int] = {}  # free pages inside each namespace's segments
+        self._free_pages = capacity - 1
+        self.segments_assigned = 0  # counters: assignments, and those that changed namespace
+        self.segments_moved = 0
+        self.assignments: dict[str, int] = {}  # per namespace, ever (its segment generation)
+
+    # -- counts -------------------------------------------------------------------------------
+
+    @property
+    def available(self) -> int:
+        """Free pages in the whole pool (in free segments and inside assigned ones)."""
+        return self._free_pages
+
+    @property
+    def usable(self) -> int:
+        """Pages that can ever be handed out (capacity minus the padding page)."""
+        return self.capacity - 1
+
+    def available_to(self, namespace: str) -> int:
+        """Pages ``namespace`` can take now: free inside its segments plus free segments."""
+        return self._ns_free.get(namespace, 0) + self.free_segment_pages
+
+    @property
+    def free_segment_pages(self) -> int:
+        return sum(len(self._seg_free[s]) for s in self._free_segments)
+
+    def segment_of(self, page: int) -> int:
+        return page // self.segment_pages
+
+    def segments_of(self, namespace: str) -> list[int]:
+        """The segments ``namespace`` holds now, in id order."""
+        return sorted(self._ns_segments.get(namespace, ()))
+
+    def segment_range(self, segment: int) -> range:
+        """The page ids of ``segment``."""
+        s = self.segment_pages
+        return range(segment * s, min(self.capacity, (segment + 1) * s))
+
+    # -- alloc / free -------------------------------------------------------------------------
+
+    def alloc(self, n: int, namespace: str) -> array:
+        """``n`` pages of ``namespace``'s segments, taking free segments when they are short."""
+        if n < 0:
+            raise ValueError(f"{self.name}: cannot allocate {n} pages")
+        have = self.available_to(namespace)
+        if n > have:
+            raise OutOfPages(f"{self.name}: {n} pages requested, {have} free to namespace "
+                             f"{namespace!r}", requested=n, available=have)
+        segs = self._ns_segments.setdefault(namespace, [])
+        self._ns_free.setdefault(namespace, 0)
+        out = array("i")
+        for seg in segs:  # fullest first would pack tighter; id order is cheap and stable
+            if len(out) == n:
+                break
+            out += self._take(seg, n - len(out))
+        while len(out) < n:
+            seg = self._assign(namespace)
+            out += self._take(seg, n - len(out))
+        self._ns_free[namespace] -= n
+        self._free_pages -= n
+        st = self._state
+        for p in out:
+            st[p] = _USED
+        return out
+
+    def _take(self, seg: int, k: int) -> array:
+        free = self._seg_free[seg]
+        k = min(k, len(free))
+        got = free[len(free) - k:]
+        del free[len(free) - k:]
+        self._seg_used[seg] += k
+        return got
+
+    def _assign(self, namespace: str) -> int:
+        """A free segment for ``namespace``: one it served last if any (no zeroing needed)."""
+        free = self._free_segments
+        pick = len(free) - 1
+        for i in range(len(free) - 1, -1, -1):
+            if self.last_owner[free[i]] == namespace:
+                pick = i
+                break
+        seg = free.pop(pick)
+        if self.last_owner[seg] not in (None, namespace) and self.on_assign is not None:
+            self.on_assign(seg)
+            self.segments_moved += 1
+        self.segments_assigned += 1
+        self.assignments[namespace] = self.assignments.get(namespace, 0) + 1
+        self.owner[seg] = self.last_owner[seg] = namespace
+        self._ns_segments[namespace].append(seg)
+        self._ns_free[namespace] += len(self._seg_free[seg])
+        return seg
+
+    def check_free(self, pages: Iterable[int]) -> None:
+        """Raise unless every page is allocated and listed once (validation before any change)."""
+        st = self._state
+        cap = self.capacity
+        seen: set[int] = set()
+        for p in pages:
+            if not 0 < p < cap:
+                raise AllocatorError(f"{self.name}: page {p} is not a page of this pool "
+                                     f"(1..{cap - 1})")
+            if st[p] != _USED:
+                raise AllocatorError(f"{self.name}: page {p} is not allocated (double free?)")
+            if p in seen:
+                raise AllocatorError(f"{self.name}: page {p} listed twice in one free")
+            seen.add(p)
+
+    def free(self, pages: Iterable[int]) -> None:
+        """Pages back to their segments; a segment left empty goes back to the free list."""
+        pages = pages if isinstance(pages, array) else array("i", pages)
+        self.check_free(pages)
+        st = self._state
+        sp = self.segment_pages
+        emptied: set[int] = set()
+        for p in pages:
+            st[p] = _FREE
+            seg = p // sp
+            self._seg_free[seg].append(p)
+            self._seg_used[seg] -= 1
+            self._ns_free[self.owner[seg]] += 1  # type: ignore[index]
+            if not self._seg_used[seg]:
+                emptied.add(seg)
+        self._free_pages += len(pages)
+        for seg in sorted(emptied, reverse=True):
+            ns = self.owner[seg]
+            assert ns is not None
+            self._ns_segments[ns].remove(seg)
+            self._ns_free[ns] -= len(self._seg_free[seg])
+            if not self._ns_segments[ns]:
+                del self._ns_segments[ns], self._ns_free[ns]
+            self.owner[seg] = None
+            self._free_segments.append(seg)
+
+    def free_set(self) -> set[int]:
+        return {p for f in self._seg_free for p in f}
+
+    def audit(self) -> list[str]:
+        """Free lists, state bytes and segment bookkeeping agree."""
+        v: list[str] = []
+        fs = self.free_set()
+        if sum(len(f) for f in self._seg_free) != len(fs):
+            v.append(f"{self.name}: a free list holds a page twice")
+        if self._state[0] != _USED or 0 in fs:
+            v.append(f"{self.name}: the padding page 0 is free")
+        marked = {p for p in range(1, self.capacity) if self._state[p] == _FREE}
+        if marked != fs:
+            v.append(f"{self.name}: free lists and page states disagree on "
+                     f"{sorted(marked ^ fs)[:10]}")
+        if len(fs) != self._free_pages:
+            v.append(f"{self.name}: free page count {self._free_pages} != {len(fs)}")
+        for seg in range(self.num_segments):
+            r = self.segment_range(seg)
+            if any(p // self.segment_pages != seg for p in self._seg_free[seg]):
+                v.append(f"{self.name}: segment {seg}'s free list holds another segment's page")
+            used = sum(1 for p in r if p and self._state[p] == _USED)
+            if used != self._seg_used[seg]:
+                v.append(f"{self.name}: segment {seg} counts {self._seg_used[seg]} pages in "
+                         f"use, {used} are")
+            free_listed = seg in self._free_segments
+            if free_listed != (self.owner[seg] is None):
+                v.append(f"{self.name}: segment {seg} is {'free' if free_listed else 'not free'}"
+                         f" but has owner {self.owner[seg]!r}")
+            if self.owner[seg] is None and used:
+                v.append(f"{self.name}: free segment {seg} holds {used} pages in use")
+        listed = sorted(s for segs in self._ns_segments.values() for s in segs)
+        if listed != sorted(s for s in range(self.num_segments) if self.owner[s] is not None):
+            v.append(f"{self.name}: namespace segment lists disagree with segment owners")
+        for ns, segs in self._ns_segments.items():
+            if any(self.owner[s] != ns for s in segs):
+                v.append(f"{self.name}: namespace {ns!r} lists a segment it does not own")
+            if self._ns_free.get(ns) != sum(len(self._seg_free[s]) for s in segs):
+                v.append(f"{self.name}: namespace {ns!r} free count is off")
+        return v
+
+    def audit_owners(self, pages: Iterable[int], namespace: str, what: str) -> list[str]:
+        """Every page of ``pages`` lies in a segment ``namespace`` holds (the isolation rule)."""
+        sp = self.segment_pages
+        bad = sorted({p // sp for p in pages if self.owner[p // sp] != namespace})
+        if not bad:
+            return []
+        return [f"{self.name}: {what} of namespace {namespace!r} lie in segments {bad[:10]} "
+                f"owned by {[self.owner[s] for s in bad[:10]]}"]
+
+
+class PairedSegmentAllocator:
+    """Full and SWA pages taken together, each pool over its own segments (see the module).
+
+    It is also the tree's page sink, so everything the tree lets go of returns here.
+    """
+
+    def __init__(self, full_capacity: int, swa_capacity: int, segment_pages: int,
+                 on_assign: Callable[[str, int], None] | None = None) -> None:
+        def hook(kind: str) -> Callable[[int], None] | None:
+            return None if on_assign is None else (lambda seg: on_assign(kind, seg))
+
+        self.full = SegmentedAllocator(full_capacity, segment_pages, "full pool", hook("full"))
+        self.swa = (SegmentedAllocator(swa_capacity, segment_pages, "swa pool", hook("swa"))
+                    if swa_capacity else None)
+
+    def allocators(self) -> tuple[tuple[str, SegmentedAllocator], ...]:
+        if self.swa is None:
+            return (("full", self.full),)
+        return (("full", self.full), ("swa", self.swa))
+
+    def alloc(self, n: int, namespace: str) -> tuple[array, array]:
+        full_avail = self.full.available_to(namespace)
+        swa_avail = self.swa.available_to(namespace) if self.swa is not None else n
+        if n > full_avail or n > swa_avail:
+            raise OutOfPages(
+                f"{n} pages requested; free to namespace {namespace!r}: full {full_avail}, "
+                f"swa {swa_avail}", requested=n, full_available=full_avail,
+                swa_available=swa_avail)
+        full = self.full.alloc(n, namespace)
+        swa = self.swa.alloc(n, namespace) if self.swa is not None else array("i")
+        return full, swa
+
+    def free_full(self, pages: array) -> None:
+        self.full.free(pages)
+
+    def free_swa(self, pages: array) -> None:
+        if self.swa is None:
+            if len(pages):
+                raise AllocatorError("this model has no SWA pool")
+            return
+        self.swa.free(pages)
+
+
+def audit_model_segments(cache: Any) -> list[str]:
+    """Segment ownership of one model cache (``daemon.model_cache.ModelCache``, duck-typed: this
+    package sits below it): every device page of a namespace's tree and every page a session
+    holds lies in a segment of that namespace. That a free segment holds no live page is the
+    allocators' own audit (:meth:`SegmentedAllocator.audit`, run with the page conservation
+    check). Pages in flight (a load's) count with their holder's namespace."""
+    alloc = cache.alloc_state
+    pools = dict(alloc.allocators())
+    by_ns: dict[tuple[str, str], list[int]] = {}
+    for node in cache.tree.iter_nodes():
+        key = cache.space(node.ns.name) if node.ns is not None else None
+        if key is None:
+            continue
+        for kind, pages in (("full", node.full), ("swa", node.swa)):
+            if pages:
+                by_ns.setdefault((kind, key), []).extend(pages)
+    for h in cache.holdings.values():
+        for kind, pages in (("full", h.full), ("swa", h.swa)):
+            for p in pages:
+                key = cache.space(h.namespace_of.get((kind, p), ""))
+                by_ns.setdefault((kind, key), []).append(p)
+    v: list[str] = []
+    for (kind, key), pages in by_ns.items():
+        a = pools.get(kind)
+        if a is not None:
+            v += a.audit_owners(pages, key, f"{kind} pages")
+    return v

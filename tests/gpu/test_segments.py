@@ -1,0 +1,113 @@
+"""SegmentedAllocator against a reference model: pages of a namespace come only from its
+segments, empty segments go back to the free list, and a segment changes namespace only from
+there, renewed (zeroed) on the way."""
+
+from __future__ import annotations
+
+from array import array
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from daemon.gpu.allocator import AllocatorError, OutOfPages
+from daemon.gpu.segments import SegmentedAllocator
+
+NAMESPACES = ("a", "b", "c")
+
+
+class SegmentMachine(RuleBasedStateMachine):
+    """The reference: which pages each namespace holds; the rest follows from it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.renewed: list[int] = []
+        self.cap, self.seg = 23, 4  # a short last segment, and page 0 in segment 0
+        self.a = SegmentedAllocator(self.cap, self.seg, "full pool", self.renewed.append)
+        self.held: dict[str, set[int]] = {ns: set() for ns in NAMESPACES}
+        self.last: dict[int, str] = {}  # segment -> the namespace it served last
+
+    def _owner_ref(self) -> dict[int, str]:
+        return {p // self.seg: ns for ns, ps in self.held.items() for p in ps}
+
+    @rule(ns=st.sampled_from(NAMESPACES), n=st.integers(0, 9))
+    def alloc(self, ns: str, n: int) -> None:
+        owners = self._owner_ref()
+        room = sum(1 for p in range(1, self.cap)
+                   if owners.get(p // self.seg, ns) == ns and all(
+                       p not in h for h in self.held.values()))
+        if n > room:
+            with pytest.raises(OutOfPages):
+                self.a.alloc(n, ns)
+            return
+        before = list(self.renewed)
+        got = self.a.alloc(n, ns)
+        assert len(got) == n and len(set(got)) == n
+        for p in got:
+            assert owners.get(p // self.seg, ns) == ns, "a page of another namespace's segment"
+            assert all(p not in h for h in self.held.values())
+        taken = {p // self.seg for p in got} - set(owners)
+        # a segment is renewed exactly when it goes to a namespace other than its last one
+        assert sorted(self.renewed[len(before):]) == sorted(
+            s for s in taken if self.last.get(s, ns) != ns)
+        for s in taken:
+            self.last[s] = ns
+        self.held[ns].update(got)
+
+    @precondition(lambda self: any(self.held.values()))
+    @rule(data=st.data())
+    def free(self, data: st.DataObject) -> None:
+        ns = data.draw(st.sampled_from([n for n in NAMESPACES if self.held[n]]))
+        pages = data.draw(st.lists(st.sampled_from(sorted(self.held[ns])), unique=True,
+                                   min_size=1))
+        self.a.free(array("i", pages))
+        self.held[ns].difference_update(pages)
+
+    @rule(p=st.integers(-2, 25))
+    def bad_free_changes_nothing(self, p: int) -> None:
+        if any(p in h for h in self.held.values()):
+            return
+        before = self.a.free_set()
+        with pytest.raises(AllocatorError):
+            self.a.free([p])
+        assert self.a.free_set() == before
+
+    @invariant()
+    def agrees(self) -> None:
+        assert self.a.audit() == []
+        owners = self._owner_ref()
+        for s in range(self.a.num_segments):
+            assert self.a.owner[s] == owners.get(s), f"segment {s}"
+        for ns, ps in self.held.items():
+            assert self.a.audit_owners(ps, ns, "pages") == []
+            assert set(self.a.segments_of(ns)) == {p // self.seg for p in ps}
+        assert self.a.available == self.cap - 1 - sum(len(h) for h in self.held.values())
+
+
+TestSegments = SegmentMachine.TestCase
+TestSegments.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def test_one_segment_is_the_single_shared_pool() -> None:
+    a = SegmentedAllocator(8, 100)
+    assert a.num_segments == 1
+    got = a.alloc(7, "")
+    assert sorted(got) == list(range(1, 8))
+    with pytest.raises(OutOfPages):
+        a.alloc(1, "")
+    a.free(got)
+    assert a.audit() == [] and a.available == 7
+
+
+def test_memory_isolation_auto_means_segments_on_the_cpu_and_none_on_cuda() -> None:
+    from daemon.gpu.segments import effective_isolation
+
+    assert effective_isolation("auto", "cpu") == "segments"
+    assert effective_isolation("auto", "cuda:0") == "none"
+    assert effective_isolation("none", "cpu") == "none"
+    assert effective_isolation("segments", "cpu") == "segments"
+    with pytest.raises(ValueError, match='"segments" is built for CPU pools only'):
+        effective_isolation("segments", "cuda")
+    with pytest.raises(ValueError, match="is not one of"):
+        effective_isolation("isolated", "cpu")
