@@ -130,3 +130,56 @@ radixd_chromium() {
     _radixd_apt_install "the status-page test renders the admin page in headless Chromium" \
         chromium
 }
+
+# SGLang 0.5.23 on the CPU, in a venv of its own (.venv-sglang): the HiCache storage backend's tests
+# (tests/sglang) and bench (bench/sglang_bench.py) run SGLang's real classes. torch first (the local
+# CPU wheel), then SGLang and the packages its cache path's import chain touches, all with --no-deps
+# (SGLang's own requirements would pull torch 2.14 and CUDA packages); then the client, the daemon
+# (the tests start a real radixd in this venv) and radixd-sglang, editable, and the test tools.
+RADIXD_SGLANG_VENV="${RADIXD_ROOT}/.venv-sglang"
+RADIXD_SGLANG_PY="${RADIXD_SGLANG_VENV}/bin/python"
+RADIXD_SGLANG_STAMP="${RADIXD_SGLANG_VENV}/.radixd-sglang-install-stamp"
+RADIXD_SGLANG_REQS="${RADIXD_ROOT}/clients/sglang/requirements-sglang-cpu.txt"
+# The daemon's and the test tools' own small dependencies (pip resolves none of them here).
+RADIXD_SGLANG_EXTRA=(uvloop==0.23.0 "redis==8.1.0" hiredis==3.5.0 prometheus_client==0.26.0
+    pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 pytest-timeout==2.4.0 hypothesis==6.170.15
+    sortedcontainers==2.4.0)
+
+radixd_sglang_venv() {
+    if [[ -x "${RADIXD_SGLANG_PY}" ]] && ! "${RADIXD_SGLANG_PY}" -c "" >/dev/null 2>&1; then
+        _radixd_log "broken venv at ${RADIXD_SGLANG_VENV}; recreating"
+        rm -rf "${RADIXD_SGLANG_VENV}"
+    fi
+    local want
+    want="$(cat "${RADIXD_SGLANG_REQS}" "${RADIXD_ROOT}/pyproject.toml" \
+        "${RADIXD_ROOT}/clients/python/pyproject.toml" "${RADIXD_ROOT}/clients/sglang/pyproject.toml" \
+        | sha256sum | cut -d' ' -f1) ${RADIXD_TORCH_SPEC} ${RADIXD_SGLANG_EXTRA[*]}"
+    if [[ -f "${RADIXD_SGLANG_STAMP}" ]] && [[ "$(cat "${RADIXD_SGLANG_STAMP}")" == "${want}" ]]; then
+        return 0
+    fi
+    if [[ ! -x "${RADIXD_SGLANG_PY}" ]]; then
+        _radixd_log "creating ${RADIXD_SGLANG_VENV}"
+        python3 -m venv "${RADIXD_SGLANG_VENV}"
+    fi
+    local pip=("${RADIXD_SGLANG_PY}" -m pip install --quiet --no-deps)
+    if ! "${RADIXD_SGLANG_PY}" -c 'import importlib.metadata as m, sys
+sys.exit(m.version("torch").split("+")[0] != "2.13.0")' >/dev/null 2>&1; then
+        _radixd_log "installing ${RADIXD_TORCH_SPEC} into ${RADIXD_SGLANG_VENV}"
+        # with its dependencies (sympy, networkx, ...): the CPU wheel's, all small
+        "${RADIXD_SGLANG_PY}" -m pip install --quiet "${RADIXD_TORCH_SPEC}"
+    fi
+    _radixd_log "installing sglang and its cache path's imports (--no-deps, ${RADIXD_SGLANG_REQS})"
+    "${pip[@]}" -r "${RADIXD_SGLANG_REQS}" "${RADIXD_SGLANG_EXTRA[@]}"
+    _radixd_log "installing radixd-client, radixd and radixd-sglang (editable, --no-deps)"
+    "${pip[@]}" -e "${RADIXD_ROOT}/clients/python" -e "${RADIXD_ROOT}" \
+        -e "${RADIXD_ROOT}/clients/sglang"
+    # The CPU stand-ins (clients/sglang/cpu/sglang_cpu_shim.py), loaded at interpreter start in this
+    # venv only, before anything imports torchvision.
+    local site
+    site="$("${RADIXD_SGLANG_PY}" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+    printf '%s\nimport sglang_cpu_shim\n' "${RADIXD_ROOT}/clients/sglang/cpu" \
+        >"${site}/radixd-sglang-cpu-shim.pth"
+    "${RADIXD_SGLANG_PY}" -c 'import sglang.srt.mem_cache.storage.backend_factory, radixd_sglang' \
+        || { _radixd_log "the SGLang venv does not import; see above"; return 1; }
+    echo "${want}" >"${RADIXD_SGLANG_STAMP}"
+}

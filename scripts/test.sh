@@ -2,13 +2,36 @@
 # Run the test suite on a fresh or an already set-up machine: venv, deps, Redis, Chromium, then
 # pytest.
 # Arguments are passed to pytest, e.g. `./scripts/test.sh tests/gpu -k pools`.
+#
+# Two pytest runs: first the SGLang backend's tests (tests/sglang) in .venv-sglang, where SGLang
+# 0.5.23 is installed on the CPU (scripts/_env.sh radixd_sglang_venv), then the main suite in .venv
+# (which ignores tests/sglang). The SGLang run happens when no arguments are given, or when an
+# argument names tests/sglang (then only it runs, with the other arguments); RADIXD_SKIP_SGLANG=1
+# leaves it out. Either run failing fails the script.
 set -euo pipefail
 # shellcheck source=scripts/_env.sh
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 
 radixd_venv
 radixd_redis
+cd "${RADIXD_ROOT}"
+
+sglang_only=0
+for arg in "$@"; do
+    [[ "${arg}" == tests/sglang* ]] && sglang_only=1
+done
+if [[ "${RADIXD_SKIP_SGLANG:-0}" != "1" ]] && { [[ $# -eq 0 ]] || [[ ${sglang_only} -eq 1 ]]; }; then
+    radixd_sglang_venv
+    sglang_args=("$@")
+    [[ $# -eq 0 ]] && sglang_args=(tests/sglang)
+    "${RADIXD_SGLANG_PY}" -m pytest -p no:cacheprovider \
+        -o addopts="-ra --import-mode=importlib" -o asyncio_default_fixture_loop_scope= \
+        "${sglang_args[@]}"
+    if [[ ${sglang_only} -eq 1 ]]; then
+        exit 0
+    fi
+fi
+
 radixd_chromium
 radixd_systemd_tools
-cd "${RADIXD_ROOT}"
 exec "${RADIXD_PY}" -m pytest "$@"
