@@ -21,7 +21,10 @@ GEOMETRY = {"layers": 2, "heads": 1, "head_dim": 8, "page_size": 4}
 MODEL = {"name": "m", "page_size": 4, "sliding_window": 8, "num_full_layers": 2,
          "num_swa_layers": 2, "num_kv_heads": 1, "head_dim": 8, "dtype": "float32",
          "device": "cpu", "full_pages": 16, "swa_pages": 16, "host_pages": 64,
-         "host_swa_pages": 32}
+         "host_swa_pages": 32,
+         # the backend uses the host pools only; device pages this small cannot be cut into
+         # OS-page segments
+         "memory_isolation": "none"}
 
 
 @pytest.fixture
