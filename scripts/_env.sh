@@ -33,10 +33,15 @@ _radixd_as_root() {
 # already installed is upgraded. Each install is announced (what and why) before it runs.
 # RADIXD_NO_APT=1 installs nothing: the tests that need the package then fail with a message that
 # names it (deselect them with the marker the message gives).
+# Read once and taken out of the environment: the daemons the tests start read RADIXD_* variables
+# as settings and refuse unknown ones.
+_RADIXD_NO_APT="${RADIXD_NO_APT:-0}"
+unset RADIXD_NO_APT
+
 _radixd_apt_install() {
     local why="$1"
     shift
-    if [[ "${RADIXD_NO_APT:-0}" == "1" ]]; then
+    if [[ "${_RADIXD_NO_APT}" == "1" ]]; then
         _radixd_log "RADIXD_NO_APT=1: not installing $* (${why})"
         return 0
     fi
