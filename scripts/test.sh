@@ -20,7 +20,9 @@ sglang_only=0
 for arg in "$@"; do
     [[ "${arg}" == tests/sglang* ]] && sglang_only=1
 done
-if [[ "${RADIXD_SKIP_SGLANG:-0}" != "1" ]] && { [[ $# -eq 0 ]] || [[ ${sglang_only} -eq 1 ]]; }; then
+skip_sglang="${RADIXD_SKIP_SGLANG:-0}"
+unset RADIXD_SKIP_SGLANG  # the daemons the tests start refuse unknown RADIXD_* settings
+if [[ "${skip_sglang}" != "1" ]] && { [[ $# -eq 0 ]] || [[ ${sglang_only} -eq 1 ]]; }; then
     radixd_sglang_venv
     sglang_args=("$@")
     [[ $# -eq 0 ]] && sglang_args=(tests/sglang)
