@@ -31,6 +31,21 @@ _FREE = 0
 _USED = 1
 
 
+def check_allocated(name: str, state: bytearray, pages: Iterable[int]) -> None:
+    """Raise unless every page is a page of the pool marked used in ``state`` (one byte a page,
+    page 0 the padding page) and listed once: the validation of a free, before any change."""
+    cap = len(state)
+    seen: set[int] = set()
+    for p in pages:
+        if not 0 < p < cap:
+            raise AllocatorError(f"{name}: page {p} is not a page of this pool (1..{cap - 1})")
+        if state[p] != _USED:
+            raise AllocatorError(f"{name}: page {p} is not allocated (double free?)")
+        if p in seen:
+            raise AllocatorError(f"{name}: page {p} listed twice in one free")
+        seen.add(p)
+
+
 class PageAllocator:
     """Hands out page ids 1..capacity-1 of one pool."""
 
@@ -70,18 +85,7 @@ class PageAllocator:
 
     def check_free(self, pages: Iterable[int]) -> None:
         """Raise unless every page is allocated and listed once (validation before any change)."""
-        st = self._state
-        cap = self.capacity
-        seen: set[int] = set()
-        for p in pages:
-            if not 0 < p < cap:
-                raise AllocatorError(f"{self.name}: page {p} is not a page of this pool "
-                                     f"(1..{cap - 1})")
-            if st[p] != _USED:
-                raise AllocatorError(f"{self.name}: page {p} is not allocated (double free?)")
-            if p in seen:
-                raise AllocatorError(f"{self.name}: page {p} listed twice in one free")
-            seen.add(p)
+        check_allocated(self.name, self._state, pages)
 
     def free(self, pages: Iterable[int]) -> None:
         pages = pages if isinstance(pages, array) else array("i", pages)

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from radixd_client.errors import PoolError
 from radixd_client.segments import check_segment_alignment
 
-from daemon.gpu.allocator import AllocatorError, OutOfPages
+from daemon.gpu.allocator import AllocatorError, OutOfPages, check_allocated
 
 if TYPE_CHECKING:
     from daemon.gpu.profile import ModelProfile
@@ -224,18 +224,7 @@ class SegmentedAllocator:
 
     def check_free(self, pages: Iterable[int]) -> None:
         """Raise unless every page is allocated and listed once (validation before any change)."""
-        st = self._state
-        cap = self.capacity
-        seen: set[int] = set()
-        for p in pages:
-            if not 0 < p < cap:
-                raise AllocatorError(f"{self.name}: page {p} is not a page of this pool "
-                                     f"(1..{cap - 1})")
-            if st[p] != _USED:
-                raise AllocatorError(f"{self.name}: page {p} is not allocated (double free?)")
-            if p in seen:
-                raise AllocatorError(f"{self.name}: page {p} listed twice in one free")
-            seen.add(p)
+        check_allocated(self.name, self._state, pages)
 
     def free(self, pages: Iterable[int]) -> None:
         """Pages back to their segments; a segment left empty goes back to the free list."""

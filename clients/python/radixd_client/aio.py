@@ -402,7 +402,7 @@ class AsyncClient(Operations):
         """Map the KV pools of ``model`` into this process (needs torch); see
         :meth:`radixd_client.client.Client.attach`. Other calls wait while it runs: the
         response, which carries descriptors, must be the only one in flight."""
-        from .pools import attach_pools
+        from .pools import attach_or_update
 
         async with self._attach_lock:
             self._gate_open = False
@@ -416,12 +416,7 @@ class AsyncClient(Operations):
                 self._gate_open = True
                 self._gate.set()
         try:
-            pools = self._attached.get(model)
-            if pools is not None and not pools.closed:  # again: the same tensors, updated
-                pools.update(result, fds)
-                return pools
-            pools = self._attached[model] = attach_pools(model, result, fds)
-            return pools
+            return attach_or_update(self._attached, model, result, fds)
         finally:
             close_fds(fds)
 

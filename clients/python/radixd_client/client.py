@@ -247,16 +247,11 @@ class Client(Operations):
         shared; GPU pools are opened from their CUDA IPC handles. See
         :class:`~radixd_client.pools.AttachedPools`.
         """
-        from .pools import attach_pools
+        from .pools import attach_or_update
 
         result, fds = self._call_with_fds("attach", Attach(model=model))
         try:
-            pools = self._attached.get(model)
-            if pools is not None and not pools.closed:  # again: the same tensors, updated
-                pools.update(result, fds)
-                return pools
-            pools = self._attached[model] = attach_pools(model, result, fds)
-            return pools
+            return attach_or_update(self._attached, model, result, fds)
         finally:
             close_fds(fds)
 

@@ -51,6 +51,7 @@ __all__ = [
     "KvHostPools",
     "PoolError",
     "attach_host_pools",
+    "attach_or_update",
     "attach_pools",
     "export_cuda_ipc_handle",
     "map_pool_fd",
@@ -465,6 +466,19 @@ def attach_pools(model: str, result: AttachResult, fds: Sequence[int]) -> Attach
     pools.update(result, fds)
     return pools
 
+
+
+def attach_or_update(attached: dict[str, AttachedPools], model: str, result: AttachResult,
+                     fds: Sequence[int]) -> AttachedPools:
+    """The pools of an ``attach`` response: a model attached before keeps its tensors, updated
+    in place (segments mapped or dropped), so an engine's views stay valid; ``fds`` are not
+    closed here."""
+    pools = attached.get(model)
+    if pools is not None and not pools.closed:
+        pools.update(result, fds)
+        return pools
+    pools = attached[model] = attach_pools(model, result, fds)
+    return pools
 
 # ---------------------------------------------------------------------------- host pools
 
