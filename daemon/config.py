@@ -69,6 +69,10 @@ class ServerConfig(_Section):
                                                "successful hello before it is closed")
     max_auth_failures: int = Field(3, ge=1,
                                    description="failed hellos before the connection is closed")
+    malloc_trim_interval_s: float = Field(60.0, ge=0,
+                                          description="seconds between malloc_trim(0) calls that "
+                                                      "hand memory glibc freed back to the "
+                                                      "kernel, so RSS does not creep (0: never)")
     state_dir: str | None = Field(None, description="directory (tmpfs: /run or /dev/shm) where a "
                                                     "graceful stop saves the host tier and the "
                                                     "next start restores it (warm restart); "

@@ -31,6 +31,7 @@ from radixd_client import protocol as P
 from . import __version__
 from .checker import CHECK_KINDS, Checker
 from .metrics import LATENCY_BUCKETS
+from .process_memory import HeapTrimmer, heap_stats, rss_bytes
 from .queries import ModelView, ServerState
 from .service import Service
 
@@ -179,6 +180,7 @@ class Collector:
             [], max(0.0, time.time() - self.state.started))
         reg.gauge("radixd_info", "Build and instance information (always 1).",
                   ("version", "instance")).add_metric([__version__, service.instance], 1)
+        _heap_families(reg, self.state.heap_trimmer)
 
         # -- the last start's warm restart of the host tier (server.state_dir)
         wr = service.restart
@@ -194,6 +196,27 @@ class Collector:
 
         _tenant_families(reg, service, self.tenant_label_limit)
         return iter(reg.out.values())
+
+
+def _heap_families(reg: _Families, trimmer: HeapTrimmer) -> None:
+    rss = rss_bytes()
+    if rss is not None:
+        reg.gauge("radixd_resident_memory_bytes", "The daemon's resident set size.").add_metric(
+            [], rss)
+    heap = heap_stats()
+    if heap is not None:
+        fam = reg.gauge("radixd_heap_bytes", "glibc's heap over all arenas: in_use (handed out, "
+                        "mmapped blocks included), free_held (freed but kept by glibc).",
+                        ("kind",))
+        fam.add_metric(["in_use"], heap.in_use)
+        fam.add_metric(["free_held"], heap.free_held)
+    reg.counter("radixd_malloc_trims", "malloc_trim(0) calls (server.malloc_trim_interval_s)."
+                ).add_metric([], trimmer.runs)
+    reg.counter("radixd_malloc_trim_seconds", "Seconds spent in malloc_trim (in a worker thread)."
+                ).add_metric([], trimmer.seconds)
+    reg.counter("radixd_malloc_trim_released_bytes",
+                "RSS the trims gave back (RSS before minus after each trim).").add_metric(
+        [], trimmer.released_bytes)
 
 
 #: L3 client events, as RedisTier.stats names them: (key, family, help)

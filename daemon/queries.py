@@ -16,6 +16,7 @@ from radixd_client import protocol as P
 
 from .entities import ModelEntry, Session, Tenant
 from .metrics import OpStats
+from .process_memory import HeapTrimmer
 from .model_cache import ModelCache
 
 #: eviction triggers every model reports, 0 until they happen
@@ -141,6 +142,7 @@ class ServerState(Protocol):
     started: float  # Unix time
     ops: int  # frames handled
     op_stats: OpStats
+    heap_trimmer: HeapTrimmer
 
 
 class NotFound(LookupError):

@@ -30,6 +30,7 @@ from .checker import Checker
 from .config import Config
 from .entities import Peer, Session
 from .metrics import OpStats
+from .process_memory import HeapTrimmer
 from .sdnotify import Notifier, listen_fds, watchdog_interval
 from .service import Service, ServiceError, error_of
 from .sockets import LISTEN_BACKLOG, bind_unix_socket
@@ -373,6 +374,7 @@ class Server:
         self.stopping = False
         self.started = time.time()
         self.op_stats = OpStats()
+        self.heap_trimmer = HeapTrimmer(config.server.malloc_trim_interval_s)
         self.socket_path = config.server.socket
         self.admin: Any = None  # what start_admin returned (it has an async stop())
         self.async_ops: set[asyncio.Task] = set()  # load/prefetch in flight
@@ -431,7 +433,8 @@ class Server:
         except BaseException:
             await self.shutdown()
             raise
-        tasks = [self.loop.create_task(self.checker.loop())]
+        tasks = [self.loop.create_task(self.checker.loop()),
+                 self.loop.create_task(self.heap_trimmer.loop())]
         interval = watchdog_interval()
         if interval is not None:
             tasks.append(self.loop.create_task(self._watchdog(interval)))

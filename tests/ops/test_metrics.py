@@ -193,10 +193,40 @@ def test_openmetrics_on_request(admin_daemon) -> None:
     _, text_samples = parse_metrics(plain.text)
     om_samples = {(s.name, frozenset(s.labels.items())): s.value
                   for fam in text_string_to_metric_families(om.text) for s in fam.samples}
-    volatile = {"radixd_uptime_seconds", "radixd_operations_total",
+    volatile = {"radixd_uptime_seconds", "radixd_operations_total", "radixd_heap_bytes",
+                "radixd_resident_memory_bytes",
                 "radixd_operation_duration_seconds_bucket",
                 "radixd_operation_duration_seconds_count", "radixd_operation_duration_seconds_sum"}
     assert {k for k in om_samples if k[0] not in volatile} == {
         k for k in text_samples if k[0] not in volatile}
     assert metric(om_samples, "radixd_matches_total", model="m") == 0
     assert metric(om_samples, "radixd_pool_tree_pages", model="m", pool="full") == 2
+
+
+def test_heap_is_trimmed_on_its_interval_and_reported(admin_daemon) -> None:
+    """server.malloc_trim_interval_s drives malloc_trim in the daemon; /metrics shows the heap,
+    RSS and what the trims did. 0 turns trimming off."""
+    d = admin_daemon({"admin": {"token": ADMIN_TOKEN},
+                      "server": {"malloc_trim_interval_s": 0.1}})
+    with Client(d.socket) as c:
+        cache(c, toks(2))
+    deadline = time.monotonic() + 30
+    while True:
+        _, samples = parse_metrics(d.get("/metrics").text)
+        if metric(samples, "radixd_malloc_trims_total") >= 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert metric(samples, "radixd_malloc_trims_total") >= 2
+    assert metric(samples, "radixd_malloc_trim_seconds_total") > 0
+    assert metric(samples, "radixd_malloc_trim_released_bytes_total") >= 0
+    rss = metric(samples, "radixd_resident_memory_bytes")
+    in_use = metric(samples, "radixd_heap_bytes", kind="in_use")
+    assert 0 < in_use < rss
+    assert metric(samples, "radixd_heap_bytes", kind="free_held") >= 0
+
+    off = admin_daemon({"admin": {"token": ADMIN_TOKEN}, "server": {"malloc_trim_interval_s": 0}})
+    with Client(off.socket) as c:
+        cache(c, toks(2))
+    time.sleep(0.5)
+    _, samples = parse_metrics(off.get("/metrics").text)
+    assert metric(samples, "radixd_malloc_trims_total") == 0
