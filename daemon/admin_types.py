@@ -15,7 +15,7 @@ from msgspec import UNSET, Meta, UnsetType
 from radixd_client import protocol as P
 
 from . import __version__
-from .queries import EvictionCount, PoolUsage, SessionView, TenantView, TreeNode
+from .queries import EvictionCount, PoolUsage, SegmentUsage, SessionView, TenantView, TreeNode
 
 MAX_TREE_DEPTH = 64
 DEFAULT_TREE_DEPTH = 3
@@ -98,6 +98,9 @@ class ModelStats(msgspec.Struct):
                                                                     "trigger")]
     tiers: Annotated[dict[str, Any] | None, Meta(
         description="host (L2) and L3 counters; null without a host tier")]
+    segments: Annotated[dict[str, SegmentUsage] | None, Meta(
+        description="per pool, its segments under memory isolation; null without isolation")
+    ] = None
 
 
 class TenantStats(msgspec.Struct):

@@ -105,6 +105,8 @@ class Collector:
                 for key, fam in pool_fams.items():
                     fam.add_metric([v.name, pool], getattr(usage, key))
 
+        _segment_families(reg, views)
+
         # -- lookups and the tree
         matches = reg.counter("radixd_matches_total", "Match operations (prefix lookups).",
                               ("model",))
@@ -196,6 +198,25 @@ class Collector:
 
         _tenant_families(reg, service, self.tenant_label_limit)
         return iter(reg.out.values())
+
+
+def _segment_families(reg: _Families, views: list[ModelView]) -> None:
+    """Memory isolation's segments: how many serve no namespace, and how often one changed
+    namespace (each such move zeroes the segment's memory first)."""
+    count = reg.gauge("radixd_pool_segments", "Segments of a pool under memory isolation, by "
+                      "state (free: on the free list; assigned: serving a namespace).",
+                      ("model", "pool", "state"))
+    moves = reg.counter("radixd_pool_segment_assignments_total",
+                        "Segments handed to a namespace, by kind (clean: it had served no other "
+                        "namespace; moved: it last served another namespace, so its memory was "
+                        "replaced with zeroed memory first).",
+                        ("model", "pool", "kind"))
+    for v in views:
+        for pool, seg in (v.segments or {}).items():
+            count.add_metric([v.name, pool, "free"], seg.free)
+            count.add_metric([v.name, pool, "assigned"], seg.segments - seg.free)
+            moves.add_metric([v.name, pool, "clean"], seg.assigned - seg.moved)
+            moves.add_metric([v.name, pool, "moved"], seg.moved)
 
 
 def _heap_families(reg: _Families, trimmer: HeapTrimmer) -> None:

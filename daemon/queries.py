@@ -34,6 +34,16 @@ class PoolUsage(msgspec.Struct):
     held: int  # allocated to sessions, not yet given to the tree or freed
 
 
+class SegmentUsage(msgspec.Struct):
+    """One pool's segments under memory isolation (docs/operations.md "Memory isolation")."""
+
+    segments: int
+    segment_pages: int
+    free: int  # segments on the free list (serving no namespace)
+    assigned: int  # segments handed to a namespace since the start
+    moved: int  # ... of them to another namespace than they last served: zeroed first
+
+
 class EvictionCount(msgspec.Struct):
     full: int
     swa: int
@@ -65,6 +75,7 @@ class ModelView(msgspec.Struct):
     hit_tokens: int  # device hits (loaded tokens are counted in tiers)
     evictions: dict[str, EvictionCount]  # by trigger, every known trigger listed
     tiers: TierView | None
+    segments: dict[str, SegmentUsage] | None = None  # by pool; None: no memory isolation
 
     @property
     def swa(self) -> bool:
@@ -195,7 +206,7 @@ class ServiceQueries:
             name=model, info=entry.info, policy=tree.policy.name, pools=self.pool_usage(model),
             nodes=len(tree.nodes) - len(tree.namespaces), matches=c["matches"],
             match_tokens=c["match_tokens"], hit_tokens=c["hit_tokens"], evictions=evictions,
-            tiers=_tier_view(entry))
+            tiers=_tier_view(entry), segments=_segment_view(cache))
 
     def model_views(self) -> list[ModelView]:
         return [self.model_view(m) for m in self.models]
@@ -337,3 +348,11 @@ def dump_tree(tree: Any, root: Any, depth: int, limit: int) -> tuple[TreeNode, i
             count += 1
             queue.append((child, cjs, level + 1))
     return out, count, truncated
+
+
+def _segment_view(cache: ModelCache) -> dict[str, SegmentUsage] | None:
+    if not cache.isolated:
+        return None
+    return {kind: SegmentUsage(a.num_segments, a.segment_pages, a.free_segment_count,
+                               a.segments_assigned, a.segments_moved)
+            for kind, a in cache.alloc_state.allocators()}

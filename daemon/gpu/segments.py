@@ -153,6 +153,11 @@ class SegmentedAllocator:
         return self._ns_free.get(namespace, 0) + self.free_segment_pages
 
     @property
+    def free_segment_count(self) -> int:
+        """Segments on the free list, serving no namespace."""
+        return len(self._free_segments)
+
+    @property
     def free_segment_pages(self) -> int:
         return sum(len(self._seg_free[s]) for s in self._free_segments)
 

@@ -230,3 +230,35 @@ def test_heap_is_trimmed_on_its_interval_and_reported(admin_daemon) -> None:
     time.sleep(0.5)
     _, samples = parse_metrics(off.get("/metrics").text)
     assert metric(samples, "radixd_malloc_trims_total") == 0
+
+
+def test_segment_moves_between_tenants_are_reported(admin_daemon) -> None:
+    """A segment emptied by one tenant and taken by another is counted as moved (zeroed), in
+    /v1/stats and in /metrics; a model without isolation reports no segments."""
+    tenants = [{"name": "alice", "token": "alice-token", "namespace": "ns-a"},
+               {"name": "bob", "token": "bob-token", "namespace": "ns-b"}]
+    d = admin_daemon({"admin": {"token": ADMIN_TOKEN}, "tenants": tenants,
+                      "models": [{**SMALL_MODEL, "host_pages": 0, "segment_pages": 4},
+                                 {**SMALL_MODEL, "name": "shared", "host_pages": 0,
+                                  "memory_isolation": "none"}]})
+    seg = d.get_json("/v1/stats")["models"]["m"]["segments"]["full"]
+    assert seg["assigned"] == seg["moved"] == 0 and seg["free"] == seg["segments"]
+    with Client(d.socket, token="alice-token") as a, Client(d.socket, token="bob-token") as b:
+        got = a.alloc("m", 3)
+        a.free("m", got.full_pages, got.swa_pages)
+        mine = b.alloc("m", 3)  # the segment alice emptied is the one bob gets
+        stats = d.get_json("/v1/stats")["models"]
+        _, samples = parse_metrics(d.get("/metrics").text)
+        b.free("m", mine.full_pages, mine.swa_pages)
+    seg = stats["m"]["segments"]["full"]
+    assert seg["segment_pages"] == 4
+    assert (seg["assigned"], seg["moved"]) == (2, 1)
+    assert seg["free"] == seg["segments"] - 1  # bob's segment; alice's went back to the list
+    assert stats["shared"]["segments"] is None
+    assert metric(samples, "radixd_pool_segment_assignments_total", model="m", pool="full",
+                  kind="moved") == 1
+    assert metric(samples, "radixd_pool_segment_assignments_total", model="m", pool="full",
+                  kind="clean") == 1
+    assert metric(samples, "radixd_pool_segments", model="m", pool="full",
+                  state="assigned") == 1
+    assert not [lb for lb, _ in series(samples, "radixd_pool_segments") if lb["model"] == "shared"]
