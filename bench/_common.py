@@ -1,10 +1,20 @@
-"""What every benchmark script shares: the flat JSON file of figures (`--json PATH`)."""
+"""What every benchmark script shares: a daemon process of its own, and the flat JSON file of
+figures (`--json PATH`)."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
 from typing import Any
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def write_json(path: str, figures: dict[str, Any]) -> None:
@@ -13,3 +23,79 @@ def write_json(path: str, figures: dict[str, Any]) -> None:
     with open(path, "w", encoding="utf-8") as fh:
         json.dump(figures, fh, indent=1, sort_keys=True)
         fh.write("\n")
+
+
+class _UnixHTTPConnection(http.client.HTTPConnection):
+    def __init__(self, path: str) -> None:
+        super().__init__("localhost", timeout=60)
+        self.unix_path = path
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(60)
+        self.sock.connect(self.unix_path)
+
+
+class DaemonProcess:
+    """A radixd of this checkout in a scratch directory, serving ``config`` (TOML, where
+    ``{socket}`` and ``{admin}`` stand for the engines' and the admin endpoint's socket paths;
+    an admin endpoint needs ``token = "bench"``)."""
+
+    def __init__(self, config: str, admin: bool = False) -> None:
+        self.dir = tempfile.mkdtemp(prefix="radixd-bench-")
+        self.socket = os.path.join(self.dir, "radixd.sock")
+        self.admin = os.path.join(self.dir, "admin.sock") if admin else None
+        cfg = os.path.join(self.dir, "radixd.toml")
+        with open(cfg, "w") as fh:
+            fh.write(config.format(socket=self.socket, admin=self.admin))
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            [_ROOT, os.path.join(_ROOT, "clients", "python"), os.environ.get("PYTHONPATH", "")])}
+        self.proc = subprocess.Popen([sys.executable, "-m", "daemon.cli", "serve", "--config", cfg],
+                                     cwd=_ROOT, env=env)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                for path in filter(None, (self.socket, self.admin)):
+                    with socket.socket(socket.AF_UNIX) as s:
+                        s.connect(path)
+                return
+            except OSError:
+                if self.proc.poll() is not None:
+                    raise RuntimeError("radixd exited during start") from None
+                time.sleep(0.05)
+        raise RuntimeError("radixd did not start")
+
+    def rss_mb(self) -> float:
+        with open(f"/proc/{self.proc.pid}/status") as fh:
+            for line in fh:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+        return float("nan")
+
+    def mappings(self) -> int:
+        with open(f"/proc/{self.proc.pid}/maps") as fh:
+            return sum(1 for _ in fh)
+
+    def fds(self) -> int:
+        return len(os.listdir(f"/proc/{self.proc.pid}/fd"))
+
+    def admin_json(self, path: str) -> Any:
+        if self.admin is None:
+            raise RuntimeError("this daemon has no admin endpoint")
+        conn = _UnixHTTPConnection(self.admin)
+        try:
+            conn.request("GET", path, headers={"Authorization": "Bearer bench"})
+            resp = conn.getresponse()
+            body = resp.read()
+        finally:
+            conn.close()
+        if resp.status != 200:
+            raise RuntimeError(f"admin GET {path}: HTTP {resp.status}: {body[:300]!r}")
+        return json.loads(body)
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()

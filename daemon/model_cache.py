@@ -273,11 +273,12 @@ class ModelCache:
         return namespace if self.isolated else ""
 
     def segment_generation(self, namespace: str) -> int:
-        """Grows whenever a segment is assigned to ``namespace``: a client whose mapping is of
-        an older generation attaches again (docs/protocol.md 4.3). 0 without isolation."""
+        """Grows whenever ``namespace`` is given a segment it did not serve last: a client whose
+        mapping is of an older generation attaches again (docs/protocol.md 4.3). 0 without
+        isolation."""
         if not self.isolated:
             return 0
-        return sum(a.assignments.get(namespace, 0) for _, a in self.alloc_state.allocators())
+        return sum(a.generations.get(namespace, 0) for _, a in self.alloc_state.allocators())
 
     def _short(self, key: str, n_full: int, n_swa: int) -> tuple[int, int]:
         a = self.alloc_state

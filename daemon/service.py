@@ -396,7 +396,7 @@ class Service(ServiceQueries):
             desc = pool.describe()
             if pool.num_segments:
                 kind, index, handle = "memfd_segments", -1, b""
-                for seg in alloc[pool.kind].segments_of(key):
+                for seg in alloc[pool.kind].mappable_by(key):
                     fds.append(pool.segment_fds[seg])
                     segments.append(P.SegmentInfo(
                         pool=pool.kind, index=seg, epoch=pool.segment_epochs[seg],

@@ -134,7 +134,9 @@ class SegmentedAllocator:
         self._free_pages = capacity - 1
         self.segments_assigned = 0  # counters: assignments, and those that changed namespace
         self.segments_moved = 0
-        self.assignments: dict[str, int] = {}  # per namespace, ever (its segment generation)
+        #: per namespace, how often it was given a segment it did not serve last: its segment
+        #: generation (a segment it emptied and takes back keeps its memfd and its mappings)
+        self.generations: dict[str, int] = {}
 
     # -- counts -------------------------------------------------------------------------------
 
@@ -167,6 +169,13 @@ class SegmentedAllocator:
     def segments_of(self, namespace: str) -> list[int]:
         """The segments ``namespace`` holds now, in id order."""
         return sorted(self._ns_segments.get(namespace, ()))
+
+    def mappable_by(self, namespace: str) -> list[int]:
+        """The segments ``namespace``'s sessions may map: those it holds, and free ones it
+        served last (their memfd holds only its own bytes, and it takes them back first). Keeping
+        those mapped is what lets a namespace that empties and refills a segment go on without
+        attaching again."""
+        return [s for s, owner in enumerate(self.last_owner) if owner == namespace]
 
     def segment_range(self, segment: int) -> range:
         """The page ids of ``segment``."""
@@ -217,11 +226,12 @@ class SegmentedAllocator:
                 pick = i
                 break
         seg = free.pop(pick)
-        if self.last_owner[seg] not in (None, namespace) and self.on_assign is not None:
-            self.on_assign(seg)
-            self.segments_moved += 1
+        if self.last_owner[seg] != namespace:
+            if self.last_owner[seg] is not None and self.on_assign is not None:
+                self.on_assign(seg)
+                self.segments_moved += 1
+            self.generations[namespace] = self.generations.get(namespace, 0) + 1
         self.segments_assigned += 1
-        self.assignments[namespace] = self.assignments.get(namespace, 0) + 1
         self.owner[seg] = self.last_owner[seg] = namespace
         self._ns_segments[namespace].append(seg)
         self._ns_free[namespace] += len(self._seg_free[seg])

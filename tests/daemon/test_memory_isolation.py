@@ -174,6 +174,31 @@ def test_segments_appear_in_a_mapping_as_the_namespace_grows(make_daemon) -> Non
     d.check()
 
 
+def test_a_segment_taken_back_by_its_namespace_keeps_its_mappings(make_daemon) -> None:
+    """A namespace that empties a segment and fills it again (alloc, free, alloc: the common
+    case) keeps the same memory: the generation does not move, no attach is needed, and what a
+    client writes through its old mapping is what every other session of the namespace reads."""
+    d = make_daemon(TENANTS)
+    with Client(d.socket, token="alice-token") as a:
+        got = a.alloc("m", 3)
+        pools = a.attach("m")
+        gen, mapped = pools.generation, dict(pools.segments)
+        a.free("m", got.full_pages, got.swa_pages)  # the segment empties: on the free list
+        again = a.alloc("m", 3)
+        assert sorted(ids(again.full_pages)) == sorted(ids(got.full_pages))
+        assert again.segments_gen == gen and pools.generation == gen
+        assert dict(pools.segments) == mapped
+        for p in ids(again.full_pages):
+            pools.full[:, :, p] = float(p)
+        a.insert("m", bytes(4 * P * 3), again.full_pages, again.swa_pages)
+    with Client(d.socket, token="alice-token") as fresh:
+        m = fresh.match("m", bytes(4 * P * 3))
+        view = fresh.attach("m")
+        assert [float(view.full[0, 0, p, 0, 0, 0]) for p in ids(m.full_pages)] == [
+            float(p) for p in ids(m.full_pages)]
+    d.check()
+
+
 def test_no_memory_isolation_maps_the_whole_pool(make_daemon, tmp_path: Path) -> None:
     """What memory_isolation = "none" gives up (and what a daemon without segments does)."""
     d = make_daemon({**TENANTS, "models": [{**SMALL_MODEL, "memory_isolation": "none"}]})
