@@ -129,6 +129,7 @@ class SegmentedAllocator:
         self.owner: list[str | None] = [None] * nseg  # the namespace a segment serves now
         self.last_owner: list[str | None] = [None] * nseg  # ... or served last (None: never)
         self._free_segments: list[int] = list(range(nseg - 1, -1, -1))  # low ids popped first
+        self._free_segment_pages = capacity - 1  # free pages inside free-listed segments
         self._ns_segments: dict[str, list[int]] = {}
         self._ns_free: dict[str, int] = {}  # free pages inside each namespace's segments
         self._free_pages = capacity - 1
@@ -161,7 +162,7 @@ class SegmentedAllocator:
 
     @property
     def free_segment_pages(self) -> int:
-        return sum(len(self._seg_free[s]) for s in self._free_segments)
+        return self._free_segment_pages
 
     def segment_of(self, page: int) -> int:
         return page // self.segment_pages
@@ -235,6 +236,7 @@ class SegmentedAllocator:
         self.owner[seg] = self.last_owner[seg] = namespace
         self._ns_segments[namespace].append(seg)
         self._ns_free[namespace] += len(self._seg_free[seg])
+        self._free_segment_pages -= len(self._seg_free[seg])
         return seg
 
     def check_free(self, pages: Iterable[int]) -> None:
@@ -266,6 +268,7 @@ class SegmentedAllocator:
                 del self._ns_segments[ns], self._ns_free[ns]
             self.owner[seg] = None
             self._free_segments.append(seg)
+            self._free_segment_pages += len(self._seg_free[seg])
 
     def free_set(self) -> set[int]:
         return {p for f in self._seg_free for p in f}
@@ -298,6 +301,8 @@ class SegmentedAllocator:
                          f" but has owner {self.owner[seg]!r}")
             if self.owner[seg] is None and used:
                 v.append(f"{self.name}: free segment {seg} holds {used} pages in use")
+        if self._free_segment_pages != sum(len(self._seg_free[s]) for s in self._free_segments):
+            v.append(f"{self.name}: free-segment page count {self._free_segment_pages} is off")
         listed = sorted(s for segs in self._ns_segments.values() for s in segs)
         if listed != sorted(s for s in range(self.num_segments) if self.owner[s] is not None):
             v.append(f"{self.name}: namespace segment lists disagree with segment owners")
