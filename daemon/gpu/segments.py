@@ -132,6 +132,9 @@ class SegmentedAllocator:
         self._free_segment_pages = capacity - 1  # free pages inside free-listed segments
         self._ns_segments: dict[str, list[int]] = {}
         self._ns_free: dict[str, int] = {}  # free pages inside each namespace's segments
+        # per namespace, its segments that have a free page (an ordered set): alloc visits only
+        # these, not every segment the namespace holds
+        self._ns_open: dict[str, dict[int, None]] = {}
         self._free_pages = capacity - 1
         self.segments_assigned = 0  # counters: assignments, and those that changed namespace
         self.segments_moved = 0
@@ -193,16 +196,21 @@ class SegmentedAllocator:
         if n > have:
             raise OutOfPages(f"{self.name}: {n} pages requested, {have} free to namespace "
                              f"{namespace!r}", requested=n, available=have)
-        segs = self._ns_segments.setdefault(namespace, [])
+        self._ns_segments.setdefault(namespace, [])
         self._ns_free.setdefault(namespace, 0)
+        open_ = self._ns_open.setdefault(namespace, {})
         out = array("i")
-        for seg in segs:  # fullest first would pack tighter; id order is cheap and stable
+        for seg in list(open_):  # oldest first: fullest first would pack tighter
             if len(out) == n:
                 break
             out += self._take(seg, n - len(out))
+            if not self._seg_free[seg]:
+                del open_[seg]
         while len(out) < n:
             seg = self._assign(namespace)
             out += self._take(seg, n - len(out))
+            if self._seg_free[seg]:
+                open_[seg] = None
         self._ns_free[namespace] -= n
         self._free_pages -= n
         st = self._state
@@ -253,6 +261,8 @@ class SegmentedAllocator:
         for p in pages:
             st[p] = _FREE
             seg = p // sp
+            if not self._seg_free[seg]:
+                self._ns_open[self.owner[seg]][seg] = None  # type: ignore[index]
             self._seg_free[seg].append(p)
             self._seg_used[seg] -= 1
             self._ns_free[self.owner[seg]] += 1  # type: ignore[index]
@@ -264,8 +274,9 @@ class SegmentedAllocator:
             assert ns is not None
             self._ns_segments[ns].remove(seg)
             self._ns_free[ns] -= len(self._seg_free[seg])
+            del self._ns_open[ns][seg]
             if not self._ns_segments[ns]:
-                del self._ns_segments[ns], self._ns_free[ns]
+                del self._ns_segments[ns], self._ns_free[ns], self._ns_open[ns]
             self.owner[seg] = None
             self._free_segments.append(seg)
             self._free_segment_pages += len(self._seg_free[seg])
@@ -311,6 +322,8 @@ class SegmentedAllocator:
                 v.append(f"{self.name}: namespace {ns!r} lists a segment it does not own")
             if self._ns_free.get(ns) != sum(len(self._seg_free[s]) for s in segs):
                 v.append(f"{self.name}: namespace {ns!r} free count is off")
+            if set(self._ns_open.get(ns, ())) != {s for s in segs if self._seg_free[s]}:
+                v.append(f"{self.name}: namespace {ns!r}'s segments with free pages are off")
         return v
 
     def audit_owners(self, pages: Iterable[int], namespace: str, what: str) -> list[str]:
