@@ -117,11 +117,11 @@ class Pool:
 
     # -- segments -----------------------------------------------------------------------------
 
-    def _segment_memfd(self, seg: int) -> int:
+    def _segment_memfd(self, seg: int, back: bool = True) -> int:
         return create_sealed_memfd(
             f"radixd-{self.model}-{self.kind}-seg{seg}",
             segment_bytes(self.shape, DTYPE_ITEMSIZE[self.dtype_name], self.segment_pages or 0,
-                          seg))
+                          seg), back=back)
 
     @property
     def num_segments(self) -> int:
@@ -134,7 +134,10 @@ class Pool:
         is zero for the new one. Its epoch grows so that clients remap it."""
         if self._region is None:
             raise PoolError(f"{self.model} {self.kind} pool is not segmented")
-        fd = self._segment_memfd(seg)
+        # not backed up front: the zero-fill happens as the new namespace's engines write the
+        # pages, not inside the alloc that moved the segment (the old memory is freed as the
+        # last mapping of it goes, so the total stays about the same)
+        fd = self._segment_memfd(seg, back=False)
         try:
             self._region.map_segment(seg, fd)
         except BaseException:

@@ -49,13 +49,16 @@ def create_memfd(name: str, nbytes: int) -> tuple[int, mmap.mmap]:
     return fd, mapping
 
 
-def create_sealed_memfd(name: str, nbytes: int) -> int:
-    """Create a sealed, fully backed (zeroed) memfd of ``nbytes``, not mapped.
+def create_sealed_memfd(name: str, nbytes: int, back: bool = True) -> int:
+    """Create a sealed, zeroed memfd of ``nbytes``, not mapped.
 
-    ``posix_fallocate`` backs every page now, so running out of memory is an error here rather
-    than a SIGBUS in the middle of a kernel later. The size is then sealed (no shrink, no grow):
-    an engine holding the fd must not be able to truncate it under the daemon's mapping, which
-    would crash the daemon with SIGBUS on its next access.
+    With ``back``, ``posix_fallocate`` backs every page now, so that running out of memory at
+    start-up is an error here rather than a failure in the middle of a kernel later; it costs a
+    zero-fill of every byte. Without it the pages are allocated (zeroed) when first written, by
+    whoever writes them: for replacing memory the daemon already held, on the request path. The
+    size is then sealed (no shrink, no grow): an engine holding the fd must not be able to
+    truncate it under the daemon's mapping, which would crash the daemon with SIGBUS on its next
+    access.
     """
     if not hasattr(os, "memfd_create"):
         raise PoolError("CPU pools need memfd_create (Linux); this platform does not have it")
@@ -66,7 +69,8 @@ def create_sealed_memfd(name: str, nbytes: int) -> int:
     try:
         os.ftruncate(fd, nbytes)
         try:
-            os.posix_fallocate(fd, 0, nbytes)
+            if back:
+                os.posix_fallocate(fd, 0, nbytes)
         except OSError as exc:
             raise PoolError(
                 f"{name}: cannot back {nbytes} bytes of shared memory ({exc.strerror})"
