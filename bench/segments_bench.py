@@ -1,9 +1,9 @@
 """Memory isolation's price: the same daemon with segmented pools and with one shared pool.
 
 Two daemon processes in one run, identical but for ``memory_isolation`` ("segments" at the
-default segment size, then "none"), each serving a CPU model of 8 layers (4 full, 4 SWA), 8 KV
-heads, head dim 128, float16, page 16 (256 KiB a page, 512 MiB in each of the full and SWA pools) to two tenants
-in two namespaces. For each it prints what an operator pays:
+default segment size, and "none"), each serving a CPU model of 8 layers (4 full, 4 SWA), 8 KV
+heads, head dim 128, float16, page 16 (256 KiB a page, 512 MiB in each of the full and SWA
+pools) to two tenants in two namespaces. For each it prints what an operator pays:
 
 - start-up to serving (the pools are built: one memfd per segment against one per pool),
   mappings and descriptors in the daemon, RSS;

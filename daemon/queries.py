@@ -16,8 +16,8 @@ from radixd_client import protocol as P
 
 from .entities import ModelEntry, Session, Tenant
 from .metrics import OpStats
-from .process_memory import HeapTrimmer
 from .model_cache import ModelCache
+from .process_memory import HeapTrimmer
 
 #: eviction triggers every model reports, 0 until they happen
 EVICTION_REASONS = ("alloc", "quota", "explicit", "admin")
