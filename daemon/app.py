@@ -22,7 +22,7 @@ from .config import Config, ConfigError, ModelConfig
 from .entities import ModelEntry, Tenant, build_tenants, namespace_quotas
 from .gpu.shared_memory import hide_descriptors
 from .model_cache import ModelCache
-from .sdnotify import Notifier
+from .sdnotify import Notifier, passed_fds
 from .server import Server, tune_gc
 from .service import Service
 from .sockets import SocketPathError, check_socket_path
@@ -179,10 +179,19 @@ def build_service(config: Config, *, create_pools: bool = True) -> Service:
     l3 = build_l3(config)
     build_tiers(config, models, tenants, l3)
     service = Service(config, models, tenants, l3)
-    if config.server.state_dir and create_pools:
-        from .warm_restart import restore_host_state
+    if create_pools:
+        from .warm_restart import restore_host_fdstore, restore_host_state
 
-        service.restart = restore_host_state(models, config.server.state_dir)
+        stored = passed_fds()[1]
+        notifier = Notifier.from_env()
+        try:
+            report = restore_host_fdstore(models, stored, notifier)
+        finally:
+            notifier.close()
+        if report is not None:
+            service.restart = report
+        elif config.server.state_dir:
+            service.restart = restore_host_state(models, config.server.state_dir)
     return service
 
 

@@ -2,12 +2,16 @@
 
 The notify protocol is one datagram of ``KEY=VALUE`` lines to the AF_UNIX socket named by
 ``$NOTIFY_SOCKET`` (a leading ``@`` means the abstract namespace). Socket activation passes
-listening sockets as fds 3.. with ``LISTEN_FDS``/``LISTEN_PID`` set. Outside systemd every call
-here is a no-op, so the daemon runs the same way by hand.
+listening sockets as fds 3.. with ``LISTEN_FDS``/``LISTEN_PID`` set. The file-descriptor store
+(``FDSTORE=1`` with the fds attached as SCM_RIGHTS) hands fds to systemd at stop; the next start
+gets them back through the same ``LISTEN_FDS``, told apart from the sockets by their
+``LISTEN_FDNAMES`` (:data:`FDSTORE_PREFIX`). Outside systemd every call here is a no-op, so the
+daemon runs the same way by hand.
 """
 
 from __future__ import annotations
 
+import array
 import contextlib
 import logging
 import os
@@ -19,6 +23,9 @@ from collections.abc import Iterator
 log = logging.getLogger("radixd.systemd")
 
 SD_LISTEN_FDS_START = 3
+#: Names of the fds this daemon puts in systemd's fd store start with this; any other passed fd
+#: is a listening socket (systemd names those after the socket unit, or ``FileDescriptorName=``).
+FDSTORE_PREFIX = "radixd-"
 
 
 class Notifier:
@@ -59,6 +66,25 @@ class Notifier:
 
     def status(self, status: str) -> bool:
         return self.notify(status=status)
+
+    def store_fd(self, name: str, fd: int) -> bool:
+        """Put ``fd`` in systemd's fd store under ``name`` (``FDSTORE=1``, SCM_RIGHTS): systemd
+        keeps it open across the restart and passes it to the next start. False when it could not
+        be sent (not under systemd, or the send failed)."""
+        if self._sock is None:
+            return False
+        msg = f"FDSTORE=1\nFDNAME={name}".encode()
+        try:
+            self._sock.sendmsg([msg], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                        array.array("i", [fd]).tobytes())], 0, self._target)
+            return True
+        except OSError as exc:
+            log.warning("sd_notify FDSTORE of %s to %s failed: %s", name, self.address, exc)
+            return False
+
+    def remove_fds(self, name: str) -> bool:
+        """Ask systemd to close the stored fds named ``name`` (consumed or refused)."""
+        return self.notify(fdstoreremove=1, fdname=name)
 
     def stopping(self, status: str = "stopping") -> bool:
         return self.notify(stopping=1, status=status)
@@ -124,27 +150,62 @@ def watchdog_interval(env: dict[str, str] | None = None) -> float | None:
     return value / 2e6 if value > 0 else None
 
 
-def listen_fds(env: dict[str, str] | None = None, *, unset: bool = True) -> list[socket.socket]:
-    """Listening sockets passed by systemd socket activation (none when not activated).
+_passed: tuple[list[int], dict[str, int]] | None = None
 
-    As sd_listen_fds(3): the fds are ours only when ``LISTEN_PID`` is set and names this process
-    (a missing ``LISTEN_PID`` means the variables were inherited, not meant for us). The
-    variables are removed afterwards so child processes do not think the sockets are theirs.
+
+def passed_fds(env: dict[str, str] | None = None) -> tuple[list[int], dict[str, int]]:
+    """The fds systemd passed this process: (listening sockets, {name: fd} of stored fds).
+
+    As sd_listen_fds_with_names(3): the fds are ours only when ``LISTEN_PID`` is set and names
+    this process (a missing ``LISTEN_PID`` means the variables were inherited, not meant for us).
+    A fd whose name starts with :data:`FDSTORE_PREFIX` came back from the fd store; every other
+    one is a socket. Read once per process (the restore runs before the server binds) and the
+    variables removed, so child processes do not think the fds are theirs.
     """
-    env = os.environ if env is None else env
-    pid = env.get("LISTEN_PID")
-    count = env.get("LISTEN_FDS")
-    if not count or pid != str(os.getpid()):
-        return []
-    try:
-        n = int(count)
-    except ValueError:
-        return []
-    if unset:
+    global _passed
+    if env is None and _passed is not None:
+        return _passed
+    src = os.environ if env is None else env
+    pid = src.get("LISTEN_PID")
+    count = src.get("LISTEN_FDS")
+    result: tuple[list[int], dict[str, int]] = ([], {})
+    if count and pid == str(os.getpid()):
+        try:
+            n = int(count)
+        except ValueError:
+            n = 0
+        names = src.get("LISTEN_FDNAMES", "").split(":")
+        for i, fd in enumerate(range(SD_LISTEN_FDS_START, SD_LISTEN_FDS_START + n)):
+            os.set_inheritable(fd, False)
+            name = names[i] if i < len(names) else ""
+            if name.startswith(FDSTORE_PREFIX) and name not in result[1]:
+                result[1][name] = fd
+            else:
+                result[0].append(fd)
         for key in ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"):
-            env.pop(key, None)
-    socks = []
-    for fd in range(SD_LISTEN_FDS_START, SD_LISTEN_FDS_START + n):
-        os.set_inheritable(fd, False)
-        socks.append(socket.socket(fileno=fd))
+            src.pop(key, None)
+    if env is None:
+        _passed = result
+    return result
+
+
+def fdstore_enabled(env: dict[str, str] | None = None) -> bool:
+    """Whether a stop should put the host pools in systemd's fd store: under systemd
+    (``NOTIFY_SOCKET``) with ``$FDSTORE`` > 0. systemd >= 254 sets ``$FDSTORE`` from
+    ``FileDescriptorStoreMax=``; radixd.service also sets it, for older versions."""
+    env = os.environ if env is None else env
+    try:
+        return bool(env.get("NOTIFY_SOCKET")) and int(env.get("FDSTORE", "0")) > 0
+    except ValueError:
+        return False
+
+
+def listen_fds(env: dict[str, str] | None = None, *, unset: bool = True) -> list[socket.socket]:
+    """Listening sockets passed by systemd socket activation (none when not activated); the
+    fd-store fds passed with them are left to :func:`passed_fds` (whose caller takes them)."""
+    if env is not None and not unset:
+        env = dict(env)
+    fds = passed_fds(env)[0]
+    socks = [socket.socket(fileno=fd) for fd in fds]
+    fds.clear()  # taken: a second server in this process must not wrap them again
     return socks

@@ -28,7 +28,8 @@ from .entities import (
 )
 from .gpu.allocator import OutOfPages
 from .queries import ServiceQueries, held_pages
-from .warm_restart import RestartReport, save_host_state
+from .sdnotify import Notifier, fdstore_enabled
+from .warm_restart import RestartReport, save_host_fdstore, save_host_state
 
 log = logging.getLogger("radixd.service")
 
@@ -82,6 +83,13 @@ class Service(ServiceQueries):
                 await entry.tiers.aclose()
         if self.l3 is not None:
             await self.l3.aclose()
+        if fdstore_enabled():
+            notifier = Notifier.from_env()
+            try:
+                if save_host_fdstore(self.models, notifier):
+                    return
+            finally:
+                notifier.close()
         if self.config.server.state_dir:
             save_host_state(self.models, self.config.server.state_dir)
 

@@ -13,28 +13,44 @@ checksum and a page that fails is dropped with everything below it in the tree, 
 Kept pages get new slots in the fresh pools (content index, allocator, reference counts and the
 tree's host-page counts, the per-namespace quotas included, all follow from the ordinary
 operations: ``HostPool.store``, ``RadixTree.adopt_host``, ``KeyedPages.add_stored``).
+
+Two places keep the state between the stop and the start, with one restore for both
+(:func:`_restore`): ``[server] state_dir`` (the held pages copied into files) and, under systemd
+with ``FileDescriptorStoreMax=``, systemd's fd store (:func:`save_host_fdstore`: the pools'
+memfds themselves and a memfd with the index, so a stop writes no page; at start
+:func:`restore_host_fdstore` reads each page in place from the old memfd, checks it and copies it
+into the new pool, then closes the old memfds and removes them from the store). The fd store
+wins when both are configured.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import time
 from array import array
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from .entities import ModelEntry
+from .sdnotify import FDSTORE_PREFIX, Notifier
 from .storage.host_snapshot import (
     SECTIONS,
     HostSnapshot,
     KeyedRecord,
     ModelImage,
     PageSource,
+    PoolImage,
     SnapshotError,
     TreeNodeRecord,
     as_slots,
+    decode_index,
+    encode_index,
+    memfd_pool,
     open_pool,
+    read_fd,
     pool_file,
     remove_pages,
     take_snapshot,
@@ -46,12 +62,15 @@ from .tree import HASH_BYTES, Node, chain_hashes
 
 log = logging.getLogger("radixd.warm_restart")
 
+#: The fd-store name of the memfd holding the index.
+INDEX_FD = f"{FDSTORE_PREFIX}host-index"
+
 
 @dataclass
 class RestartReport:
     """What the last start restored: status, the admin endpoint and /metrics show it."""
 
-    source: str = "none"  # "none" (nothing to restore), "state_dir"
+    source: str = "none"  # "none" (nothing to restore), "state_dir", "fdstore"
     kept_pages: int = 0
     dropped_pages: int = 0
     restore_seconds: float = 0.0
@@ -76,7 +95,9 @@ def _host_nodes(root: Node) -> Iterator[Node]:
         stack.extend(c for c in (n.children or {}).values() if c.host is not None)
 
 
-def _image(entry: ModelEntry, index: int, state_dir: str) -> ModelImage:
+def _image(entry: ModelEntry, index: int, state_dir: str | None) -> ModelImage:
+    """One model's index entry; its held pages are written to ``state_dir``, or, with none (the
+    fd store), only checksummed: the pool's memfd is what survives, named after the model."""
     tree = entry.cache.tree
     host = entry.tiers.host  # type: ignore[union-attr]
     img = ModelImage(fingerprint=tree.layout_fingerprint)
@@ -99,17 +120,21 @@ def _image(entry: ModelEntry, index: int, state_dir: str) -> ModelImage:
         if not slots:
             continue
         pool = host.pool(kind)
-        img.pools[kind] = write_pool(state_dir, pool_file(index, kind),
+        name = pool_file(index, kind) if state_dir is not None else fd_name(index, kind)
+        img.pools[kind] = write_pool(state_dir, name,
                                      ((s, pool.page_bytes(s)) for s in slots), pool.page_nbytes)
     return img
 
 
-def save_host_state(models: dict[str, ModelEntry], state_dir: str) -> int:
-    """Write every model's host tier to ``state_dir``; returns the pages saved. Called after the
-    tiers drained (no copy in flight, nothing pending). A model whose copies outlived the drain
-    saves nothing (its pages may be half written)."""
-    t0 = time.perf_counter()
-    remove_pages(state_dir)
+def fd_name(index: int, kind: str) -> str:
+    """The fd-store name of model ``index``'s ``kind`` host pool."""
+    return f"{FDSTORE_PREFIX}host-{index}-{kind}"
+
+
+def _snapshot(models: dict[str, ModelEntry], state_dir: str | None) -> HostSnapshot:
+    """Every model's host tier (called after the tiers drained: no copy in flight, nothing
+    pending). A model whose copies outlived the drain is left out (its pages may be half
+    written)."""
     snap = HostSnapshot(sections=dict(SECTIONS), models={})
     for i, (name, entry) in enumerate(models.items()):
         if entry.tiers is None:
@@ -118,7 +143,48 @@ def save_host_state(models: dict[str, ModelEntry], state_dir: str) -> int:
             log.warning("warm restart: %s has copies in flight; its host tier is not saved", name)
             continue
         snap.models[name] = _image(entry, i, state_dir)
-    pages = sum(len(p.slots) // 4 for m in snap.models.values() for p in m.pools.values())
+    return snap
+
+
+def _snapshot_pages(snap: HostSnapshot) -> int:
+    return sum(len(p.slots) // 4 for m in snap.models.values() for p in m.pools.values())
+
+
+def save_host_fdstore(models: dict[str, ModelEntry], notifier: Notifier) -> int:
+    """Hand every model's host pools (their memfds: no page is copied) and a memfd holding the
+    index to systemd's fd store; returns the pages kept, 0 when nothing could be stored. The
+    index goes last: a next start without it uses none of the pools."""
+    t0 = time.perf_counter()
+    snap = _snapshot(models, None)
+    sent = True
+    for i, (name, entry) in enumerate(models.items()):
+        img = snap.models.get(name)
+        for kind in img.pools if img is not None else ():
+            fd = entry.tiers.host.pool(kind).fd  # type: ignore[union-attr]
+            sent = sent and fd is not None and notifier.store_fd(fd_name(i, kind), fd)
+    if not sent:
+        log.warning("warm restart: the host pools could not be stored in systemd's fd store")
+        return 0
+    raw = encode_index(snap)
+    fd = os.memfd_create(INDEX_FD, os.MFD_CLOEXEC)
+    try:
+        os.write(fd, raw)
+        if not notifier.store_fd(INDEX_FD, fd):
+            return 0
+    finally:
+        os.close(fd)
+    pages = _snapshot_pages(snap)
+    log.info("warm restart: stored %d host pages of %d model(s) in systemd's fd store (index %d "
+             "bytes) in %.3f s", pages, len(snap.models), len(raw), time.perf_counter() - t0)
+    return pages
+
+
+def save_host_state(models: dict[str, ModelEntry], state_dir: str) -> int:
+    """Write every model's host tier to ``state_dir``; returns the pages saved."""
+    t0 = time.perf_counter()
+    remove_pages(state_dir)
+    snap = _snapshot(models, state_dir)
+    pages = _snapshot_pages(snap)
     size = write_index(state_dir, snap)
     log.info("warm restart: saved %d host pages of %d model(s) to %s (index %d bytes) in %.3f s",
              pages, len(snap.models), state_dir, size, time.perf_counter() - t0)
@@ -238,21 +304,10 @@ def _image_pages(img: ModelImage) -> int:
     return sum(len(p.slots) // 4 for p in img.pools.values())
 
 
-def restore_host_state(models: dict[str, ModelEntry], state_dir: str) -> RestartReport:
-    """Rebuild the host tiers from ``state_dir`` (before anything is served)."""
-    t0 = time.perf_counter()
-    report = RestartReport()
-    try:
-        snap = take_snapshot(state_dir)
-    except SnapshotError as exc:
-        log.warning("warm restart: the saved host state is not used: %s", exc)
-        report.reason = str(exc)
-        remove_pages(state_dir)
-        return report
-    if snap is None:
-        remove_pages(state_dir)
-        return report
-    report.source = "state_dir"
+def _restore(models: dict[str, ModelEntry], snap: HostSnapshot, report: RestartReport,
+             open_source: Callable[[PoolImage], PageSource]) -> None:
+    """Rebuild every model's host tier from ``snap``, the pages read through ``open_source``
+    (the state_dir's files, or the stored memfds): the one restore both sources share."""
     for name, img in snap.models.items():
         entry = models.get(name)
         pages = _image_pages(img)
@@ -272,7 +327,7 @@ def restore_host_state(models: dict[str, ModelEntry], state_dir: str) -> Restart
             report.dropped_pages += pages
             report.models[name] = {"kept_pages": 0, "dropped_pages": pages}
             continue
-        sources = {kind: open_pool(state_dir, p) for kind, p in img.pools.items()}
+        sources = {kind: open_source(p) for kind, p in img.pools.items()}
         r = _Restorer(entry, img, sources, snap.sections)  # type: ignore[arg-type]
         r.run()
         report.kept_pages += r.kept
@@ -281,8 +336,70 @@ def restore_host_state(models: dict[str, ModelEntry], state_dir: str) -> Restart
         if r.dropped:
             log.warning("warm restart: model %r: %d saved host pages failed verification or did "
                         "not fit and were dropped", name, r.dropped)
-    remove_pages(state_dir)
+
+
+def _finish(report: RestartReport, t0: float) -> RestartReport:
     report.restore_seconds = time.perf_counter() - t0
-    log.info("warm restart: kept %d host pages, dropped %d, in %.3f s", report.kept_pages,
-             report.dropped_pages, report.restore_seconds)
+    log.info("warm restart: kept %d host pages, dropped %d, from %s in %.3f s",
+             report.kept_pages, report.dropped_pages, report.source, report.restore_seconds)
     return report
+
+
+def restore_host_state(models: dict[str, ModelEntry], state_dir: str) -> RestartReport:
+    """Rebuild the host tiers from ``state_dir`` (before anything is served)."""
+    t0 = time.perf_counter()
+    report = RestartReport()
+    try:
+        snap = take_snapshot(state_dir)
+    except SnapshotError as exc:
+        log.warning("warm restart: the saved host state is not used: %s", exc)
+        report.reason = str(exc)
+        remove_pages(state_dir)
+        return report
+    if snap is None:
+        remove_pages(state_dir)
+        return report
+    report.source = "state_dir"
+    _restore(models, snap, report, lambda image: open_pool(state_dir, image))
+    remove_pages(state_dir)
+    return _finish(report, t0)
+
+
+def restore_host_fdstore(models: dict[str, ModelEntry], stored: dict[str, int],
+                         notifier: Notifier) -> RestartReport | None:
+    """Rebuild the host tiers from the fds systemd's fd store passed back (``stored``: name ->
+    fd, as :func:`daemon.sdnotify.passed_fds` returns them); None when none were passed. Every
+    passed fd is closed here and removed from the store (``FDSTOREREMOVE``), used or refused,
+    so a later start never sees pages this daemon may overwrite."""
+    if not stored:
+        return None
+    t0 = time.perf_counter()
+    report = RestartReport(source="fdstore")
+    maps: list[PageSource] = []
+    try:
+        index = stored.get(INDEX_FD)
+        if index is None:
+            raise SnapshotError("the fd store holds host pools but no index")
+        snap = decode_index(read_fd(index))
+
+        def source(image: PoolImage) -> PageSource:
+            src = memfd_pool(stored.get(image.file), image)
+            maps.append(src)
+            return src
+
+        _restore(models, snap, report, source)
+    except SnapshotError as exc:
+        log.warning("warm restart: the host pools in the fd store are not used: %s", exc)
+        report.reason = str(exc)
+    finally:
+        for src in maps:
+            if src.data is not None:
+                mapping = src.data.obj
+                src.data.release()
+                with contextlib.suppress(BufferError):  # a page view still alive: GC closes it
+                    mapping.close()  # type: ignore[union-attr]
+        for name, fd in stored.items():
+            os.close(fd)
+            notifier.remove_fds(name)
+        stored.clear()
+    return _finish(report, t0)

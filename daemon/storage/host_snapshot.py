@@ -20,8 +20,10 @@ corruption up to 32 bits is caught, the rest with probability 2**-32).
 Why written at stop rather than a pool mapped from tmpfs: the host pools are sealed memfds that
 engines map (``kv_attach``); a regular tmpfs file cannot be sealed, and an engine truncating it
 would crash the daemon with SIGBUS. The price is one copy of the held pages at stop and one at
-start (memory bandwidth; see bench/restart_bench.py). The systemd FD store, where it is used,
-needs no copy at all: the memfds themselves survive.
+start (memory bandwidth; see bench/restart_bench.py). The systemd fd store, where it is used
+(``daemon/warm_restart.py``), writes no page: the pools' memfds themselves survive in systemd,
+the same index (with ``file`` naming the stored fd) goes in a memfd of its own, and
+:func:`memfd_pool` reads the pages in place from the old pool at start.
 
 A snapshot is consumed when read (:func:`take_snapshot` removes the index first), so a daemon
 that crashes later never restores pages it has since overwritten.
@@ -29,7 +31,9 @@ that crashes later never restores pages it has since overwritten.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import mmap
 import os
 import struct
 import zlib
@@ -104,12 +108,15 @@ class PageSource:
     offsets: dict[int, int] = field(default_factory=dict)  # slot -> index in the file
     crcs: array = field(default_factory=lambda: array("I"))
     data: memoryview | None = None
+    #: the data is the whole old pool (a memfd from the fd store): page ``slot`` is at
+    #: ``slot * page_nbytes``, not at its index in the file
+    in_place: bool = False
 
     def page(self, slot: int) -> memoryview | None:
         i = self.offsets.get(slot)
         if i is None or self.data is None:
             return None
-        start = i * self.page_nbytes
+        start = (slot if self.in_place else i) * self.page_nbytes
         chunk = self.data[start : start + self.page_nbytes]
         if len(chunk) != self.page_nbytes or zlib.crc32(chunk) != self.crcs[i]:
             return None
@@ -136,30 +143,40 @@ def check_state_dir(path: str) -> str:
     return ""
 
 
-def write_pool(state_dir: str, name: str, pages: Iterator[tuple[int, memoryview]],
+def write_pool(state_dir: str | None, name: str, pages: Iterator[tuple[int, memoryview]],
                page_nbytes: int) -> PoolImage:
-    """Write the pages of one pool (slot, bytes) to ``name``; returns their index entry."""
+    """Write the pages of one pool (slot, bytes) to ``name``; returns their index entry. With
+    no ``state_dir`` (the fd store: the pool's memfd itself survives) nothing is written, only
+    the slots and checksums are recorded."""
     slots, crcs = array("i"), array("I")
-    with open(os.path.join(state_dir, name), "wb", buffering=1 << 20) as f:
+    with contextlib.ExitStack() as stack:
+        f = stack.enter_context(open(os.path.join(state_dir, name), "wb", buffering=1 << 20)) \
+            if state_dir is not None else None
         for slot, data in pages:
-            f.write(data)
+            if f is not None:
+                f.write(data)
             slots.append(slot)
             crcs.append(zlib.crc32(data))
     return PoolImage(name, page_nbytes, slots.tobytes(), crcs.tobytes())
 
 
+def encode_index(snap: HostSnapshot) -> bytes:
+    """The index's bytes: header (magic, version, CRC-32 of the body) and body."""
+    body = msgspec.msgpack.encode(snap)
+    return _HEAD.pack(MAGIC, INDEX_VERSION, zlib.crc32(body)) + body
+
+
 def write_index(state_dir: str, snap: HostSnapshot) -> int:
     """Write the index atomically (it names the page files, so it goes last); returns bytes."""
-    body = msgspec.msgpack.encode(snap)
+    raw = encode_index(snap)
     path = os.path.join(state_dir, INDEX_NAME)
     tmp = path + ".tmp"
     with open(tmp, "wb") as f:
-        f.write(_HEAD.pack(MAGIC, INDEX_VERSION, zlib.crc32(body)))
-        f.write(body)
+        f.write(raw)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    return _HEAD.size + len(body)
+    return len(raw)
 
 
 def decode_index(raw: bytes) -> HostSnapshot:
@@ -215,6 +232,40 @@ def open_pool(state_dir: str, image: PoolImage) -> PageSource:
         return src
     src.offsets = {s: i for i, s in enumerate(slots)}
     return src
+
+
+def memfd_pool(fd: int | None, image: PoolImage) -> PageSource:
+    """The held pages of an old pool's memfd (from the fd store), mapped read-only: no copy
+    here; a page is read (and checked) only when the restore stores it. An empty source when
+    the fd is missing or too small for the slots the index names."""
+    src = PageSource(image.page_nbytes, in_place=True)
+    slots = as_slots(image.slots)
+    src.crcs.frombytes(image.crcs)
+    if fd is None or len(src.crcs) != len(slots):
+        return src
+    try:
+        size = os.fstat(fd).st_size
+        if not slots or size < (max(slots) + 1) * image.page_nbytes:
+            return src
+        src.data = memoryview(mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ))
+    except (OSError, ValueError) as exc:
+        log.warning("warm restart: cannot map the stored pool %s: %s", image.file, exc)
+        return src
+    src.offsets = {s: i for i, s in enumerate(slots)}
+    return src
+
+
+def read_fd(fd: int) -> bytes:
+    """The whole content of a (memfd) file descriptor, from offset 0."""
+    size = os.fstat(fd).st_size
+    chunks, off = [], 0
+    while off < size:
+        chunk = os.pread(fd, size - off, off)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        off += len(chunk)
+    return b"".join(chunks)
 
 
 def remove_pages(state_dir: str) -> None:

@@ -61,7 +61,10 @@ SMALL_MODEL = {
 class Daemon:
     """One radixd process; ``check()`` asks it for a full invariant check and waits for it."""
 
-    def __init__(self, tmp: Path, config: dict[str, Any]):
+    def __init__(self, tmp: Path, config: dict[str, Any], *, launcher: tuple[str, ...] = (),
+                 env: dict[str, str] | None = None, pass_fds: tuple[int, ...] = ()):
+        """``launcher``: argv put before ``daemon.cli serve`` (a wrapper that sets up fds the
+        way systemd does); ``env``: added to this environment; ``pass_fds``: as Popen's."""
         self.tmp = tmp
         self.socket = str(tmp / "radixd.sock")
         config = dict(config)
@@ -77,9 +80,10 @@ class Daemon:
         self.log_path = tmp / "radixd.log"
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "daemon.cli", "serve", "--config", str(self.config_path)],
-            stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            [*launcher, sys.executable, "-m", "daemon.cli", "serve", "--config",
+             str(self.config_path)],
+            stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO, pass_fds=pass_fds,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
         self.checks = 0
         self._wait_ready()
 
@@ -176,10 +180,10 @@ def make_daemon(tmp_path: Path) -> Iterator:
     """``make_daemon(config_dict)`` starts a daemon; each is checked and stopped at teardown."""
     daemons: list[Daemon] = []
 
-    def factory(config: dict[str, Any] | None = None, name: str = "d") -> Daemon:
+    def factory(config: dict[str, Any] | None = None, name: str = "d", **launch: Any) -> Daemon:
         d = tmp_path / f"{name}{len(daemons)}"
         d.mkdir()
-        daemon = Daemon(d, config or {})
+        daemon = Daemon(d, config or {}, **launch)
         daemons.append(daemon)
         return daemon
 

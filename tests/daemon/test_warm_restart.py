@@ -79,7 +79,7 @@ def test_host_tier_survives_a_restart_byte_exact(make_daemon, tmp_path: Path) ->
         st = stats["warm_restart"]
         assert st["source"] == "state_dir" and st["dropped_pages"] == 0
         assert st["kept_pages"] == 16 + 2 * 2
-        assert "warm restart: kept 20 host pages, dropped 0" in format_status(stats)
+        assert "warm restart (state_dir): kept 20 host pages, dropped 0" in format_status(stats)
         metrics = _metrics(d2)
         assert 'radixd_warm_restart_pages{outcome="kept"} 20.0' in metrics
         assert "radixd_warm_restart_restore_seconds" in metrics

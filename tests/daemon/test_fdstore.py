@@ -1,0 +1,244 @@
+"""Warm restart through systemd's file-descriptor store, with this test playing systemd: a real
+AF_UNIX datagram NOTIFY_SOCKET receives the daemon's ``FDSTORE=1`` messages and their fds
+(SCM_RIGHTS) at SIGTERM, and the next daemon is started the way systemd starts it, those fds as
+3.. with ``LISTEN_FDS``/``LISTEN_FDNAMES``/``LISTEN_PID`` (a small launcher sets them after the
+fork, then execs the daemon). A client reads the restored pages back byte-exact; a corrupted
+page is dropped, a changed layout refused whole, and every fd the daemon got back is removed
+from the store (``FDSTOREREMOVE=1``). Every daemon ends with a strict full invariant check."""
+
+from __future__ import annotations
+
+import array
+import mmap
+import os
+import shutil
+import socket
+import tempfile
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from radixd_client import Client
+
+from daemon.cli import format_status
+from daemon.storage.host_snapshot import as_slots, decode_index, read_fd
+from daemon.warm_restart import INDEX_FD
+
+from .test_tiers import Engine, P, admin_stats, seq, tier_stats, wait_for
+
+# Moves the fds named in argv[1] to 3.. in that order, names them argv[2] (":"-separated), sets
+# LISTEN_PID to this process (exec keeps it), then execs argv[3:]: what systemd does after fork.
+LAUNCH = """\
+import fcntl, os, sys
+fds = [int(x) for x in sys.argv[1].split(",") if x]
+high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 100) for fd in fds]
+for i, fd in enumerate(high):
+    os.dup2(fd, 3 + i)
+    os.close(fd)
+if fds:
+    os.environ["LISTEN_FDS"] = str(len(fds))
+    os.environ["LISTEN_FDNAMES"] = sys.argv[2]
+    os.environ["LISTEN_PID"] = str(os.getpid())
+os.execv(sys.argv[3], sys.argv[3:])
+"""
+
+
+class FdStore:
+    """systemd's side: the notify socket and the fd store it keeps (name -> fd)."""
+
+    def __init__(self, directory: Path):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.address = str(directory / "notify.sock")
+        self.sock.bind(self.address)
+        self.fds: dict[str, int] = {}
+        self.removed: list[str] = []
+
+    def pump(self, timeout: float = 0.5) -> None:
+        """Take every message waiting, as systemd would: store or remove fds."""
+        self.sock.settimeout(timeout)
+        while True:
+            try:
+                data, anc, _, _ = self.sock.recvmsg(65536, socket.CMSG_SPACE(4 * 16))
+            except TimeoutError:
+                return
+            fds = array.array("i")
+            for level, kind, raw in anc:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    fds.frombytes(raw[: len(raw) - len(raw) % 4])
+            fields = dict(line.partition("=")[::2] for line in data.decode().split("\n"))
+            name = fields.get("FDNAME", "")
+            if fields.get("FDSTORE") == "1" and len(fds) == 1:
+                if name in self.fds:
+                    os.close(self.fds[name])
+                self.fds[name] = fds[0]
+                continue
+            for fd in fds:
+                os.close(fd)
+            if fields.get("FDSTOREREMOVE") == "1" and name in self.fds:
+                os.close(self.fds.pop(name))
+                self.removed.append(name)
+
+    def launch(self) -> dict[str, Any]:
+        """``make_daemon`` arguments that start a daemon under this "systemd"."""
+        names = list(self.fds)
+        fds = tuple(self.fds[n] for n in names)
+        return {"launcher": (os.sys.executable, "-c", LAUNCH,  # type: ignore[attr-defined]
+                             ",".join(map(str, fds)), ":".join(names)),
+                "env": {"NOTIFY_SOCKET": self.address, "FDSTORE": "16"}, "pass_fds": fds}
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.sock.close()
+
+
+@pytest.fixture
+def store() -> Iterator[FdStore]:
+    path = Path(tempfile.mkdtemp(prefix="rxfd-", dir="/tmp"))  # sun_path holds 107 bytes
+    s = FdStore(path)
+    yield s
+    s.close()
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _config(**model: Any) -> dict[str, Any]:
+    from .conftest import SMALL_MODEL
+
+    return {"models": [{**SMALL_MODEL, **model}]}
+
+
+def _fill(make_daemon: Any, store: FdStore, seqs: list[list[int]]) -> tuple[dict, dict]:
+    """Cache ``seqs`` in a daemon under ``store``, wait for their host copies, SIGTERM it and
+    take its fds into the store; returns the KV kept per page (the first writer's)."""
+    d = make_daemon(_config(), **store.launch())
+    e = Engine(d.socket)
+    kept: tuple[dict, dict] = ({}, {})
+    for toks in seqs:
+        e.cache(toks)
+        for mine, theirs in zip(kept, (e.full, e.swa), strict=True):
+            for k, v in theirs.items():
+                mine.setdefault(k, v)
+    want = len({tuple(t[: (i + 1) * P]) for t in seqs for i in range(len(t) // P)})
+    wait_for(lambda: tier_stats(d)["tree_host_pages"] == want, "the host copies")
+    e.close()
+    d.check()
+    assert d.stop() == 0, d.log()[-3000:]
+    store.pump()
+    return kept
+
+
+def test_host_pools_survive_through_the_fd_store_byte_exact(make_daemon, store) -> None:
+    a, b = seq(10), seq(6, base=5000)
+    e1 = _fill(make_daemon, store, [a, b])
+    assert set(store.fds) == {INDEX_FD, "radixd-host-0-full", "radixd-host-0-swa"}
+    d2 = make_daemon(_config(), **store.launch())
+    assert "stored 20 host pages" in (d2.tmp.parent / "d0" / "radixd.log").read_text()
+    store.pump()
+    assert store.fds == {}  # consumed: removed from the store (FDSTOREREMOVE=1)
+    assert sorted(store.removed) == sorted([INDEX_FD, "radixd-host-0-full", "radixd-host-0-swa"])
+    e2 = Engine(d2.socket, seed=9)
+    try:
+        m = e2.c.match("m", a)
+        assert (m.prefix_len, m.host_hit_len) == (0, 10 * P)
+        r = e2.c.load("m", a)
+        assert (r.prefix_len, r.loaded_len) == (10 * P, 10 * P)
+        assert e2.verify(a, r, expect=e1) > 10
+        r = e2.c.load("m", b)
+        assert r.prefix_len == 6 * P
+        e2.verify(b, r, expect=e1)
+        stats = admin_stats(d2)
+        st = stats["warm_restart"]
+        assert (st["source"], st["kept_pages"], st["dropped_pages"]) == ("fdstore", 20, 0)
+        assert "warm restart (fdstore): kept 20 host pages, dropped 0" in format_status(stats)
+    finally:
+        e2.close()
+    d2.check()
+
+
+def test_a_corrupted_page_in_a_stored_pool_is_dropped(make_daemon, store) -> None:
+    a = seq(8)
+    e1 = _fill(make_daemon, store, [a[: 4 * P], a])  # two nodes: pages 0-3, then 4-7
+    snap = decode_index(read_fd(store.fds[INDEX_FD]))
+    img = snap.models["m"]
+    second = as_slots(img.tree[1].host)[1]  # a page of the second node
+    fd = store.fds["radixd-host-0-full"]
+    with mmap.mmap(fd, os.fstat(fd).st_size) as mem:
+        mem[second * img.pools["full"].page_nbytes + 5] ^= 0xFF
+    d2 = make_daemon(_config(), **store.launch())
+    assert "failed verification" in d2.log()
+    e2 = Engine(d2.socket, seed=3)
+    try:
+        m = e2.c.match("m", a)
+        assert (m.prefix_len, m.host_hit_len) == (0, 4 * P)
+        r = e2.c.load("m", a)
+        assert (r.prefix_len, r.loaded_len) == (4 * P, 4 * P)
+        e2.verify(a, r, expect=e1)  # what is served is exactly right
+        assert admin_stats(d2)["warm_restart"]["dropped_pages"] >= 4
+    finally:
+        e2.close()
+    store.pump()
+    assert store.fds == {}
+
+
+def test_a_changed_layout_refuses_the_stored_pools_whole(make_daemon, store) -> None:
+    _fill(make_daemon, store, [seq(6)])
+    d2 = make_daemon(_config(head_dim=8), **store.launch())
+    assert "its layout changed" in d2.log()
+    with Client(d2.socket) as c:
+        assert c.match("m", seq(6)).host_hit_len == 0
+    st = admin_stats(d2)["warm_restart"]
+    assert (st["source"], st["kept_pages"], st["dropped_pages"]) == ("fdstore", 0, 6 + 2)
+    store.pump()
+    assert store.fds == {}  # refused fds are removed from the store too
+
+
+def test_restart_under_load_keeps_verified_pages(make_daemon, store) -> None:
+    """Three clients cache sequences without pause while SIGTERM arrives; whatever the next
+    daemon serves from the kept host tier is byte-exact what its writer wrote."""
+    d1 = make_daemon(_config(), **store.launch())
+    written: list[list[int]] = []
+    records: tuple[dict, dict] = ({}, {})
+    lock = threading.Lock()
+    stop = threading.Event()
+
+    def client(k: int) -> None:
+        e = Engine(d1.socket, seed=k)
+        try:
+            n = 0
+            while not stop.is_set():
+                toks = seq(3, base=100_000 * (k + 1) + 1000 * n)
+                n += 1
+                e.cache(toks)
+                with lock:
+                    written.append(toks)
+                    for mine, theirs in zip(records, (e.full, e.swa), strict=True):
+                        mine.update(theirs)
+        except Exception:  # noqa: BLE001 - the daemon going away mid-request is the point
+            pass
+        finally:
+            e.close()
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    wait_for(lambda: tier_stats(d1)["tree_host_pages"] >= 30, "host pages under load", 60)
+    assert d1.stop() == 0, d1.log()[-3000:]  # SIGTERM with the clients still running
+    stop.set()
+    for t in threads:
+        t.join()
+    store.pump()
+    d2 = make_daemon(_config(), **store.launch())
+    kept = admin_stats(d2)["warm_restart"]
+    assert kept["source"] == "fdstore" and kept["kept_pages"] > 0
+    e2 = Engine(d2.socket, seed=99)
+    checked = 0
+    try:
+        for toks in written:
+            r = e2.c.load("m", toks)
+            checked += e2.verify(toks, r, expect=records)
+    finally:
+        e2.close()
+    assert checked > 0
+    d2.check()
