@@ -127,7 +127,8 @@ class Stats(msgspec.Struct):
         description="the Redis client's counters and breaker_state; null without L3")]
     warm_restart: Annotated[dict[str, Any], Meta(
         description="what the last start restored of the host tier from server.state_dir or "
-                    "systemd's fd store: source (none, state_dir or fdstore), kept_pages, dropped_pages, restore_seconds, "
+                    "systemd's fd store: source (none, state_dir or fdstore), kept_pages, "
+                    "dropped_pages, restore_seconds, "
                     "reason (why a saved state was refused whole) and per model figures")]
 
 

@@ -592,7 +592,8 @@ def format_status(stats: dict[str, Any], url: str = "") -> str:
     lines.append(f"sessions {stats.get('sessions', 0)}  operations {stats.get('ops_total', 0)}")
     wr = stats.get("warm_restart") or {}
     if wr.get("source") in ("state_dir", "fdstore"):
-        lines.append(f"warm restart ({wr['source']}): kept {wr.get('kept_pages', 0)} host pages, dropped "
+        lines.append(f"warm restart ({wr['source']}): kept {wr.get('kept_pages', 0)} host "
+                     f"pages, dropped "
                      f"{wr.get('dropped_pages', 0)}, restored in "
                      f"{float(wr.get('restore_seconds', 0)):.3f} s")
     elif wr.get("reason"):

@@ -188,7 +188,8 @@ class Collector:
         wr = service.restart
         pages = reg.gauge("radixd_warm_restart_pages",
                   "Host pages the last start restored (kept) or refused (dropped: failed "
-                  "verification, layout changed, or did not fit) from server.state_dir or the fd store.",
+                  "verification, layout changed, or did not fit) from server.state_dir or the "
+                  "fd store.",
                           ("outcome",))
         pages.add_metric(["kept"], wr.kept_pages)
         pages.add_metric(["dropped"], wr.dropped_pages)
