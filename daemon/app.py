@@ -22,7 +22,7 @@ from .config import Config, ConfigError, ModelConfig
 from .entities import ModelEntry, Tenant, build_tenants, namespace_quotas
 from .gpu.shared_memory import hide_descriptors
 from .model_cache import ModelCache
-from .sdnotify import Notifier, passed_fds
+from .sdnotify import Notifier, fdstore_enabled, passed_fds
 from .server import Server, tune_gc
 from .service import Service
 from .sockets import SocketPathError, check_socket_path
@@ -185,7 +185,7 @@ def build_service(config: Config, *, create_pools: bool = True) -> Service:
         stored = passed_fds()[1]
         notifier = Notifier.from_env()
         try:
-            report = restore_host_fdstore(models, stored, notifier)
+            report = restore_host_fdstore(models, stored, notifier.remove_fds)
         finally:
             notifier.close()
         if report is not None:
@@ -235,6 +235,8 @@ def build(config: Config, *, create_pools: bool = True,
           notifier: Notifier | None = None) -> Daemon:
     service = build_service(config, create_pools=create_pools)
     checker = Checker(service, config.checker)
+    if fdstore_enabled() and create_pools:
+        service.fd_store = (notifier or Notifier.from_env()).store_fd
     server = Server(config, service, notifier, checker)
     daemon = Daemon(config, service, checker, server)
     server.start_admin = daemon.start_admin

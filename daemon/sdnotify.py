@@ -20,12 +20,11 @@ import threading
 import time
 from collections.abc import Iterator
 
+from .storage.host_snapshot import FDSTORE_PREFIX
+
 log = logging.getLogger("radixd.systemd")
 
 SD_LISTEN_FDS_START = 3
-#: Names of the fds this daemon puts in systemd's fd store start with this; any other passed fd
-#: is a listening socket (systemd names those after the socket unit, or ``FileDescriptorName=``).
-FDSTORE_PREFIX = "radixd-"
 
 
 class Notifier:

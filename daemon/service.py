@@ -14,6 +14,7 @@ import logging
 import os
 import secrets
 from array import array
+from collections.abc import Callable
 from typing import Any
 
 from radixd_client import protocol as P
@@ -28,7 +29,6 @@ from .entities import (
 )
 from .gpu.allocator import OutOfPages
 from .queries import ServiceQueries, held_pages
-from .sdnotify import Notifier, fdstore_enabled
 from .warm_restart import RestartReport, save_host_fdstore, save_host_state
 
 log = logging.getLogger("radixd.service")
@@ -60,6 +60,9 @@ class Service(ServiceQueries):
         self.instance = secrets.token_hex(8)
         #: what the last start restored of the host tier (daemon/warm_restart.py)
         self.restart = RestartReport()
+        #: where a stop hands the host pools to systemd's fd store (``Notifier.store_fd``, set by
+        #: daemon/app.py under systemd with ``$FDSTORE``); None: ``state_dir``, if set, instead
+        self.fd_store: Callable[[str, int], bool] | None = None
         self.limits = P.Limits(max_frame_bytes=config.server.max_frame_bytes,
                                max_tokens=config.server.max_tokens,
                                max_inflight=config.server.max_inflight)
@@ -83,13 +86,8 @@ class Service(ServiceQueries):
                 await entry.tiers.aclose()
         if self.l3 is not None:
             await self.l3.aclose()
-        if fdstore_enabled():
-            notifier = Notifier.from_env()
-            try:
-                if save_host_fdstore(self.models, notifier):
-                    return
-            finally:
-                notifier.close()
+        if self.fd_store is not None and save_host_fdstore(self.models, self.fd_store):
+            return
         if self.config.server.state_dir:
             save_host_state(self.models, self.config.server.state_dir)
 

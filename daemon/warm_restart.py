@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .entities import ModelEntry
-from .sdnotify import FDSTORE_PREFIX, Notifier
 from .storage.host_snapshot import (
+    FDSTORE_PREFIX,
     SECTIONS,
     HostSnapshot,
     KeyedRecord,
@@ -150,10 +150,11 @@ def _snapshot_pages(snap: HostSnapshot) -> int:
     return sum(len(p.slots) // 4 for m in snap.models.values() for p in m.pools.values())
 
 
-def save_host_fdstore(models: dict[str, ModelEntry], notifier: Notifier) -> int:
+def save_host_fdstore(models: dict[str, ModelEntry], store_fd: Callable[[str, int], bool]) -> int:
     """Hand every model's host pools (their memfds: no page is copied) and a memfd holding the
-    index to systemd's fd store; returns the pages kept, 0 when nothing could be stored. The
-    index goes last: a next start without it uses none of the pools."""
+    index to systemd's fd store through ``store_fd(name, fd)`` (``Notifier.store_fd``); returns
+    the pages kept, 0 when nothing could be stored. The index goes last: a next start without it
+    uses none of the pools."""
     t0 = time.perf_counter()
     snap = _snapshot(models, None)
     sent = True
@@ -161,7 +162,7 @@ def save_host_fdstore(models: dict[str, ModelEntry], notifier: Notifier) -> int:
         img = snap.models.get(name)
         for kind in img.pools if img is not None else ():
             fd = entry.tiers.host.pool(kind).fd  # type: ignore[union-attr]
-            sent = sent and fd is not None and notifier.store_fd(fd_name(i, kind), fd)
+            sent = sent and fd is not None and store_fd(fd_name(i, kind), fd)
     if not sent:
         log.warning("warm restart: the host pools could not be stored in systemd's fd store")
         return 0
@@ -169,7 +170,7 @@ def save_host_fdstore(models: dict[str, ModelEntry], notifier: Notifier) -> int:
     fd = os.memfd_create(INDEX_FD, os.MFD_CLOEXEC)
     try:
         os.write(fd, raw)
-        if not notifier.store_fd(INDEX_FD, fd):
+        if not store_fd(INDEX_FD, fd):
             return 0
     finally:
         os.close(fd)
@@ -366,11 +367,12 @@ def restore_host_state(models: dict[str, ModelEntry], state_dir: str) -> Restart
 
 
 def restore_host_fdstore(models: dict[str, ModelEntry], stored: dict[str, int],
-                         notifier: Notifier) -> RestartReport | None:
+                         remove_fds: Callable[[str], bool]) -> RestartReport | None:
     """Rebuild the host tiers from the fds systemd's fd store passed back (``stored``: name ->
     fd, as :func:`daemon.sdnotify.passed_fds` returns them); None when none were passed. Every
     passed fd is closed here and removed from the store (``FDSTOREREMOVE``), used or refused,
-    so a later start never sees pages this daemon may overwrite."""
+    so a later start never sees pages this daemon may overwrite (``remove_fds(name)``:
+    ``Notifier.remove_fds``)."""
     if not stored:
         return None
     t0 = time.perf_counter()
@@ -400,6 +402,6 @@ def restore_host_fdstore(models: dict[str, ModelEntry], stored: dict[str, int],
                     mapping.close()  # type: ignore[union-attr]
         for name, fd in stored.items():
             os.close(fd)
-            notifier.remove_fds(name)
+            remove_fds(name)
         stored.clear()
     return _finish(report, t0)

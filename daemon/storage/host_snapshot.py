@@ -53,6 +53,10 @@ INDEX_VERSION = 1
 SECTIONS = {"tree": 1, "keyed": 1}
 INDEX_NAME = "host-index.bin"
 _HEAD = struct.Struct("<4sII")
+#: Names of the fds a stop puts in systemd's fd store start with this; any other fd passed at
+#: start is a listening socket (systemd names those after the socket unit, or
+#: ``FileDescriptorName=``): see daemon/sdnotify.py and daemon/warm_restart.py.
+FDSTORE_PREFIX = "radixd-"
 
 
 class SnapshotError(ValueError):

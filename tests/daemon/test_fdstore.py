@@ -8,11 +8,9 @@ from the store (``FDSTOREREMOVE=1``). Every daemon ends with a strict full invar
 
 from __future__ import annotations
 
-import array
 import mmap
 import os
 import shutil
-import socket
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -22,82 +20,18 @@ from typing import Any
 import pytest
 from radixd_client import Client
 
+from bench.restart_bench import FdStore
 from daemon.cli import format_status
 from daemon.storage.host_snapshot import as_slots, decode_index, read_fd
 from daemon.warm_restart import INDEX_FD
 
 from .test_tiers import Engine, P, admin_stats, seq, tier_stats, wait_for
 
-# Moves the fds named in argv[1] to 3.. in that order, names them argv[2] (":"-separated), sets
-# LISTEN_PID to this process (exec keeps it), then execs argv[3:]: what systemd does after fork.
-LAUNCH = """\
-import fcntl, os, sys
-fds = [int(x) for x in sys.argv[1].split(",") if x]
-high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 100) for fd in fds]
-for i, fd in enumerate(high):
-    os.dup2(fd, 3 + i)
-    os.close(fd)
-if fds:
-    os.environ["LISTEN_FDS"] = str(len(fds))
-    os.environ["LISTEN_FDNAMES"] = sys.argv[2]
-    os.environ["LISTEN_PID"] = str(os.getpid())
-os.execv(sys.argv[3], sys.argv[3:])
-"""
-
-
-class FdStore:
-    """systemd's side: the notify socket and the fd store it keeps (name -> fd)."""
-
-    def __init__(self, directory: Path):
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.address = str(directory / "notify.sock")
-        self.sock.bind(self.address)
-        self.fds: dict[str, int] = {}
-        self.removed: list[str] = []
-
-    def pump(self, timeout: float = 0.5) -> None:
-        """Take every message waiting, as systemd would: store or remove fds."""
-        self.sock.settimeout(timeout)
-        while True:
-            try:
-                data, anc, _, _ = self.sock.recvmsg(65536, socket.CMSG_SPACE(4 * 16))
-            except TimeoutError:
-                return
-            fds = array.array("i")
-            for level, kind, raw in anc:
-                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                    fds.frombytes(raw[: len(raw) - len(raw) % 4])
-            fields = dict(line.partition("=")[::2] for line in data.decode().split("\n"))
-            name = fields.get("FDNAME", "")
-            if fields.get("FDSTORE") == "1" and len(fds) == 1:
-                if name in self.fds:
-                    os.close(self.fds[name])
-                self.fds[name] = fds[0]
-                continue
-            for fd in fds:
-                os.close(fd)
-            if fields.get("FDSTOREREMOVE") == "1" and name in self.fds:
-                os.close(self.fds.pop(name))
-                self.removed.append(name)
-
-    def launch(self) -> dict[str, Any]:
-        """``make_daemon`` arguments that start a daemon under this "systemd"."""
-        names = list(self.fds)
-        fds = tuple(self.fds[n] for n in names)
-        return {"launcher": (os.sys.executable, "-c", LAUNCH,  # type: ignore[attr-defined]
-                             ",".join(map(str, fds)), ":".join(names)),
-                "env": {"NOTIFY_SOCKET": self.address, "FDSTORE": "16"}, "pass_fds": fds}
-
-    def close(self) -> None:
-        for fd in self.fds.values():
-            os.close(fd)
-        self.sock.close()
-
 
 @pytest.fixture
 def store() -> Iterator[FdStore]:
     path = Path(tempfile.mkdtemp(prefix="rxfd-", dir="/tmp"))  # sun_path holds 107 bytes
-    s = FdStore(path)
+    s = FdStore(str(path))
     yield s
     s.close()
     shutil.rmtree(path, ignore_errors=True)
