@@ -98,11 +98,13 @@ class FdStore:
                 os.close(self.fds.pop(name))
                 self.removed.append(name)
 
-    def launch(self) -> dict[str, Any]:
+    def launch(self, sockets: dict[str, int] | None = None) -> dict[str, Any]:
         """How to start a daemon under this "systemd": ``launcher`` (argv to put before the
-        daemon's), ``env`` (to add) and ``pass_fds`` (for Popen), carrying the stored fds."""
-        names = list(self.fds)
-        fds = tuple(self.fds[n] for n in names)
+        daemon's), ``env`` (to add) and ``pass_fds`` (for Popen), carrying the stored fds after
+        the listening ``sockets`` (name -> fd) of socket activation, as systemd orders them."""
+        both = {**(sockets or {}), **self.fds}
+        names = list(both)
+        fds = tuple(both[n] for n in names)
         return {"launcher": (sys.executable, "-c", LAUNCH, ",".join(map(str, fds)),
                              ":".join(names)),
                 "env": {"NOTIFY_SOCKET": self.address, "FDSTORE": "16"}, "pass_fds": fds}

@@ -182,7 +182,7 @@ def make_daemon(tmp_path: Path) -> Iterator:
 
     def factory(config: dict[str, Any] | None = None, name: str = "d", **launch: Any) -> Daemon:
         d = tmp_path / f"{name}{len(daemons)}"
-        d.mkdir()
+        d.mkdir(exist_ok=True)  # a test may have put a passed socket there first
         daemon = Daemon(d, config or {}, **launch)
         daemons.append(daemon)
         return daemon

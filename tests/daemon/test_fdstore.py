@@ -11,6 +11,7 @@ from __future__ import annotations
 import mmap
 import os
 import shutil
+import socket
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -176,3 +177,33 @@ def test_restart_under_load_keeps_verified_pages(make_daemon, store) -> None:
         e2.close()
     assert checked > 0
     d2.check()
+
+
+def test_socket_activation_and_the_fd_store_together(make_daemon, store, tmp_path) -> None:
+    """systemd passes the listening socket of radixd.socket and the stored fds in one
+    LISTEN_FDS; the names tell them apart: the daemon serves on the socket and restores."""
+    a = seq(6)
+    e1 = _fill(make_daemon, store, [a])
+    (tmp_path / "d1").mkdir()  # where make_daemon puts the next daemon: its configured socket
+    path = str(tmp_path / "d1" / "radixd.sock")  # is this passed one (readiness waits on it)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(16)
+    try:
+        d2 = make_daemon(_config(), **store.launch({"radixd.socket": listener.fileno()}))
+        # (the passed socket accepts before the daemon is up: wait for it to say it serves)
+        wait_for(lambda: "serving on" in d2.log(), "the daemon to serve", 60)
+        assert "(socket passed by systemd)" in d2.log() and "ignoring extra socket" not in d2.log()
+        assert d2.socket == path
+        e2 = Engine(path, seed=5)  # served on the passed socket
+        try:
+            r = e2.c.load("m", a)
+            assert (r.prefix_len, r.loaded_len) == (6 * P, 6 * P)
+            e2.verify(a, r, expect=e1)
+        finally:
+            e2.close()
+        assert admin_stats(d2)["warm_restart"]["source"] == "fdstore"
+        store.pump()
+        assert store.fds == {}
+    finally:
+        listener.close()
