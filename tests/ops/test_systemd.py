@@ -497,6 +497,11 @@ def test_units_settings() -> None:
                 "DeviceAllow", "ProcSubset", "PrivateUsers"):
         assert key not in s, key
     assert one(service, "Install", "WantedBy") == "multi-user.target"
+    # warm restart through the fd store (tests/daemon/test_fdstore.py): systemd keeps the pools'
+    # memfds and the index, and $FDSTORE (set by systemd >= 254 itself) turns it on
+    store_max = one(service, "Service", "FileDescriptorStoreMax")
+    assert int(store_max) >= 3
+    assert f"FDSTORE={store_max}" in s["Environment"]
 
     # The socket unit, the service and the example configuration agree with each other.
     example = load_config(EXAMPLE, env={})
