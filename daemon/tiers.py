@@ -40,7 +40,13 @@ from .config import L3Config, ModelConfig
 from .gpu.allocator import OutOfPages
 from .model_cache import ModelCache
 from .storage.codec import encode_page
-from .storage.copies import CopyInFlight, device_to_host, host_to_device
+from .storage.copies import (
+    CopyInFlight,
+    CopyPlan,
+    host_to_device,
+    plan_device_to_host,
+    run_plans,
+)
 from .storage.host_tier import HostTier
 from .storage.redis_tier import RedisTier
 from .tier_jobs import (
@@ -98,11 +104,15 @@ async def _copy(copy: CopyInFlight) -> None:
         raise
 
 
-def _copy_out(dev_full: Any, dev_swa: Any, host: HostTier, job: BackupJob) -> None:
+def _plan_out(dev_full: Any, dev_swa: Any, host: HostTier, job: BackupJob) -> list[CopyPlan]:
+    """The copies of a backup job, validated and laid out on the calling thread (the loop)."""
+    plans = []
     if job.dev_full:
-        device_to_host(dev_full, job.dev_full, host.full, job.host_full)
+        plans.append(plan_device_to_host(dev_full, job.dev_full, host.full, job.host_full))
     if job.dev_swa:
-        device_to_host(dev_swa, job.dev_swa, host.swa, job.host_swa)  # type: ignore[arg-type]
+        plans.append(plan_device_to_host(dev_swa, job.dev_swa, host.swa,  # type: ignore[arg-type]
+                                         job.host_swa))
+    return plans
 
 
 def _copy_in(dev_full: Any, dev_swa: Any, host: HostTier, slots_full: list[int],
@@ -284,7 +294,8 @@ class TierManager:
             self._inflight.add(task)
         self.copying += 1
         try:
-            copy = CopyInFlight(_copy_out, self.pools.full, self.pools.swa, self.host, job)
+            copy = CopyInFlight(run_plans, *_plan_out(self.pools.full, self.pools.swa,
+                                                      self.host, job))
             self._running = (job, copy)
             await _copy(copy)
         except Exception:
@@ -365,7 +376,7 @@ class TierManager:
         """Copy ``job`` to host on the calling thread, done when this returns; False (counted
         and logged as ``failure``) when the copy raised."""
         try:
-            _copy_out(self.pools.full, self.pools.swa, self.host, job)
+            run_plans(*_plan_out(self.pools.full, self.pools.swa, self.host, job))
             if self.pools.device.type == "cuda":
                 import torch
 
