@@ -347,18 +347,15 @@ class TierManager:
         only those hit often enough under write_through_selective. A node the running
         background copy is copying is waited for rather than copied twice.
 
-        Under ``write_through`` every inserted node is queued for a copy, so only a node whose
-        background copy is still owed (in the backlog) is copied here. One that was copied and
-        then lost its host copy to the host pool's own eviction (host smaller than device) is
-        not copied again: the host pool's LRU judged it the coldest, and copying it back would
-        evict newer host pages, synchronously, inside the ``alloc`` that evicts it (on every
-        ``alloc`` once host is full). (Under ``write_through_selective`` a node past its
-        threshold may never have been queued: a match that covers it ended deeper.)"""
+        Under ``write_through`` a node without a host copy is still owed one (in the backlog:
+        copied here) or its copy was skipped (no room, quota, overflow): not retried here, inside
+        the evicting request, at other host pages' cost; it is deleted as without a host tier.
+        (Under write_through_selective, a node past its threshold may never have been queued.)"""
         self._finish_running(node)
         if node.host is not None:
             return
         if self.write_policy == "write_through" and node.id not in self._owed:
-            return  # copied once and dropped by host, or skipped: deleted, as without a host tier
+            return  # its background copy was skipped: deleted, as without a host tier
         job = BackupJob()
         rec = plan_backup(self.cache, node, set(), self.host_quotas.get(node.ns.name, 0), job)
         if rec is None:
