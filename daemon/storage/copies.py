@@ -23,7 +23,9 @@ Listing the rows slot-major makes the layer-first -> page-first permute part of 
 
 :func:`run_copy` runs a copy off the event loop: a dedicated single thread on CPU (torch releases
 the GIL while it copies), a dedicated CUDA stream plus an event polled with ``event.query()`` on
-CUDA.
+CUDA. :func:`plan_device_to_host` splits a copy into its checks and layout (done by the caller,
+on the loop) and the moving of bytes (a :class:`CopyPlan`, handed to the copy thread with
+:func:`run_plans`), so that the copy thread holds the GIL as little as possible.
 """
 
 from __future__ import annotations
