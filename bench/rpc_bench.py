@@ -4,7 +4,13 @@ The floor for every figure is a ``ping`` that echoes a payload of the same size,
 same run: ``match_4k_over_floor`` is match of a cached 4096-token prompt (16 KiB of token ids)
 divided by a 16 KiB ping. Multi-client throughput uses separate client processes.
 
-    python bench/rpc_bench.py [--quick] [--json PATH]
+``--host-compare`` runs the daemon twice per round in one invocation, with the default
+configuration (host tier on, write-through) and with ``host_pages = 0`` (host tier off), and
+prints each figure side by side with the ratio on/off: the cost of the host tier, measured under
+the same load on the same machine. ``--repeat N`` takes N such rounds (alternating which side runs
+first) and reports the median of each figure and of each round's ratio.
+
+    python bench/rpc_bench.py [--quick] [--json PATH] [--host-compare [--repeat N]]
 """
 
 from __future__ import annotations
@@ -54,7 +60,7 @@ dtype = "float16"
 device = "cpu"
 full_pages = 40000
 swa_pages = 20000
-"""
+{{extra}}"""
 
 
 def _tokens(rng: random.Random, n: int, prefix: list[int] | None = None) -> bytes:
@@ -81,12 +87,13 @@ def _p(xs: list[float], q: float) -> float:
 
 
 class DaemonProcess:
-    def __init__(self) -> None:
+    def __init__(self, extra: str = "") -> None:
+        """``extra``: more keys for the model's table (``host_pages = 0``)."""
         self.dir = tempfile.mkdtemp(prefix="radixd-bench-")
         self.socket = os.path.join(self.dir, "radixd.sock")
         cfg = os.path.join(self.dir, "radixd.toml")
         with open(cfg, "w") as fh:
-            fh.write(CONFIG.format(socket=self.socket))
+            fh.write(CONFIG.format(socket=self.socket, extra=extra))
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             [_ROOT, os.path.join(_ROOT, "clients", "python"), os.environ.get("PYTHONPATH", "")])}
         self.proc = subprocess.Popen([sys.executable, "-m", "daemon.cli", "serve", "--config", cfg],
@@ -170,14 +177,15 @@ def _throughput(path: str, clients: int, seconds: float) -> float:
     return total / seconds
 
 
-def run(quick: bool, pin: bool = True) -> dict[str, float]:
+def run(quick: bool, pin: bool = True, extra: str = "") -> dict[str, float]:
     """``pin``: the latency part runs daemon and client on one CPU. On small VMs a wake-up across
     vCPUs costs tens of microseconds and lands at random, which swamps what is being measured;
-    the floor (ping) is measured under the same pinning, so the ratios hold either way."""
+    the floor (ping) is measured under the same pinning, so the ratios hold either way.
+    ``extra``: more keys for the model's table of the daemon's configuration."""
     n = 2000 if quick else 10000
     seconds = 3.0 if quick else 10.0
     rng = random.Random(1)
-    d = DaemonProcess()
+    d = DaemonProcess(extra)
     all_cpus = os.sched_getaffinity(0)
     try:
         time.sleep(0.5)
@@ -246,6 +254,62 @@ def run(quick: bool, pin: bool = True) -> dict[str, float]:
 
 
 TARGETS = {"match_4k_over_floor": ("<=", 3.0), "ops_per_s_8_clients": (">=", 30000)}
+#: --host-compare goals (issue #14): host tier on within this factor of off, in the same run.
+#: For a latency the slowdown is on/off, for a rate off/on.
+HOST_GOALS = {"alloc_insert_p50_us": 1.2, "ops_per_s_8_clients": 1.2}
+HOST_OFF = "host_pages = 0\n"
+
+
+def _slowdown(key: str, on: float, off: float) -> float:
+    """How many times worse the host-tier-on figure is than the off one (rates inverted)."""
+    if key.startswith("ops_per_s"):
+        return off / on if on else float("inf")
+    return on / off if off else float("inf")
+
+
+def host_compare(quick: bool, pin: bool, repeat: int) -> dict[str, float]:
+    """``repeat`` rounds of (host tier on, host tier off), alternating which runs first; the
+    median of each side and of each round's on/off ratio (a ratio from one round compares two
+    daemons measured minutes apart, under the same background load)."""
+    rounds: list[tuple[dict[str, float], dict[str, float]]] = []
+    for r in range(repeat):
+        if r % 2:
+            off = run(quick, pin, HOST_OFF)
+            on = run(quick, pin)
+        else:
+            on = run(quick, pin)
+            off = run(quick, pin, HOST_OFF)
+        rounds.append((on, off))
+        print(f"round {r + 1}: " + "  ".join(
+            f"{k} {on[k]:g}/{off[k]:g} = x{_slowdown(k, on[k], off[k]):.2f}"
+            for k in HOST_GOALS), flush=True)
+    out: dict[str, float] = {"rounds": repeat}
+    for k in rounds[0][0]:
+        on_v = statistics.median(on[k] for on, _ in rounds)
+        off_v = statistics.median(off[k] for _, off in rounds)
+        out[f"{k}.host_on"] = round(on_v, 2)
+        out[f"{k}.host_off"] = round(off_v, 2)
+        ratios = [on[k] / off[k] for on, off in rounds if off[k]]
+        out[f"{k}.on_over_off"] = round(statistics.median(ratios), 3) if ratios else float("nan")
+        if k in HOST_GOALS:
+            out[f"{k}.slowdown"] = round(statistics.median(
+                _slowdown(k, on[k], off[k]) for on, off in rounds), 3)
+    return out
+
+
+def _print_compare(figures: dict[str, float]) -> None:
+    keys = [k[: -len(".host_on")] for k in figures if k.endswith(".host_on")]
+    title = f"figure (median of {int(figures['rounds'])} rounds)"
+    width = max(len(k) for k in [*keys, title])
+    print(f"{title.ljust(width)}  "
+          f"{'host on':>12}  {'host off':>12}  {'on/off':>8}")
+    for k in keys:
+        line = (f"{k.ljust(width)}  {figures[k + '.host_on']:>12}  {figures[k + '.host_off']:>12}"
+                f"  {figures[k + '.on_over_off']:>8}")
+        if k in HOST_GOALS:
+            slow, goal = figures[k + ".slowdown"], HOST_GOALS[k]
+            line += f"   slowdown x{slow} goal <= {goal:g}: {'ok' if slow <= goal else 'MISS'}"
+        print(line)
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
@@ -254,8 +318,19 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     ap.add_argument("--json", metavar="PATH", help="write the figures as a flat JSON object")
     ap.add_argument("--no-pin", action="store_true",
                     help="do not pin daemon and client to one CPU for the latency figures")
+    ap.add_argument("--host-compare", action="store_true",
+                    help="run the daemon with the host tier on (default) and off, side by side")
+    ap.add_argument("--repeat", type=int, default=1, metavar="N",
+                    help="--host-compare: rounds to take the medians of (default 1)")
     args = ap.parse_args(argv)
     t = time.perf_counter()
+    if args.host_compare:
+        figures = host_compare(args.quick, not args.no_pin, max(1, args.repeat))
+        _print_compare(figures)
+        print(f"total {time.perf_counter() - t:.1f} s")
+        if args.json:
+            write_json(args.json, figures)
+        return figures
     figures = run(args.quick, pin=not args.no_pin)
     width = max(len(k) for k in figures)
     for k, v in figures.items():

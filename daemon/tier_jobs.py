@@ -151,8 +151,9 @@ def begin_backup(mc: ModelCache, nodes: Iterable[Node], quotas: dict[str, int]) 
     """One copy job for every node still on device without a host copy.
 
     The nodes are not pinned: a background backup must never make pages unevictable (an
-    ``alloc`` would fail for a copy that is only an optimisation). Instead the device pages it
-    reads are watched, and a page the tree frees meanwhile taints its copy, which is dropped."""
+    ``alloc`` would fail for a copy that is only an optimisation). Instead, a job copied off the
+    loop watches the device pages it reads (:func:`watch_backup`), and a page the tree frees
+    meanwhile taints its copy, which is dropped. A job copied at once needs no watch."""
     tree = mc.tree
     job = BackupJob()
     seen: set[int] = set()
@@ -162,9 +163,14 @@ def begin_backup(mc: ModelCache, nodes: Iterable[Node], quotas: dict[str, int]) 
         rec = plan_backup(mc, node, seen, quotas.get(node.ns.name, 0), job)
         if rec is not None:
             job.records.append(rec)
-    if job.records:
-        job.watch = mc.sink.watch(job.dev_full, job.dev_swa)
     return job
+
+
+def watch_backup(mc: ModelCache, job: BackupJob) -> None:
+    """Watch the device pages ``job`` reads: call before its copy leaves the loop (between
+    :func:`begin_backup` and the first ``await``), so no free can slip in unseen."""
+    if job.records and job.watch is None:
+        job.watch = mc.sink.watch(job.dev_full, job.dev_swa)
 
 
 def finish_backup(mc: ModelCache, job: BackupJob, ok: bool) -> list[tuple[Node, array, array]]:
@@ -194,8 +200,9 @@ def finish_backup(mc: ModelCache, job: BackupJob, ok: bool) -> list[tuple[Node, 
             fs = rec.full_slots[off : off + k]
             ss = rec.swa_slots[off : off + k]
             read = rec.dev_full[off : off + k]
-            clean = (n.full == read and not any(p in tainted_full for p in read)
-                     and not any(p in tainted_swa for p in rec.dev_swa[off : off + k] if p))
+            clean = (n.full == read and (not tainted_full or tainted_full.isdisjoint(read))
+                     and (not tainted_swa
+                          or tainted_swa.isdisjoint(rec.dev_swa[off : off + k])))
             off += k
             if (ok and clean and left == 0 and n.host is None and n.full is not None
                     and n.parent.host is not None and tree.nodes.get(n.id) is n):

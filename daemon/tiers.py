@@ -40,7 +40,13 @@ from .config import L3Config, ModelConfig
 from .gpu.allocator import OutOfPages
 from .model_cache import ModelCache
 from .storage.codec import encode_page
-from .storage.copies import CopyInFlight, device_to_host, host_to_device
+from .storage.copies import (
+    CopyInFlight,
+    CopyPlan,
+    host_to_device,
+    plan_device_to_host,
+    run_plans,
+)
 from .storage.host_tier import HostTier
 from .storage.redis_tier import RedisTier
 from .tier_jobs import (
@@ -55,6 +61,7 @@ from .tier_jobs import (
     page_hashes,
     plan_backup,
     reserve_host,
+    watch_backup,
 )
 from .tree import Node
 
@@ -66,6 +73,15 @@ L3Write = tuple[str, str, int, bytes, bytes, "bytes | None"]
 L3_WRITE_BATCH = 256
 #: Nodes one background copy job takes: bounds what an eviction reaching one of them waits for.
 BACKUP_BATCH_NODES = 64
+#: How long the backup worker lets inserts accumulate before it plans a copy job (unless a
+#: whole batch is already waiting): one job, one thread hand-off and one completion wake-up per
+#: interval instead of per insert. Write-through needs no promptness (eviction of a node not
+#: copied yet copies it itself), while per-insert jobs cost the loop more than the copies.
+BACKUP_COALESCE_S = 0.005
+#: On CPU, a job of at most this many bytes is copied on the loop at once: a copy this small
+#: takes less time than handing it to the copy thread and back (two wake-ups and GIL hand-offs
+#: that the requests in flight pay for), and needs no device-page watch.
+INLINE_COPY_BYTES = 256 << 10
 #: Most nodes waiting for a host copy: past it the oldest requests are dropped (counted as
 #: skipped); a backlog that long means the copies cannot keep up and older ones matter least.
 MAX_BACKUP_BACKLOG = 65536
@@ -88,11 +104,15 @@ async def _copy(copy: CopyInFlight) -> None:
         raise
 
 
-def _copy_out(dev_full: Any, dev_swa: Any, host: HostTier, job: BackupJob) -> None:
+def _plan_out(dev_full: Any, dev_swa: Any, host: HostTier, job: BackupJob) -> list[CopyPlan]:
+    """The copies of a backup job, validated and laid out on the calling thread (the loop)."""
+    plans = []
     if job.dev_full:
-        device_to_host(dev_full, job.dev_full, host.full, job.host_full)
+        plans.append(plan_device_to_host(dev_full, job.dev_full, host.full, job.host_full))
     if job.dev_swa:
-        device_to_host(dev_swa, job.dev_swa, host.swa, job.host_swa)  # type: ignore[arg-type]
+        plans.append(plan_device_to_host(dev_swa, job.dev_swa, host.swa,  # type: ignore[arg-type]
+                                         job.host_swa))
+    return plans
 
 
 def _copy_in(dev_full: Any, dev_swa: Any, host: HostTier, slots_full: list[int],
@@ -138,6 +158,7 @@ class TierManager:
             cache.tree.report_host_drops = True
             cache.read_host_drops = self._host_dropped
         self._backlog: list[Node] = []
+        self._owed: set[int] = set()  # ids of the nodes in _backlog: their copy is still owed
         # (pool kind, namespace, held host slot or 0, L3 page id, tokens, encoded value or None)
         self._l3_queue: list[L3Write] = []
         self._tasks: list[asyncio.Task] = []
@@ -212,9 +233,13 @@ class TierManager:
             return
         if self.write_policy == "write_through_selective" and node.hits < self.threshold:
             return
+        if node.id in self._owed:  # queued already (its copy takes its ancestors along)
+            return
         self._backlog.append(node)
+        self._owed.add(node.id)
         if len(self._backlog) > MAX_BACKUP_BACKLOG:
             drop = len(self._backlog) - MAX_BACKUP_BACKLOG
+            self._owed.difference_update(n.id for n in self._backlog[:drop])
             del self._backlog[:drop]
             self.counters["backup_skipped"] += drop
         if self._wake_backup is not None:
@@ -224,11 +249,14 @@ class TierManager:
         assert self._wake_backup is not None
         while True:
             await self._wake_backup.wait()
+            if len(self._backlog) < BACKUP_BATCH_NODES:
+                await asyncio.sleep(BACKUP_COALESCE_S)  # let the next inserts join this job
             self._wake_backup.clear()
             while self._backlog:
                 # bounded jobs: an eviction may have to wait for the running one
                 nodes = self._backlog[:BACKUP_BATCH_NODES]
                 del self._backlog[:BACKUP_BATCH_NODES]
+                self._owed.difference_update(n.id for n in nodes)
                 try:
                     await self._backup(nodes)
                 except asyncio.CancelledError:
@@ -236,19 +264,38 @@ class TierManager:
                 except Exception:  # a daemon bug: the job already cleaned up after itself
                     log.exception("host backup failed")
 
+    def _job_bytes(self, job: BackupJob) -> int:
+        swa = self.host.swa.page_nbytes if self.host.swa is not None else 0
+        return len(job.host_full) * self.host.full.page_nbytes + len(job.host_swa) * swa
+
     async def _backup(self, nodes: list[Node]) -> None:
         job = begin_backup(self.cache, nodes, self.host_quotas)
         self.counters["backup_skipped"] += len(nodes) - len(job.records)
         if not job.records:
             return
-        ok = True
         t0 = time.perf_counter()
+        if self.pools.device.type == "cpu" and self._job_bytes(job) <= INLINE_COPY_BYTES:
+            # begin, copy and finish in one step of the loop: nothing can free a page under it
+            ok = self._copy_now(job, "device-to-host copy failed")
+        else:
+            ok = await self._copy_off_loop(job)
+        self.copy_seconds["to_host"] += time.perf_counter() - t0
+        self.copy_bytes["to_host"] += len(job.host_full) * self.host.full.page_nbytes
+        if not job.finished:  # (an eviction may have finished it already: _finish_running)
+            self._finish_backup(job, ok)
+
+    async def _copy_off_loop(self, job: BackupJob) -> bool:
+        """Copy ``job`` on the copy thread (or stream), its device pages watched meanwhile;
+        False when the copy raised."""
+        watch_backup(self.cache, job)
+        ok = True
         task = asyncio.current_task()
         if task is not None:
             self._inflight.add(task)
         self.copying += 1
         try:
-            copy = CopyInFlight(_copy_out, self.pools.full, self.pools.swa, self.host, job)
+            copy = CopyInFlight(run_plans, *_plan_out(self.pools.full, self.pools.swa,
+                                                      self.host, job))
             self._running = (job, copy)
             await _copy(copy)
         except Exception:
@@ -260,10 +307,7 @@ class TierManager:
             self.copying -= 1
             if task is not None:
                 self._inflight.discard(task)
-        self.copy_seconds["to_host"] += time.perf_counter() - t0
-        self.copy_bytes["to_host"] += len(job.host_full) * self.host.full.page_nbytes
-        if not job.finished:  # (an eviction may have finished it already: _finish_running)
-            self._finish_backup(job, ok)
+        return ok
 
     def _finish_backup(self, job: BackupJob, ok: bool) -> None:
         job.finished = True
@@ -301,32 +345,44 @@ class TierManager:
         Which nodes the tree names is ``host_copy_hits``: every node without a host copy under
         write_back and write_through (0: the background copier's job, overtaken by eviction),
         only those hit often enough under write_through_selective. A node the running
-        background copy is copying is waited for rather than copied twice."""
+        background copy is copying is waited for rather than copied twice.
+
+        Under ``write_through`` a node without a host copy is still owed one (in the backlog:
+        copied here) or its copy was skipped (no room, quota, overflow): not retried here, inside
+        the evicting request, at other host pages' cost; it is deleted as without a host tier.
+        (Under write_through_selective, a node past its threshold may never have been queued.)"""
         self._finish_running(node)
         if node.host is not None:
             return
+        if self.write_policy == "write_through" and node.id not in self._owed:
+            return  # its background copy was skipped: deleted, as without a host tier
         job = BackupJob()
         rec = plan_backup(self.cache, node, set(), self.host_quotas.get(node.ns.name, 0), job)
         if rec is None:
             self.counters["backup_skipped"] += 1
             return
         job.records.append(rec)
-        ok = True
-        try:
-            _copy_out(self.pools.full, self.pools.swa, self.host, job)
-            if self.pools.device.type == "cuda":
-                import torch
-
-                torch.cuda.synchronize(self.pools.device)
-        except Exception:
-            ok = False
-            self.counters["copy_errors"] += 1
-            log.exception("device-to-host copy failed (write_back)")
+        ok = self._copy_now(job, "device-to-host copy failed (write_back)")
         done = finish_backup(self.cache, job, ok)
         self.counters["demoted_sync_pages"] += sum(len(fs) for _, fs, _ in done)
         if self.l3 is not None and self.l3cfg.write_policy == "write_through":
             for n, fs, ss in done:
                 self._queue_l3(n, fs, ss)
+
+    def _copy_now(self, job: BackupJob, failure: str) -> bool:
+        """Copy ``job`` to host on the calling thread, done when this returns; False (counted
+        and logged as ``failure``) when the copy raised."""
+        try:
+            run_plans(*_plan_out(self.pools.full, self.pools.swa, self.host, job))
+            if self.pools.device.type == "cuda":
+                import torch
+
+                torch.cuda.synchronize(self.pools.device)
+        except Exception:
+            self.counters["copy_errors"] += 1
+            log.exception(failure)
+            return False
+        return True
 
     # ------------------------------------------------------------------ load (L2 -> L1)
 

@@ -23,7 +23,9 @@ Listing the rows slot-major makes the layer-first -> page-first permute part of 
 
 :func:`run_copy` runs a copy off the event loop: a dedicated single thread on CPU (torch releases
 the GIL while it copies), a dedicated CUDA stream plus an event polled with ``event.query()`` on
-CUDA.
+CUDA. :func:`plan_device_to_host` splits a copy into its checks and layout (done by the caller,
+on the loop) and the moving of bytes (a :class:`CopyPlan`, handed to the copy thread with
+:func:`run_plans`), so that the copy thread holds the GIL as little as possible.
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ import torch
 from daemon.gpu.pools import Pool
 from daemon.storage.host_pool import HostPool
 
-__all__ = ["CopyError", "CopyInFlight", "device_to_host", "host_to_device", "run_copy"]
+__all__ = ["CopyError", "CopyInFlight", "CopyPlan", "device_to_host", "host_to_device",
+           "plan_device_to_host", "run_copy", "run_plans"]
 
 T = TypeVar("T")
 
@@ -120,27 +123,68 @@ def _prepare(
 # -- copies -----------------------------------------------------------------------------------
 
 
+class CopyPlan:
+    """A copy validated and laid out (row numbers, slot runs, tensor views) on the thread that
+    made it; calling it only moves the bytes.
+
+    A background copy is planned on the event loop and run on the copy thread: the plan is
+    Python and a dozen small torch calls (the GIL held throughout), the run a few calls that
+    release the GIL while they copy. Planned in the copy thread instead, every one of those
+    calls would take the GIL back from the loop mid-request."""
+
+    __slots__ = ("_run", "device")
+
+    def __init__(self, device: torch.device, run: Callable[[], None]) -> None:
+        self.device = device  # where the copy runs (CopyInFlight picks a thread or a stream)
+        self._run = run
+
+    def __call__(self) -> None:
+        self._run()
+
+
+def _noop() -> None:
+    pass
+
+
+def plan_device_to_host(pool: Pool, page_ids: Any, host: HostPool, slots: Any) -> CopyPlan:
+    """Validate a copy of device pages ``page_ids`` into host ``slots`` (same length,
+    positionally) and lay it out; raises CopyError now, never when the plan runs."""
+    rows, device_rows, host_rows, runs = _prepare(pool, page_ids, host, slots)
+    if not runs:
+        return CopyPlan(pool.device, _noop)
+    per_page = pool.num_layers * 2
+    if pool.device.type == "cuda":
+
+        def run_cuda() -> None:
+            staged = device_rows.index_select(0, rows.to(pool.device, non_blocking=False))
+            for i, j, h in runs:
+                host_rows[h : h + (j - i) * per_page].copy_(
+                    staged[i * per_page : j * per_page], non_blocking=True
+                )
+
+        return CopyPlan(pool.device, run_cuda)
+    parts = [(rows[i * per_page : j * per_page], host_rows[h : h + (j - i) * per_page])
+             for i, j, h in runs]
+
+    def run_cpu() -> None:
+        for src_rows, out in parts:
+            torch.index_select(device_rows, 0, src_rows, out=out)
+
+    return CopyPlan(pool.device, run_cpu)
+
+
+def run_plans(*plans: CopyPlan) -> None:
+    """Run ``plans`` in order (the function to hand :class:`CopyInFlight` with the plans)."""
+    for plan in plans:
+        plan()
+
+
 def device_to_host(pool: Pool, page_ids: Any, host: HostPool, slots: Any) -> None:
     """Copy device pages ``page_ids`` into host ``slots`` (same length, positionally).
 
     On CUDA the copy is only *enqueued* on the current stream; see :func:`run_copy`.
     """
-    rows, device_rows, host_rows, runs = _prepare(pool, page_ids, host, slots)
-    if not runs:
-        return
-    per_page = pool.num_layers * 2
-    if pool.device.type == "cuda":
-        staged = device_rows.index_select(0, rows.to(pool.device, non_blocking=False))
-        for i, j, h in runs:
-            host_rows[h : h + (j - i) * per_page].copy_(
-                staged[i * per_page : j * per_page], non_blocking=True
-            )
-        return
-    for i, j, h in runs:
-        torch.index_select(
-            device_rows, 0, rows[i * per_page : j * per_page],
-            out=host_rows[h : h + (j - i) * per_page],
-        )
+    plan_device_to_host(pool, page_ids, host, slots)()
 
 
 def host_to_device(host: HostPool, slots: Any, pool: Pool, page_ids: Any) -> None:

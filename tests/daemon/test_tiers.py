@@ -384,7 +384,8 @@ def test_redis_dies_and_returns(make_daemon, tmp_path) -> None:
                 pr = e.c.prefetch("m", seq(6, 5000 + i * 100), policy="wait_complete")
                 assert pr.fetched_len == 0 and pr.status in ("unavailable", "none")
             wait_for(lambda: l3_stats(d)["breaker_state"] == "open", "the breaker to open")
-            assert l3_stats(d)["set_failures"] > 0
+            # the L3 writes follow the (coalesced) background host copies: wait for them
+            wait_for(lambda: l3_stats(d)["set_failures"] > 0, "the failed L3 writes")
             srv.start()  # back, empty
             time.sleep(0.6)  # breaker_open_s: the next call is the half-open probe
             e.cache(seq(4, 9000))
@@ -505,3 +506,31 @@ def test_eviction_right_after_insert_demotes_under_write_through(make_daemon) ->
             assert (m.prefix_len, m.host_hit_len) == (0, 96 * P), delay
     tiers = admin_stats(d)["models"]["m"]["tiers"]
     assert tiers["backup_pages"] + tiers["demoted_sync_pages"] >= 5 * 96
+
+
+def test_eviction_does_not_retry_a_skipped_host_copy(make_daemon) -> None:
+    """Under write_through, eviction copies a node itself only when it overtook the node's
+    background copy. A node whose copy the copier skipped (no evictable room in host: the host
+    pool holds pages still on device) is deleted when eviction takes its device copy: retrying
+    the copy there would run inside the evicting request and drop other host-only pages."""
+    d = make_daemon({"models": [{**SMALL_MODEL, "host_pages": 9, "host_swa_pages": 9}]})
+    with Client(d.socket, timeout=20) as c:
+        old, new = seq(4), seq(8, base=100_000)
+        a = c.alloc("m", 4)
+        c.insert("m", old, a.full_pages, a.swa_pages)
+        wait_for(lambda: tier_stats(d)["tree_host_pages"] == 4, "the old node's host copy")
+        a = c.alloc("m", 8)
+        c.insert("m", new, a.full_pages, a.swa_pages)
+        # 8 usable host slots, 4 of them the old node's (still on device): no room for 8
+        wait_for(lambda: admin_stats(d)["models"]["m"]["tiers"]["backup_skipped"] == 1,
+                 "the skipped copy of the new node")
+        c.match("m", new)  # the new node is now the more recent
+        assert c.evict("m", full_pages=4).full_pages == 4  # the old node: demoted, host-only
+        # the new node: its copy is not retried (at the cost of the old node's host copy)
+        assert c.evict("m", full_pages=8).full_pages == 8
+        m = c.match("m", old)
+        assert (m.prefix_len, m.host_hit_len) == (0, 4 * P)  # demoted: it had a host copy
+        m = c.match("m", new)
+        assert (m.prefix_len, m.host_hit_len) == (0, 0)  # deleted, not copied inside the evict
+        assert tier_stats(d)["tree_host_pages"] == 4
+    assert admin_stats(d)["models"]["m"]["tiers"]["demoted_sync_pages"] == 0

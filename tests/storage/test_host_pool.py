@@ -14,7 +14,14 @@ import torch
 from daemon.gpu.allocator import AllocatorError, OutOfPages
 from daemon.gpu.pools import KVPools, Pool
 from daemon.gpu.profile import ModelProfile
-from daemon.storage.copies import CopyError, device_to_host, host_to_device, run_copy
+from daemon.storage.copies import (
+    CopyError,
+    device_to_host,
+    host_to_device,
+    plan_device_to_host,
+    run_copy,
+    run_plans,
+)
 from daemon.storage.host_pool import HOST_POOL_LAYOUT, HostPool
 
 
@@ -234,6 +241,25 @@ def test_copies_with_scattered_slots_and_empty_batches() -> None:
         device_to_host(pool, [], host, [])
         host_to_device(host, [], pool, [])
         assert len(slots) == 9
+
+
+def test_a_copy_plan_checks_now_and_copies_when_run() -> None:
+    """A plan (made on the loop, run on the copy thread) raises a bad request at once, and moves
+    the bytes the device pages hold when it runs, not when it was made."""
+    p = make_profile()
+    with KVPools(p) as kv, HostPool(p, 10, "full", pin_memory=False) as host:
+        pool = kv.full
+        slots = [host.store(h(i)) for i in range(3)]
+        with pytest.raises(CopyError, match="out of range"):
+            plan_device_to_host(pool, [1, 2, pool.num_pages], host, slots)
+        with pytest.raises(CopyError, match="twice"):
+            plan_device_to_host(pool, [1, 1, 2], host, slots)
+        plan = plan_device_to_host(pool, [5, 6, 7], host, slots)
+        fill_random(pool, 4)  # after the plan was made
+        run_plans(plan)
+        for pg, slot in zip([5, 6, 7], slots, strict=True):
+            assert as_bytes(host.page(slot)) == as_bytes(pool.page(pg))
+        run_plans(plan_device_to_host(pool, [], host, []))  # nothing to copy: a no-op
 
 
 def test_copy_rejects_mismatches() -> None:
