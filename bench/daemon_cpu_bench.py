@@ -7,7 +7,8 @@ timed loop and just after the last one finishes, divided by the operations the c
 in that window (each one is exactly one request the daemon handled). The baseline ref is exported
 with ``git archive`` into a temporary directory and its daemon runs from there.
 
-    python bench/daemon_cpu_bench.py [--baseline main] [--seconds 5] [--host-off] [--json PATH]
+    python bench/daemon_cpu_bench.py [--baseline main] [--seconds 5] [--rounds 2] [--host-off]
+        [--json PATH]
 """
 
 from __future__ import annotations
@@ -133,20 +134,26 @@ def export_ref(ref: str) -> str:
     return out
 
 
-def run(baseline: str, seconds: float, host_off: bool,
+def run(baseline: str, seconds: float, host_off: bool, rounds: int = 2,
         client_counts: tuple[int, ...] = (1, 8)) -> dict[str, float]:
+    """Each side ``rounds`` times per client count, the order flipping every round (base, this,
+    this, base, ...) so that a machine getting busier or quieter does not favour one side; each
+    figure is the mean over the rounds."""
     config = CONFIG + (HOST_OFF if host_off else "") + ADMIN_ANY_PORT
     base_root = export_ref(baseline)
     out: dict[str, float] = {}
+    sides = (("base", base_root), ("this", _ROOT))
     try:
         for n in client_counts:
-            for side, root in (("base", base_root), ("this", _ROOT)):
-                d = RootDaemon(root, config)
-                try:
-                    for k, v in measure(d, n, seconds).items():
-                        out[f"{k}_{n}c_{side}"] = v
-                finally:
-                    d.stop()
+            for r in range(rounds):
+                for side, root in sides if r % 2 == 0 else sides[::-1]:
+                    d = RootDaemon(root, config)
+                    try:
+                        for k, v in measure(d, n, seconds).items():
+                            key = f"{k}_{n}c_{side}"
+                            out[key] = out.get(key, 0.0) + v / rounds
+                    finally:
+                        d.stop()
             out[f"ops_per_s_{n}c_ratio"] = out[f"ops_per_s_{n}c_this"] / \
                 out[f"ops_per_s_{n}c_base"]
             out[f"cpu_us_per_op_{n}c_ratio"] = out[f"cpu_us_per_op_{n}c_this"] / \
@@ -161,11 +168,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     ap.add_argument("--baseline", default="main", help="git ref to compare with (default main)")
     ap.add_argument("--seconds", type=float, default=5.0, help="timed window per measurement")
     ap.add_argument("--host-off", action="store_true", help="models without a host (L2) tier")
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="measurements per side and client count, order alternating (default 2)")
     ap.add_argument("--json", metavar="PATH", help="write the figures as a flat JSON object")
     args = ap.parse_args(argv)
-    f = run(args.baseline, args.seconds, args.host_off)
+    f = run(args.baseline, args.seconds, args.host_off, args.rounds)
     print(f"baseline {args.baseline}, host tier {'off' if args.host_off else 'on'}, "
-          f"{args.seconds:g} s per window")
+          f"{args.seconds:g} s per window, mean of {args.rounds} rounds (order alternating)")
     print(f"{'clients':>7} {'metric':>14} {args.baseline:>12} {'this':>12} {'this/base':>10}")
     for n in (1, 8):
         for k, fmt in (("ops_per_s", "{:12.0f}"), ("cpu_us_per_op", "{:12.2f}")):
