@@ -1,8 +1,9 @@
 """The socket server: frames in, service calls, frames out. It knows sessions and limits, not trees.
 
 One asyncio loop (uvloop when installed) runs everything. A connection is an asyncio Protocol:
-complete frames are decoded and handled as they arrive and each response is written before the
-next frame is looked at, so the service is never re-entered. A malformed body gets an error
+complete frames are decoded and handled as they arrive, in order, so the service is never
+re-entered; the responses to all the frames one read delivered go out in one write (a pipelining
+client costs one send per read, not one per response). A malformed body gets an error
 response and the session goes on; a length prefix over the limit closes only that connection.
 """
 
@@ -42,6 +43,9 @@ ATTACH_SEND_TIMEOUT_S = 30.0
 #: failed hellos are logged at most once per this many seconds per daemon; the next line says
 #: how many were left out meanwhile, so a token-guessing client cannot flood the log
 AUTH_LOG_INTERVAL_S = 5.0
+#: operations answered synchronously with no special case in _handle: one dict lookup decides
+_PLAIN_HANDLERS = {op: h for op, h in Service.HANDLERS.items()
+                   if op not in Service.ASYNC_HANDLERS and op not in Service.FD_HANDLERS}
 
 
 class Connection(asyncio.Protocol):
@@ -60,6 +64,7 @@ class Connection(asyncio.Protocol):
         self.max_frame = limits.max_frame_bytes
         self.max_inflight = limits.max_inflight
         self.frames = FrameSplitter(self.max_frame)  # the framing rules, shared with the tests
+        self._out: list[bytes] | None = None  # responses held while _process runs, then flushed
 
     # ------------------------------------------------------------------ transport events
 
@@ -115,12 +120,14 @@ class Connection(asyncio.Protocol):
         """Handle every complete frame received, in order, until the connection closes or an
         operation holds it (an attach sending fds, a load): later frames wait for it."""
         frames = self.frames
+        self._out = []
         try:
             while not self.closed and not self.holding:
                 try:
                     body = frames.next_frame()
                 except FrameTooLarge as exc:
                     self._write(exc.frame())
+                    self._flush()
                     self.transport.close()  # type: ignore[union-attr]
                     self.closed = True
                     return
@@ -136,12 +143,24 @@ class Connection(asyncio.Protocol):
                     frames.done(body)
         finally:
             frames.compact()
+            self._flush()
 
     # ------------------------------------------------------------------ frames
 
     def _write(self, frame: bytes) -> None:
-        if self.transport is not None and not self.transport.is_closing():
+        """Inside _process the frame joins the responses flushed when it returns (or before the
+        connection closes); anywhere else it is written now."""
+        out = self._out
+        if out is not None:
+            out.append(frame)
+        elif self.transport is not None and not self.transport.is_closing():
             self.transport.write(frame)
+
+    def _flush(self) -> None:
+        """Write the held responses, in order, with one write; later writes go straight out."""
+        out, self._out = self._out, None
+        if out and self.transport is not None and not self.transport.is_closing():
+            self.transport.write(out[0] if len(out) == 1 else b"".join(out))
 
     def _handle(self, body: memoryview) -> None:
         try:
@@ -151,21 +170,26 @@ class Connection(asyncio.Protocol):
             return
         rid = req.id
         op = req.__struct_config__.tag
+        server = self.server
         t0 = perf_counter()
         try:
-            self.server.ops += 1
-            if self.server.stopping:
+            server.ops += 1
+            if server.stopping:
                 raise ServiceError(P.Code.SHUTTING_DOWN,
                                    "the daemon is stopping; reconnect to its successor")
             if self.session is None:
                 if isinstance(req, P.Hello):
                     self._hello(req)
-                    self.server.op_stats.observe(op, perf_counter() - t0)
+                    server.op_stats.observe(op, perf_counter() - t0)
                     return
                 raise ServiceError(P.Code.NOT_AUTHENTICATED,
                                    "send hello (with the tenant token) before anything else")
-            self.session.ops += 1
-            if isinstance(req, P.Batch):
+            session = self.session
+            session.ops += 1
+            handler = _PLAIN_HANDLERS.get(op)
+            if handler is not None:  # the common case first: no special handling
+                self._write(P.ok_frame(rid, handler(self.service, session, req)))
+            elif isinstance(req, P.Batch):
                 self._write(P.ok_frame(rid, self._batch(req)))
             elif op in Service.FD_HANDLERS:
                 self._attach(req)
@@ -179,7 +203,7 @@ class Connection(asyncio.Protocol):
             else:
                 handler = Service.HANDLERS[op]
                 self._write(P.ok_frame(rid, handler(self.service, self.session, req)))
-            self.server.op_stats.observe(op, perf_counter() - t0)
+            server.op_stats.observe(op, perf_counter() - t0)
         except Exception as exc:  # every refusal becomes a response; the session survives
             code, message, details = error_of(exc)
             if code == P.Code.INTERNAL:
@@ -188,6 +212,7 @@ class Connection(asyncio.Protocol):
             self.server.op_stats.observe(op, perf_counter() - t0, code)
             if code == P.Code.AUTH_FAILED and self.auth_failures >= \
                     self.server.config.server.max_auth_failures:
+                self._flush()
                 self.transport.close()  # type: ignore[union-attr]
                 self.closed = True  # frames already received are not processed
 

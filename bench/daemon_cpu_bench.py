@@ -1,0 +1,190 @@
+"""Daemon CPU per operation: this checkout's daemon against a baseline git ref's, in the same run.
+
+The workload is rpc_bench's mixed engine request (match+lock, alloc, cache_finished) from 1 and 8
+client processes. For each side the figures are ops/s and the daemon's own CPU time per operation:
+utime+stime of the daemon process from /proc/<pid>/stat, read just before the clients start their
+timed loop and just after the last one finishes, divided by the operations the clients completed
+in that window (each one is exactly one request the daemon handled). The baseline ref is exported
+with ``git archive`` into a temporary directory and its daemon runs from there.
+
+    python bench/daemon_cpu_bench.py [--baseline main] [--seconds 5] [--rounds 2] [--host-off]
+        [--json PATH]
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+for _p in (_ROOT, os.path.join(_ROOT, "clients", "python")):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+import argparse  # noqa: E402
+import multiprocessing as mp  # noqa: E402
+import random  # noqa: E402
+import shutil  # noqa: E402
+import socket  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from array import array  # noqa: E402
+
+from radixd_client import Client  # noqa: E402
+
+from bench._common import write_json  # noqa: E402
+from bench.rpc_bench import (  # noqa: E402
+    CONFIG,
+    PAGE,
+    DaemonProcess,
+    _cache_prompt,
+    _mixed_loop,
+    _requests,
+)
+
+#: appended to rpc_bench's model section for --host-off: no host (L2) tier
+HOST_OFF = "host_pages = 0\nhost_swa_pages = 0\n"
+#: appended last: no fixed admin port, so the two daemons (and other benches) never collide
+ADMIN_ANY_PORT = "[admin]\nport = 0\n"
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+class RootDaemon(DaemonProcess):
+    """rpc_bench's daemon process, started from any source tree ``root`` with any config."""
+
+    def __init__(self, root: str, config: str) -> None:  # noqa: D107 - replaces the parent's
+        self.dir = tempfile.mkdtemp(prefix="radixd-cpu-bench-")
+        self.socket = os.path.join(self.dir, "radixd.sock")
+        cfg = os.path.join(self.dir, "radixd.toml")
+        with open(cfg, "w") as fh:
+            fh.write(config.format(socket=self.socket))
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            [root, os.path.join(root, "clients", "python")])}
+        self.proc = subprocess.Popen([sys.executable, "-m", "daemon.cli", "serve", "--config", cfg],
+                                     cwd=root, env=env)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                with socket.socket(socket.AF_UNIX) as s:
+                    s.connect(self.socket)
+                return
+            except OSError:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"radixd from {root} exited during start") from None
+                time.sleep(0.05)
+        raise RuntimeError(f"radixd from {root} did not start")
+
+    def cpu_s(self) -> float:
+        """The daemon's user+system CPU seconds so far (all its threads)."""
+        with open(f"/proc/{self.proc.pid}/stat") as fh:
+            fields = fh.read().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime (fields 14, 15)
+
+    def stop(self) -> None:
+        super().stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _worker(path: str, seconds: float, seed: int, ready: mp.Queue, go: mp.Event,
+            done: mp.Queue) -> None:
+    """Caches its prefixes (untimed), says so, waits for ``go``, then runs the timed loop."""
+    rng = random.Random(seed)
+    with Client(path, client_name=f"cpu-bench-{seed}") as c:
+        prefixes = [[rng.randrange(1, 100_000) for _ in range(4 * PAGE)] for _ in range(8)]
+        for p in prefixes:
+            _cache_prompt(c, array("i", p).tobytes())
+        reqs = _requests(rng, prefixes)
+        _mixed_loop(c, reqs, 0.2)  # warm: first allocations, code paths
+        ready.put(seed)
+        go.wait()
+        done.put(_mixed_loop(c, reqs, seconds))
+
+
+def measure(d: RootDaemon, clients: int, seconds: float) -> dict[str, float]:
+    """ops/s and daemon CPU us per operation for ``clients`` client processes on daemon ``d``."""
+    ctx = mp.get_context("spawn")
+    ready: mp.Queue = ctx.Queue()
+    done: mp.Queue = ctx.Queue()
+    go = ctx.Event()
+    procs = [ctx.Process(target=_worker, args=(d.socket, seconds, i, ready, go, done))
+             for i in range(clients)]
+    for p in procs:
+        p.start()
+    for _ in procs:
+        ready.get(timeout=180)
+    cpu0, t0 = d.cpu_s(), time.perf_counter()
+    go.set()
+    results = [done.get(timeout=seconds + 180) for _ in procs]
+    cpu1, wall = d.cpu_s(), time.perf_counter() - t0
+    for p in procs:
+        p.join()
+    ops = sum(r[0] for r in results)
+    return {"ops_per_s": ops / max(r[1] for r in results),
+            "cpu_us_per_op": (cpu1 - cpu0) * 1e6 / ops,
+            "daemon_cpu_share": (cpu1 - cpu0) / wall}
+
+
+def export_ref(ref: str) -> str:
+    """The tree of git ``ref`` of this repository, unpacked into a new temporary directory."""
+    out = tempfile.mkdtemp(prefix="radixd-baseline-")
+    archive = subprocess.run(["git", "-C", _ROOT, "archive", ref], check=True,
+                             capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", out], input=archive, check=True)
+    return out
+
+
+def run(baseline: str, seconds: float, host_off: bool, rounds: int = 2,
+        client_counts: tuple[int, ...] = (1, 8)) -> dict[str, float]:
+    """Each side ``rounds`` times per client count, the order flipping every round (base, this,
+    this, base, ...) so that a machine getting busier or quieter does not favour one side; each
+    figure is the mean over the rounds."""
+    config = CONFIG + (HOST_OFF if host_off else "") + ADMIN_ANY_PORT
+    base_root = export_ref(baseline)
+    out: dict[str, float] = {}
+    sides = (("base", base_root), ("this", _ROOT))
+    try:
+        for n in client_counts:
+            for r in range(rounds):
+                for side, root in sides if r % 2 == 0 else sides[::-1]:
+                    d = RootDaemon(root, config)
+                    try:
+                        for k, v in measure(d, n, seconds).items():
+                            key = f"{k}_{n}c_{side}"
+                            out[key] = out.get(key, 0.0) + v / rounds
+                    finally:
+                        d.stop()
+            out[f"ops_per_s_{n}c_ratio"] = out[f"ops_per_s_{n}c_this"] / \
+                out[f"ops_per_s_{n}c_base"]
+            out[f"cpu_us_per_op_{n}c_ratio"] = out[f"cpu_us_per_op_{n}c_this"] / \
+                out[f"cpu_us_per_op_{n}c_base"]
+    finally:
+        shutil.rmtree(base_root, ignore_errors=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--baseline", default="main", help="git ref to compare with (default main)")
+    ap.add_argument("--seconds", type=float, default=5.0, help="timed window per measurement")
+    ap.add_argument("--host-off", action="store_true", help="models without a host (L2) tier")
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="measurements per side and client count, order alternating (default 2)")
+    ap.add_argument("--json", metavar="PATH", help="write the figures as a flat JSON object")
+    args = ap.parse_args(argv)
+    f = run(args.baseline, args.seconds, args.host_off, args.rounds)
+    print(f"baseline {args.baseline}, host tier {'off' if args.host_off else 'on'}, "
+          f"{args.seconds:g} s per window, mean of {args.rounds} rounds (order alternating)")
+    print(f"{'clients':>7} {'metric':>14} {args.baseline:>12} {'this':>12} {'this/base':>10}")
+    for n in (1, 8):
+        for k, fmt in (("ops_per_s", "{:12.0f}"), ("cpu_us_per_op", "{:12.2f}")):
+            base, this = f[f"{k}_{n}c_base"], f[f"{k}_{n}c_this"]
+            print(f"{n:>7} {k:>14} {fmt.format(base)} {fmt.format(this)} "
+                  f"{f[f'{k}_{n}c_ratio']:>10.3f}")
+    if args.json:
+        write_json(args.json, {k: round(v, 3) for k, v in f.items()})
+    return f
+
+
+if __name__ == "__main__":
+    main()
