@@ -6,6 +6,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -36,12 +37,16 @@ class _UnixHTTPConnection(http.client.HTTPConnection):
         self.sock.connect(self.unix_path)
 
 
-class DaemonProcess:
-    """A radixd of this checkout in a scratch directory, serving ``config`` (TOML, where
-    ``{socket}`` and ``{admin}`` stand for the engines' and the admin endpoint's socket paths;
-    an admin endpoint needs ``token = "bench"``)."""
+_TICK = os.sysconf("SC_CLK_TCK")
 
-    def __init__(self, config: str, admin: bool = False) -> None:
+
+class DaemonProcess:
+    """A radixd in a scratch directory, serving ``config`` (TOML, where ``{socket}`` and
+    ``{admin}`` stand for the engines' and the admin endpoint's socket paths; an admin endpoint
+    needs ``token = "bench"``). ``root``: the source tree it runs from (this checkout, or a
+    baseline exported by :func:`export_ref`)."""
+
+    def __init__(self, config: str, admin: bool = False, root: str = _ROOT) -> None:
         self.dir = tempfile.mkdtemp(prefix="radixd-bench-")
         self.socket = os.path.join(self.dir, "radixd.sock")
         self.admin = os.path.join(self.dir, "admin.sock") if admin else None
@@ -49,9 +54,9 @@ class DaemonProcess:
         with open(cfg, "w") as fh:
             fh.write(config.format(socket=self.socket, admin=self.admin))
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            [_ROOT, os.path.join(_ROOT, "clients", "python"), os.environ.get("PYTHONPATH", "")])}
+            [root, os.path.join(root, "clients", "python")])}
         self.proc = subprocess.Popen([sys.executable, "-m", "daemon.cli", "serve", "--config", cfg],
-                                     cwd=_ROOT, env=env)
+                                     cwd=root, env=env)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             try:
@@ -61,9 +66,15 @@ class DaemonProcess:
                 return
             except OSError:
                 if self.proc.poll() is not None:
-                    raise RuntimeError("radixd exited during start") from None
+                    raise RuntimeError(f"radixd from {root} exited during start") from None
                 time.sleep(0.05)
-        raise RuntimeError("radixd did not start")
+        raise RuntimeError(f"radixd from {root} did not start")
+
+    def cpu_s(self) -> float:
+        """The daemon's user+system CPU seconds so far (all its threads)."""
+        with open(f"/proc/{self.proc.pid}/stat") as fh:
+            fields = fh.read().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime (fields 14, 15)
 
     def rss_mb(self) -> float:
         with open(f"/proc/{self.proc.pid}/status") as fh:
@@ -99,3 +110,14 @@ class DaemonProcess:
             self.proc.wait(20)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def export_ref(ref: str) -> str:
+    """The tree of git ``ref`` of this repository, unpacked into a new temporary directory: a
+    baseline daemon to run beside this checkout's in the same run."""
+    out = tempfile.mkdtemp(prefix="radixd-baseline-")
+    archive = subprocess.run(["git", "-C", _ROOT, "archive", ref], check=True,
+                             capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", out], input=archive, check=True)
+    return out

@@ -25,65 +25,24 @@ import argparse  # noqa: E402
 import multiprocessing as mp  # noqa: E402
 import random  # noqa: E402
 import shutil  # noqa: E402
-import socket  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
 import time  # noqa: E402
 from array import array  # noqa: E402
 
 from radixd_client import Client  # noqa: E402
 
-from bench._common import write_json  # noqa: E402
+from bench._common import DaemonProcess, export_ref, write_json  # noqa: E402
 from bench.rpc_bench import (  # noqa: E402
-    CONFIG,
     PAGE,
-    DaemonProcess,
     _cache_prompt,
     _mixed_loop,
     _requests,
+    config,
 )
 
 #: appended to rpc_bench's model section for --host-off: no host (L2) tier
 HOST_OFF = "host_pages = 0\nhost_swa_pages = 0\n"
 #: appended last: no fixed admin port, so the two daemons (and other benches) never collide
 ADMIN_ANY_PORT = "[admin]\nport = 0\n"
-_TICK = os.sysconf("SC_CLK_TCK")
-
-
-class RootDaemon(DaemonProcess):
-    """rpc_bench's daemon process, started from any source tree ``root`` with any config."""
-
-    def __init__(self, root: str, config: str) -> None:  # noqa: D107 - replaces the parent's
-        self.dir = tempfile.mkdtemp(prefix="radixd-cpu-bench-")
-        self.socket = os.path.join(self.dir, "radixd.sock")
-        cfg = os.path.join(self.dir, "radixd.toml")
-        with open(cfg, "w") as fh:
-            fh.write(config.format(socket=self.socket))
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            [root, os.path.join(root, "clients", "python")])}
-        self.proc = subprocess.Popen([sys.executable, "-m", "daemon.cli", "serve", "--config", cfg],
-                                     cwd=root, env=env)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                with socket.socket(socket.AF_UNIX) as s:
-                    s.connect(self.socket)
-                return
-            except OSError:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"radixd from {root} exited during start") from None
-                time.sleep(0.05)
-        raise RuntimeError(f"radixd from {root} did not start")
-
-    def cpu_s(self) -> float:
-        """The daemon's user+system CPU seconds so far (all its threads)."""
-        with open(f"/proc/{self.proc.pid}/stat") as fh:
-            fields = fh.read().rpartition(")")[2].split()
-        return (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime (fields 14, 15)
-
-    def stop(self) -> None:
-        super().stop()
-        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def _worker(path: str, seconds: float, seed: int, ready: mp.Queue, go: mp.Event,
@@ -101,7 +60,7 @@ def _worker(path: str, seconds: float, seed: int, ready: mp.Queue, go: mp.Event,
         done.put(_mixed_loop(c, reqs, seconds))
 
 
-def measure(d: RootDaemon, clients: int, seconds: float) -> dict[str, float]:
+def measure(d: DaemonProcess, clients: int, seconds: float) -> dict[str, float]:
     """ops/s and daemon CPU us per operation for ``clients`` client processes on daemon ``d``."""
     ctx = mp.get_context("spawn")
     ready: mp.Queue = ctx.Queue()
@@ -125,21 +84,12 @@ def measure(d: RootDaemon, clients: int, seconds: float) -> dict[str, float]:
             "daemon_cpu_share": (cpu1 - cpu0) / wall}
 
 
-def export_ref(ref: str) -> str:
-    """The tree of git ``ref`` of this repository, unpacked into a new temporary directory."""
-    out = tempfile.mkdtemp(prefix="radixd-baseline-")
-    archive = subprocess.run(["git", "-C", _ROOT, "archive", ref], check=True,
-                             capture_output=True).stdout
-    subprocess.run(["tar", "-x", "-C", out], input=archive, check=True)
-    return out
-
-
 def run(baseline: str, seconds: float, host_off: bool, rounds: int = 2,
         client_counts: tuple[int, ...] = (1, 8)) -> dict[str, float]:
     """Each side ``rounds`` times per client count, the order flipping every round (base, this,
     this, base, ...) so that a machine getting busier or quieter does not favour one side; each
     figure is the mean over the rounds."""
-    config = CONFIG + (HOST_OFF if host_off else "") + ADMIN_ANY_PORT
+    conf = config(HOST_OFF if host_off else "") + ADMIN_ANY_PORT
     base_root = export_ref(baseline)
     out: dict[str, float] = {}
     sides = (("base", base_root), ("this", _ROOT))
@@ -147,7 +97,7 @@ def run(baseline: str, seconds: float, host_off: bool, rounds: int = 2,
         for n in client_counts:
             for r in range(rounds):
                 for side, root in sides if r % 2 == 0 else sides[::-1]:
-                    d = RootDaemon(root, config)
+                    d = DaemonProcess(conf, root=root)
                     try:
                         for k, v in measure(d, n, seconds).items():
                             key = f"{k}_{n}c_{side}"

@@ -27,17 +27,13 @@ import argparse  # noqa: E402
 import gc  # noqa: E402
 import multiprocessing as mp  # noqa: E402
 import random  # noqa: E402
-import signal  # noqa: E402
-import socket  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
 import time  # noqa: E402
 from array import array  # noqa: E402
 
 from radixd_client import Client  # noqa: E402
 
-from bench._common import write_json  # noqa: E402
+from bench._common import DaemonProcess, write_json  # noqa: E402
 
 MODEL = "bench"
 PAGE = 64
@@ -86,43 +82,9 @@ def _p(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-class DaemonProcess:
-    def __init__(self, extra: str = "") -> None:
-        """``extra``: more keys for the model's table (``host_pages = 0``)."""
-        self.dir = tempfile.mkdtemp(prefix="radixd-bench-")
-        self.socket = os.path.join(self.dir, "radixd.sock")
-        cfg = os.path.join(self.dir, "radixd.toml")
-        with open(cfg, "w") as fh:
-            fh.write(CONFIG.format(socket=self.socket, extra=extra))
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            [_ROOT, os.path.join(_ROOT, "clients", "python"), os.environ.get("PYTHONPATH", "")])}
-        self.proc = subprocess.Popen([sys.executable, "-m", "daemon.cli", "serve", "--config", cfg],
-                                     cwd=_ROOT, env=env)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                with socket.socket(socket.AF_UNIX) as s:
-                    s.connect(self.socket)
-                return
-            except OSError:
-                if self.proc.poll() is not None:
-                    raise RuntimeError("radixd exited during start") from None
-                time.sleep(0.05)
-        raise RuntimeError("radixd did not start")
-
-    def rss_mb(self) -> float:
-        with open(f"/proc/{self.proc.pid}/status") as fh:
-            for line in fh:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-        return float("nan")
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+def config(extra: str = "") -> str:
+    """The daemon's configuration; ``extra``: more keys for the model's table."""
+    return CONFIG.replace("{extra}", extra)
 
 
 def _cache_prompt(c: Client, tokens: bytes) -> None:
@@ -185,7 +147,7 @@ def run(quick: bool, pin: bool = True, extra: str = "") -> dict[str, float]:
     n = 2000 if quick else 10000
     seconds = 3.0 if quick else 10.0
     rng = random.Random(1)
-    d = DaemonProcess(extra)
+    d = DaemonProcess(config(extra))
     all_cpus = os.sched_getaffinity(0)
     try:
         time.sleep(0.5)
