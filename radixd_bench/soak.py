@@ -144,19 +144,24 @@ def _start_daemon(work: Path, log: Any) -> _Daemon:
                              str(work / "radixd.toml")], stdout=log, stderr=subprocess.STDOUT,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     deadline = t0 + 60
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise BenchError(f"radixd exited with {proc.returncode}; see {work / 'radixd.log'}")
-        try:
-            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-                s.connect(str(work / "radixd.sock"))
-            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-                s.connect(str(work / "admin.sock"))
-            return _Daemon(proc, time.monotonic())
-        except OSError:
-            time.sleep(0.05)
-    proc.kill()
-    raise BenchError("radixd did not come up within 60 s")
+    try:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise BenchError(f"radixd exited with {proc.returncode}; see "
+                                 f"{work / 'radixd.log'}")
+            try:
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                    s.connect(str(work / "radixd.sock"))
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                    s.connect(str(work / "admin.sock"))
+                return _Daemon(proc, time.monotonic())
+            except OSError:
+                time.sleep(0.05)
+        raise BenchError("radixd did not come up within 60 s")
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
 
 
 def _start_redis(port: int, work: Path) -> subprocess.Popen:
@@ -167,12 +172,16 @@ def _start_redis(port: int, work: Path) -> subprocess.Popen:
                              "--appendonly", "no", "--dir", str(work)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
-            return proc
-        time.sleep(0.05)
-    proc.kill()
-    raise BenchError(f"redis-server did not answer on port {port}")
+    try:
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
+                return proc
+            time.sleep(0.05)
+        raise BenchError(f"redis-server did not answer on port {port}")
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
 
 
 def _rss_mib(pid: int) -> float | None:
@@ -229,8 +238,11 @@ def run_soak(opts: SoakOptions, progress: Any = None) -> dict[str, Any]:
                               "restarted": 0, "failed": {}}
     events = {"client_kills": 0, "redis_kills": 0, "daemon_restarts": 0}
     restart_at = opts.restart_at_s if opts.restart_at_s is not None else opts.duration_s / 2
-    redis = _start_redis(redis_port, work)
-    daemons = [_start_daemon(work, log)]
+    # a SIGTERM (the operator's kill, a CI timeout) unwinds through the cleanup below, so that
+    # no client, Redis or daemon of the soak outlives it
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    redis: subprocess.Popen | None = None
+    daemons: list[_Daemon] = []
     procs: dict[int, Any] = {}
     serial = 0
 
@@ -257,6 +269,8 @@ def run_soak(opts: SoakOptions, progress: Any = None) -> dict[str, Any]:
 
     report: dict[str, Any] = {}
     try:
+        redis = _start_redis(redis_port, work)
+        daemons.append(_start_daemon(work, log))
         for slot in range(opts.clients):
             spawn(slot)
         t0 = time.monotonic()
@@ -314,14 +328,20 @@ def run_soak(opts: SoakOptions, progress: Any = None) -> dict[str, Any]:
                     d.proc.wait(30)
                 except subprocess.TimeoutExpired:
                     d.proc.kill()
-        redis.kill()
-        redis.wait()
+        if redis is not None:
+            redis.kill()
+            redis.wait()
         log.close()
+        signal.signal(signal.SIGTERM, previous)
         if own and report and report.get("ok"):
             shutil.rmtree(work, ignore_errors=True)
     report["workdir"] = None if own and report.get("ok") else str(work)
     report["options"] = asdict(opts)
     return report
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _restart(work: Path, daemons: list[_Daemon], log: Any) -> dict[str, Any]:

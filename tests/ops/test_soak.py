@@ -4,8 +4,11 @@ under load, every hit verified, and nothing mismatched, violated or leaked at th
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -59,3 +62,42 @@ def test_a_90_second_soak_has_no_mismatch_violation_or_leak(tmp_path: Path) -> N
     assert r["restart"]["old_exit_code"] == 0, summary
     assert r["restart"]["host_pages_kept"] > 0, summary  # the warm restart kept the host tier
     assert r["requests"] > 100, summary
+
+
+def _session_members(sid: int) -> list[int]:
+    out = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as fh:
+                    fields = fh.read().rpartition(")")[2].split()
+            except OSError:
+                continue
+            if int(fields[3]) == sid and fields[0] != "Z":  # session id; zombies are gone
+                out.append(int(name))
+    return out
+
+
+@pytest.mark.soak
+def test_a_soak_stopped_by_sigterm_leaves_no_process_behind(tmp_path: Path) -> None:
+    """An operator's kill (or a CI timeout) ends the soak's clients, Redis and daemon too."""
+    work = tmp_path / "work"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "daemon.cli", "bench", "soak", "--duration", "600",
+         "--clients", "2", "--restart-at", "-1", "--workdir", str(work)],
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (work / "radixd.sock").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(3)  # clients started and running requests
+        assert (work / "radixd.sock").exists() and len(_session_members(proc.pid)) >= 4
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(90) == 128 + signal.SIGTERM
+        deadline = time.monotonic() + 10
+        while _session_members(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _session_members(proc.pid) == []
+    finally:
+        for pid in _session_members(proc.pid):
+            os.kill(pid, signal.SIGKILL)
