@@ -1,4 +1,4 @@
-"""``radixd bench soak`` for 90 seconds: clients, Redis and the daemon itself killed or restarted
+"""``radixd bench soak`` for two minutes: clients, Redis and the daemon itself killed or restarted
 under load, every hit verified, and nothing mismatched, violated or leaked at the end."""
 
 from __future__ import annotations
@@ -43,13 +43,13 @@ def test_the_page_check_catches_one_wrong_value() -> None:
 
 
 @pytest.mark.soak
-def test_a_90_second_soak_has_no_mismatch_violation_or_leak(tmp_path: Path) -> None:
+def test_a_two_minute_soak_has_no_mismatch_violation_or_leak(tmp_path: Path) -> None:
     out = tmp_path / "soak.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "daemon.cli", "bench", "soak", "--duration", "90",
-         "--kill-every", "15", "--redis-kill-every", "30", "--restart-at", "45",
+        [sys.executable, "-m", "daemon.cli", "bench", "soak", "--duration", "120",
+         "--kill-every", "15", "--redis-kill-every", "30", "--restart-at", "60",
          "--workdir", str(tmp_path / "work"), "--json", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=400)
+        cwd=REPO, capture_output=True, text=True, timeout=500)
     assert out.exists(), proc.stdout + proc.stderr
     r = json.loads(out.read_text())
     summary = proc.stdout + proc.stderr
