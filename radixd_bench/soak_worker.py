@@ -7,9 +7,11 @@ the values this worker can recompute from its own prompt, whichever client wrote
 it travelled (device, host, Redis, a warm restart). Every hit is read back through the mapped
 pools and compared; the full pages of the whole hit and the SWA pages of its window.
 
-A daemon restart or a lost connection is ridden through: the request is given up (its locks and
-pages died with the session), the client reconnects with backoff and the next request starts
-over. Counts go to the parent after every request.
+A daemon restart is ridden through the way an engine would: the client has a reconnect policy
+(``radixd_client.Reconnect``), so it connects again by itself, maps its pools again into the same
+tensors and raises ``SessionRestarted`` once; the request in flight is given up (its locks and
+pages died with the session) and the next one starts over. Counts go to the parent after every
+request.
 """
 
 from __future__ import annotations
@@ -18,8 +20,14 @@ import random
 import time
 from typing import Any
 
-from radixd_client import Client
-from radixd_client.errors import ConnectFailed, ConnectionLost, RadixdError, ShuttingDown
+from radixd_client import Client, Reconnect
+from radixd_client.errors import (
+    ConnectFailed,
+    ConnectionLost,
+    RadixdError,
+    SessionRestarted,
+    ShuttingDown,
+)
 from radixd_client.lifecycle import RequestLifecycle
 
 __all__ = ["PageVerifier", "expected_values", "worker_main"]
@@ -88,16 +96,20 @@ class PageVerifier:
         return checked, bad
 
 
-def _connect(socket_path: str, token: str, name: str, deadline: float) -> Client:
-    delay = 0.05
-    while True:
+_RECONNECT = Reconnect(max_wait_s=60.0)
+
+
+def _connect(socket_path: str, token: str, name: str) -> Client:
+    """The first connection (a worker started while the daemon restarts waits for it too)."""
+    deadline = time.monotonic() + _RECONNECT.max_wait_s
+    for delay in _RECONNECT.delays():
         try:
-            return Client(socket_path, token=token, client_name=name)
-        except (ConnectFailed, ConnectionLost, ShuttingDown, OSError):
-            if time.monotonic() > deadline:
+            return Client(socket_path, token=token, client_name=name, reconnect=_RECONNECT)
+        except (ConnectFailed, ConnectionLost, ShuttingDown):
+            if time.monotonic() + delay > deadline:
                 raise
             time.sleep(delay)
-            delay = min(1.0, delay * 2)
+    raise AssertionError("unreachable: delays() never ends")
 
 
 def worker_main(index: int, socket_path: str, token: str, model: str, docs: list[list[int]],
@@ -112,14 +124,16 @@ def worker_main(index: int, socket_path: str, token: str, model: str, docs: list
                   "failed": {}}
         try:
             if client is None:
-                client = _connect(socket_path, token, name, time.monotonic() + 60)
+                client = _connect(socket_path, token, name)
                 pages = PageVerifier(client.attach(model), client.models[model].page_size)
             assert pages is not None
             prompt = rng.choice(docs) + [rng.randrange(1, 30000) for _ in range(suffix)]
             out = [rng.randrange(1, 30000) for _ in range(output)]
             _serve(client, pages, model, prompt, out, chunk, counts)
             counts["requests"] = 1
-        except (ConnectionLost, ShuttingDown):
+        except SessionRestarted:
+            counts["restarted"] = 1  # the client is on the successor, its pools mapped again
+        except (ConnectionLost, ShuttingDown, ConnectFailed):
             counts["restarted"] = 1
             if client is not None:
                 client.close()

@@ -70,6 +70,7 @@ class Daemon:
         config = dict(config)
         config.setdefault("server", {})
         config["server"] = {"socket": self.socket, **config["server"]}
+        self.socket = config["server"]["socket"]  # a test may name its own (a restart on it)
         config.setdefault("checker", {"interval_s": 0.2, "strict": True})
         config.setdefault("admin", {"port": 0})  # several daemons run at once
         config.setdefault("models", [SMALL_MODEL])

@@ -37,11 +37,13 @@ from .errors import (
     QuotaExceeded,
     RadixdError,
     ReceiptError,
+    SessionRestarted,
     ShuttingDown,
     TimedOut,
 )
 from .lifecycle import NotWritable, RequestLifecycle
 from .protocol import int32_bytes
+from .reconnect import Reconnect
 
 __version__ = "0.2.0"
 
@@ -69,7 +71,9 @@ __all__ = [
     "QuotaExceeded",
     "RadixdError",
     "ReceiptError",
+    "Reconnect",
     "RequestLifecycle",
+    "SessionRestarted",
     "ShuttingDown",
     "TimedOut",
     "__version__",

@@ -25,7 +25,14 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from .connection import BrokenStream, ClientConnection, Reply, apply_hello
-from .errors import ConnectFailed, ConnectionLost, RadixdError, TimedOut
+from .errors import (
+    ConnectFailed,
+    ConnectionLost,
+    RadixdError,
+    SessionRestarted,
+    ShuttingDown,
+    TimedOut,
+)
 from .fds import MAX_FDS, RECVMSG_FLAGS, ancillary_space, close_fds, take_fds
 from .operations import BatchBuilder, Operations
 from .protocol import (
@@ -38,6 +45,7 @@ from .protocol import (
     ModelInfo,
     Request,
 )
+from .reconnect import Reconnect
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from .pools import AttachedPools
@@ -90,10 +98,23 @@ class AsyncClient(Operations):
 
     def __init__(self, sock: socket.socket, loop: asyncio.AbstractEventLoop) -> None:
         """Internal: use :meth:`connect` or :meth:`from_socket`."""
-        sock.setblocking(False)
         self.path: str | None = None
-        self._sock: socket.socket | None = sock
         self._loop = loop
+        self._attached: dict[str, AttachedPools] = {}  # to map segments as they come
+        self._reconnect: Reconnect | None = None
+        self._token: str | None = None
+        self._client_name = ""
+        self._closed_by_user = False
+        self._timeout: float | None = None
+        self._generation = 0  # sessions opened by this client, minus one
+        self._reconnecting: asyncio.Task[SessionRestarted] | None = None
+        self.restarts = 0
+        self._bind(sock)
+
+    def _bind(self, sock: socket.socket) -> None:
+        """The per-connection state, fresh: at construction and after a reconnect."""
+        sock.setblocking(False)
+        self._sock: socket.socket | None = sock
         # Each request's future is its context in the connection; an entry stays until its
         # response arrives, even if its caller was cancelled, because the daemon counts it as in
         # flight until then.
@@ -106,34 +127,31 @@ class AsyncClient(Operations):
         self._gate.set()
         self._attach_lock = asyncio.Lock()
         self._attach_id: int | None = None
-        self._attached: dict[str, AttachedPools] = {}  # to map segments as they come
         self._attach_fds: list[int] = []  # received with the attach response, not yet handed
         self._slots: asyncio.Semaphore | None = None  # max_inflight, once known
         self._wbuf: list[memoryview] = []
         self._writer: asyncio.Task[None] | None = None
-        self._reader = loop.create_task(self._read_loop(), name="radixd-client-reader")
+        self._reader = self._loop.create_task(self._read_loop(), name="radixd-client-reader")
 
     # -- construction ---------------------------------------------------------------------------
 
     @classmethod
     async def connect(cls, path: str, token: str | None = None, *, client_name: str = "",
-                      timeout: float | None = None) -> AsyncClient:
+                      timeout: float | None = None,
+                      reconnect: Reconnect | None = None) -> AsyncClient:
         """Connect to the daemon's socket at ``path`` and authenticate.
 
         ``timeout`` bounds the connect and the hello only; bound later calls with
         ``asyncio.timeout`` (knowing the daemon may still run a call whose wait was cut).
+        ``reconnect``: ride through a daemon restart, as :class:`radixd_client.Client` does
+        (every call that was in flight or waiting raises ``SessionRestarted``; one reconnect
+        serves them all).
         """
-        loop = asyncio.get_running_loop()
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.setblocking(False)
-        try:
-            await asyncio.wait_for(loop.sock_connect(sock, path), timeout)
-        except (OSError, asyncio.TimeoutError) as exc:
-            sock.close()
-            why = getattr(exc, "strerror", None) or type(exc).__name__
-            raise ConnectFailed(f"cannot connect to radixd at {path!r}: {why}") from exc
-        self = await cls.from_socket(sock, token, client_name=client_name, timeout=timeout)
+        self = await cls.from_socket(await _connect(path, timeout), token,
+                                     client_name=client_name, timeout=timeout)
         self.path = path
+        self._reconnect = reconnect
+        self._timeout = timeout
         return self
 
     @classmethod
@@ -141,20 +159,71 @@ class AsyncClient(Operations):
                           client_name: str = "", timeout: float | None = None) -> AsyncClient:
         """Use an already connected stream socket; the client owns it from now on."""
         self = cls(sock, asyncio.get_running_loop())
+        self._token, self._client_name = token, client_name
+        await self._handshake(timeout)
+        return self
+
+    async def _handshake(self, timeout: float | None) -> None:
         try:
             hello: HelloResult = await asyncio.wait_for(
-                self._call("hello", Hello(version=PROTOCOL_VERSION, token=token,
-                                          client=client_name)), timeout)
+                self._call_once("hello", Hello(version=PROTOCOL_VERSION, token=self._token,
+                                               client=self._client_name)), timeout)
         except asyncio.TimeoutError as exc:
-            await self.close()
+            await self._close_connection()
             raise TimedOut("no hello answer from radixd in time") from exc
         except BaseException:
-            await self.close()
+            await self._close_connection()
             raise
         apply_hello(self, hello)
         if hello.limits.max_inflight > 0:
             self._slots = asyncio.Semaphore(hello.limits.max_inflight)
-        return self
+
+    # -- riding through a restart ---------------------------------------------------------------
+
+    async def _ride_through(self, cause: RadixdError, generation: int) -> SessionRestarted:
+        """One reconnect for every call the lost session cut (see radixd_client.reconnect)."""
+        if self._generation != generation:  # another call already reconnected
+            return SessionRestarted(f"radixd went away ({cause.code}: {cause}); this client "
+                                    f"is now session {self.session}")
+        if self._reconnecting is None:
+            self._reconnecting = self._loop.create_task(self._reconnect_now(cause))
+        task = self._reconnecting
+        try:
+            return await asyncio.shield(task)
+        finally:
+            if task.done() and self._reconnecting is task:
+                self._reconnecting = None
+
+    async def _reconnect_now(self, cause: RadixdError) -> SessionRestarted:
+        policy, path = self._reconnect, self.path
+        assert policy is not None and path is not None
+        self._fail("the daemon went away")
+        old = getattr(self, "session", None)
+        deadline = self._loop.time() + policy.max_wait_s
+        for delay in policy.delays():
+            try:
+                self._bind(await _connect(path, self._timeout))
+                await self._handshake(self._timeout)
+                break
+            except (ConnectFailed, ConnectionLost, ShuttingDown) as exc:
+                if self._loop.time() + delay > deadline:
+                    raise ConnectFailed(f"radixd at {path!r} did not come back within "
+                                        f"{policy.max_wait_s:g} s ({exc})") from cause
+                await asyncio.sleep(delay)
+        self._generation += 1
+        self.restarts += 1
+        for model, pools in list(self._attached.items()):
+            if pools.closed:
+                del self._attached[model]
+                continue
+            result, fds = await self._attach_exclusive(model)
+            try:
+                pools.rebind(result, fds)
+            finally:
+                close_fds(fds)
+        return SessionRestarted(f"radixd went away ({cause.code}: {cause}); session {old} "
+                                f"ended, this client is now session {self.session} of daemon "
+                                f"instance {self.instance}")
 
     # -- writing --------------------------------------------------------------------------------
 
@@ -320,7 +389,14 @@ class AsyncClient(Operations):
         return self._closed_error is not None
 
     async def close(self) -> None:
-        """Close the connection; the daemon then releases everything this session held."""
+        """Close the connection; the daemon then releases everything this session held. A
+        closed client does not reconnect."""
+        self._closed_by_user = True
+        if self._reconnecting is not None:
+            self._reconnecting.cancel()
+        await self._close_connection()
+
+    async def _close_connection(self) -> None:
         self._fail("closed by the client")
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await self._reader
@@ -339,6 +415,16 @@ class AsyncClient(Operations):
     # -- calls ----------------------------------------------------------------------------------
 
     async def _call(self, op: str, req: Request, exclusive: bool = False) -> Any:
+        generation = self._generation
+        try:
+            return await self._call_once(op, req, exclusive)
+        except (ConnectionLost, ShuttingDown) as exc:
+            if (self._reconnect is None or self.path is None or self._closed_by_user
+                    or isinstance(exc, SessionRestarted)):
+                raise
+            raise await self._ride_through(exc, generation) from exc
+
+    async def _call_once(self, op: str, req: Request, exclusive: bool = False) -> Any:
         # While an attach has the connection to itself, others wait (also for a slot, then
         # again for the gate, as another attach may have started meanwhile). The exclusive
         # call (attach) takes no slot: it runs alone, and callers waiting at the gate with a
@@ -367,7 +453,12 @@ class AsyncClient(Operations):
             raise
         if op == "attach":
             self._attach_id = req.id
-        self._write(frame)
+        try:
+            self._write(frame)
+        except BaseException:
+            if fut.done() and not fut.cancelled():
+                fut.exception()  # failed with the connection: this raise reports it
+            raise
         self._wake.set()
         value = await fut
         if self._attached and op != "attach":  # segments this process has not mapped yet
@@ -404,6 +495,20 @@ class AsyncClient(Operations):
         response, which carries descriptors, must be the only one in flight."""
         from .pools import attach_or_update
 
+        generation = self._generation
+        try:
+            result, fds = await self._attach_exclusive(model)
+        except (ConnectionLost, ShuttingDown) as exc:
+            if (self._reconnect is None or self.path is None or self._closed_by_user
+                    or isinstance(exc, SessionRestarted)):
+                raise
+            raise await self._ride_through(exc, generation) from exc
+        try:
+            return attach_or_update(self._attached, model, result, fds)
+        finally:
+            close_fds(fds)
+
+    async def _attach_exclusive(self, model: str) -> tuple[Any, list[int]]:
         async with self._attach_lock:
             self._gate_open = False
             self._gate.clear()
@@ -411,12 +516,21 @@ class AsyncClient(Operations):
                 while self._conn.pending and self._closed_error is None:
                     self._drained.clear()
                     await self._drained.wait()
-                result, fds = await self._call("attach", Attach(model=model), exclusive=True)
+                return await self._call_once(  # type: ignore[no-any-return]
+                    "attach", Attach(model=model), exclusive=True)
             finally:
                 self._gate_open = True
                 self._gate.set()
-        try:
-            return attach_or_update(self._attached, model, result, fds)
-        finally:
-            close_fds(fds)
 
+
+async def _connect(path: str, timeout: float | None) -> socket.socket:
+    loop = asyncio.get_running_loop()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.setblocking(False)
+    try:
+        await asyncio.wait_for(loop.sock_connect(sock, path), timeout)
+    except (OSError, asyncio.TimeoutError) as exc:
+        sock.close()
+        why = getattr(exc, "strerror", None) or type(exc).__name__
+        raise ConnectFailed(f"cannot connect to radixd at {path!r}: {why}") from exc
+    return sock

@@ -16,13 +16,21 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import time
 from array import array
 from collections.abc import Iterator
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from .connection import BrokenStream, ClientConnection, apply_hello
-from .errors import ConnectFailed, ConnectionLost, RadixdError, TimedOut
+from .errors import (
+    ConnectFailed,
+    ConnectionLost,
+    RadixdError,
+    SessionRestarted,
+    ShuttingDown,
+    TimedOut,
+)
 from .fds import RECVMSG_FLAGS, ancillary_space, close_fds, take_fds
 from .operations import BatchBuilder, BatchFuture, Operations
 from .protocol import (
@@ -37,6 +45,7 @@ from .protocol import (
     Request,
     int32_array,
 )
+from .reconnect import Reconnect
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from .pools import AttachedPools, KvHostPools
@@ -56,6 +65,18 @@ def pages(data: bytes | bytearray | memoryview) -> array:
 
 def _lost(why: str) -> ConnectionLost:
     return ConnectionLost(f"connection to radixd lost ({why})")
+
+
+def _connect(path: str, timeout: float | None) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout)
+        sock.connect(path)
+    except OSError as exc:
+        sock.close()
+        why = exc.strerror or type(exc).__name__
+        raise ConnectFailed(f"cannot connect to radixd at {path!r}: {why}") from exc
+    return sock
 
 
 class ClientBatch(BatchBuilder):
@@ -121,47 +142,90 @@ class Client(Operations):
     hello_result: HelloResult
 
     def __init__(self, path: str, token: str | None = None, *, client_name: str = "",
-                 timeout: float | None = None) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.settimeout(timeout)
-            sock.connect(path)
-        except OSError as exc:
-            sock.close()
-            why = exc.strerror or type(exc).__name__
-            raise ConnectFailed(f"cannot connect to radixd at {path!r}: {why}") from exc
+                 timeout: float | None = None, reconnect: Reconnect | None = None) -> None:
+        """``reconnect``: ride through a daemon restart (:mod:`radixd_client.reconnect`); off
+        by default, when a lost connection raises ``ConnectionLost`` and the client stays
+        closed."""
         self.path: str | None = path
-        self._start(sock, token, client_name)
+        self._timeout = timeout
+        self._reconnect = reconnect
+        self.restarts = 0  # sessions this client has opened again after losing one
+        self._start(_connect(path, timeout), token, client_name)
 
     @classmethod
     def from_socket(cls, sock: socket.socket, token: str | None = None, *,
                     client_name: str = "") -> Client:
         """Use an already connected stream socket (for example one end of ``socketpair()``),
-        keeping its timeout; the client owns it from now on."""
+        keeping its timeout; the client owns it from now on (and cannot reconnect)."""
         self = cls.__new__(cls)
         self.path = None
+        self._timeout = None
+        self._reconnect = None
+        self.restarts = 0
         self._start(sock, token, client_name)
         return self
 
     def _start(self, sock: socket.socket, token: str | None, client_name: str) -> None:
+        self._token, self._client_name = token, client_name
+        self._attached: dict[str, AttachedPools] = {}  # to map segments as they come
+        self._closed_by_user = False
+        self._open_session(sock)
+
+    def _open_session(self, sock: socket.socket) -> None:
         self._sock: socket.socket | None = sock
         self._conn = ClientConnection()
-        self._attached: dict[str, AttachedPools] = {}  # to map segments as they come
         self._close_reason = "closed by the client"
         try:
-            hello: HelloResult = self._call(
-                "hello", Hello(version=PROTOCOL_VERSION, token=token, client=client_name))
+            hello: HelloResult = self._call_once(
+                "hello", Hello(version=PROTOCOL_VERSION, token=self._token,
+                               client=self._client_name))
         except BaseException:
-            self.close()
+            self._drop()
             raise
         apply_hello(self, hello)
+
+    # -- riding through a restart ---------------------------------------------------------------
+
+    def _may_reconnect(self) -> bool:
+        return self._reconnect is not None and self.path is not None and not self._closed_by_user
+
+    def _ride_through(self, cause: RadixdError) -> SessionRestarted:
+        """Connect again until the daemon answers a hello (or the policy's time is up), map the
+        attached pools again in place, and return the error for the cut call to raise."""
+        policy, path = self._reconnect, self.path
+        assert policy is not None and path is not None
+        self._drop()
+        old = getattr(self, "session", None)
+        deadline = time.monotonic() + policy.max_wait_s
+        for delay in policy.delays():
+            try:
+                self._open_session(_connect(path, self._timeout))
+                break
+            except (ConnectFailed, ConnectionLost, ShuttingDown) as exc:
+                if time.monotonic() + delay > deadline:
+                    raise ConnectFailed(f"radixd at {path!r} did not come back within "
+                                        f"{policy.max_wait_s:g} s ({exc})") from cause
+                time.sleep(delay)
+        self.restarts += 1
+        for model, pools in list(self._attached.items()):
+            if pools.closed:
+                del self._attached[model]
+                continue
+            result, fds = self._call_with_fds_once("attach", Attach(model=model))
+            try:
+                pools.rebind(result, fds)
+            finally:
+                close_fds(fds)
+        return SessionRestarted(f"radixd went away ({cause.code}: {cause}); session {old} "
+                                f"ended, this client is now session {self.session} of daemon "
+                                f"instance {self.instance}")
 
     # -- calls ----------------------------------------------------------------------------------
 
     def _broken(self, why: str, cause: BaseException | None = None) -> ConnectionLost:
         """Close the connection and return the error to raise."""
         self._close_reason = why
-        self.close()
+        self._drop()
         if isinstance(cause, TimeoutError):
             err: ConnectionLost = TimedOut(f"no answer from radixd in time ({why})")
         else:
@@ -177,6 +241,16 @@ class Client(Operations):
         return self._broken("the daemon closed the connection")
 
     def _call(self, op: str, req: Request) -> Any:
+        """One request, one reply; with a reconnect policy, a lost session is opened again
+        before the call raises ``SessionRestarted``."""
+        try:
+            return self._call_once(op, req)
+        except (ConnectionLost, ShuttingDown) as exc:
+            if not self._may_reconnect() or isinstance(exc, SessionRestarted):
+                raise
+            raise self._ride_through(exc) from exc
+
+    def _call_once(self, op: str, req: Request) -> Any:
         """One request, one reply, decoded completely by the connection before the buffer is
         read into again."""
         sock = self._sock
@@ -268,6 +342,14 @@ class Client(Operations):
             close_fds(fds)
 
     def _call_with_fds(self, op: str, req: Request) -> tuple[Any, list[int]]:
+        try:
+            return self._call_with_fds_once(op, req)
+        except (ConnectionLost, ShuttingDown) as exc:
+            if not self._may_reconnect() or isinstance(exc, SessionRestarted):
+                raise
+            raise self._ride_through(exc) from exc
+
+    def _call_with_fds_once(self, op: str, req: Request) -> tuple[Any, list[int]]:
         """One call whose response carries descriptors (SCM_RIGHTS): the result and the fds,
         which the caller closes."""
         sock = self._sock
@@ -318,7 +400,12 @@ class Client(Operations):
         return self._sock is None
 
     def close(self) -> None:
-        """Close the connection; the daemon then releases everything this session held."""
+        """Close the connection; the daemon then releases everything this session held. A
+        closed client does not reconnect."""
+        self._closed_by_user = True
+        self._drop()
+
+    def _drop(self) -> None:
         sock, self._sock = self._sock, None
         if sock is not None:
             self._conn.abandon()

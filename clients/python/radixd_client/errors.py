@@ -223,6 +223,18 @@ class ConnectionLost(RadixdError):
         super().__init__(message, code=code, details=details)
 
 
+class SessionRestarted(ConnectionLost):
+    """The daemon went away (restart, upgrade) and a client with a reconnect policy is connected
+    again, on a new session, with its attached pools mapped again in place.
+
+    Raised once, by the call that was cut. Everything the old session held is gone (receipts,
+    pages, node ids): start the requests that were in flight over from a fresh ``match``
+    (``RequestLifecycle.restart``). Calls made after it work.
+    """
+
+    default_code = "session_restarted"
+
+
 class TimedOut(ConnectionLost):
     """No response within the client's ``timeout``. The client closes the connection (the stream
     can no longer be trusted to be in step), so this is also a :class:`ConnectionLost`."""

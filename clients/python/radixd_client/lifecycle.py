@@ -28,6 +28,10 @@ The caller drives it (the class never computes anything)::
         lc.computed_len = pos + 1
     lc.finish()                                 # cache_finished; or lc.abort() at any point
 
+With a client that rides through daemon restarts (``Client(..., reconnect=Reconnect())``), any
+step may raise :class:`~radixd_client.errors.SessionRestarted`: call ``lc.restart()`` and go back
+to ``lc.admit()``, recomputing from the prefix it finds.
+
 Only public methods of :class:`~radixd_client.Client` are used, so any object with the same
 methods (a test double, an adapter over an in-process cache) can stand in for it.
 """
@@ -387,6 +391,21 @@ class RequestLifecycle:
         first = next((e for e in errors if e is not None), None)
         if first is not None:
             raise first
+
+    def restart(self) -> None:
+        """Start this request over after ``SessionRestarted`` (the daemon restarted and the
+        client reconnected): everything the old session held is gone, so every page id, the
+        receipt and the progress are forgotten (``check_writable`` refuses the old ids), and the
+        tokens so far (prompt and generated) are kept. Call :meth:`admit` next and recompute
+        from the prefix it finds: a restart costs recompute, never KV written into memory the
+        request does not own. Nothing is sent to the daemon."""
+        self._forget()
+        self.closed = False
+        self.admission = Admission()
+        self.computed_len = self.cached_len = self._last_free = 0
+        self.swa_evicted_len = self.swa_pages_freed = self.finished_inserted_len = 0
+        self.swa_released = False
+        self.last_op = ""
 
     def _forget(self) -> None:
         self.receipt = None

@@ -37,7 +37,7 @@ import msgspec
 
 from .errors import PoolError
 from .protocol import AttachResult, KvAttachResult, PoolInfo
-from .segments import SegmentedRegion
+from .segments import SegmentedRegion, map_fixed_shared
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import torch
@@ -334,6 +334,45 @@ class AttachedPools:
                 self._regions[key[0]].map_segment(key[1], fd)
                 self.segments[key] = epoch
         self.generation = result.generation
+
+    def rebind(self, result: AttachResult, fds: Sequence[int]) -> None:
+        """Point these tensors at a restarted daemon's pools, in place (same addresses, so views
+        and anything captured over them stay valid). The layout must be the same; a GPU pool
+        (CUDA IPC) cannot be rebound: its memory was the old daemon's and is gone. ``fds`` are
+        not closed here."""
+        if self._tensors is None:
+            raise PoolError(f"{self.model}: the pools are closed")
+        new = {info.pool: info for info in result.pools}
+        if set(new) != set(self.infos):
+            raise PoolError(f"{self.model}: the restarted daemon has pools {sorted(new)}, this "
+                            f"process mapped {sorted(self.infos)}: attach again")
+        for name, info in new.items():
+            old = self.infos[name]
+            if (info.kind, list(info.shape), info.dtype) != (old.kind, list(old.shape),
+                                                              old.dtype):
+                raise PoolError(f"{self.model} {name} pool: the restarted daemon's layout "
+                                f"({info.kind} {list(info.shape)} {info.dtype}) is not the one "
+                                "mapped here: attach again and rebuild the views")
+            if info.kind == "cuda_ipc":
+                raise PoolError(f"{self.model} {name} pool: GPU pools do not survive a daemon "
+                                "restart: attach again and rebuild the views")
+        for name, info in new.items():
+            if info.kind == "memfd_segments":  # everything goes: the new list is mapped below
+                for key in [k for k in self.segments if k[0] == name]:
+                    self._regions[name].unmap_segment(key[1])
+                    del self.segments[key]
+            else:
+                if not 0 <= info.fd_index < len(fds):
+                    raise PoolError(f"{self.model} {name} pool: fd_index {info.fd_index} but "
+                                    f"{len(fds)} fds came with the response")
+                tensor = self._tensors[name]
+                nbytes = tensor.numel() * tensor.element_size()
+                if os.fstat(fds[info.fd_index]).st_size < nbytes:
+                    raise PoolError(f"{self.model} {name} pool: the new memfd is too small")
+                map_fixed_shared(tensor.data_ptr(), nbytes, fds[info.fd_index])
+            self.infos[name] = info
+        self.generation = -1
+        self.update(result, fds)
 
     # -- pools ----------------------------------------------------------------------------------
 

@@ -29,7 +29,7 @@ from .errors import PoolError
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import torch
 
-__all__ = ["SegmentedRegion", "check_segment_alignment", "segment_bytes"]
+__all__ = ["SegmentedRegion", "check_segment_alignment", "map_fixed_shared", "segment_bytes"]
 
 _MAP_FIXED = 0x10
 _MAP_NORESERVE = 0x4000
@@ -55,6 +55,12 @@ def _mmap(addr: int | None, length: int, flags: int, fd: int, offset: int) -> in
 def _anonymous(addr: int | None, length: int) -> int:
     flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
     return _mmap(addr, length, flags | (_MAP_FIXED if addr is not None else 0), -1, 0)
+
+
+def map_fixed_shared(address: int, length: int, fd: int) -> None:
+    """Map ``length`` bytes of ``fd`` shared at ``address``, over what was mapped there: a pool
+    tensor keeps its address while the memory under it changes (a restarted daemon's pool)."""
+    _mmap(address, length, mmap.MAP_SHARED | _MAP_FIXED, fd, 0)
 
 
 def check_segment_alignment(strip_page_bytes: int, segment_pages: int, pages: int,

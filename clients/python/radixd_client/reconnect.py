@@ -1,0 +1,53 @@
+"""Riding through a daemon restart: the reconnect policy, written once for every client.
+
+An operator restarts radixd to upgrade it or to change its configuration; with
+``server.state_dir`` or systemd's descriptor store the host tier survives, so what engines lose
+is their session: its receipts, the pages it held, its node ids. A client created with
+``reconnect=Reconnect()`` notices the connection end (or ``shutting_down``), connects again with
+exponential backoff and jitter until the successor answers, says hello with the same token and
+name, maps the pools it had attached again *into the same tensors* (so an engine's views and CUDA
+graphs over a CPU pool stay valid), and then raises :class:`~radixd_client.errors.SessionRestarted`
+from the call that was cut, once. Every call after it runs on the new session. Nothing is
+retried behind the caller's back: what the old session held is gone, and only the caller knows
+which requests to start over (:meth:`radixd_client.RequestLifecycle.restart`).
+
+This module does no I/O; the clients sleep and connect.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+__all__ = ["Reconnect"]
+
+
+@dataclass(frozen=True)
+class Reconnect:
+    """How long and how often a client tries to reach a restarted daemon.
+
+    ``max_wait_s``: give up (``ConnectFailed``) when the daemon has not answered a hello for
+    this long; a daemon restart takes a few seconds to tens of seconds (its torch import, the
+    warm restart's verification). ``initial_backoff_s`` and ``max_backoff_s`` bound the delay
+    between attempts, which doubles each time, with full jitter so that many engines do not
+    reconnect in lockstep.
+    """
+
+    max_wait_s: float = 120.0
+    initial_backoff_s: float = 0.05
+    max_backoff_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not self.max_wait_s > 0 or not 0 < self.initial_backoff_s <= self.max_backoff_s:
+            raise ValueError("Reconnect needs max_wait_s > 0 and "
+                             "0 < initial_backoff_s <= max_backoff_s")
+
+    def delays(self, rng: random.Random | None = None) -> Iterator[float]:
+        """Seconds to wait before each next attempt (the first attempt is immediate); the
+        caller stops when ``max_wait_s`` has passed."""
+        rng = rng or random.Random()
+        cap = self.initial_backoff_s
+        while True:
+            yield rng.uniform(cap / 2, cap)
+            cap = min(self.max_backoff_s, cap * 2)
