@@ -101,15 +101,12 @@ _RECONNECT = Reconnect(max_wait_s=60.0)
 
 def _connect(socket_path: str, token: str, name: str) -> Client:
     """The first connection (a worker started while the daemon restarts waits for it too)."""
-    deadline = time.monotonic() + _RECONNECT.max_wait_s
-    for delay in _RECONNECT.delays():
+    attempts = _RECONNECT.attempts(socket_path)
+    while True:
         try:
             return Client(socket_path, token=token, client_name=name, reconnect=_RECONNECT)
-        except (ConnectFailed, ConnectionLost, ShuttingDown):
-            if time.monotonic() + delay > deadline:
-                raise
-            time.sleep(delay)
-    raise AssertionError("unreachable: delays() never ends")
+        except (ConnectFailed, ConnectionLost, ShuttingDown) as exc:
+            time.sleep(attempts.wait_after(exc))
 
 
 def worker_main(index: int, socket_path: str, token: str, model: str, docs: list[list[int]],

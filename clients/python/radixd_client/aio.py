@@ -45,7 +45,7 @@ from .protocol import (
     ModelInfo,
     Request,
 )
-from .reconnect import Reconnect
+from .reconnect import Reconnect, live_models, restarted
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from .pools import AttachedPools
@@ -199,31 +199,19 @@ class AsyncClient(Operations):
         assert policy is not None and path is not None
         self._fail("the daemon went away")
         old = getattr(self, "session", None)
-        deadline = self._loop.time() + policy.max_wait_s
-        for delay in policy.delays():
+        attempts = policy.attempts(path, self._loop.time)
+        while True:
             try:
                 self._bind(await _connect(path, self._timeout))
                 await self._handshake(self._timeout)
                 break
             except (ConnectFailed, ConnectionLost, ShuttingDown) as exc:
-                if self._loop.time() + delay > deadline:
-                    raise ConnectFailed(f"radixd at {path!r} did not come back within "
-                                        f"{policy.max_wait_s:g} s ({exc})") from cause
-                await asyncio.sleep(delay)
+                await asyncio.sleep(attempts.wait_after(exc))
         self._generation += 1
         self.restarts += 1
-        for model, pools in list(self._attached.items()):
-            if pools.closed:
-                del self._attached[model]
-                continue
-            result, fds = await self._attach_exclusive(model)
-            try:
-                pools.rebind(result, fds)
-            finally:
-                close_fds(fds)
-        return SessionRestarted(f"radixd went away ({cause.code}: {cause}); session {old} "
-                                f"ended, this client is now session {self.session} of daemon "
-                                f"instance {self.instance}")
+        for model in live_models(self._attached):
+            self._attached[model].rebind(*await self._attach_exclusive(model))
+        return restarted(cause, old, self)
 
     # -- writing --------------------------------------------------------------------------------
 

@@ -45,7 +45,7 @@ from .protocol import (
     Request,
     int32_array,
 )
-from .reconnect import Reconnect
+from .reconnect import Reconnect, live_models, restarted
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from .pools import AttachedPools, KvHostPools
@@ -196,29 +196,17 @@ class Client(Operations):
         assert policy is not None and path is not None
         self._drop()
         old = getattr(self, "session", None)
-        deadline = time.monotonic() + policy.max_wait_s
-        for delay in policy.delays():
+        attempts = policy.attempts(path)
+        while True:
             try:
                 self._open_session(_connect(path, self._timeout))
                 break
             except (ConnectFailed, ConnectionLost, ShuttingDown) as exc:
-                if time.monotonic() + delay > deadline:
-                    raise ConnectFailed(f"radixd at {path!r} did not come back within "
-                                        f"{policy.max_wait_s:g} s ({exc})") from cause
-                time.sleep(delay)
+                time.sleep(attempts.wait_after(exc))
         self.restarts += 1
-        for model, pools in list(self._attached.items()):
-            if pools.closed:
-                del self._attached[model]
-                continue
-            result, fds = self._call_with_fds_once("attach", Attach(model=model))
-            try:
-                pools.rebind(result, fds)
-            finally:
-                close_fds(fds)
-        return SessionRestarted(f"radixd went away ({cause.code}: {cause}); session {old} "
-                                f"ended, this client is now session {self.session} of daemon "
-                                f"instance {self.instance}")
+        for model in live_models(self._attached):
+            self._attached[model].rebind(*self._call_with_fds_once("attach", Attach(model=model)))
+        return restarted(cause, old, self)
 
     # -- calls ----------------------------------------------------------------------------------
 

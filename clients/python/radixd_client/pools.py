@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from .errors import PoolError
+from .fds import close_fds
 from .protocol import AttachResult, KvAttachResult, PoolInfo
 from .segments import SegmentedRegion, map_fixed_shared
 
@@ -339,7 +340,13 @@ class AttachedPools:
         """Point these tensors at a restarted daemon's pools, in place (same addresses, so views
         and anything captured over them stay valid). The layout must be the same; a GPU pool
         (CUDA IPC) cannot be rebound: its memory was the old daemon's and is gone. ``fds`` are
-        not closed here."""
+        closed here, rebound or not."""
+        try:
+            self._rebind(result, fds)
+        finally:
+            close_fds(fds)
+
+    def _rebind(self, result: AttachResult, fds: Sequence[int]) -> None:
         if self._tensors is None:
             raise PoolError(f"{self.model}: the pools are closed")
         new = {info.pool: info for info in result.pools}

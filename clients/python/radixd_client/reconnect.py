@@ -17,10 +17,14 @@ This module does no I/O; the clients sleep and connect.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["Reconnect"]
+from .errors import ConnectFailed, RadixdError, SessionRestarted
+
+__all__ = ["Attempts", "Reconnect", "live_models", "restarted"]
 
 
 @dataclass(frozen=True)
@@ -51,3 +55,39 @@ class Reconnect:
         while True:
             yield rng.uniform(cap / 2, cap)
             cap = min(self.max_backoff_s, cap * 2)
+
+    def attempts(self, path: str, clock: Callable[[], float] = time.monotonic) -> Attempts:
+        """A schedule of attempts to reach ``path``, starting now."""
+        return Attempts(self, path, clock)
+
+
+class Attempts:
+    """The waits between attempts to connect, until the policy's time is up."""
+
+    def __init__(self, policy: Reconnect, path: str, clock: Callable[[], float]) -> None:
+        self.policy, self.path, self.clock = policy, path, clock
+        self.deadline = clock() + policy.max_wait_s
+        self._delays = policy.delays()
+
+    def wait_after(self, failure: BaseException) -> float:
+        """Seconds to wait before the next attempt, or ``ConnectFailed`` when there is no time
+        left for one."""
+        delay = next(self._delays)
+        if self.clock() + delay > self.deadline:
+            raise ConnectFailed(f"radixd at {self.path!r} did not come back within "
+                                f"{self.policy.max_wait_s:g} s ({failure})") from failure
+        return delay
+
+
+def live_models(attached: dict[str, Any]) -> list[str]:
+    """The models whose pools a client must map again after a restart (closed ones are
+    forgotten)."""
+    for model in [m for m, pools in attached.items() if pools.closed]:
+        del attached[model]
+    return list(attached)
+
+
+def restarted(cause: RadixdError, old_session: int | None, client: Any) -> SessionRestarted:
+    return SessionRestarted(f"radixd went away ({cause.code}: {cause}); session {old_session} "
+                            f"ended, this client is now session {client.session} of daemon "
+                            f"instance {client.instance}")
