@@ -26,7 +26,7 @@ from daemon.cli import format_status
 from daemon.storage.host_snapshot import as_slots, decode_index, read_fd
 from daemon.warm_restart import INDEX_FD
 
-from .test_tiers import Engine, P, admin_stats, seq, tier_stats, wait_for
+from .test_tiers import Engine, P, admin_stats, cache_until_on_host, seq, tier_stats, wait_for
 
 
 @pytest.fixture
@@ -48,16 +48,7 @@ def _fill(make_daemon: Any, store: FdStore, seqs: list[list[int]]) -> tuple[dict
     """Cache ``seqs`` in a daemon under ``store``, wait for their host copies, SIGTERM it and
     take its fds into the store; returns the KV kept per page (the first writer's)."""
     d = make_daemon(_config(), **store.launch())
-    e = Engine(d.socket)
-    kept: tuple[dict, dict] = ({}, {})
-    for toks in seqs:
-        e.cache(toks)
-        for mine, theirs in zip(kept, (e.full, e.swa), strict=True):
-            for k, v in theirs.items():
-                mine.setdefault(k, v)
-    want = len({tuple(t[: (i + 1) * P]) for t in seqs for i in range(len(t) // P)})
-    wait_for(lambda: tier_stats(d)["tree_host_pages"] == want, "the host copies")
-    e.close()
+    kept = cache_until_on_host(d, seqs)
     d.check()
     assert d.stop() == 0, d.log()[-3000:]
     store.pump()

@@ -136,6 +136,22 @@ def seq(n_pages: int, base: int = 1) -> list[int]:
     return list(range(base, base + n_pages * P))
 
 
+def cache_until_on_host(d: Any, seqs: list[list[int]]) -> tuple[dict, dict]:
+    """Cache ``seqs`` through an ``Engine`` and wait for their host copies; returns the KV the
+    tree kept per page (the first writer's: a later duplicate page is freed)."""
+    e = Engine(d.socket)
+    kept: tuple[dict, dict] = ({}, {})
+    for toks in seqs:
+        e.cache(toks)
+        for mine, theirs in zip(kept, (e.full, e.swa), strict=True):
+            for k, v in theirs.items():
+                mine.setdefault(k, v)
+    want = len({tuple(t[: (i + 1) * P]) for t in seqs for i in range(len(t) // P)})
+    wait_for(lambda: tier_stats(d)["tree_host_pages"] == want, "the host copies")
+    e.close()
+    return kept
+
+
 # ---------------------------------------------------------------------------- L1 <-> L2
 
 

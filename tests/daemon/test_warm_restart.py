@@ -16,7 +16,7 @@ from radixd_client import Client
 from daemon.cli import format_status
 
 from .conftest import SMALL_MODEL
-from .test_tiers import Engine, P, admin_stats, seq, tier_stats, wait_for
+from .test_tiers import Engine, P, admin_stats, cache_until_on_host, seq
 
 
 def _config(state: Path, **model: Any) -> dict[str, Any]:
@@ -42,16 +42,7 @@ def _fill(make_daemon: Any, state: Path, seqs: list[list[int]], **model: Any
     KV the tree kept per page (the first writer's: a later duplicate page is freed) and the
     daemon."""
     d = make_daemon(_config(state, **model))
-    e = Engine(d.socket)
-    kept: tuple[dict, dict] = ({}, {})
-    for toks in seqs:
-        e.cache(toks)
-        for mine, theirs in zip(kept, (e.full, e.swa), strict=True):
-            for k, v in theirs.items():
-                mine.setdefault(k, v)
-    want = len({tuple(t[: (i + 1) * P]) for t in seqs for i in range(len(t) // P)})
-    wait_for(lambda: tier_stats(d)["tree_host_pages"] == want, "the host copies")
-    e.close()
+    kept = cache_until_on_host(d, seqs)
     _stop(d)
     return kept, d
 
