@@ -40,6 +40,7 @@ from .protocol import (
     Attach,
     Hello,
     HelloResult,
+    KvAttach,
     Limits,
     MatchResult,
     ModelInfo,
@@ -48,9 +49,12 @@ from .protocol import (
 from .reconnect import Reconnect, live_models, restarted
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
-    from .pools import AttachedPools
+    from .pools import AttachedPools, KvHostPools
 
 __all__ = ["AsyncClient", "AsyncClientBatch"]
+
+#: operations whose responses carry descriptors (SCM_RIGHTS): read with recvmsg, run alone
+_FD_OPS = ("attach", "kv_attach")
 
 log = logging.getLogger("radixd_client")
 
@@ -335,7 +339,7 @@ class AsyncClient(Operations):
             close_fds(fds)
             fut.set_exception(reply.value)
             return
-        fut.set_result((reply.value, fds) if reply.op == "attach" else reply.value)
+        fut.set_result((reply.value, fds) if reply.op in _FD_OPS else reply.value)
 
     # -- failure and closing --------------------------------------------------------------------
 
@@ -439,7 +443,7 @@ class AsyncClient(Operations):
             if slots is not None:
                 slots.release()
             raise
-        if op == "attach":
+        if op in _FD_OPS:
             self._attach_id = req.id
         try:
             self._write(frame)
@@ -449,7 +453,7 @@ class AsyncClient(Operations):
             raise
         self._wake.set()
         value = await fut
-        if self._attached and op != "attach":  # segments this process has not mapped yet
+        if self._attached and op not in _FD_OPS:  # segments this process has not mapped yet
             from .pools import models_to_update
 
             for model in models_to_update(req, value, self._attached):
@@ -496,7 +500,22 @@ class AsyncClient(Operations):
         finally:
             close_fds(fds)
 
+    async def kv_attach(self, model: str) -> KvHostPools:
+        """Map the host (L2) pools of ``model`` (see :meth:`radixd_client.Client.kv_attach`);
+        other calls wait while it runs, as for :meth:`attach`."""
+        from .pools import attach_host_pools
+
+        result, fds = await self._exclusive("kv_attach", KvAttach(model=model))
+        try:
+            return attach_host_pools(model, result, fds)
+        finally:
+            close_fds(fds)
+
     async def _attach_exclusive(self, model: str) -> tuple[Any, list[int]]:
+        return await self._exclusive("attach", Attach(model=model))
+
+    async def _exclusive(self, op: str, req: Request) -> tuple[Any, list[int]]:
+        """A call whose response carries descriptors: it has the connection to itself."""
         async with self._attach_lock:
             self._gate_open = False
             self._gate.clear()
@@ -504,8 +523,7 @@ class AsyncClient(Operations):
                 while self._conn.pending and self._closed_error is None:
                     self._drained.clear()
                     await self._drained.wait()
-                return await self._call_once(  # type: ignore[no-any-return]
-                    "attach", Attach(model=model), exclusive=True)
+                return await self._call_once(op, req, exclusive=True)  # type: ignore[no-any-return]
             finally:
                 self._gate_open = True
                 self._gate.set()
