@@ -19,7 +19,7 @@ import os
 import sys
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-for p in (_ROOT, os.path.join(_ROOT, "tests", "sglang")):
+for p in (_ROOT, *(os.path.join(_ROOT, "clients", c) for c in ("python", "sglang"))):
     if p not in sys.path:
         sys.path.insert(0, p)
 
@@ -30,13 +30,37 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
+from radixd_sglang.testing import host_pool, storage_config  # noqa: E402
 from sglang.srt.mem_cache.hicache_storage import HiCacheFile, PoolName, PoolTransfer  # noqa: E402
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
-from sglang_pools import host_pool, storage_config  # noqa: E402
 
-from tests.harness import daemon_conftest  # noqa: E402
+from bench._common import DaemonProcess  # noqa: E402
 
 GEO = {"layers": 36, "heads": 8, "head_dim": 128, "page_size": 64}
+
+# One model of GEO's geometry: the backend uses its host pool only (``host_pages``, one a page).
+CONFIG = """\
+log_level = "warning"
+[server]
+socket = "{{socket}}"
+[admin]
+enabled = false
+[checker]
+interval_s = 60.0
+[[models]]
+name = "m"
+page_size = {page_size}
+sliding_window = 0
+num_full_layers = {layers}
+num_kv_heads = {heads}
+head_dim = {head_dim}
+dtype = "bfloat16"
+device = "cpu"
+full_pages = 2
+swa_pages = 0
+host_pages = {host_pages}
+host_swa_pages = 0
+"""
 
 
 def best(fn, reps: int, before=None) -> float:
@@ -78,13 +102,7 @@ def main() -> None:
 
     memcpy = memcpy_gbps(nbytes, args.reps)
 
-    tmp = Path(tempfile.mkdtemp(prefix="radixd-sglang-bench-"))
-    conf = daemon_conftest()
-    model = {"name": "m", "page_size": GEO["page_size"], "sliding_window": 0,
-             "num_full_layers": GEO["layers"], "num_kv_heads": GEO["heads"],
-             "head_dim": GEO["head_dim"], "dtype": "bfloat16", "device": "cpu",
-             "full_pages": 2, "swa_pages": 0, "host_pages": pages + 8, "host_swa_pages": 0}
-    daemon = conf.Daemon(tmp, {"models": [model], "checker": {"interval_s": 60.0}})
+    daemon = DaemonProcess(CONFIG.format(host_pages=pages + 8, **GEO))
     try:
         extra = {"backend_name": "radixd", "module_path": "radixd_sglang",
                  "class_name": "RadixdHiCacheStorage", "interface_v1": 1,
@@ -125,7 +143,6 @@ def main() -> None:
             [PoolTransfer(PoolName.KV, host_indices=dst, keys=keys)]), args.reps) / 1e9
     finally:
         shutil.rmtree(shm, ignore_errors=True)
-        shutil.rmtree(tmp, ignore_errors=True)
 
     print(f"tokens {pages * GEO['page_size']} ({pages} pages of {page_nbytes} B, "
           f"{nbytes / 1e6:.0f} MB a copy), best of {args.reps}, {args.threads} torch thread(s)")

@@ -166,8 +166,10 @@ def build_tiers(config: Config, models: dict[str, ModelEntry], tenants: list[Ten
             host = HostTier(entry.cache.profile, mc.host_pages, mc.host_swa_pages)
             entry.tiers = TierManager(entry.cache, entry.pools, host, mc,
                                       l3 if mc.l3 else None, config.l3, host_quotas, l3_quotas)
+            # keyed pages written to Redis count against the same L3 ledger as the tree's
             entry.keyed = KeyedTier(entry.cache, host, host_quotas, mc.name,
-                                    l3 if mc.l3 else None, config.l3.write_policy)
+                                    l3 if mc.l3 else None, config.l3.write_policy,
+                                    l3_charge=entry.tiers.charge_l3)
 
 
 def build_service(config: Config, *, create_pools: bool = True) -> Service:

@@ -16,7 +16,10 @@ through :meth:`KeyedTier.make_room` too, so neither side can starve the other.
 
 Quotas: a tenant's ``quota_host`` counts full host pages of its namespace, the tree's and the
 keyed ones (stored or reserved) together; over it, the namespace's own oldest host pages go
-first, then the keys that do not fit are declined (slot 0, counted in ``full``).
+first, then the keys that do not fit are declined (slot 0, counted in ``full``). Its
+``quota_l3_bytes`` counts the keyed pages this store writes to Redis in the tiers' own L3 ledger
+(``l3_charge``: ``TierManager.charge_l3``), beside the tree's pages: over it, the namespace's least
+recently written pages of either kind are deleted from Redis.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import hashlib
 import logging
 import time
 from array import array
-from collections.abc import Hashable
+from collections.abc import Awaitable, Callable, Hashable
 from typing import Any
 
 from radixd_client import protocol as P
@@ -61,8 +64,11 @@ class KeyedTier:
     """Keyed pages of one model over its host tier."""
 
     def __init__(self, cache: ModelCache, host: HostTier, host_quotas: dict[str, int],
-                 model: str, l3: RedisTier | None = None, l3_policy: str = "write_through"
+                 model: str, l3: RedisTier | None = None, l3_policy: str = "write_through",
+                 l3_charge: Callable[[list[tuple[str, bytes, int]]], Awaitable[int]] | None = None
                  ) -> None:
+        """``l3_charge``: counts pages written to Redis against their namespace's L3 quota
+        (``TierManager.charge_l3``, one ledger with the tree's pages); None: not counted."""
         self.cache = cache
         self.host = host
         self.host_quotas = host_quotas
@@ -72,6 +78,7 @@ class KeyedTier:
         cache.keyed = self  # the tree's host copies make room through make_room
         self.l3 = l3
         self.l3_policy = l3_policy
+        self.l3_charge = l3_charge
         # L3 names a keyed page by its host hash salted with the model's name (as the tiers do
         # for tree pages: two models of one layout must not share values)
         self._l3_salt = b"radixd-l3-keyed\x00" + model.encode() + b"\x00"
@@ -364,9 +371,13 @@ class KeyedTier:
                     written = await self.l3.set_pages(values)
                     self.counters["kv_l3_write_pages"] += written
                     self.counters["kv_l3_write_failures"] += len(values) - written
-                    if written == len(values):
+                    if written == len(values):  # else which failed is unknown: count none
                         for *_, page in batch:
                             page.in_l3 = True
+                        if self.l3_charge is not None:
+                            await self.l3_charge([
+                                (page.ns, l3id, len(v))
+                                for (_, _, l3id, _, _, page), v in zip(batch, values, strict=True)])
                 except asyncio.CancelledError:
                     raise
                 except Exception:

@@ -511,24 +511,37 @@ class TierManager:
         self.counters["l3_write_failures"] += self.l3.stats["set_failures"] - before
         if written < len(values):
             return  # which ones failed is unknown: count none rather than delete early
+        await self.charge_l3([(ns, h, len(v))
+                              for (_kind, ns, _, h, _, _), v in zip(batch, values, strict=True)])
+
+    async def charge_l3(self, pages: list[tuple[str, bytes, int]]) -> int:
+        """Count pages just written to Redis, ``(namespace, Redis page id, value bytes)``, against
+        their namespace's ``quota_l3_bytes``; over it, delete the namespace's least recently
+        written pages (both pool keys: the ledger does not keep the pool) and count them. One
+        ledger per namespace for the tree's pages and the keyed store's (which calls this too), so
+        a tenant's quota bounds both together. Returns how many pages were deleted."""
+        assert self.l3 is not None
         over: dict[str, list[bytes]] = {}
-        for (_kind, ns, _, h, _, _), v in zip(batch, values, strict=True):
+        for ns, h, nbytes in pages:
             quota = self.l3_quotas.get(ns, 0)
             if not quota:
                 continue
             # a running total per namespace: the ledger may hold a million pages
             ledger = self._ledger.setdefault(ns, OrderedDict())
-            total = self._ledger_total.get(ns, 0) - ledger.pop(h, 0) + len(v)
-            ledger[h] = len(v)  # a rewrite replaces its old size, and is the newest again
+            total = self._ledger_total.get(ns, 0) - ledger.pop(h, 0) + nbytes
+            ledger[h] = nbytes  # a rewrite replaces its old size, and is the newest again
             while total > quota and ledger:
                 old, size = ledger.popitem(last=False)
                 total -= size
                 over.setdefault(ns, []).append(old)
             self._ledger_total[ns] = total
+        deleted = 0
         for hashes in over.values():
             self.counters["l3_quota_deleted_pages"] += len(hashes)
+            deleted += len(hashes)
             await self.l3.delete(hashes, "full")
             await self.l3.delete(hashes, "swa")
+        return deleted
 
     # ------------------------------------------------------------------ prefetch (L3 -> L2)
 

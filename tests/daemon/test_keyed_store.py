@@ -4,6 +4,8 @@ the same bytes. Every daemon fixture ends with a strict full check (the keyed st
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import redis as redis_sync
 import torch
@@ -13,8 +15,16 @@ from radixd_client.protocol import Code, KvAttach, KvLookup
 
 from tests.redis_procs import SHARED_URL, free_port
 
+from . import test_tiers
 from .conftest import SMALL_MODEL, Raw
-from .test_tiers import Engine, l3_config, prefix, seq, wait_for  # noqa: F401 - prefix: fixture
+from .test_tiers import (  # noqa: F401 - prefix: fixture
+    Engine,
+    admin_stats,
+    l3_config,
+    prefix,
+    seq,
+    wait_for,
+)
 
 HOST = {**SMALL_MODEL, "host_pages": 16, "host_swa_pages": 8}
 
@@ -218,6 +228,72 @@ def test_redis_write_through_then_eviction_then_fetch(make_daemon, prefix: str) 
         assert c.kv_lookup("m", keys("a"), fetch=True, pin=False).present == b"\x00"
         # the SWA page went through Redis too, kind-checked
         assert read(c, pools, ["w"], "swa", fetch=True).keys() == sw.keys()
+
+
+def redis_keys(key_prefix: str) -> int:
+    raw = redis_sync.Redis.from_url(SHARED_URL)
+    try:
+        return sum(1 for _ in raw.scan_iter(match=key_prefix + ":*"))
+    finally:
+        raw.close()
+
+
+def test_keyed_pages_count_against_the_tenants_l3_quota(make_daemon, prefix: str) -> None:  # noqa: F811
+    """A full keyed page is 2048 payload bytes plus its header: 7168 bytes admit 3 values, not 4.
+    Over the quota, the namespace's least recently written pages leave Redis (counted, as tree
+    pages are); the other tenant's pages stay."""
+    config = l3_config(SHARED_URL, prefix, host_pages=16, host_swa_pages=8)
+    config["tenants"] = [{"name": "t1", "token": "one", "quota_l3_bytes": 7168},
+                         {"name": "t2", "token": "two"}]
+    d = make_daemon(config)
+    tiers = lambda: admin_stats(d)["models"]["m"]["tiers"]  # noqa: E731
+    with Client(d.socket, token="one") as a, Client(d.socket, token="two") as b:
+        pa, pb = a.kv_attach("m"), b.kv_attach("m")
+        written = store(a, pa, ["a", "b", "c", "d", "e"], 1)  # one batch, written in this order
+        store(b, pb, [f"o{i}" for i in range(5)], 2)
+        wait_for(lambda: tiers()["l3_write_failures"] == 0
+                 and stats(a)["kv_l3_write_pages"] == 10, "the Redis writes")
+        wait_for(lambda: tiers()["l3_quota_deleted_pages"] == 2, "the quota deletions")
+        assert redis_keys(prefix) == 3 + 5
+        # t2 (no L3 quota) fills host: every t1 page leaves host, only Redis can answer now
+        store(b, pb, [f"x{i}" for i in range(15)], 3)
+        wait_for(lambda: stats(b)["kv_l3_write_pages"] == 25, "t2's Redis writes")
+        assert stats(a)["kv_pages"] == 0
+        got = a.kv_lookup("m", keys("a", "b", "c", "d", "e"), fetch=True, timeout_s=5)
+        assert got.present == b"\x00\x00\x01\x01\x01" and got.fetched == 3
+        for name, s in zip("cde", got.slots[2:], strict=True):
+            assert torch.equal(pa.full[s], written[name])
+        a.kv_release("m", got.pin)
+        assert tiers()["l3_quota_deleted_pages"] == 2 and redis_keys(prefix) == 3 + 20
+
+
+def test_keyed_and_tree_pages_share_one_l3_ledger(make_daemon, prefix: str,  # noqa: F811
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Values are ~2.1 KB (a tree page: a full and an SWA key, one ledger entry). Two tree pages
+    and one keyed page fit 7500 bytes; a second keyed page does not, and the namespace's least
+    recently written page, a tree page (both its keys), leaves Redis, not a keyed one."""
+    config = l3_config(SHARED_URL, prefix, host_pages=16, host_swa_pages=8)
+    config["tenants"] = [{"name": "t1", "token": "one", "quota_l3_bytes": 7500}]
+    d = make_daemon(config)
+    tiers = lambda: admin_stats(d)["models"]["m"]["tiers"]  # noqa: E731
+    monkeypatch.setattr(test_tiers, "Client", functools.partial(Client, token="one"))
+    e = Engine(d.socket)  # the tenant's engine: its tree pages go to host, then to Redis
+    try:
+        e.cache(seq(2))
+        wait_for(lambda: tiers()["l3_write_pages"] == 4, "the tree's Redis writes")
+        pools = e.c.kv_attach("m")
+        store(e.c, pools, ["a", "b"], 1)
+        wait_for(lambda: stats(e.c)["kv_l3_write_pages"] == 2, "the keyed Redis writes")
+        wait_for(lambda: tiers()["l3_quota_deleted_pages"] == 1, "the quota deletion")
+        raw = redis_sync.Redis.from_url(SHARED_URL)
+        try:
+            left = [k.decode() for k in raw.scan_iter(match=prefix + ":*")]
+        finally:
+            raw.close()
+        # one tree page left (its full and SWA keys) and both keyed pages
+        assert len(left) == 4 and sum(k.endswith(":swa") for k in left) == 1
+    finally:
+        e.close()
 
 
 def test_redis_down_is_a_miss(make_daemon) -> None:

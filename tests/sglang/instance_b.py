@@ -11,8 +11,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from conftest import GEOMETRY  # noqa: E402
+from radixd_sglang.testing import host_pool, storage_config  # noqa: E402
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
-from sglang_pools import host_pool, storage_config  # noqa: E402
 
 
 def main() -> None:

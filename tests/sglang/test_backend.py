@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 from conftest import GEOMETRY, extra
+from radixd_sglang.testing import host_pool, storage_config
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
-from sglang_pools import host_pool, storage_config
 
 HERE = Path(__file__).resolve().parent
 

@@ -7,6 +7,7 @@ import signal
 
 import torch
 from conftest import GEOMETRY, MODEL, conf, extra
+from radixd_sglang.testing import host_pool, storage_config
 from sglang.srt.mem_cache.hicache_storage import (
     HiCacheFile,
     PoolHitPolicy,
@@ -14,7 +15,6 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransfer,
 )
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
-from sglang_pools import host_pool, storage_config
 from test_backend import backend, fill, pages_of
 
 

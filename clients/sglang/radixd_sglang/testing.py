@@ -1,6 +1,7 @@
 """Real SGLang 0.5.23 objects on the CPU: an MHA host pool (``MHATokenToKVPoolHost``, page_first)
-and the ``HiCacheStorageConfig`` SGLang's cache controller would build; shared by the tests and
-bench/sglang_bench.py."""
+and the ``HiCacheStorageConfig`` SGLang's cache controller would build. Part of the package (not of
+tests/) so that tests/sglang and bench/sglang_bench.py share one copy and the bench does not depend
+on the test tree; the backend itself never imports it."""
 
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ def host_pool(layers: int, heads: int, head_dim: int, page_size: int, pages: int
 
 def storage_config(extra: dict[str, Any] | None, model: str = "org/model", tp_rank: int = 0,
                    tp_size: int = 1) -> HiCacheStorageConfig:
+    """The config SGLang's cache controller hands a storage backend, for a single-node MHA model
+    (page_first layout); ``extra``: ``--hicache-storage-backend-extra-config``."""
     return HiCacheStorageConfig(
         tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
         is_mla_model=False, enable_storage_metrics=True, is_page_first_layout=True,
