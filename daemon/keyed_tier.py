@@ -60,12 +60,16 @@ class KvError(Exception):
         self.code = code
 
 
+#: TierManager.charge_l3: (namespace, Redis page id, pool, value bytes) of written values
+L3Charge = Callable[[list[tuple[str, bytes, str, int]]], Awaitable[int]]
+
+
 class KeyedTier:
     """Keyed pages of one model over its host tier."""
 
     def __init__(self, cache: ModelCache, host: HostTier, host_quotas: dict[str, int],
                  model: str, l3: RedisTier | None = None, l3_policy: str = "write_through",
-                 l3_charge: Callable[[list[tuple[str, bytes, int]]], Awaitable[int]] | None = None
+                 l3_charge: L3Charge | None = None
                  ) -> None:
         """``l3_charge``: counts pages written to Redis against their namespace's L3 quota
         (``TierManager.charge_l3``, one ledger with the tree's pages); None: not counted."""
@@ -376,8 +380,8 @@ class KeyedTier:
                             page.in_l3 = True
                         if self.l3_charge is not None:
                             await self.l3_charge([
-                                (page.ns, l3id, len(v))
-                                for (_, _, l3id, _, _, page), v in zip(batch, values, strict=True)])
+                                (page.ns, l3id, kind, len(v)) for (kind, _, l3id, _, _, page), v
+                                in zip(batch, values, strict=True)])
                 except asyncio.CancelledError:
                     raise
                 except Exception:

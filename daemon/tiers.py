@@ -148,7 +148,7 @@ class TierManager:
         self.host_quotas = host_quotas
         self.l3_quotas = l3_quotas
         # L3 byte quota: per namespace, the pages this daemon wrote (oldest first) and their sum
-        self._ledger: dict[str, OrderedDict[bytes, int]] = {}
+        self._ledger: dict[str, OrderedDict[tuple[bytes, str], int]] = {}
         self._ledger_total: dict[str, int] = {}
         # phase 1 of two-phase eviction: which nodes the tree names for a copy before they go
         cache.tree.host_copy_hits = self.threshold if \
@@ -511,37 +511,35 @@ class TierManager:
         self.counters["l3_write_failures"] += self.l3.stats["set_failures"] - before
         if written < len(values):
             return  # which ones failed is unknown: count none rather than delete early
-        await self.charge_l3([(ns, h, len(v))
-                              for (_kind, ns, _, h, _, _), v in zip(batch, values, strict=True)])
+        await self.charge_l3([(ns, h, kind, len(v)) for (kind, ns, _, h, _, _), v
+                              in zip(batch, values, strict=True)])
 
-    async def charge_l3(self, pages: list[tuple[str, bytes, int]]) -> int:
-        """Count pages just written to Redis, ``(namespace, Redis page id, value bytes)``, against
-        their namespace's ``quota_l3_bytes``; over it, delete the namespace's least recently
-        written pages (both pool keys: the ledger does not keep the pool) and count them. One
-        ledger per namespace for the tree's pages and the keyed store's (which calls this too), so
-        a tenant's quota bounds both together. Returns how many pages were deleted."""
+    async def charge_l3(self, values: list[tuple[str, bytes, str, int]]) -> int:
+        """Count values just written to Redis, ``(namespace, Redis page id, pool, bytes)``,
+        against their namespace's ``quota_l3_bytes``; over it, delete the namespace's least
+        recently written values and count them. One ledger per namespace for the tree's pages
+        and the keyed store's (which calls this too), so a tenant's quota bounds both together.
+        Returns how many values were deleted."""
         assert self.l3 is not None
-        over: dict[str, list[bytes]] = {}
-        for ns, h, nbytes in pages:
+        over: dict[str, list[bytes]] = {"full": [], "swa": []}
+        for ns, h, kind, nbytes in values:
             quota = self.l3_quotas.get(ns, 0)
             if not quota:
                 continue
-            # a running total per namespace: the ledger may hold a million pages
-            ledger = self._ledger.setdefault(ns, OrderedDict())
-            total = self._ledger_total.get(ns, 0) - ledger.pop(h, 0) + nbytes
-            ledger[h] = nbytes  # a rewrite replaces its old size, and is the newest again
+            # a running total per namespace: the ledger may hold a million values
+            ledger, key = self._ledger.setdefault(ns, OrderedDict()), (h, kind)
+            total = self._ledger_total.get(ns, 0) - ledger.pop(key, 0) + nbytes
+            ledger[key] = nbytes  # a rewrite replaces its old size, and is the newest again
             while total > quota and ledger:
-                old, size = ledger.popitem(last=False)
+                (old, old_kind), size = ledger.popitem(last=False)
                 total -= size
-                over.setdefault(ns, []).append(old)
+                over[old_kind].append(old)
             self._ledger_total[ns] = total
-        deleted = 0
-        for hashes in over.values():
+        for kind, hashes in over.items():
             self.counters["l3_quota_deleted_pages"] += len(hashes)
-            deleted += len(hashes)
-            await self.l3.delete(hashes, "full")
-            await self.l3.delete(hashes, "swa")
-        return deleted
+            if hashes:
+                await self.l3.delete(hashes, kind)
+        return sum(map(len, over.values()))
 
     # ------------------------------------------------------------------ prefetch (L3 -> L2)
 

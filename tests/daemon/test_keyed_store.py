@@ -4,8 +4,6 @@ the same bytes. Every daemon fixture ends with a strict full check (the keyed st
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import redis as redis_sync
 import torch
@@ -15,7 +13,6 @@ from radixd_client.protocol import Code, KvAttach, KvLookup
 
 from tests.redis_procs import SHARED_URL, free_port
 
-from . import test_tiers
 from .conftest import SMALL_MODEL, Raw
 from .test_tiers import (  # noqa: F401 - prefix: fixture
     Engine,
@@ -267,17 +264,16 @@ def test_keyed_pages_count_against_the_tenants_l3_quota(make_daemon, prefix: str
         assert tiers()["l3_quota_deleted_pages"] == 2 and redis_keys(prefix) == 3 + 20
 
 
-def test_keyed_and_tree_pages_share_one_l3_ledger(make_daemon, prefix: str,  # noqa: F811
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """Values are ~2.1 KB (a tree page: a full and an SWA key, one ledger entry). Two tree pages
-    and one keyed page fit 7500 bytes; a second keyed page does not, and the namespace's least
-    recently written page, a tree page (both its keys), leaves Redis, not a keyed one."""
+def test_keyed_and_tree_pages_share_one_l3_ledger(make_daemon, prefix: str  # noqa: F811
+                                                  ) -> None:
+    """Values are ~2.1 KB each (a tree page has two: its full and its SWA key, counted apart).
+    Two tree pages and one keyed page fit 11500 bytes; a second keyed page does not, and the
+    namespace's least recently written value, the first tree page's full key, leaves Redis."""
     config = l3_config(SHARED_URL, prefix, host_pages=16, host_swa_pages=8)
-    config["tenants"] = [{"name": "t1", "token": "one", "quota_l3_bytes": 7500}]
+    config["tenants"] = [{"name": "t1", "token": "one", "quota_l3_bytes": 11500}]
     d = make_daemon(config)
     tiers = lambda: admin_stats(d)["models"]["m"]["tiers"]  # noqa: E731
-    monkeypatch.setattr(test_tiers, "Client", functools.partial(Client, token="one"))
-    e = Engine(d.socket)  # the tenant's engine: its tree pages go to host, then to Redis
+    e = Engine(d.socket, token="one")  # the tenant's engine: its tree pages go to host, Redis
     try:
         e.cache(seq(2))
         wait_for(lambda: tiers()["l3_write_pages"] == 4, "the tree's Redis writes")
@@ -290,8 +286,8 @@ def test_keyed_and_tree_pages_share_one_l3_ledger(make_daemon, prefix: str,  # n
             left = [k.decode() for k in raw.scan_iter(match=prefix + ":*")]
         finally:
             raw.close()
-        # one tree page left (its full and SWA keys) and both keyed pages
-        assert len(left) == 4 and sum(k.endswith(":swa") for k in left) == 1
+        # three tree values (both SWA keys) and both keyed pages
+        assert len(left) == 5 and sum(k.endswith(":swa") for k in left) == 2
     finally:
         e.close()
 

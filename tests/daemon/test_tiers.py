@@ -49,8 +49,8 @@ def l3_config(url: str, prefix: str, **model: Any) -> dict[str, Any]:
 class Engine:
     """A client that writes known KV into the pages it allocates and remembers it per page."""
 
-    def __init__(self, socket: str, seed: int = 0):
-        self.c = Client(socket, timeout=20)
+    def __init__(self, socket: str, seed: int = 0, token: str | None = None):
+        self.c = Client(socket, token, timeout=20)
         self.pools = self.c.attach("m")
         self.gen = torch.Generator().manual_seed(seed)
         self.full: dict[bytes, torch.Tensor] = {}  # page tokens (as bytes) -> its KV
