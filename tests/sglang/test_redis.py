@@ -44,6 +44,8 @@ def test_evicted_pages_come_back_from_redis_and_corrupted_ones_never(make_daemon
         _wait_for_values(r, prefix, 6)  # written through
         idx_b, keys_b = fill(pool, 7, 12)
         assert b.batch_set_v1(keys_b, idx_b) == [True] * 7  # A leaves host
+        # B's host slots can make room for A only once their write-through has landed
+        _wait_for_values(r, prefix, 6 + 7)
         assert b.batch_exists(keys_a) == 6  # found in Redis, fetched into host
         dst = pool.alloc(6 * pool.page_size)
         assert b.batch_get_v1(keys_a, dst) == [True] * 6
