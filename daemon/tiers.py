@@ -30,7 +30,6 @@ import hashlib
 import logging
 import time
 from array import array
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -48,6 +47,7 @@ from .storage.copies import (
     run_plans,
 )
 from .storage.host_tier import HostTier
+from .storage.l3_ledger import L3Ledger
 from .storage.redis_tier import RedisTier
 from .tier_jobs import (
     BackupJob,
@@ -148,8 +148,7 @@ class TierManager:
         self.host_quotas = host_quotas
         self.l3_quotas = l3_quotas
         # L3 byte quota: per namespace, the pages this daemon wrote (oldest first) and their sum
-        self._ledger: dict[str, OrderedDict[tuple[bytes, str], int]] = {}
-        self._ledger_total: dict[str, int] = {}
+        self.l3_ledger = L3Ledger()
         # phase 1 of two-phase eviction: which nodes the tree names for a copy before they go
         cache.tree.host_copy_hits = self.threshold if \
             self.write_policy == "write_through_selective" else 0
@@ -523,18 +522,9 @@ class TierManager:
         assert self.l3 is not None
         over: dict[str, list[bytes]] = {"full": [], "swa": []}
         for ns, h, kind, nbytes in values:
-            quota = self.l3_quotas.get(ns, 0)
-            if not quota:
-                continue
-            # a running total per namespace: the ledger may hold a million values
-            ledger, key = self._ledger.setdefault(ns, OrderedDict()), (h, kind)
-            total = self._ledger_total.get(ns, 0) - ledger.pop(key, 0) + nbytes
-            ledger[key] = nbytes  # a rewrite replaces its old size, and is the newest again
-            while total > quota and ledger:
-                (old, old_kind), size = ledger.popitem(last=False)
-                total -= size
+            for old, old_kind in self.l3_ledger.charge(ns, h, kind, nbytes,
+                                                       self.l3_quotas.get(ns, 0)):
                 over[old_kind].append(old)
-            self._ledger_total[ns] = total
         for kind, hashes in over.items():
             self.counters["l3_quota_deleted_pages"] += len(hashes)
             if hashes:

@@ -40,6 +40,7 @@ from .storage.host_snapshot import (
     SECTIONS,
     HostSnapshot,
     KeyedRecord,
+    L3LedgerRecord,
     ModelImage,
     PageSource,
     PoolImage,
@@ -116,6 +117,9 @@ def _image(entry: ModelEntry, index: int, state_dir: str | None) -> ModelImage:
         for page in entry.keyed.pages.pages.values():
             img.keyed.append(KeyedRecord(page.ns, page.kind, page.key, page.slot))
             used[page.kind].append(page.slot)
+    img.l3_ledger = [L3LedgerRecord(ns, h, pool, n)
+                     for ns, values in entry.tiers.l3_ledger.entries().items()  # type: ignore
+                     for h, pool, n in values]
     for kind, slots in used.items():
         if not slots:
             continue
@@ -295,6 +299,12 @@ class _Restorer:
             self.tree_nodes()
         else:
             self.dropped += sum(len(r.host) // 4 for r in self.img.tree)
+        if "l3_ledger" in self.sections:  # the quota keeps counting what Redis still holds
+            by_ns: dict[str, list[tuple[bytes, str, int]]] = {}
+            for rec in self.img.l3_ledger:
+                by_ns.setdefault(rec.ns, []).append((rec.page_id, rec.pool, rec.nbytes))
+            for ns, values in by_ns.items():
+                self.entry.tiers.l3_ledger.adopt(ns, values)  # type: ignore[union-attr]
         if "keyed" in self.sections:
             self.keyed_pages()
         else:

@@ -50,7 +50,7 @@ MAGIC = b"RXHS"
 #: Version of the index container (the header and the body's top-level fields).
 INDEX_VERSION = 1
 #: Section versions this daemon writes and reads.
-SECTIONS = {"tree": 1, "keyed": 1}
+SECTIONS = {"tree": 1, "keyed": 1, "l3_ledger": 1}
 INDEX_NAME = "host-index.bin"
 _HEAD = struct.Struct("<4sII")
 #: Names of the fds a stop puts in systemd's fd store start with this; any other fd passed at
@@ -91,11 +91,22 @@ class KeyedRecord(msgspec.Struct, array_like=True):
     slot: int
 
 
+class L3LedgerRecord(msgspec.Struct, array_like=True):
+    """A value this daemon wrote to Redis, counted against its namespace's ``quota_l3_bytes``
+    (oldest first in the list: daemon.storage.l3_ledger)."""
+
+    ns: str
+    page_id: bytes
+    pool: str
+    nbytes: int
+
+
 class ModelImage(msgspec.Struct):
     fingerprint: bytes
     pools: dict[str, PoolImage] = {}
     tree: list[TreeNodeRecord] = []
     keyed: list[KeyedRecord] = []
+    l3_ledger: list[L3LedgerRecord] = []
 
 
 class HostSnapshot(msgspec.Struct):

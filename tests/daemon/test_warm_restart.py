@@ -11,12 +11,23 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import redis as redis_sync
 from radixd_client import Client
 
 from daemon.cli import format_status
+from tests.redis_procs import SHARED_URL
 
 from .conftest import SMALL_MODEL
-from .test_tiers import Engine, P, admin_stats, cache_until_on_host, seq
+from .test_tiers import (  # noqa: F401 - prefix: fixture
+    Engine,
+    P,
+    admin_stats,
+    cache_until_on_host,
+    l3_config,
+    prefix,
+    seq,
+    wait_for,
+)
 
 
 def _config(state: Path, **model: Any) -> dict[str, Any]:
@@ -141,3 +152,36 @@ def test_state_dir_must_be_absolute(tmp_path: Path) -> None:
     else:
         raise AssertionError("a relative state_dir was accepted")
     assert os.path.isabs(str(tmp_path))
+
+
+def test_the_l3_quota_keeps_counting_across_a_restart(make_daemon, tmp_path: Path,
+                                                      prefix: str) -> None:  # noqa: F811
+    """A tree page is two Redis values of ~2.1 KB (full and SWA). 10000 bytes hold four. Two
+    pages are written before the restart; one more after it puts the namespace over its quota
+    only if the ledger of what was written before was carried over, and then the oldest two
+    values (the first page's) are deleted."""
+    def config() -> dict[str, Any]:
+        return {**l3_config(SHARED_URL, prefix), "server": {"state_dir": str(tmp_path / "s")},
+                "tenants": [{"name": "t1", "token": "one", "quota_l3_bytes": 10000}]}
+
+    def stored() -> int:
+        raw = redis_sync.Redis.from_url(SHARED_URL)
+        try:
+            return len(list(raw.scan_iter(match=prefix + ":*", count=1000)))
+        finally:
+            raw.close()
+
+    d1 = make_daemon(config())
+    e = Engine(d1.socket, token="one")
+    e.cache(seq(2))
+    wait_for(lambda: stored() == 4, "the first two pages in Redis")
+    e.close()
+    assert admin_stats(d1)["models"]["m"]["tiers"]["l3_quota_deleted_pages"] == 0
+    _stop(d1)
+    d2 = make_daemon(config())
+    e = Engine(d2.socket, token="one")
+    e.cache(seq(1, base=5000))
+    wait_for(lambda: admin_stats(d2)["models"]["m"]["tiers"]["l3_quota_deleted_pages"] == 2,
+             "the quota deleting the oldest values")
+    assert stored() == 4
+    e.close()

@@ -1,0 +1,55 @@
+"""What this daemon has written to Redis per namespace, for ``quota_l3_bytes``.
+
+Redis does not say who wrote a key or when, so the quota counts what this daemon wrote: one
+entry per value (a page's full and SWA values are separate keys, counted and aged apart), in
+write order. A value written again is the newest again at its new size. Over the quota the
+oldest values go first, whoever wrote them (the tree's tiers or the keyed store). The ledger
+survives a warm restart (daemon.warm_restart), so pages written before it keep counting.
+Pure bookkeeping: the caller deletes what :meth:`L3Ledger.charge` returns.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+
+__all__ = ["L3Ledger"]
+
+
+class L3Ledger:
+    def __init__(self) -> None:
+        self._values: dict[str, OrderedDict[tuple[bytes, str], int]] = {}
+        self._totals: dict[str, int] = {}  # running sums: a ledger may hold a million values
+
+    def charge(self, ns: str, page_id: bytes, pool: str, nbytes: int, quota: int
+               ) -> list[tuple[bytes, str]]:
+        """Count a value just written; returns the ``(page id, pool)`` of the values to delete
+        so that the namespace stays within ``quota`` bytes (0: unbounded, nothing counted)."""
+        if not quota:
+            return []
+        values, key = self._values.setdefault(ns, OrderedDict()), (page_id, pool)
+        total = self._totals.get(ns, 0) - values.pop(key, 0) + nbytes
+        values[key] = nbytes
+        gone: list[tuple[bytes, str]] = []
+        while total > quota and values:
+            old, size = values.popitem(last=False)
+            total -= size
+            gone.append(old)
+        self._totals[ns] = total
+        return gone
+
+    def total(self, ns: str) -> int:
+        return self._totals.get(ns, 0)
+
+    def entries(self) -> dict[str, list[tuple[bytes, str, int]]]:
+        """Every namespace's values, oldest first (what a warm restart carries over)."""
+        return {ns: [(h, pool, n) for (h, pool), n in values.items()]
+                for ns, values in self._values.items() if values}
+
+    def adopt(self, ns: str, entries: Iterable[tuple[bytes, str, int]]) -> None:
+        """Entries of a previous run, older than anything this run wrote."""
+        values = self._values.setdefault(ns, OrderedDict())
+        older = OrderedDict(((h, pool), n) for h, pool, n in entries if (h, pool) not in values)
+        older.update(values)
+        self._values[ns] = older
+        self._totals[ns] = sum(older.values())

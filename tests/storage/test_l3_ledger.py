@@ -1,0 +1,42 @@
+"""The L3 quota ledger against a plain list model: random writes and rewrites under random
+quotas, and a ledger carried over a restart (adopt) counting as older than what came after."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from daemon.storage.l3_ledger import L3Ledger
+
+writes = st.lists(st.tuples(st.sampled_from(["a", "b"]), st.integers(0, 5),
+                            st.sampled_from(["full", "swa"]), st.integers(1, 50)), max_size=60)
+
+
+def _model_charge(model: list, key: tuple, nbytes: int, quota: int) -> list:
+    if not quota:
+        return []
+    model[:] = [(k, n) for k, n in model if k != key] + [(key, nbytes)]
+    gone = []
+    while sum(n for _, n in model) > quota and model:
+        gone.append(model.pop(0)[0])
+    return gone
+
+
+@settings(max_examples=200, deadline=None)
+@given(writes, st.integers(0, 120), writes)
+def test_the_ledger_keeps_the_newest_values_within_the_quota(before, quota, after) -> None:
+    ledger, models = L3Ledger(), {"a": [], "b": []}
+    for ns, page, pool, n in before:
+        got = ledger.charge(ns, bytes([page]), pool, n, quota)
+        assert got == _model_charge(models[ns], (bytes([page]), pool), n, quota)
+    # a restart: the next daemon adopts what this one wrote, then goes on writing
+    carried = ledger.entries()
+    ledger = L3Ledger()
+    for ns, values in carried.items():
+        ledger.adopt(ns, values)
+    for ns, page, pool, n in after:
+        got = ledger.charge(ns, bytes([page]), pool, n, quota)
+        assert got == _model_charge(models[ns], (bytes([page]), pool), n, quota)
+    for ns, model in models.items():
+        assert ledger.total(ns) == sum(n for _, n in model) <= max(quota, 0) or not quota
+        assert ledger.entries().get(ns, []) == [(h, p, n) for (h, p), n in model]
