@@ -108,6 +108,47 @@ def test_radixd_killed_is_a_miss_and_it_works_again_after_restart(make_daemon) -
         conf.check_and_stop([d2])
 
 
+def test_radixd_killed_in_the_middle_of_a_get_is_a_miss_never_half_a_hit(make_daemon) -> None:
+    """The daemon dies while the backend copies pinned pages out of its mapped host pool (the
+    kill is injected between two page copies; the copy itself is the real one). The get answers
+    all misses (the pin's release failed, so nothing is vouched for), raises nothing into
+    SGLang, and once radixd is back the same get is a byte-exact hit."""
+    d = make_daemon()
+    b, pool = backend(d, backoff_max_s=0.05)
+    idx, keys = fill(pool, 4, 8)
+    assert all(b.batch_set_v1(keys, idx))
+    view = b._views["full"]  # noqa: SLF001 - the fault goes between two real page copies
+    real_load, copied = view.load, []
+
+    def load_then_kill(page: int, slot: torch.Tensor) -> None:
+        if len(copied) == 2:
+            d.proc.send_signal(signal.SIGKILL)
+            d.proc.wait()
+            d.killed = True
+        real_load(page, slot)
+        copied.append(page)
+
+    view.load = load_then_kill
+    dst = pool.alloc(4 * pool.page_size)
+    assert b.batch_get_v1(keys, dst) == [False] * 4
+    assert len(copied) == 4  # the copy ran on after the kill: the mapping outlives the daemon
+    view.load = real_load
+    d2 = conf.Daemon(d.tmp, d.config)  # the same socket path
+    try:
+        import time
+
+        deadline = time.monotonic() + 10
+        while not all(b.batch_set_v1(keys, idx)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        dst2 = pool.alloc(4 * pool.page_size)
+        assert b.batch_get_v1(keys, dst2) == [True] * 4
+        assert all(torch.equal(x, y) for x, y in zip(pages_of(pool, dst2), pages_of(pool, idx),
+                                                     strict=True))
+        b.close()
+    finally:
+        conf.check_and_stop([d2])
+
+
 def test_page_size_mismatch_is_refused_at_registration_naming_the_fix(make_daemon) -> None:
     import pytest
 
