@@ -86,7 +86,13 @@ class Daemon:
             stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO, pass_fds=pass_fds,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
         self.checks = 0
-        self._wait_ready()
+        try:
+            self._wait_ready()
+        except BaseException:  # a daemon that did not come up must not outlive the test
+            self.proc.kill()
+            self.proc.wait()
+            self._log.close()
+            raise
 
     def _wait_ready(self, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout
