@@ -163,7 +163,8 @@ def build_tiers(config: Config, models: dict[str, ModelEntry], tenants: list[Ten
     for mc in config.models:
         entry = models[mc.name]
         if entry.pools is not None and mc.host_pages:
-            host = HostTier(entry.cache.profile, mc.host_pages, mc.host_swa_pages)
+            host = HostTier(entry.cache.profile, mc.host_pages, mc.host_swa_pages,
+                            segment_pages=mc.host_segments())
             entry.tiers = TierManager(entry.cache, entry.pools, host, mc,
                                       l3 if mc.l3 else None, config.l3, host_quotas, l3_quotas)
             # keyed pages written to Redis count against the same L3 ledger as the tree's

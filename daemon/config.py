@@ -19,7 +19,7 @@ from urllib.parse import urlsplit, urlunsplit
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .gpu.profile import ModelProfile, ProfileError
-from .gpu.segments import resolve_segment_pages
+from .gpu.segments import resolve_host_segment_pages, resolve_segment_pages
 from .tree.policy import POLICIES
 
 if sys.version_info >= (3, 11):
@@ -188,6 +188,10 @@ class ModelConfig(_Section):
     segment_pages: int = Field(0, ge=0, description="pages per segment (memory_isolation = "
                                                     "segments); 0: automatic, about 128 "
                                                     "segments per model")
+    host_segment_pages: int = Field(0, ge=0, description="host (L2) slots per segment when the "
+                                                         "model is isolated; 0: automatic, "
+                                                         "about 128 segments over the host "
+                                                         "pools")
 
     @field_validator("sliding_window")
     @classmethod
@@ -221,7 +225,14 @@ class ModelConfig(_Section):
         if self.host_pages == 1 or self.host_swa_pages == 1:
             raise ValueError("host_pages and host_swa_pages: 0 (off) or at least 2 (page 0 is "
                              "reserved)")
+        self.host_segments(profile)  # raises naming host_segment_pages
         return self
+
+    def host_segments(self, profile: ModelProfile | None = None) -> int | None:
+        """Slots per host segment, or None for shared host pools (no memory isolation)."""
+        return resolve_host_segment_pages(profile or self.profile(), self.memory_isolation,
+                                          self.host_segment_pages, self.host_pages,
+                                          self.host_swa_pages)
 
     def segments(self, profile: ModelProfile | None = None) -> int | None:
         """Pages per segment, or None for the single shared pool (memory_isolation = none)."""

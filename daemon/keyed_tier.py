@@ -12,7 +12,10 @@ tree's churn clock (a keyed page when it is committed or hit). When a pool kind 
 next victim is whichever is older: the least recently used unpinned keyed page, or the tree's next
 host victim (the head of its host eviction queue, whose key is the tree policy's ``host_key``);
 a tie goes to the keyed page. The tree's own host copies (``tier_jobs.reserve_host``) make room
-through :meth:`KeyedTier.make_room` too, so neither side can starve the other.
+through :meth:`KeyedTier.make_room` too, so neither side can starve the other. With memory
+isolation (the host pools built from segments, daemon.storage.host_pool) a namespace's slots come
+only from its own host segments: room is made from its own oldest pages first, then from the
+others' oldest until segments of theirs empty and return to the free list (as on device).
 
 Quotas: a tenant's ``quota_host`` counts full host pages of its namespace, the tree's and the
 keyed ones (stored or reserved) together; over it, the namespace's own oldest host pages go
@@ -131,8 +134,8 @@ class KeyedTier:
 
     # ------------------------------------------------------------------ slots
 
-    def _take(self, kind: str, h: bytes) -> int:
-        slot = self.host.pool(kind).store(h)
+    def _take(self, kind: str, h: bytes, ns: str) -> int:
+        slot = self.host.pool(kind).store(h, self.host.space(ns))
         self.host.keyed[kind].add(slot)
         return slot
 
@@ -153,22 +156,25 @@ class KeyedTier:
         self.pages.remove(page)
         self._free(page.kind, [page.slot])
 
-    def _tree_victim(self, ns: str | None) -> tuple[str, float] | None:
-        """The namespace and key of the tree's next host victim (of ``ns`` if given)."""
+    def _tree_victim(self, ns: str | None, exclude: str | None = None
+                     ) -> tuple[str, float] | None:
+        """The namespace and key of the tree's next host victim (of ``ns`` if given, of any
+        namespace but ``exclude`` if that is given)."""
         best: tuple[str, float] | None = None
         for name, space in self.cache.tree.namespaces.items():
-            if ns is not None and name != ns:
+            if (ns is not None and name != ns) or name == exclude:
                 continue
             q = space.host_q
             if q.peek() is not None and (best is None or q.heap[0][0] < best[1]):
                 best = (name, q.heap[0][0])
         return best
 
-    def _evict_one(self, kind: str, ns: str | None) -> bool:
-        """Evict the older of the next keyed victim and the tree's next host victim; False
-        when neither exists."""
-        page = next(self.pages.victims(kind, ns), None)
-        tree = self._tree_victim(ns) if kind == "full" or self.cache.tree.host_swa_pages else None
+    def _evict_one(self, kind: str, ns: str | None, exclude: str | None = None) -> bool:
+        """Evict the older of the next keyed victim and the tree's next host victim (of ``ns``
+        if given; of any namespace but ``exclude`` if given); False when neither exists."""
+        page = next(self.pages.victims(kind, ns, exclude), None)
+        tree = (self._tree_victim(ns, exclude)
+                if kind == "full" or self.cache.tree.host_swa_pages else None)
         if page is None and tree is None:
             return False
         if page is not None and (tree is None or page.stamp <= tree[1]):
@@ -180,12 +186,20 @@ class KeyedTier:
             self.cache.evict_host(0, namespace=tree[0], swa_slots=1)  # type: ignore[index]
         return True
 
-    def make_room(self, kind: str, need: int, ns: str | None = None) -> None:
-        """Evict (keyed and tree host pages, one order) until ``need`` slots of ``kind`` are
-        free or nothing evictable is left; ``ns``: only that namespace's pages."""
+    def make_room(self, kind: str, need: int, ns: str) -> None:
+        """Evict (keyed and tree host pages, one order) until namespace ``ns`` can take ``need``
+        slots of ``kind`` or nothing evictable is left. Shared pools: the oldest pages of any
+        namespace go. Isolated: ``ns``'s own oldest first (they free slots of its segments),
+        then the others' oldest, until segments of theirs empty onto the free list."""
         self.cache.flush_host_drops()
-        pool = self.host.pool(kind)
-        while pool.available < need and self._evict_one(kind, ns):
+        host = self.host
+        if not host.isolated:
+            while host.available_to(kind, ns) < need and self._evict_one(kind, None):
+                pass
+            return
+        while host.available_to(kind, ns) < need and self._evict_one(kind, ns):
+            pass
+        while host.available_to(kind, ns) < need and self._evict_one(kind, None, exclude=ns):
             pass
 
     def host_used(self, ns: str) -> int:
@@ -230,7 +244,8 @@ class KeyedTier:
         c["kv_hit_keys"] += len(found)
         pin_id = self.pages.pin_pages(owner, ns, kind, found).id if pin and found else 0
         return P.KvLookupResult(present=bytes(present), slots=slots,
-                                prefix=len(keys) if prefix < 0 else prefix, pin=pin_id)
+                                prefix=len(keys) if prefix < 0 else prefix, pin=pin_id,
+                                host_segments_gen=self.host.generation(ns))
 
     def reserve(self, owner: Hashable, ns: str, kind: str, keys: list[bytes]
                 ) -> P.KvReserveResult:
@@ -246,7 +261,7 @@ class KeyedTier:
             elif not self.pages.is_reserved(ns, kind, k):
                 want += 1
         fit = self.fit_quota(ns, want) if kind == "full" else want
-        self.make_room(kind, fit)
+        self.make_room(kind, fit, ns)
         # after the eviction: a key it took is no longer stored, and is written (or declined)
         todo: list[int] = []
         busy = 0
@@ -257,18 +272,19 @@ class KeyedTier:
                 busy += 1  # another reservation is writing it
                 continue
             todo.append(i)
-        fit = min(fit, len(todo), pool.available)
+        fit = min(fit, len(todo), pool.available_to(self.host.space(ns)))
         taken: dict[bytes, tuple[int, bytes]] = {}
         for i in todo[:fit]:
             h = keyed_hash(ns, self.fingerprint, kind, keys[i])
-            slots[i] = self._take(kind, h)
+            slots[i] = self._take(kind, h, ns)
             taken[keys[i]] = (slots[i], h)
         declined = len(todo) - fit
         c = self.counters
         c["kv_reserved"] += fit
         c["kv_declined"] += declined
         pin_id = self.pages.reserve(owner, ns, kind, taken).id if taken else 0
-        return P.KvReserveResult(slots=slots, pin=pin_id, full=declined, busy=busy)
+        return P.KvReserveResult(slots=slots, pin=pin_id, full=declined, busy=busy,
+                                 host_segments_gen=self.host.generation(ns))
 
     def commit(self, owner: Hashable, pin_id: int) -> list[KeyedPage]:
         pin = self._pin(owner, pin_id)
@@ -424,12 +440,12 @@ class KeyedTier:
         found = [(k, h, v) for k, h, v in found if self.pages.get(ns, kind, k) is None
                  and not self.pages.is_reserved(ns, kind, k)]
         fit = self.fit_quota(ns, len(found)) if kind == "full" else len(found)
-        self.make_room(kind, fit)
-        fit = min(fit, self.host.pool(kind).available)
+        self.make_room(kind, fit, ns)
+        fit = min(fit, self.host.available_to(kind, ns))
         clock = self.cache.tree.clock
         pool = self.host.pool(kind)
         for k, h, v in found[:fit]:  # on the loop: a slot is never visible before it is full
-            slot = self._take(kind, h)
+            slot = self._take(kind, h, ns)
             pool.write_page_bytes(slot, v.payload)
             self.pages.add_stored(ns, kind, k, slot, h, clock)
         self.counters["kv_l3_fetched"] += fit
@@ -470,6 +486,15 @@ class KeyedTier:
                 if page.kind == kind and pool.hash_of(page.slot) != page.hash:
                     v.append(f"keyed page {page.key!r}: slot {page.slot} holds another hash")
                     break
+            by_ns: dict[str, list[int]] = {}  # isolation: each slot in its namespace's segment
+            for page in self.pages.pages.values():
+                if page.kind == kind:
+                    by_ns.setdefault(page.ns, []).append(page.slot)
+            for pin in self.pages.pins.values():
+                if pin.kind == kind and pin.reserved is not None:
+                    by_ns.setdefault(pin.ns, []).extend(s for s, _ in pin.reserved.values())
+            for ns, slots in by_ns.items():
+                v += self.host.audit_owners(kind, slots, ns, f"keyed {kind} slots")
         return v
 
     def stats(self, ns: str) -> dict[str, int]:

@@ -587,6 +587,7 @@ class ModelCache:
             v.append(f"{len(self.sink.watches)} copy watches registered: one at most (a leak)")
         if self.host is not None:
             v += self.host.audit({"full": audit.host_slots, "swa": audit.host_swa_slots})
+            v += self.host.audit_tree_owners(self.tree.iter_nodes())
         elif audit.host_slots or audit.host_swa_slots:
             v.append("host slots in the tree of a model without a host tier")
         listed = {rid: o for o, h in self.holdings.items() for rid in h.receipts}

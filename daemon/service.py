@@ -474,21 +474,34 @@ class Service(ServiceQueries):
         return entry, entry.keyed
 
     def kv_attach(self, s: Session, r: P.KvAttach) -> tuple[P.KvAttachResult, list[int]]:
-        """The host pools' descriptions plus their memfds, for the engine to map."""
+        """The host pools' descriptions plus their memfds, for the engine to map. Segmented
+        pools (memory isolation) pass only the host segments of the session's namespace: never
+        another's memory; ``generation`` tells the engine when to ask again."""
         _, keyed = self._keyed(s, r.model)
+        host = keyed.host
+        ns = s.tenant.namespace
         infos: list[P.KvPoolInfo] = []
+        segments: list[P.SegmentInfo] = []
         fds: list[int] = []
-        for pool in (keyed.host.full, keyed.host.swa):
-            if pool is None:
-                continue
-            if pool.fd is None:
+        for pool in host.pools():
+            if pool.closed:
                 raise ServiceError(P.Code.SHUTTING_DOWN,
                                    f"model {r.model!r}: its {pool.kind} host pool is closed")
-            fds.append(pool.fd)
-            infos.append(P.KvPoolInfo(pool=pool.kind, fd_index=len(fds) - 1, slots=pool.capacity,
+            if pool.num_segments:
+                kind, index = "memfd_segments", -1
+                for seg in pool.allocator.mappable_by(host.space(ns)):
+                    fds.append(pool.segment_fds[seg])
+                    segments.append(P.SegmentInfo(
+                        pool=pool.kind, index=seg, epoch=pool.segment_epochs[seg],
+                        fd_index=len(fds) - 1, nbytes=os.fstat(fds[-1]).st_size))
+            else:
+                fds.append(pool.fd)  # type: ignore[arg-type]
+                kind, index = "memfd", len(fds) - 1
+            infos.append(P.KvPoolInfo(pool=pool.kind, fd_index=index, slots=pool.capacity,
                                       page_nbytes=pool.page_nbytes, nbytes=pool.nbytes,
-                                      description=pool.describe()))
-        return P.KvAttachResult(pools=infos), fds
+                                      description=pool.describe(), kind=kind))
+        return P.KvAttachResult(pools=infos, segment_pages=host.segment_pages or 0,
+                                segments=segments, generation=host.generation(ns)), fds
 
     def kv_lookup(self, s: Session, r: P.KvLookup) -> P.KvLookupResult:
         _, keyed = self._keyed(s, r.model)

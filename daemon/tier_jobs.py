@@ -77,16 +77,18 @@ def reserve_host(mc: ModelCache, ns: Namespace, kind: str, hashes: list[bytes],
                 mc.evict_host(over, namespace=ns.name)
                 if ns.host_pages + want > quota:
                     return None
-    short = want - host.available(kind)
+    short = want - host.available_to(kind, ns.name)
     if short > 0:
         if keyed is not None:
-            keyed.make_room(kind, want)
-        elif kind == "full":
-            mc.evict_host(short)
-        else:
-            mc.evict_host(0, swa_slots=short)
+            keyed.make_room(kind, want, ns.name)
+        else:  # no keyed store (tests): the tree's own coldest, this namespace's first if isolated
+            for victims in ((ns.name, None) if host.isolated else (None,)):
+                short = want - host.available_to(kind, ns.name)
+                if short > 0:
+                    mc.evict_host(short if kind == "full" else 0, namespace=victims,
+                                  swa_slots=short if kind == "swa" else 0)
     try:
-        return host.take(kind, hashes)
+        return host.take(kind, hashes, ns.name)
     except (OutOfPages, ValueError):
         return None
 

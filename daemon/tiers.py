@@ -618,7 +618,7 @@ class TierManager:
         quota = self.host_quotas.get(namespace, 0)
         full_slots = reserve_host(self.cache, ns, "full", hashes[start:end], quota)
         if full_slots is None:  # what the host pool can take, if it still ends on a window
-            room = min(end - 1, start + self.host.available("full"))
+            room = min(end - 1, start + self.host.available_to("full", namespace))
             fit = self._window_end(start, room, present) if self.cache.tree.swa_enabled \
                 else room
             if fit <= start:

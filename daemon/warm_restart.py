@@ -17,7 +17,8 @@ operations: ``HostPool.store``, ``RadixTree.adopt_host``, ``KeyedPages.add_store
 Two places keep the state between the stop and the start, with one restore for both
 (:func:`_restore`): ``[server] state_dir`` (the held pages copied into files) and, under systemd
 with ``FileDescriptorStoreMax=``, systemd's fd store (:func:`save_host_fdstore`: the pools'
-memfds themselves and a memfd with the index, so a stop writes no page; at start
+memfds themselves (isolated pools: the memfd of each host segment that holds a saved page) and a
+memfd with the index, so a stop writes no page; at start
 :func:`restore_host_fdstore` reads each page in place from the old memfd, checks it and copies it
 into the new pool, then closes the old memfds and removes them from the store). The fd store
 wins when both are configured.
@@ -50,6 +51,7 @@ from .storage.host_snapshot import (
     decode_index,
     encode_index,
     memfd_pool,
+    memfd_segments_pool,
     open_pool,
     pool_file,
     read_fd,
@@ -127,6 +129,8 @@ def _image(entry: ModelEntry, index: int, state_dir: str | None) -> ModelImage:
         name = pool_file(index, kind) if state_dir is not None else fd_name(index, kind)
         img.pools[kind] = write_pool(state_dir, name,
                                      ((s, pool.page_bytes(s)) for s in slots), pool.page_nbytes)
+        if state_dir is None and pool.num_segments:  # the fd store keeps segment memfds
+            img.pools[kind].segment_pages = pool.segment_pages or 0
     return img
 
 
@@ -162,11 +166,15 @@ def save_host_fdstore(models: dict[str, ModelEntry], store_fd: Callable[[str, in
     t0 = time.perf_counter()
     snap = _snapshot(models, None)
     sent = True
-    for i, (name, entry) in enumerate(models.items()):
+    for name, entry in models.items():
         img = snap.models.get(name)
-        for kind in img.pools if img is not None else ():
-            fd = entry.tiers.host.pool(kind).fd  # type: ignore[union-attr]
-            sent = sent and fd is not None and store_fd(fd_name(i, kind), fd)
+        for kind, image in img.pools.items() if img is not None else ():
+            pool = entry.tiers.host.pool(kind)  # type: ignore[union-attr]
+            if image.segment_pages:  # isolated: each segment holding a saved page, its memfd
+                for seg in sorted({s // image.segment_pages for s in as_slots(image.slots)}):
+                    sent = sent and store_fd(f"{image.file}-seg{seg}", pool.segment_fds[seg])
+            else:
+                sent = sent and pool.fd is not None and store_fd(image.file, pool.fd)
     if not sent:
         log.warning("warm restart: the host pools could not be stored in systemd's fd store")
         return 0
@@ -212,8 +220,9 @@ class _Restorer:
         self.kept = 0
         self.dropped = 0
 
-    def _copy(self, kind: str, old: int, h: bytes) -> int | None:
-        """The verified page saved in ``old`` stored under hash ``h`` in a new slot, or None."""
+    def _copy(self, kind: str, old: int, h: bytes, ns: str) -> int | None:
+        """The verified page saved in ``old`` stored under hash ``h`` in a new slot of
+        namespace ``ns``'s segments, or None."""
         if not old:
             return None
         src = self.sources.get(kind)
@@ -221,9 +230,10 @@ class _Restorer:
         if data is None:
             return None
         pool = self.host.pool(kind)
-        if pool.available == 0 or pool.lookup(h) is not None:
+        key = self.host.space(ns)
+        if pool.available_to(key) == 0 or pool.lookup(h) is not None:
             return None
-        slot = pool.store(h)
+        slot = pool.store(h, key)
         pool.write_page_bytes(slot, data)
         return slot
 
@@ -253,13 +263,13 @@ class _Restorer:
             prefix, prev = parent if parent is not None else (b"", ns.seed)
             hashes = chain_hashes(prev, rec.tokens, pb)
             hs = [hashes[j * HASH_BYTES : (j + 1) * HASH_BYTES] for j in range(npages)]
-            full = [self._copy("full", host[j], hs[j]) for j in range(npages)]
+            full = [self._copy("full", host[j], hs[j], rec.ns) for j in range(npages)]
             if any(s is None for s in full):
                 self._give_back("full", full)
                 paths.append(None)
                 self.dropped += npages + sum(1 for s in hswa if s)
                 continue
-            swa = [self._copy("swa", hswa[j], hs[j]) if swa_pool else None
+            swa = [self._copy("swa", hswa[j], hs[j], rec.ns) if swa_pool else None
                    for j in range(npages)]
             self.dropped += sum(1 for j in range(npages) if hswa[j] and swa[j] is None)
             start = len(prefix) // pb
@@ -283,7 +293,7 @@ class _Restorer:
         for rec in self.img.keyed:
             h = keyed_hash(rec.ns, fp, rec.kind, rec.key) if rec.kind in ("full", "swa") \
                 else b""
-            slot = self._copy(rec.kind, rec.slot, h) if h and keyed is not None and \
+            slot = self._copy(rec.kind, rec.slot, h, rec.ns) if h and keyed is not None and \
                 (rec.kind == "full" or self.host.swa is not None) and \
                 keyed.pages.get(rec.ns, rec.kind, rec.key) is None else None
             if slot is None:
@@ -395,7 +405,8 @@ def restore_host_fdstore(models: dict[str, ModelEntry], stored: dict[str, int],
         snap = decode_index(read_fd(index))
 
         def source(image: PoolImage) -> PageSource:
-            src = memfd_pool(stored.get(image.file), image)
+            src = (memfd_segments_pool(stored, image) if image.segment_pages
+                   else memfd_pool(stored.get(image.file), image))
             maps.append(src)
             return src
 
@@ -405,9 +416,10 @@ def restore_host_fdstore(models: dict[str, ModelEntry], stored: dict[str, int],
         report.reason = str(exc)
     finally:
         for src in maps:
-            if src.data is not None:
-                mapping = src.data.obj
-                src.data.release()
+            for data in ([src.data] if src.data is not None else []) + list(
+                    src.segments.values()):
+                mapping = data.obj
+                data.release()
                 with contextlib.suppress(BufferError):  # a page view still alive: GC closes it
                     mapping.close()  # type: ignore[union-attr]
         for name, fd in stored.items():

@@ -99,6 +99,39 @@ def resolve_segment_pages(profile: ModelProfile, isolation: str, segment_pages: 
                 raise ValueError(f"segment_pages: {exc}") from None
     return segment_pages
 
+
+def resolve_host_segment_pages(profile: ModelProfile, isolation: str, segment_pages: int,
+                               host_pages: int, host_swa_pages: int) -> int | None:
+    """Slots per host (L2) segment, or None for shared host pools: the host tier follows the
+    model's ``memory_isolation`` (isolated exactly when its device pools are). ``segment_pages``
+    (``host_segment_pages``) 0 is automatic: about :data:`AUTO_SEGMENTS` segments over the host
+    pools, rounded up so that every segment starts on an OS page (a host page is one block of
+    all layers). At most :data:`MAX_SEGMENTS` (one descriptor each in ``kv_attach``). Raises
+    ValueError with the reason and a remedy."""
+    if effective_isolation(isolation, profile.device) == "none" or not host_pages:
+        return None
+    if not isinstance(segment_pages, int) or isinstance(segment_pages, bool) or segment_pages < 0:
+        raise ValueError(f"host_segment_pages: a number of slots >= 1, or 0 for automatic; got "
+                         f"{segment_pages!r}")
+    pools = [(host_pages, profile.full_page_bytes)]
+    if profile.has_swa and profile.num_swa_layers and host_swa_pages:
+        pools.append((host_swa_pages, profile.swa_page_bytes))
+    unit = math.lcm(*(mmap.PAGESIZE // math.gcd(mmap.PAGESIZE, b) for _, b in pools))
+    if segment_pages == 0:
+        want = max(1, -(-sum(p for p, _ in pools) // AUTO_SEGMENTS))
+        segment_pages = -(-want // unit) * unit
+    elif segment_pages % unit:
+        raise ValueError(f"host_segment_pages: {segment_pages} slots do not start every segment "
+                         f"on a {mmap.PAGESIZE}-byte OS page; use a multiple of {unit} (or 0)")
+    count = sum(-(-p // segment_pages) for p, _ in pools)
+    if count > MAX_SEGMENTS:
+        raise ValueError(f"host_segment_pages: {segment_pages} slots make {count} host segments;"
+                         f" at most {MAX_SEGMENTS} per model (each is a descriptor in kv_attach):"
+                         f" use host_segment_pages >= "
+                         f"{-(-sum(p for p, _ in pools) // (MAX_SEGMENTS - len(pools)))}")
+    return segment_pages
+
+
 _FREE = 0
 _USED = 1
 

@@ -11,13 +11,23 @@ it can be handed to another process (``kv_attach``). When CUDA is available the 
 also page-locked (``cudaHostRegister``), so device<->host copies are DMA transfers that can run
 asynchronously on a stream.
 
-Slots are handed out by a :class:`~daemon.gpu.allocator.PageAllocator`; slot 0 is reserved (never
-handed out, zeroed). Slots are content-addressed: an index maps a 32-byte page hash to the slot
-holding that content, with a reference count, so the same page stored by two trees (namespaces
-of the same model profile) is held once:
+Memory isolation (``segment_pages``, docs/operations.md "Memory isolation between tenants"): the
+pool is then cut into segments of ``segment_pages`` consecutive slots, one memfd each, mapped in
+place in one address range (:class:`radixd_client.segments.SegmentedRegion`, the device pools'
+machinery, with one strip: a page-first pool's segment is one contiguous block). Slots come from a
+:class:`~daemon.gpu.segments.SegmentedAllocator`: a namespace's slots only from its own segments,
+an emptied segment back on the free list, and a segment that changes namespace gets a fresh,
+zeroed memfd (:meth:`renew_segment`), so ``kv_attach`` can hand a tenant the memfds of its own
+segments and nothing else. Without it there is one memfd and one segment every namespace shares.
+
+Slot 0 is reserved (never handed out, zeroed). Slots are content-addressed: an index maps a 32-byte
+page hash to the slot holding that content, with a reference count, so a page stored twice (by the
+tree and a reader, or two copies of one namespace's path) is held once. Page hashes are seeded per
+namespace (tree chains and keyed pages alike), so a hash never names another namespace's slot:
 
 * :meth:`acquire` -- the slot already holding ``hash`` (reference + 1), or None;
-* :meth:`store` -- a new slot for ``hash`` (reference 1); the caller then fills it;
+* :meth:`store` -- a new slot for ``hash`` in a namespace's segments (reference 1); the caller
+  then fills it;
 * :meth:`release` -- reference - 1; the slot is freed and its hash forgotten at 0.
 
 This module is bookkeeping plus memory; the copies between device pools and a host pool are in
@@ -29,15 +39,17 @@ from __future__ import annotations
 import math
 import os
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from radixd_client.pools import PoolError, tensor_over
+from radixd_client.segments import SegmentedRegion
 
-from daemon.gpu.allocator import AllocatorError, OutOfPages, PageAllocator
+from daemon.gpu.allocator import AllocatorError, OutOfPages
 from daemon.gpu.profile import DTYPE_ITEMSIZE, ModelProfile, torch_dtype
-from daemon.gpu.shared_memory import available_host_bytes, create_memfd
+from daemon.gpu.segments import SegmentedAllocator
+from daemon.gpu.shared_memory import available_host_bytes, create_memfd, create_sealed_memfd
 
 __all__ = ["HASH_BYTES", "HOST_POOL_LAYOUT", "AllocatorError", "HostPool", "OutOfPages",
            "PoolError"]
@@ -70,10 +82,14 @@ def page_lock(ptr: int, nbytes: int) -> Callable[[], None]:
     return lambda: cudart.cudaHostUnregister(ptr)
 
 
-def _release(fd: int, unregister: Callable[[], None] | None) -> None:
-    if unregister is not None:
-        unregister()
-    os.close(fd)
+def _release(fds: list[int], unregister: list[Callable[[], None] | None]) -> None:
+    for undo in unregister:
+        if undo is not None:
+            undo()
+    for fd in fds:
+        os.close(fd)
+    fds.clear()
+    unregister.clear()
 
 
 class HostPool:
@@ -82,6 +98,8 @@ class HostPool:
     ``capacity_pages`` counts slots including the reserved slot 0 (as device pool capacities
     count the padding page), so at most ``capacity_pages - 1`` pages are held at a time.
     ``pin_memory``: None (the default) pins when CUDA is available; True/False force it.
+    ``segment_pages``: build the pool from segments of that many slots (memory isolation, see the
+    module); None: one memfd every namespace shares.
     """
 
     def __init__(
@@ -91,6 +109,7 @@ class HostPool:
         kind: str,
         *,
         pin_memory: bool | None = None,
+        segment_pages: int | None = None,
     ) -> None:
         if kind not in _KINDS:
             raise ValueError(f"kind: expected one of {_KINDS}, got {kind!r}")
@@ -123,7 +142,7 @@ class HostPool:
         if pin_memory is None:
             pin_memory = torch.cuda.is_available()
         self.pinned = bool(pin_memory)
-        self.fd: int | None = None
+        self.fd: int | None = None  # the single memfd (not segmented), else None
         self._finalizer: weakref.finalize | None = None
         label = f"{profile.name} {kind} host pool"
         available = available_host_bytes()
@@ -132,29 +151,96 @@ class HostPool:
                 f"{label}: {capacity_pages} pages x {self.page_nbytes} B = {self.nbytes} B but "
                 f"only {available} bytes of host memory are available; lower its capacity"
             )
-        # Always a memfd, pinned or not: engines map it (kv_attach) and a warm restart keeps it.
-        fd, mapping = create_memfd(f"radixd-{profile.name}-{kind}-host", self.nbytes)
-        buffer = tensor_over(mapping, self.dtype, self.shape)
-        unregister = None
-        if self.pinned:
-            try:
-                unregister = page_lock(buffer.data_ptr(), self.nbytes)
-            except RuntimeError as exc:
-                os.close(fd)
-                raise PoolError(f"{label}: cannot pin {self.nbytes} bytes ({exc})") from exc
-        self._finalizer = weakref.finalize(self, _release, fd, unregister)
-        self.fd = fd
+        # Always memfds, pinned or not: engines map them (kv_attach) and a warm restart keeps them.
+        self._label = label
+        self.segment_pages = segment_pages
+        #: one memfd per segment (segmented), and the times each got fresh memory
+        self.segment_fds: list[int] = []
+        self.segment_epochs: list[int] = []
+        self._unregister: list[Callable[[], None] | None] = []
+        self._region: SegmentedRegion | None = None
+        self._finalizer = weakref.finalize(self, _release, self.segment_fds, self._unregister)
+        if segment_pages is not None:
+            itemsize = DTYPE_ITEMSIZE[profile.dtype]
+            # one (layer, kv) "strip" of whole pages: a page-first segment is one block
+            self._region = SegmentedRegion((1, 1, capacity_pages, *self.page_shape), itemsize,
+                                           segment_pages)
+            for seg in range(self._region.num_segments):
+                self.segment_fds.append(self._segment_memfd(seg))
+                self.segment_epochs.append(0)
+                self._region.map_segment(seg, self.segment_fds[seg])
+            buffer = self._region.tensor(self.dtype).view(self.shape)
+        else:
+            fd, mapping = create_memfd(f"radixd-{profile.name}-{kind}-host", self.nbytes)
+            self.segment_fds.append(fd)
+            self.fd = fd
+            buffer = tensor_over(mapping, self.dtype, self.shape)
         self._buffer: torch.Tensor | None = buffer
+        if self.pinned:
+            for seg in range(self.num_segments or 1):
+                self._unregister.append(None)
+                self._pin(seg)
         # A flat byte view of the whole pool for zero-copy page access (numpy keeps the tensor,
         # and so the memory, alive for as long as a memoryview of it exists).
         self._bytes = buffer.view(-1).view(torch.uint8).numpy()
         self._bytes[: self.page_nbytes] = 0  # slot 0: reserved, zero
-        self._alloc = PageAllocator(capacity_pages, label)
+        self._alloc = SegmentedAllocator(capacity_pages, segment_pages or capacity_pages, label,
+                                         on_assign=self.renew_segment)
         self._slot_of: dict[bytes, int] = {}  # page hash -> slot
         self._hash_of: dict[int, bytes] = {}  # slot -> page hash
         self._refs: dict[int, int] = {}  # slot -> reference count (>= 1)
 
     # -- memory -----------------------------------------------------------------------------
+
+    @property
+    def num_segments(self) -> int:
+        """Segments of this pool (0: not segmented, one memfd every namespace shares)."""
+        return 0 if self._region is None else self._region.num_segments
+
+    def segment_range(self, seg: int) -> range:
+        """The slots of segment ``seg``."""
+        size = self.segment_pages or self.capacity
+        return range(seg * size, min(self.capacity, (seg + 1) * size))
+
+    def _segment_memfd(self, seg: int, back: bool = True) -> int:
+        size = self.segment_pages or self.capacity
+        n = min(self.capacity, (seg + 1) * size) - seg * size
+        return create_sealed_memfd(f"radixd-{self.model}-{self.kind}-host-seg{seg}",
+                                   n * self.page_nbytes, back=back)
+
+    def _pin(self, seg: int) -> None:
+        """Page-lock segment ``seg`` (the whole pool when not segmented) for CUDA."""
+        r = self.segment_range(seg) if self._region is not None else range(self.capacity)
+        start = self.buffer[r.start].data_ptr()
+        try:
+            self._unregister[seg] = page_lock(start, len(r) * self.page_nbytes)
+        except RuntimeError as exc:
+            raise PoolError(f"{self._label}: cannot pin {len(r) * self.page_nbytes} bytes "
+                            f"({exc})") from exc
+
+    def renew_segment(self, seg: int) -> None:
+        """Give segment ``seg`` fresh zeroed memory: it changes namespace (the allocator's
+        ``on_assign``). A new memfd is mapped in place of the old one, whose fd is closed: a
+        process of the old namespace that still maps it sees only the old bytes, never the new
+        namespace's, and the new namespace reads zeros. Its epoch grows so that clients remap."""
+        if self._region is None:
+            raise PoolError(f"{self._label} is not segmented")
+        undo = self._unregister[seg] if self.pinned else None
+        if undo is not None:
+            undo()
+            self._unregister[seg] = None
+        # not backed up front: the zero-fill happens as the new namespace writes its pages
+        fd = self._segment_memfd(seg, back=False)
+        try:
+            self._region.map_segment(seg, fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        old, self.segment_fds[seg] = self.segment_fds[seg], fd
+        os.close(old)
+        self.segment_epochs[seg] += 1
+        if self.pinned:
+            self._pin(seg)
 
     @property
     def closed(self) -> bool:
@@ -223,8 +309,18 @@ class HostPool:
 
     @property
     def available(self) -> int:
-        """Free slots."""
+        """Free slots (in the whole pool: see :meth:`available_to` for one namespace)."""
         return self._alloc.available
+
+    def available_to(self, space: str = "") -> int:
+        """Slots the namespace ``space`` can take now: free ones in its segments plus those of
+        free segments (``space`` is the allocator key: the namespace, or "" when shared)."""
+        return self._alloc.available_to(space)
+
+    @property
+    def allocator(self) -> SegmentedAllocator:
+        """The slot allocator: segment owners, what each namespace may map."""
+        return self._alloc
 
     @property
     def usable(self) -> int:
@@ -253,8 +349,9 @@ class HostPool:
             self._refs[slot] += 1
         return slot
 
-    def store(self, page_hash: bytes) -> int:
-        """A new slot for ``page_hash`` with one reference; the caller fills it.
+    def store(self, page_hash: bytes, space: str = "") -> int:
+        """A new slot for ``page_hash`` with one reference, in the segments of namespace
+        ``space`` ("" when the pool is shared); the caller fills it.
 
         Raises :class:`OutOfPages` when no slot is free and ``ValueError`` when the hash is
         already held (use :meth:`acquire`: content is stored once).
@@ -269,7 +366,7 @@ class HostPool:
                 f"page_hash {page_hash.hex()[:16]}... is already held in slot "
                 f"{self._slot_of[page_hash]}; acquire it instead"
             )
-        slot = int(self._alloc.alloc(1)[0])
+        slot = int(self._alloc.alloc(1, space)[0])
         self._slot_of[page_hash] = slot
         self._hash_of[slot] = page_hash
         self._refs[slot] = 1
@@ -286,8 +383,13 @@ class HostPool:
         del self._slot_of[self._hash_of.pop(slot)]
         self._alloc.free((slot,))
 
+    def audit_owners(self, slots: Iterable[int], space: str, what: str) -> list[str]:
+        """Every slot of ``slots`` lies in a segment namespace ``space`` holds."""
+        return self._alloc.audit_owners(slots, space, what)
+
     def audit(self) -> list[str]:
-        """Violations: index, reverse index, reference counts and allocator must agree."""
+        """Violations: index, reverse index, reference counts and allocator must agree (and a
+        free segment holds no slot in use: the allocator's own audit)."""
         name = f"{self.model} {self.kind} host pool"
         v: list[str] = list(self._alloc.audit())
         for page_hash, slot in self._slot_of.items():
@@ -334,6 +436,8 @@ class HostPool:
             "page_nbytes": self.page_nbytes,
             "nbytes": self.nbytes,
             "capacity": self.capacity,
+            "segment_pages": self.segment_pages or 0,
+            "num_segments": self.num_segments,
             "used": self.used,
             "available": self.available,
             "layout_fingerprint": self.layout_fingerprint.hex(),
@@ -346,6 +450,7 @@ class HostPool:
         """
         self._buffer = None
         self._bytes = None  # type: ignore[assignment]
+        self._region = None
         if self._finalizer is not None:
             self._finalizer()
             self._finalizer = None

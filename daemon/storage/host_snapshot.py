@@ -64,12 +64,16 @@ class SnapshotError(ValueError):
 
 
 class PoolImage(msgspec.Struct, array_like=True):
-    """One host pool's held pages: ``slots[i]``'s bytes are page ``i`` of ``file``."""
+    """One host pool's held pages: ``slots[i]``'s bytes are page ``i`` of ``file``. In the fd
+    store a segmented pool (memory isolation) is one stored memfd per segment holding saved
+    pages, named ``file`` + ``-seg<n>``, slot ``s`` at ``s - n * segment_pages`` in segment
+    ``n = s // segment_pages``; ``segment_pages`` 0: ``file`` is the whole pool."""
 
     file: str
     page_nbytes: int
     slots: bytes  # array('i')
     crcs: bytes  # array('I'), one CRC-32 per page
+    segment_pages: int = 0
 
 
 class TreeNodeRecord(msgspec.Struct, array_like=True):
@@ -126,13 +130,20 @@ class PageSource:
     #: the data is the whole old pool (a memfd from the fd store): page ``slot`` is at
     #: ``slot * page_nbytes``, not at its index in the file
     in_place: bool = False
+    #: a segmented old pool from the fd store: segment -> its memfd's bytes (``data`` unused)
+    segment_pages: int = 0
+    segments: dict[int, memoryview] = field(default_factory=dict)
 
     def page(self, slot: int) -> memoryview | None:
         i = self.offsets.get(slot)
-        if i is None or self.data is None:
+        data, at = self.data, (slot if self.in_place else i)
+        if self.segment_pages and i is not None:
+            data = self.segments.get(slot // self.segment_pages)
+            at = slot % self.segment_pages
+        if i is None or data is None:
             return None
-        start = (slot if self.in_place else i) * self.page_nbytes
-        chunk = self.data[start : start + self.page_nbytes]
+        start = at * self.page_nbytes
+        chunk = data[start : start + self.page_nbytes]
         if len(chunk) != self.page_nbytes or zlib.crc32(chunk) != self.crcs[i]:
             return None
         return chunk
@@ -266,6 +277,34 @@ def memfd_pool(fd: int | None, image: PoolImage) -> PageSource:
     except (OSError, ValueError) as exc:
         log.warning("warm restart: cannot map the stored pool %s: %s", image.file, exc)
         return src
+    src.offsets = {s: i for i, s in enumerate(slots)}
+    return src
+
+
+def memfd_segments_pool(stored: dict[str, int], image: PoolImage) -> PageSource:
+    """The held pages of a segmented old pool: each segment's memfd from the fd store (named
+    ``image.file-seg<n>``), mapped read-only, no copy. A segment whose fd is missing (systemd
+    kept fewer than were stored: FileDescriptorStoreMax=) or short serves none of its pages."""
+    src = PageSource(image.page_nbytes, segment_pages=image.segment_pages)
+    slots = as_slots(image.slots)
+    src.crcs.frombytes(image.crcs)
+    if len(src.crcs) != len(slots) or image.segment_pages < 1:
+        return src
+    sp = image.segment_pages
+    for seg in sorted({s // sp for s in slots}):
+        fd = stored.get(f"{image.file}-seg{seg}")
+        if fd is None:
+            continue
+        try:
+            size = os.fstat(fd).st_size
+            top = max(s for s in slots if s // sp == seg) - seg * sp
+            if size < (top + 1) * image.page_nbytes:
+                continue
+            src.segments[seg] = memoryview(mmap.mmap(fd, size, flags=mmap.MAP_SHARED,
+                                                     prot=mmap.PROT_READ))
+        except (OSError, ValueError) as exc:
+            log.warning("warm restart: cannot map stored segment %s-seg%d: %s", image.file,
+                        seg, exc)
     src.offsets = {s: i for i, s in enumerate(slots)}
     return src
 

@@ -5,6 +5,11 @@ references, and is the tree's :class:`~daemon.tree.radix.HostSink`: slots the tr
 come back here. A slot handed out by :meth:`take` is *pending* until the copy that fills it is
 done (:meth:`filled`): it is indexed by its hash at once (``HostPool.store``), so the pending set
 is what keeps anyone from reading it early, and what the conservation check counts as "in flight".
+
+Memory isolation (``segment_pages``): both pools are built from segments and every slot is taken
+for a namespace (:meth:`take`'s ``ns``), from that namespace's segments only (daemon.storage.
+host_pool); :meth:`space` is the allocator key of a namespace, :meth:`generation` what
+``kv_attach`` results report so that engines map the segments their namespace gains.
 """
 
 from __future__ import annotations
@@ -22,11 +27,21 @@ from .host_pool import HostPool
 
 class HostTier:
     def __init__(self, profile: ModelProfile, full_pages: int, swa_pages: int,
-                 *, pin_memory: bool | None = None) -> None:
-        self.full = HostPool(profile, full_pages, "full", pin_memory=pin_memory)
+                 *, pin_memory: bool | None = None, segment_pages: int | None = None) -> None:
+        """``segment_pages``: slots per segment, each serving one namespace (memory isolation);
+        None: one pool every namespace shares."""
+        self.isolated = segment_pages is not None
+        self.segment_pages = segment_pages
+        self.full = HostPool(profile, full_pages, "full", pin_memory=pin_memory,
+                             segment_pages=segment_pages)
         self.swa: HostPool | None = None
         if profile.sliding_window is not None and profile.num_swa_layers and swa_pages:
-            self.swa = HostPool(profile, swa_pages, "swa", pin_memory=pin_memory)
+            try:
+                self.swa = HostPool(profile, swa_pages, "swa", pin_memory=pin_memory,
+                                    segment_pages=segment_pages)
+            except BaseException:
+                self.full.close()
+                raise
         self.pending: dict[str, set[int]] = {"full": set(), "swa": set()}
         # references taken by readers that outlive the tree's hold (the L3 writer)
         self.readers: dict[str, Counter[int]] = {"full": Counter(), "swa": Counter()}
@@ -39,19 +54,40 @@ class HostTier:
             raise ValueError(f"no {kind} host pool")
         return p
 
+    def pools(self) -> list[HostPool]:
+        return [p for p in (self.full, self.swa) if p is not None]
+
+    def space(self, ns: str) -> str:
+        """The slot allocators' key for namespace ``ns``: itself when isolated, else shared."""
+        return ns if self.isolated else ""
+
+    def generation(self, ns: str) -> int:
+        """Grows whenever ``ns`` is given a host segment it did not serve last: an engine whose
+        host mapping is older attaches again (``kv_attach``; docs/protocol.md). 0 when shared."""
+        if not self.isolated:
+            return 0
+        return sum(p.allocator.generations.get(ns, 0) for p in self.pools())
+
+    def available_to(self, kind: str, ns: str) -> int:
+        """Free slots of ``kind`` namespace ``ns`` can take now."""
+        p = self.full if kind == "full" else self.swa
+        return p.available_to(self.space(ns)) if p is not None else 0
+
     # -- slots ----------------------------------------------------------------------------------
 
-    def take(self, kind: str, hashes: Sequence[bytes]) -> array:
-        """New pending slots for these page hashes, all or none (OutOfPages)."""
+    def take(self, kind: str, hashes: Sequence[bytes], ns: str) -> array:
+        """New pending slots for these page hashes of namespace ``ns``, all or none
+        (OutOfPages)."""
         pool = self.pool(kind)
-        if len(hashes) > pool.available:
-            raise OutOfPages(f"{kind} host pool: {len(hashes)} slots wanted, "
-                             f"{pool.available} free", requested=len(hashes),
-                             available=pool.available)
+        key = self.space(ns)
+        free = pool.available_to(key)
+        if len(hashes) > free:
+            raise OutOfPages(f"{kind} host pool: {len(hashes)} slots wanted, {free} free to "
+                             f"namespace {ns!r}", requested=len(hashes), available=free)
         out = array("i")
         try:
             for h in hashes:
-                out.append(pool.store(h))
+                out.append(pool.store(h, key))
         except ValueError:  # the hash is held already (a stale copy): give back what we took
             for s in out:
                 pool.release(s)
@@ -142,6 +178,30 @@ class HostTier:
                 v.append(f"{kind} host pool: held {len(held)} != tree {len(tree)} + pending "
                          f"{len(pend)} + read {len(readers)} + keyed {len(keyed)}; unaccounted "
                          f"{sorted(held ^ (tree | pend | set(readers) | keyed))[:10]}")
+        return v
+
+    def audit_owners(self, kind: str, slots: Iterable[int], ns: str, what: str) -> list[str]:
+        """Isolated: every slot of ``slots`` lies in a host segment of namespace ``ns``."""
+        if not self.isolated:
+            return []
+        return self.pool(kind).audit_owners(slots, ns, what)
+
+    def audit_tree_owners(self, nodes: Iterable[Any]) -> list[str]:
+        """Isolated: the host copies of every tree node (``daemon.tree.Node``, duck-typed: the
+        tree sits above storage) lie in host segments of the node's namespace."""
+        if not self.isolated:
+            return []
+        by_ns: dict[tuple[str, str], list[int]] = {}
+        for n in nodes:
+            if n.ns is None:
+                continue
+            for kind, slots in (("full", n.host), ("swa", n.host_swa)):
+                if slots:
+                    by_ns.setdefault((kind, n.ns.name), []).extend(s for s in slots if s)
+        v: list[str] = []
+        for (kind, ns), slots in by_ns.items():
+            if kind == "full" or self.swa is not None:
+                v += self.audit_owners(kind, slots, ns, f"tree {kind} host slots")
         return v
 
     def describe(self) -> dict[str, Any]:

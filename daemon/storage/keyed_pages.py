@@ -98,10 +98,12 @@ class KeyedPages:
         """Full-pool host slots the namespace's keyed pages occupy (stored or reserved)."""
         return self.ns_pages.get(ns, 0)
 
-    def victims(self, kind: str, ns: str | None = None) -> Iterator[KeyedPage]:
-        """Unpinned stored pages of ``kind`` (of one namespace, if given), least recent first."""
+    def victims(self, kind: str, ns: str | None = None, exclude: str | None = None
+                ) -> Iterator[KeyedPage]:
+        """Unpinned stored pages of ``kind`` (of one namespace, if given; of any namespace but
+        ``exclude``, if given), least recent first."""
         for page in self.order[kind].values():
-            if not page.pins and (ns is None or page.ns == ns):
+            if not page.pins and (ns is None or page.ns == ns) and page.ns != exclude:
                 yield page
 
     def pin_of(self, owner: Hashable, pin_id: int) -> KvPin | None:

@@ -156,7 +156,7 @@ def test_audit_finds_planted_corruption(plant: str) -> None:
         elif plant == "free_and_held":
             host._alloc.free([a])
         elif plant == "leak":
-            host._alloc.alloc(1)
+            host._alloc.alloc(1, "")
         elif plant == "double_index":
             host._slot_of[h(3)] = a
         assert host.audit(), plant

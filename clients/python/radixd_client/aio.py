@@ -105,6 +105,7 @@ class AsyncClient(Operations):
         self.path: str | None = None
         self._loop = loop
         self._attached: dict[str, AttachedPools] = {}  # to map segments as they come
+        self._kv_attached: dict[str, KvHostPools] = {}  # the same for host pools
         self._reconnect: Reconnect | None = None
         self._token: str | None = None
         self._client_name = ""
@@ -453,11 +454,13 @@ class AsyncClient(Operations):
             raise
         self._wake.set()
         value = await fut
-        if self._attached and op not in _FD_OPS:  # segments this process has not mapped yet
-            from .pools import models_to_update
+        if (self._attached or self._kv_attached) and op not in _FD_OPS:
+            from .pools import models_to_update  # segments this process has not mapped yet
 
             for model in models_to_update(req, value, self._attached):
                 await self.attach(model)
+            for model in models_to_update(req, value, self._kv_attached, "host_segments_gen"):
+                await self.kv_attach(model)
         return value
 
     # -- batches, receipts, pools ---------------------------------------------------------------
@@ -507,7 +510,7 @@ class AsyncClient(Operations):
 
         result, fds = await self._exclusive("kv_attach", KvAttach(model=model))
         try:
-            return attach_host_pools(model, result, fds)
+            return attach_host_pools(model, result, fds, self._kv_attached)
         finally:
             close_fds(fds)
 

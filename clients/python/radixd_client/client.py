@@ -168,6 +168,7 @@ class Client(Operations):
     def _start(self, sock: socket.socket, token: str | None, client_name: str) -> None:
         self._token, self._client_name = token, client_name
         self._attached: dict[str, AttachedPools] = {}  # to map segments as they come
+        self._kv_attached: dict[str, KvHostPools] = {}  # the same for host pools
         self._closed_by_user = False
         self._open_session(sock)
 
@@ -269,11 +270,13 @@ class Client(Operations):
     def _follow_segments(self, req: Request, value: Any) -> None:
         """A result naming a segment generation this process has not mapped: attach again
         first, so that its pages are mapped when the caller reads them (protocol.md 4.3)."""
-        if self._attached:
+        if self._attached or self._kv_attached:
             from .pools import models_to_update
 
             for model in models_to_update(req, value, self._attached):
                 self.attach(model)
+            for model in models_to_update(req, value, self._kv_attached, "host_segments_gen"):
+                self.kv_attach(model)
 
     # -- batches and receipts -------------------------------------------------------------------
 
@@ -325,7 +328,7 @@ class Client(Operations):
 
         result, fds = self._call_with_fds("kv_attach", KvAttach(model=model))
         try:
-            return attach_host_pools(model, result, fds)
+            return attach_host_pools(model, result, fds, self._kv_attached)
         finally:
             close_fds(fds)
 

@@ -318,22 +318,7 @@ class AttachedPools:
     def update(self, result: AttachResult, fds: Sequence[int]) -> None:
         """Map the segments an attach response lists (new ones, and those with a new epoch) and
         put private zeros where segments no longer listed were. ``fds`` are not closed here."""
-        listed: dict[tuple[str, int], tuple[int, int]] = {}
-        for seg in result.segments:
-            if seg.pool not in self._regions:
-                raise PoolError(f"{self.model}: segment {seg.index} of the {seg.pool!r} pool, "
-                                "which is not segmented")
-            if not 0 <= seg.fd_index < len(fds):
-                raise PoolError(f"{self.model} {seg.pool} segment {seg.index}: fd_index "
-                                f"{seg.fd_index} but {len(fds)} fds came with the response")
-            listed[(seg.pool, seg.index)] = (seg.epoch, fds[seg.fd_index])
-        for key in [k for k in self.segments if k not in listed]:
-            self._regions[key[0]].unmap_segment(key[1])
-            del self.segments[key]
-        for key, (epoch, fd) in listed.items():
-            if self.segments.get(key) != epoch:
-                self._regions[key[0]].map_segment(key[1], fd)
-                self.segments[key] = epoch
+        map_listed_segments(self.model, self._regions, self.segments, result.segments, fds)
         self.generation = result.generation
 
     def rebind(self, result: AttachResult, fds: Sequence[int]) -> None:
@@ -457,10 +442,38 @@ class AttachedPools:
         return f"<AttachedPools {self.model}: {parts}>"
 
 
-def models_to_update(req: Any, value: Any, attached: Mapping[str, AttachedPools]) -> list[str]:
+def map_listed_segments(model: str, regions: Mapping[str, SegmentedRegion],
+                        mapped: dict[tuple[str, int], int], segments: Sequence[Any],
+                        fds: Sequence[int]) -> None:
+    """Bring ``mapped`` ((pool, segment) -> epoch mapped here) to the ``segments`` a response
+    lists (:class:`~radixd_client.protocol.SegmentInfo`): map those that are new or have a new
+    epoch, put private zeros where a segment no longer listed was. For ``attach`` and
+    ``kv_attach`` alike; ``fds`` are not closed here."""
+    listed: dict[tuple[str, int], tuple[int, int]] = {}
+    for seg in segments:
+        if seg.pool not in regions:
+            raise PoolError(f"{model}: segment {seg.index} of the {seg.pool!r} pool, which is "
+                            "not segmented")
+        if not 0 <= seg.fd_index < len(fds):
+            raise PoolError(f"{model} {seg.pool} segment {seg.index}: fd_index "
+                            f"{seg.fd_index} but {len(fds)} fds came with the response")
+        listed[(seg.pool, seg.index)] = (seg.epoch, fds[seg.fd_index])
+    for key in [k for k in mapped if k not in listed]:
+        regions[key[0]].unmap_segment(key[1])
+        del mapped[key]
+    for key, (epoch, fd) in listed.items():
+        if mapped.get(key) != epoch:
+            regions[key[0]].map_segment(key[1], fd)
+            mapped[key] = epoch
+
+
+def models_to_update(req: Any, value: Any, attached: Mapping[str, Any],
+                     field: str = "segments_gen") -> list[str]:
     """The models whose attached pools a call's result says are out of date: it names a segment
     generation above theirs (for a batch, ``value`` is its ``(ok, result)`` outcomes in the
-    order of ``req.ops``). The clients attach those again before returning (protocol.md 4.3)."""
+    order of ``req.ops``). The clients attach those again before returning (protocol.md 4.3).
+    ``field``: ``segments_gen`` for device pools (``attach``), ``host_segments_gen`` for host
+    pools (``kv_attach``)."""
     if not attached:
         return []
     pairs = (zip(req.ops, (v for _ok, v in value), strict=False)
@@ -470,7 +483,7 @@ def models_to_update(req: Any, value: Any, attached: Mapping[str, AttachedPools]
         model = getattr(r, "model", "")
         pools = attached.get(model)
         if (pools is not None and model not in out
-                and pools.needs_update(getattr(v, "segments_gen", 0))):
+                and pools.needs_update(getattr(v, field, 0))):
             out.append(model)
     return out
 
@@ -535,10 +548,17 @@ class KvHostPools:
     ``[slots, page_nbytes]`` over the daemon's own host memory: row ``s`` is the slot ``s`` that
     ``kv_lookup`` and ``kv_reserve`` name. Slot 0 is reserved: never write it.
     ``page_nbytes`` maps each pool kind to its page size in bytes.
+
+    Segmented host pools (kind ``memfd_segments``: the daemon isolates tenants in memory) map
+    only the segments of this session's namespace; every other slot reads private zeros and a
+    write to it reaches no one. A result whose ``host_segments_gen`` is above
+    :attr:`generation` names slots of segments not mapped here: ``kv_attach`` again (the clients
+    do it by themselves) maps them in place (:meth:`update`), so the tensors stay valid.
     """
 
     def __init__(self, model: str, tensors: Mapping[str, torch.Tensor],
-                 infos: Mapping[str, Any]) -> None:
+                 infos: Mapping[str, Any],
+                 regions: Mapping[str, SegmentedRegion] | None = None) -> None:
         if "full" not in tensors:
             raise PoolError(f"{model}: the daemon sent no full host pool")
         self.model = model
@@ -546,6 +566,12 @@ class KvHostPools:
         self.full: torch.Tensor = tensors["full"]
         self.swa: torch.Tensor | None = tensors.get("swa")
         self.page_nbytes: dict[str, int] = {k: int(t.shape[1]) for k, t in tensors.items()}
+        self._regions: dict[str, SegmentedRegion] = dict(regions or {})
+        #: (pool, segment) -> epoch of each host segment mapped here
+        self.segments: dict[tuple[str, int], int] = {}
+        #: the namespace's host segment generation these mappings reflect
+        self.generation = 0
+        self.closed = False
 
     def pool(self, kind: str) -> torch.Tensor:
         t = self.full if kind == "full" else self.swa if kind == "swa" else None
@@ -553,27 +579,64 @@ class KvHostPools:
             raise PoolError(f"{self.model}: no {kind!r} host pool")
         return t
 
+    def needs_update(self, host_segments_gen: int) -> bool:
+        """Whether a result's ``host_segments_gen`` names segments not mapped here."""
+        return bool(self._regions) and not self.closed and host_segments_gen > self.generation
+
+    def update(self, result: KvAttachResult, fds: Sequence[int]) -> None:
+        """Map the host segments a ``kv_attach`` response lists, in place; ``fds`` are not
+        closed here."""
+        map_listed_segments(self.model, self._regions, self.segments, result.segments, fds)
+        self.generation = result.generation
+
+    def close(self) -> None:
+        """Stop following segments; the tensors stay valid for as long as they are held."""
+        self.closed = True
+        self._regions = {}
+
     def __repr__(self) -> str:
         return f"<KvHostPools {self.model}: " + ", ".join(
             f"{k}={n}B x {self.pool(k).shape[0]}" for k, n in self.page_nbytes.items()) + ">"
 
 
-def attach_host_pools(model: str, result: KvAttachResult, fds: Sequence[int]) -> KvHostPools:
-    """Map every host pool of a ``kv_attach`` response; ``fds`` are not closed here."""
+def attach_host_pools(model: str, result: KvAttachResult, fds: Sequence[int],
+                      attached: dict[str, KvHostPools] | None = None) -> KvHostPools:
+    """Map every host pool of a ``kv_attach`` response; ``fds`` are not closed here. With
+    ``attached`` (the client's), a model mapped before keeps its tensors, updated in place."""
     import torch
 
+    old = attached.get(model) if attached is not None else None
+    if old is not None and not old.closed and old._regions:
+        old.update(result, fds)
+        return old
     tensors: dict[str, Any] = {}
     infos: dict[str, Any] = {}
+    regions: dict[str, SegmentedRegion] = {}
     for info in result.pools:
         if info.pool in infos:
             raise PoolError(f"{model}: the daemon sent the {info.pool!r} host pool twice")
-        if not 0 <= info.fd_index < len(fds):
-            raise PoolError(f"{model} {info.pool} host pool: fd_index {info.fd_index} but "
-                            f"{len(fds)} fds came with the response")
         if info.slots < 1 or info.page_nbytes < 1 or info.nbytes != info.slots * info.page_nbytes:
             raise PoolError(f"{model} {info.pool} host pool: {info.slots} slots x "
                             f"{info.page_nbytes} B disagree with nbytes {info.nbytes}")
-        tensors[info.pool] = _map_fd(fds[info.fd_index], info.nbytes, torch.uint8,
-                                     (info.slots, info.page_nbytes))
+        if info.kind == "memfd_segments":
+            if result.segment_pages < 1:
+                raise PoolError(f"{model} {info.pool} host pool: segmented, but segment_pages "
+                                f"is {result.segment_pages}")
+            region = regions[info.pool] = SegmentedRegion(
+                (1, 1, info.slots, info.page_nbytes), 1, result.segment_pages)
+            tensors[info.pool] = region.tensor(torch.uint8).view(info.slots, info.page_nbytes)
+        elif info.kind == "memfd":
+            if not 0 <= info.fd_index < len(fds):
+                raise PoolError(f"{model} {info.pool} host pool: fd_index {info.fd_index} but "
+                                f"{len(fds)} fds came with the response")
+            tensors[info.pool] = _map_fd(fds[info.fd_index], info.nbytes, torch.uint8,
+                                         (info.slots, info.page_nbytes))
+        else:
+            raise PoolError(f"{model} {info.pool} host pool: unknown kind {info.kind!r} (this "
+                            "client knows 'memfd' and 'memfd_segments')")
         infos[info.pool] = info
-    return KvHostPools(model, tensors, infos)
+    pools = KvHostPools(model, tensors, infos, regions)
+    pools.update(result, fds)
+    if attached is not None:
+        attached[model] = pools
+    return pools

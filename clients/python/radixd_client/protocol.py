@@ -368,15 +368,19 @@ class KvPoolInfo(Result):
     """One host pool of a model, as ``kv_attach`` maps it: ``slots`` x ``page_nbytes`` bytes."""
 
     pool: str  # "full" or "swa"
-    fd_index: int  # index into the fds that came with this frame
+    fd_index: int  # index into the fds that came with this frame; -1 for "memfd_segments"
     slots: int  # slot 0 is reserved (never handed out)
     page_nbytes: int
     nbytes: int  # slots * page_nbytes
     description: dict[str, Any] = {}  # the host pool's own description (dtype, page shape)
+    kind: str = "memfd"  # "memfd": one fd, the whole pool; "memfd_segments": see segments
 
 
 class KvAttachResult(Result):
     pools: list[KvPoolInfo]
+    segment_pages: int = 0  # slots per segment; 0: the pools are shared (memory_isolation none)
+    segments: list[SegmentInfo] = []  # the host segments of this session's namespace, now
+    generation: int = 0  # host_segments_gen of the namespace these segments are of
 
 
 class KvLookupResult(Result):
@@ -385,6 +389,7 @@ class KvLookupResult(Result):
     prefix: int  # leading keys present
     pin: int  # 0 when not pinned or nothing present
     fetched: int = 0  # keys brought from Redis (L3) into host by this call
+    host_segments_gen: int = 0  # above the kv_attach's generation: kv_attach again
 
 
 class KvReserveResult(Result):
@@ -392,6 +397,7 @@ class KvReserveResult(Result):
     pin: int  # 0 when no slot was reserved
     full: int = 0  # keys that got no slot for want of room or quota (declined, not an error)
     busy: int = 0  # keys another session has reserved and not committed yet (slot 0)
+    host_segments_gen: int = 0  # above the kv_attach's generation: kv_attach again
 
 
 class KvClearResult(Result):

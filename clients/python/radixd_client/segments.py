@@ -96,7 +96,10 @@ class SegmentedRegion:
         self.pages = shape[2]
         self.page_bytes = math.prod(shape[3:]) * itemsize  # one page of one (layer, kv) strip
         self.num_segments = -(-self.pages // segment_pages)
-        check_segment_alignment(self.page_bytes, segment_pages, self.pages, "pool")
+        # one strip (a page-first host pool): only segment starts need OS page alignment, the
+        # last segment ends where the range ends
+        check_segment_alignment(self.page_bytes, segment_pages,
+                                self.pages if self.strips > 1 else segment_pages, "pool")
         self.nbytes = math.prod(shape) * itemsize
         self.address = _anonymous(None, self.nbytes)
         span = type("_Span", (ctypes.c_uint8 * self.nbytes,), {})
