@@ -44,10 +44,11 @@ def _config(**model: Any) -> dict[str, Any]:
     return {"models": [{**SMALL_MODEL, **model}]}
 
 
-def _fill(make_daemon: Any, store: FdStore, seqs: list[list[int]]) -> tuple[dict, dict]:
+def _fill(make_daemon: Any, store: FdStore, seqs: list[list[int]], **model: Any
+          ) -> tuple[dict, dict]:
     """Cache ``seqs`` in a daemon under ``store``, wait for their host copies, SIGTERM it and
     take its fds into the store; returns the KV kept per page (the first writer's)."""
-    d = make_daemon(_config(), **store.launch())
+    d = make_daemon(_config(**model), **store.launch())
     kept = cache_until_on_host(d, seqs)
     d.check()
     assert d.stop() == 0, d.log()[-3000:]
@@ -55,15 +56,44 @@ def _fill(make_daemon: Any, store: FdStore, seqs: list[list[int]]) -> tuple[dict
     return kept
 
 
-def test_host_pools_survive_through_the_fd_store_byte_exact(make_daemon, store) -> None:
+def _stored_names(store: FdStore) -> set[str]:
+    """The fd names a stop must have stored: the index and, per host pool with saved pages,
+    its memfd, or (memory isolation) the memfd of each segment holding a saved slot."""
+    img = decode_index(read_fd(store.fds[INDEX_FD])).models["m"]
+    names = {INDEX_FD}
+    for kind, pool in img.pools.items():
+        sp = pool.segment_pages
+        names |= ({f"{pool.file}-seg{s // sp}" for s in as_slots(pool.slots)} if sp
+                  else {pool.file})
+        assert pool.file == f"radixd-host-0-{kind}"
+    return names
+
+
+def _stored_page(store: FdStore, kind: str, slot: int) -> tuple[int, int]:
+    """(stored fd, byte offset) of saved host slot ``slot`` of pool ``kind``."""
+    pool = decode_index(read_fd(store.fds[INDEX_FD])).models["m"].pools[kind]
+    if not pool.segment_pages:
+        return store.fds[pool.file], slot * pool.page_nbytes
+    seg, at = divmod(slot, pool.segment_pages)
+    return store.fds[f"{pool.file}-seg{seg}"], at * pool.page_nbytes
+
+
+@pytest.mark.parametrize("isolation", ["segments", "none"])
+def test_host_pools_survive_through_the_fd_store_byte_exact(make_daemon, store,
+                                                            isolation: str) -> None:
     a, b = seq(10), seq(6, base=5000)
-    e1 = _fill(make_daemon, store, [a, b])
-    assert set(store.fds) == {INDEX_FD, "radixd-host-0-full", "radixd-host-0-swa"}
-    d2 = make_daemon(_config(), **store.launch())
+    e1 = _fill(make_daemon, store, [a, b], memory_isolation=isolation)
+    stored = _stored_names(store)
+    assert set(store.fds) == stored
+    if isolation == "none":
+        assert stored == {INDEX_FD, "radixd-host-0-full", "radixd-host-0-swa"}
+    else:  # one memfd per host segment holding a saved page, none of the empty ones
+        assert all("-seg" in n for n in stored - {INDEX_FD}) and len(stored) >= 3
+    d2 = make_daemon(_config(memory_isolation=isolation), **store.launch())
     assert "stored 20 host pages" in (d2.tmp.parent / "d0" / "radixd.log").read_text()
     store.pump()
     assert store.fds == {}  # consumed: removed from the store (FDSTOREREMOVE=1)
-    assert sorted(store.removed) == sorted([INDEX_FD, "radixd-host-0-full", "radixd-host-0-swa"])
+    assert sorted(store.removed) == sorted(stored)
     e2 = Engine(d2.socket, seed=9)
     try:
         m = e2.c.match("m", a)
@@ -89,9 +119,9 @@ def test_a_corrupted_page_in_a_stored_pool_is_dropped(make_daemon, store) -> Non
     snap = decode_index(read_fd(store.fds[INDEX_FD]))
     img = snap.models["m"]
     second = as_slots(img.tree[1].host)[1]  # a page of the second node
-    fd = store.fds["radixd-host-0-full"]
+    fd, at = _stored_page(store, "full", second)
     with mmap.mmap(fd, os.fstat(fd).st_size) as mem:
-        mem[second * img.pools["full"].page_nbytes + 5] ^= 0xFF
+        mem[at + 5] ^= 0xFF
     d2 = make_daemon(_config(), **store.launch())
     assert "failed verification" in d2.log()
     e2 = Engine(d2.socket, seed=3)
