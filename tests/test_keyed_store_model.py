@@ -1,22 +1,31 @@
 """The key-addressed store against a dict reference model (hypothesis, stateful): random
 lookups, reservations, commits, aborts, clears and session ends by two sessions in two
-namespaces, over a small real host tier so eviction and quotas happen. After every step the store's
-invariant check and the host tier's conservation check are clean, every pinned page is present
-with its bytes, and every present page holds what was committed under its key."""
+namespaces, over a small real host tier so eviction and quotas happen. The host tier is drawn
+shared or built from segments of 1 to 3 slots (memory isolation). After every step the store's
+invariant check (which audits segment ownership) and the host tier's conservation check are
+clean, every pinned page is present with its bytes, every present page holds what was committed
+under its key, and, isolated, lies in a segment its namespace holds."""
 
 from __future__ import annotations
 
 import hypothesis.strategies as st
 from hypothesis import settings
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
 
 from daemon.gpu.profile import ModelProfile
 from daemon.keyed_tier import KeyedTier
 from daemon.model_cache import ModelCache
 from daemon.storage.host_tier import HostTier
 
+# a host page is 16 KiB (whole OS pages), so a segment can be a single slot
 PROFILE = ModelProfile(name="tiny", page_size=4, sliding_window=8, num_full_layers=1,
-                       num_swa_layers=1, num_kv_heads=1, head_dim=2, dtype="float32",
+                       num_swa_layers=1, num_kv_heads=1, head_dim=512, dtype="float32",
                        device="cpu", full_pages=8, swa_pages=8)
 KEYS = [b"k%d" % i for i in range(10)]
 OWNERS = ("s1", "s2")
@@ -26,8 +35,12 @@ NS = {"s1": "a", "s2": "b"}  # one namespace per session; "a" has a host quota
 class KeyedStore(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
+        self.host: HostTier | None = None
+
+    @initialize(segment=st.sampled_from([None, 1, 2, 3]))
+    def build(self, segment: int | None) -> None:
         self.cache = ModelCache(PROFILE)
-        self.host = HostTier(PROFILE, 7, 4, pin_memory=False)
+        self.host = HostTier(PROFILE, 7, 4, pin_memory=False, segment_pages=segment)
         self.cache.host = self.host
         self.kv = KeyedTier(self.cache, self.host, {"a": 4}, "tiny")
         self.stored: dict[tuple[str, str, bytes], bytes] = {}  # committed content, may be evicted
@@ -106,12 +119,20 @@ class KeyedStore(RuleBasedStateMachine):
                 assert bytes(self.host.pool(kind).page_bytes(page.slot)) == self.stored[
                     (ns, kind, k)]
         for (ns, kind, k), page in self.kv.pages.pages.items():
-            assert bytes(self.host.pool(kind).page_bytes(page.slot)) == self.stored[
-                (ns, kind, k)]
+            pool = self.host.pool(kind)
+            assert bytes(pool.page_bytes(page.slot)) == self.stored[(ns, kind, k)]
+            if self.host.isolated:  # memory isolation: the slot's segment is its namespace's
+                assert pool.allocator.owner[page.slot // pool.segment_pages] == ns
+        for pool in self.host.pools():  # a free segment holds no slot in use
+            a = pool.allocator
+            for seg in range(a.num_segments):
+                if a.owner[seg] is None:
+                    assert not set(a.segment_range(seg)) & pool.held()
         assert self.kv.host_used("a") <= 4  # the quota holds
 
     def teardown(self) -> None:
-        self.host.close()
+        if self.host is not None:
+            self.host.close()
 
 
 TestKeyedStore = KeyedStore.TestCase

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
 import threading
 import time
 from typing import Any
 
+import hypothesis.strategies as st
 import pytest
 import torch
+from hypothesis import given, settings
 
 from daemon.gpu.allocator import AllocatorError, OutOfPages
 from daemon.gpu.pools import KVPools, Pool
@@ -380,3 +383,81 @@ async def test_cuda_round_trip_on_copy_stream(dtype: str) -> None:
                     assert as_bytes(after[:, :, pg]) == as_bytes(before[:, :, pg])
                 assert ticks >= 1
                 assert host.audit() == []
+
+
+# -- segments (memory isolation) -------------------------------------------------------------
+
+SEG_PROFILE = dict(head_dim=128)  # a host page of 12 KiB: whole OS pages, a segment may be 1 slot
+
+
+@settings(max_examples=40, deadline=None)
+@given(segment=st.integers(1, 3), capacity=st.integers(2, 9),
+       ops=st.lists(st.tuples(st.sampled_from("ab"), st.booleans(), st.integers(0, 30)),
+                    max_size=40))
+def test_segmented_slots_stay_in_their_namespace_against_a_model(
+        segment: int, capacity: int, ops: list[tuple[str, bool, int]]) -> None:
+    """Random stores and releases by two namespaces over a pool of drawn segment size: every
+    held slot lies in a segment of its namespace and keeps its bytes, a free segment holds no
+    held slot, and a slot whose segment last served the other namespace reads zeros (a fresh
+    memfd, its epoch grown)."""
+    with HostPool(make_profile(**SEG_PROFILE), capacity, "full", pin_memory=False,
+                  segment_pages=segment) as host:
+        a = host.allocator
+        model: dict[int, tuple[str, bytes]] = {}  # slot -> (namespace, content)
+        last: dict[int, str] = {}  # segment -> the namespace it served last
+        for n, (ns, store, x) in enumerate(ops):
+            if store and host.available_to(ns):
+                seg_before = dict(last)
+                epochs = list(host.segment_epochs)
+                slot = host.store(h(1000 * n + x), ns)
+                seg = slot // segment
+                if seg_before.get(seg, ns) != ns:  # moved: fresh zeroed memory
+                    assert host.segment_epochs[seg] == epochs[seg] + 1
+                    assert bytes(host.page_bytes(slot)) == bytes(host.page_nbytes)
+                last[seg] = ns
+                data = bytes([n % 251 + 1]) * host.page_nbytes
+                host.write_page_bytes(slot, data)
+                model[slot] = (ns, data)
+            elif not store and model:
+                slot = sorted(model)[x % len(model)]
+                del model[slot]
+                host.release(slot)
+            assert host.audit() == []
+            for slot, (owner, data) in model.items():
+                assert a.owner[slot // segment] == owner
+                assert bytes(host.page_bytes(slot)) == data
+            for seg in range(host.num_segments):
+                if a.owner[seg] is None:
+                    assert not set(host.segment_range(seg)) & set(model)
+        for ns in "ab":
+            assert host.audit_owners([s for s, (o, _) in model.items() if o == ns], ns, "x") == []
+        if model:  # a slot claimed for the wrong namespace is reported
+            slot, (owner, _) = next(iter(model.items()))
+            assert host.audit_owners([slot], "b" if owner == "a" else "a", "slots")
+
+
+def test_a_moved_segment_leaves_old_mappings_on_the_old_memory() -> None:
+    """What another process mapped of a segment (its memfd) stays the old memory once the
+    segment changes namespace: it neither sees the new namespace's bytes nor writes them."""
+    import mmap
+
+    with HostPool(make_profile(**SEG_PROFILE), 5, "full", pin_memory=False,
+                  segment_pages=2) as host:
+        s = host.store(h(1), "a")
+        host.write_page_bytes(s, b"\x07" * host.page_nbytes)
+        seg = s // 2
+        fd = os.dup(host.segment_fds[seg])  # what tenant a's engine received
+        old = mmap.mmap(fd, os.fstat(fd).st_size)
+        host.release(s)  # empty: back on the free list
+        s2 = host.store(h(2), "b")  # b takes it: a new memfd
+        assert s2 // 2 == seg and host.segment_epochs[seg] == 1
+        assert bytes(host.page_bytes(s2)) == bytes(host.page_nbytes)
+        host.write_page_bytes(s2, b"\x09" * host.page_nbytes)
+        at = (s2 % 2) * host.page_nbytes
+        assert old[at : at + 4] != b"\x09" * 4  # a's mapping does not see b's bytes
+        old[at : at + host.page_nbytes] = b"\x01" * host.page_nbytes  # nor reaches them
+        assert bytes(host.page_bytes(s2)) == b"\x09" * host.page_nbytes
+        assert os.fstat(fd).st_ino != os.fstat(host.segment_fds[seg]).st_ino
+        old.close()
+        os.close(fd)
+        assert host.describe()["num_segments"] == 3 and host.fd is None
