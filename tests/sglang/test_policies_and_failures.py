@@ -171,3 +171,43 @@ def test_the_torchvision_stand_in_is_never_called() -> None:
     with pytest.raises(RuntimeError, match="CPU stand-in"):
         torch.ops.torchvision.nms(torch.zeros(1, 4), torch.zeros(1), 0.5)
     assert sglang_cpu_shim.CALLS == ["nms"]
+
+
+# 64 device pages: each (layer, kv) strip of a segment whole OS pages; host pages of 512 B make
+# host segments of 8 slots
+ISOLATED = {**MODEL, "full_pages": 64, "swa_pages": 64, "memory_isolation": "segments"}
+
+
+def test_isolated_host_pools_each_tenant_maps_only_its_segments_as_they_grow(make_daemon) -> None:
+    """With memory isolation the backend's kv_attach maps only its tenant's host segments (none
+    at first); storing 30 pages takes new segments, and the client maps each before the slots
+    are written (host_segments_gen): another session of the tenant reads the bytes in radixd's
+    memory, and the other tenant's mapping of those slots reads zeros."""
+    from radixd_client import Client
+
+    d = make_daemon({"models": [ISOLATED], "tenants": [
+        {"name": "a", "token": "ta"}, {"name": "b", "token": "tb"}]})
+    a, pa = backend(d, pages=40, token="ta")
+    b, pb = backend(d, pages=40, token="tb")
+    ia, ka = fill(pa, 30, 7)
+    ib, kb = fill(pb, 30, 8)
+    assert all(a.batch_set_v1(ka, ia)) and all(b.batch_set_v1(kb, ib))
+    for tenant, keys, pool, idx in (("ta", ka, pa, ia), ("tb", kb, pb, ib)):
+        with Client(d.socket, token=tenant) as c:  # a fresh session: radixd's own memory
+            got = c.kv_lookup("m", [k.encode() + b.suffix.encode() for k in keys], pin=False)
+            assert list(got.present) == [1] * 30
+            mine = c.kv_attach("m")
+            assert mine.generation >= 4 and len(mine.segments) >= 4
+            for s, want in zip(got.slots, pages_of(pool, idx), strict=True):
+                assert bytes(mine.full[s].numpy()) == bytes(want.view(torch.uint8).numpy())
+            other = "tb" if tenant == "ta" else "ta"
+            with Client(d.socket, token=other) as o:  # the other tenant: zeros there
+                theirs = o.kv_attach("m")
+                assert all(int(theirs.full[s].max()) == 0 for s in got.slots)
+    dst = pa.alloc(30 * pa.page_size)
+    assert a.batch_get_v1(ka, dst) == [True] * 30
+    assert all(torch.equal(x, y) for x, y in zip(pages_of(pa, dst), pages_of(pa, ia),
+                                                 strict=True))
+    assert b.batch_exists(ka) == 0
+    a.close()
+    b.close()
