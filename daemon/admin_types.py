@@ -99,7 +99,8 @@ class ModelStats(msgspec.Struct):
     tiers: Annotated[dict[str, Any] | None, Meta(
         description="host (L2) and L3 counters; null without a host tier")]
     segments: Annotated[dict[str, SegmentUsage] | None, Meta(
-        description="per pool, its segments under memory isolation; null without isolation")
+        description="per pool (full, swa, and the host pools host_full, host_swa), its "
+                    "segments under memory isolation; null without isolation")
     ] = None
 
 

@@ -299,9 +299,7 @@ def _tier_view(entry: ModelEntry) -> TierView | None:
     t = entry.tiers
     if t is None:
         return None
-    host = {"full": HostPool(t.host.full.usable, t.host.full.used)}
-    if t.host.swa is not None:
-        host["swa"] = HostPool(t.host.swa.usable, t.host.swa.used)
+    host = {p.kind: HostPool(p.usable, p.used) for p in t.host.pools()}
     return TierView(host=host, counters=dict(t.counters), copy_seconds=dict(t.copy_seconds),
                     copy_bytes=dict(t.copy_bytes), stats=t.stats())
 
@@ -353,6 +351,13 @@ def dump_tree(tree: Any, root: Any, depth: int, limit: int) -> tuple[TreeNode, i
 def _segment_view(cache: ModelCache) -> dict[str, SegmentUsage] | None:
     if not cache.isolated:
         return None
-    return {kind: SegmentUsage(a.num_segments, a.segment_pages, a.free_segment_count,
-                               a.segments_assigned, a.segments_moved)
-            for kind, a in cache.alloc_state.allocators()}
+    out = {kind: _segments(a) for kind, a in cache.alloc_state.allocators()}
+    if cache.host is not None and cache.host.isolated:  # host pools: "host_full", "host_swa"
+        out.update({f"host_{p.kind}": _segments(p.allocator) for p in cache.host.pools()})
+    return out
+
+
+def _segments(a: Any) -> SegmentUsage:
+    """A ``SegmentedAllocator``'s counts (device pools and host pools alike)."""
+    return SegmentUsage(a.num_segments, a.segment_pages, a.free_segment_count,
+                        a.segments_assigned, a.segments_moved)

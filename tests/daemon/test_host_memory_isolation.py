@@ -23,7 +23,7 @@ from radixd_client import Client
 
 from .conftest import REPO, SMALL_MODEL
 from .test_memory_isolation import TENANTS
-from .test_tiers import Engine, seq, wait_for
+from .test_tiers import Engine, admin_stats, seq, wait_for
 
 P = SMALL_MODEL["page_size"]
 SECRET = 0xAB
@@ -173,6 +173,8 @@ def test_a_host_segment_changes_namespace_only_zeroed(make_daemon) -> None:
         with Client(d.socket, token="alice-token") as a2:
             got = a2.kv_lookup("m", [b"more"], "full", pin=False)
             assert int(a2.kv_attach("m").full[got.slots[0]].max()) == 7
+    segs = admin_stats(d)["models"]["m"]["segments"]["host_full"]
+    assert (segs["segments"], segs["segment_pages"], segs["moved"]) == (3, 4, 1), segs
     d.check()
 
 
@@ -202,6 +204,7 @@ def test_no_memory_isolation_maps_the_whole_host_pool(make_daemon) -> None:
         _store_secret(a)
         out = _attack(d, [])
         assert out["read"]["full"] == SECRET and out["nonzero"]["full"] >= 3
+    assert admin_stats(d)["models"]["m"]["segments"] is None
     d.check()
 
 

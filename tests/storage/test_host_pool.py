@@ -343,7 +343,10 @@ async def test_copies_run_off_the_event_loop() -> None:
 @pytest.mark.gpu
 @pytest.mark.asyncio
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-async def test_cuda_round_trip_on_copy_stream(dtype: str) -> None:
+@pytest.mark.parametrize("segment", [None, 8])
+async def test_cuda_round_trip_on_copy_stream(dtype: str, segment: int | None) -> None:
+    """Segmented (memory isolation): each segment is page-locked on its own, and a segment that
+    changes namespace is unregistered, replaced and registered again before the copies use it."""
     p = make_profile(device="cuda", dtype=dtype, page_size=16, sliding_window=32,
                      full_pages=64, swa_pages=40)
     with KVPools(p) as kv:
@@ -354,13 +357,21 @@ async def test_cuda_round_trip_on_copy_stream(dtype: str) -> None:
             raw[:, :, 1:].copy_(torch.randint(0, 256, raw[:, :, 1:].shape, dtype=torch.uint8,
                                               device=pool.device))
             torch.cuda.synchronize()
-            with HostPool(p, 32, kind) as host:
-                assert host.pinned and host.buffer.is_pinned() and host.fd is not None
+            with HostPool(p, 32, kind, segment_pages=segment) as host:
+                assert host.pinned and host.buffer.is_pinned()
+                assert (host.fd is not None) == (segment is None)
+                ns = "a" if segment else ""
+                if segment:  # "b" serves segments 0 and 1 first: "a" takes them renewed
+                    for s in [host.store(h(500 + i), "b") for i in range(9)]:
+                        host.release(s)
                 pages = list(range(pool.num_pages - 1, pool.num_pages - 21, -1))
-                slots = [host.store(h(i)) for i in range(20)]
+                slots = [host.store(h(i), ns) for i in range(20)]
                 for s in slots[5:8]:  # make the slots non-consecutive
                     host.release(s)
-                slots = slots[:5] + slots[8:] + [host.store(h(100 + i)) for i in range(3)]
+                slots = slots[:5] + slots[8:] + [host.store(h(100 + i), ns) for i in range(3)]
+                if segment:
+                    assert host.segment_epochs[0] == host.segment_epochs[1] == 1
+                    assert host.buffer.is_pinned()
                 ticks = 0
 
                 async def tick() -> None:
