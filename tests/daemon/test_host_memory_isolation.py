@@ -216,3 +216,41 @@ def test_bad_host_segment_settings_are_refused_with_the_key(tmp_path) -> None:
     path.write_text("[[models]]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in bad.items()))
     with pytest.raises(ConfigError, match=r'models\["m"\]\.host_segment_pages.*multiple of 2'):
         load_config(path, env={})
+
+
+def test_a_warm_restart_puts_each_namespace_back_in_its_own_host_segments(make_daemon,
+                                                                          tmp_path) -> None:
+    """Across a restart through ``state_dir`` the restored keyed pages and tree host copies get
+    slots in their own namespace's host segments (the strict check after the restore proves it
+    for every slot); B's mapping still reads zeros where A's pages are, A reads them back."""
+    cfg = {**TENANTS, "server": {"state_dir": str(tmp_path / "state")}}
+    d1 = make_daemon(cfg)
+    toks = seq(4)
+    e = Engine(d1.socket, token="alice-token")
+    try:
+        e.cache(toks)
+        wait_for(lambda: _host_pages(e.c) == 4, "A's host copies")
+        with Client(d1.socket, token="alice-token") as a, \
+                Client(d1.socket, token="bob-token") as b:
+            _store_secret(a)
+            pools = b.kv_attach("m")
+            r = b.kv_reserve("m", [b"bob-%d" % i for i in range(50)], "full")
+            for s in r.slots:
+                pools.full[s] = 0x22
+            b.kv_commit("m", r.pin)
+    finally:
+        e.close()
+    d1.check()
+    assert d1.stop() == 0, d1.log()[-3000:]
+    d2 = make_daemon(cfg)
+    assert admin_stats(d2)["warm_restart"]["dropped_pages"] == 0
+    d2.check()  # every restored slot lies in a host segment of its namespace
+    _secret_intact("alice-token", d2.socket)
+    with Client(d2.socket, token="bob-token") as b:
+        mine = b.kv_lookup("m", [b"bob-%d" % i for i in range(50)], "full", pin=False)
+        pools = b.kv_attach("m")
+        assert list(mine.present) == [1] * 50
+        assert all(int(pools.full[s].min()) == 0x22 for s in mine.slots)
+        others = [s for s in range(1, pools.full.shape[0]) if s not in set(mine.slots)]
+        assert int(pools.full[others].max()) == 0 and int(pools.swa.max()) == 0
+    d2.check()
