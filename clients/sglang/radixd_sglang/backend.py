@@ -6,6 +6,11 @@ the socket: the backend maps radixd's host pools (``kv_attach``) and copies betw
 pool pages and radixd's slots. A radixd page of kind ``full`` (SGLang's ``kv`` pool) or ``swa``
 holds one SGLang page of a ``page_first`` host pool: its K block, then its V block.
 
+Under radixd's memory isolation ``kv_attach`` maps only the host segments of this tenant's
+namespace, and the radixd client maps the segments the namespace gains before the ``kv_lookup`` or
+``kv_reserve`` whose slots lie in them returns (``host_segments_gen``, docs/protocol.md 9.4), in
+place: the slot tensors this backend holds keep their address and stay valid.
+
 It never raises into SGLang's cache controller: radixd down or restarting, Redis down, a page that
 does not fit, anything unexpected, is a miss (0 / False) and the connection is tried again later
 with a growing backoff.
@@ -122,6 +127,7 @@ class RadixdHiCacheStorage(HiCacheStorage):
                            self.socket_path, self.model, exc, self._backoff)
             return None
         self._client = client
+        # views of radixd's host memory; the client remaps new host segments under them in place
         self._slots = {"full": pools.full}
         if pools.swa is not None:
             self._slots["swa"] = pools.swa
