@@ -187,8 +187,8 @@ def test_isolated_host_pools_each_tenant_maps_only_its_segments_as_they_grow(mak
 
     d = make_daemon({"models": [ISOLATED], "tenants": [
         {"name": "a", "token": "ta"}, {"name": "b", "token": "tb"}]})
-    a, pa = backend(d, pages=40, token="ta")
-    b, pb = backend(d, pages=40, token="tb")
+    a, pa = backend(d, pages=64, token="ta")
+    b, pb = backend(d, pages=64, token="tb")
     ia, ka = fill(pa, 30, 7)
     ib, kb = fill(pb, 30, 8)
     assert all(a.batch_set_v1(ka, ia)) and all(b.batch_set_v1(kb, ib))
