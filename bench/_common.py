@@ -3,7 +3,6 @@ figures (`--json PATH`)."""
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
 import shutil
@@ -15,6 +14,8 @@ import tempfile
 import time
 from typing import Any
 
+from radixd_bench.unix_http import UnixHTTPConnection
+
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -24,17 +25,6 @@ def write_json(path: str, figures: dict[str, Any]) -> None:
     with open(path, "w", encoding="utf-8") as fh:
         json.dump(figures, fh, indent=1, sort_keys=True)
         fh.write("\n")
-
-
-class _UnixHTTPConnection(http.client.HTTPConnection):
-    def __init__(self, path: str) -> None:
-        super().__init__("localhost", timeout=60)
-        self.unix_path = path
-
-    def connect(self) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(60)
-        self.sock.connect(self.unix_path)
 
 
 _TICK = os.sysconf("SC_CLK_TCK")
@@ -93,7 +83,7 @@ class DaemonProcess:
     def admin_json(self, path: str) -> Any:
         if self.admin is None:
             raise RuntimeError("this daemon has no admin endpoint")
-        conn = _UnixHTTPConnection(self.admin)
+        conn = UnixHTTPConnection(self.admin)
         try:
             conn.request("GET", path, headers={"Authorization": "Bearer bench"})
             resp = conn.getresponse()

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from daemon import __version__
+from radixd_bench.unix_http import UnixHTTPConnection
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INVARIANT, EXIT_VIOLATIONS = 0, 1, 2, 3, 4
 
@@ -253,21 +254,6 @@ class AdminError(Exception):
     """The admin endpoint could not be reached or refused the request; the message says why."""
 
 
-class _UnixHTTPConnection(http.client.HTTPConnection):
-    def __init__(self, path: str, timeout: float):
-        super().__init__("localhost", timeout=timeout)
-        self._path = path
-
-    def connect(self) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(self.timeout)
-        try:
-            sock.connect(self._path)
-        except BaseException:
-            sock.close()
-            raise
-        self.sock = sock
-
 
 class AdminClient:
     """A small blocking client of the admin endpoint: ``http://host:port`` or ``unix:/path``.
@@ -302,7 +288,7 @@ class AdminClient:
                                                                           bytes]:
         """(status, headers, body); raises AdminError when the endpoint cannot be reached."""
         if self._unix is not None:
-            conn: http.client.HTTPConnection = _UnixHTTPConnection(self._unix, self.timeout)
+            conn: http.client.HTTPConnection = UnixHTTPConnection(self._unix, self.timeout)
         else:
             conn = http.client.HTTPConnection(self._host, self._port, timeout=self.timeout)
         headers = {"Accept": "application/json"}

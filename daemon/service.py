@@ -76,13 +76,19 @@ class Service(ServiceQueries):
                 entry.keyed.start()
 
     async def stop_tiers(self, deadline: float) -> None:
-        """Finish what the write policies owe to host and L3 by ``deadline`` (monotonic)."""
-        for entry in self.models.values():
+        """Finish what the write policies owe to host and L3 by ``deadline`` (monotonic). When a
+        warm restart follows (a state directory or systemd's fd store), the tree's device-only
+        pages are copied to host first, so the next run finds them there."""
+        warm = self.fd_store is not None or bool(self.config.server.state_dir)
+        for name, entry in self.models.items():
             if entry.keyed is not None:
                 await entry.keyed.drain(deadline)
                 await entry.keyed.aclose()
             if entry.tiers is not None:
-                await entry.tiers.drain(deadline)
+                gained = await entry.tiers.drain(deadline, back_up_device=warm)
+                if warm:
+                    log.info("warm restart: model %r: copied %d tree pages to host at stop",
+                             name, gained)
                 await entry.tiers.aclose()
         if self.l3 is not None:
             await self.l3.aclose()

@@ -186,18 +186,32 @@ class TierManager:
             self.l3.start_probe()  # logs whether Redis answers at start (once per daemon)
             self._tasks.append(asyncio.create_task(self._l3_writer(), name="radixd-l3-writer"))
 
-    async def drain(self, deadline: float) -> None:
+    async def drain(self, deadline: float, back_up_device: bool = False) -> int:
         """Finish queued backups and L3 writes by ``deadline`` (time.monotonic(); shutdown).
         Under L3 write_back, host pages not yet in Redis are written first: they would be lost
-        with the process."""
+        with the process. With ``back_up_device`` (a warm restart follows: only host outlives the
+        process), device-only tree nodes are copied to host as room and quotas allow, whatever
+        the write policy. Returns the host pages the tree gained while draining."""
         owed: Iterator[Node] = iter(())
         if self.l3 is not None and self.l3cfg.write_policy == "write_back":
             owed = (n for n in list(self.cache.tree.iter_nodes())
                     if n.parent is not None and n.host is not None)
+        device_only: Iterator[Node] = iter(())
+        if back_up_device:
+            device_only = (n for n in list(self.cache.tree.iter_nodes())
+                           if n.parent is not None and n.full is not None and n.host is None)
+        host_before = self.cache.tree.host_pages
         self.cache.flush_host_drops()
-        pending = True
-        while (pending or self._backlog or self._l3_queue or self._inflight) and \
+        pending = backing = True
+        while (pending or backing or self._backlog or self._l3_queue or self._inflight) and \
                 time.monotonic() < deadline:
+            while backing and len(self._backlog) < 4 * BACKUP_BATCH_NODES:
+                node = next(device_only, None)
+                if node is None:
+                    backing = False
+                elif node.id not in self._owed:
+                    self._backlog.append(node)
+                    self._owed.add(node.id)
             while pending and len(self._l3_queue) < 4 * L3_WRITE_BATCH:  # a bounded queue
                 node = next(owed, None)
                 if node is None:
@@ -210,6 +224,7 @@ class TierManager:
                 if ev is not None:
                     ev.set()
             await asyncio.sleep(0.01)
+        return self.cache.tree.host_pages - host_before
 
     async def aclose(self) -> None:
         for t in self._tasks:

@@ -5,7 +5,8 @@ host copy that hangs from its namespace root through nodes with host copies (the
 that can exist without device pages), and every stored keyed page, with their pages and
 checksums (format: :mod:`daemon.storage.host_snapshot`). Device pages are not saved: on a GPU they
 cannot outlive the process, and on the CPU device they are not kept either (the engines that
-wrote them are gone; what they computed survives through the host copies).
+wrote them are gone); what they computed survives through the host copies, which the drain
+before the save makes for every device-only node (``TierManager.drain(back_up_device=True)``).
 
 At start (:func:`restore_host_state`, before serving): a model whose layout fingerprint or page
 size changed restores nothing (one log line says why); each page is verified against its

@@ -19,7 +19,6 @@ mismatches, violations or leaks are not all zero.
 from __future__ import annotations
 
 import contextlib
-import http.client
 import json
 import multiprocessing as mp
 import os
@@ -38,6 +37,7 @@ from typing import Any
 
 from .options import BenchError
 from .soak_worker import worker_main
+from .unix_http import UnixHTTPConnection
 
 __all__ = ["SoakOptions", "run_soak"]
 
@@ -114,19 +114,8 @@ host_swa_pages = {max(2, working_set // 4)}
 {tenants}"""
 
 
-class _AdminConnection(http.client.HTTPConnection):
-    def __init__(self, path: str) -> None:
-        super().__init__("localhost", timeout=60)
-        self.unix_path = path
-
-    def connect(self) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(60)
-        self.sock.connect(self.unix_path)
-
-
 def _admin(work: Path, method: str, path: str) -> Any:
-    conn = _AdminConnection(str(work / "admin.sock"))
+    conn = UnixHTTPConnection(str(work / "admin.sock"))
     try:
         conn.request(method, path, headers={"Authorization": f"Bearer {_ADMIN_TOKEN}"})
         resp = conn.getresponse()

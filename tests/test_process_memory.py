@@ -37,5 +37,7 @@ def test_trim_gives_freed_heap_back_to_the_kernel() -> None:
     r = json.loads(out.stdout)
     assert r["held_free"] > 100 * 2**20  # ~150 MB freed, kept by glibc
     assert r["released"] is True
-    assert r["after_in_use"] == r["held_in_use"]  # trimming frees nothing in use
+    # trimming frees nothing in use (the interpreter's own calls in between may move a few
+    # hundred bytes either way; what was freed is a thousand times more)
+    assert abs(r["after_in_use"] - r["held_in_use"]) < 2**17
     assert r["rss_held"] - r["rss_after"] > 100 * 2**20  # ...but gives the free pages back

@@ -146,6 +146,15 @@ def _noop() -> None:
     pass
 
 
+def _rows_on(device: torch.device, rows: torch.Tensor) -> torch.Tensor:
+    """The row numbers on ``device`` without making the host wait: a pageable tensor's upload
+    synchronizes the host with the copy stream, so the event loop would sit behind every copy
+    already queued there (a load would wait for the write-through copies ahead of it). Pinned
+    memory uploads asynchronously; torch's pinned allocator keeps the block until the upload
+    is done."""
+    return rows.pin_memory().to(device, non_blocking=True)
+
+
 def plan_device_to_host(pool: Pool, page_ids: Any, host: HostPool, slots: Any) -> CopyPlan:
     """Validate a copy of device pages ``page_ids`` into host ``slots`` (same length,
     positionally) and lay it out; raises CopyError now, never when the plan runs."""
@@ -156,7 +165,7 @@ def plan_device_to_host(pool: Pool, page_ids: Any, host: HostPool, slots: Any) -
     if pool.device.type == "cuda":
 
         def run_cuda() -> None:
-            staged = device_rows.index_select(0, rows.to(pool.device, non_blocking=False))
+            staged = device_rows.index_select(0, _rows_on(pool.device, rows))
             for i, j, h in runs:
                 host_rows[h : h + (j - i) * per_page].copy_(
                     staged[i * per_page : j * per_page], non_blocking=True
@@ -204,7 +213,7 @@ def host_to_device(host: HostPool, slots: Any, pool: Pool, page_ids: Any) -> Non
             staged[i * per_page : j * per_page].copy_(
                 host_rows[h : h + (j - i) * per_page], non_blocking=True
             )
-        device_rows.index_copy_(0, rows.to(pool.device), staged)
+        device_rows.index_copy_(0, _rows_on(pool.device, rows), staged)
         return
     # torch's CPU index_copy_ runs at about half of memcpy speed for rows this size; numpy's
     # fancy assignment copies each row with one memcpy (and releases the GIL while it does).
@@ -304,6 +313,12 @@ class CopyInFlight:
             self._event.synchronize()
             return self._result
         return self._future.result()
+
+    def finished(self) -> bool:
+        """Whether the copy is done, without waiting for it."""
+        if self._event is not None:
+            return bool(self._event.query())
+        return bool(self._future.done())
 
     def __await__(self) -> Any:
         return self.done().__await__()

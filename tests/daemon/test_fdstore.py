@@ -27,6 +27,7 @@ from daemon.storage.host_snapshot import as_slots, decode_index, read_fd
 from daemon.warm_restart import INDEX_FD
 
 from .test_tiers import Engine, P, admin_stats, cache_until_on_host, seq, tier_stats, wait_for
+from .test_warm_restart import assert_only_the_first_node_served
 
 
 @pytest.fixture
@@ -122,18 +123,7 @@ def test_a_corrupted_page_in_a_stored_pool_is_dropped(make_daemon, store) -> Non
     fd, at = _stored_page(store, "full", second)
     with mmap.mmap(fd, os.fstat(fd).st_size) as mem:
         mem[at + 5] ^= 0xFF
-    d2 = make_daemon(_config(), **store.launch())
-    assert "failed verification" in d2.log()
-    e2 = Engine(d2.socket, seed=3)
-    try:
-        m = e2.c.match("m", a)
-        assert (m.prefix_len, m.host_hit_len) == (0, 4 * P)
-        r = e2.c.load("m", a)
-        assert (r.prefix_len, r.loaded_len) == (4 * P, 4 * P)
-        e2.verify(a, r, expect=e1)  # what is served is exactly right
-        assert admin_stats(d2)["warm_restart"]["dropped_pages"] >= 4
-    finally:
-        e2.close()
+    assert_only_the_first_node_served(make_daemon(_config(), **store.launch()), a, e1)
     store.pump()
     assert store.fds == {}
 

@@ -26,6 +26,7 @@ from .test_tiers import (  # noqa: F401 - prefix: fixture
     l3_config,
     prefix,
     seq,
+    tier_stats,
     wait_for,
 )
 
@@ -90,6 +91,35 @@ def test_host_tier_survives_a_restart_byte_exact(make_daemon, tmp_path: Path) ->
     d2.check()
 
 
+def test_device_only_pages_are_copied_to_host_at_stop(make_daemon, tmp_path: Path) -> None:
+    """Under write_back nothing reaches host before an eviction: a stop followed by a warm
+    restart copies the device-only nodes first, so the next run serves them (byte-exact)."""
+    state = tmp_path / "state"
+    a, b = seq(10), seq(6, base=5000)
+    d1 = make_daemon(_config(state, write_policy="write_back"))
+    e1 = Engine(d1.socket, seed=4)
+    try:
+        e1.cache(a)
+        e1.cache(b)
+        assert tier_stats(d1)["tree_host_pages"] == 0
+        kept = (e1.full, e1.swa)
+    finally:
+        e1.close()
+    _stop(d1)
+    assert "copied 16 tree pages to host at stop" in d1.log()
+    d2 = make_daemon(_config(state, write_policy="write_back"))
+    e2 = Engine(d2.socket, seed=9)
+    try:
+        for toks in (a, b):
+            m = e2.c.match("m", toks)
+            assert (m.prefix_len, m.host_hit_len) == (0, len(toks))
+            r = e2.c.load("m", toks)
+            assert (r.prefix_len, r.loaded_len) == (len(toks), len(toks))
+            assert e2.verify(toks, r, expect=kept) > len(toks) // P
+    finally:
+        e2.close()
+
+
 def test_a_corrupted_page_is_dropped_never_served(make_daemon, tmp_path: Path) -> None:
     state = tmp_path / "state"
     a = seq(8)
@@ -100,7 +130,12 @@ def test_a_corrupted_page_is_dropped_never_served(make_daemon, tmp_path: Path) -
     page = len(raw) // 8
     raw[5 * page + 5] ^= 0xFF  # a page of the second node: that node goes, the first stays
     files[0].write_bytes(bytes(raw))
-    d2 = make_daemon(_config(state))
+    assert_only_the_first_node_served(make_daemon(_config(state)), a, e1)
+
+
+def assert_only_the_first_node_served(d2: Any, a: list[int], e1: Any) -> None:
+    """After a restart whose saved second node (pages 4-7 of ``a``) had a flipped byte: the
+    first node comes back byte-exact as ``e1`` wrote it, the second is dropped, never served."""
     assert "failed verification" in d2.log()
     e2 = Engine(d2.socket, seed=3)
     try:
@@ -109,8 +144,7 @@ def test_a_corrupted_page_is_dropped_never_served(make_daemon, tmp_path: Path) -
         r = e2.c.load("m", a)
         assert (r.prefix_len, r.loaded_len) == (4 * P, 4 * P)
         e2.verify(a, r, expect=e1)  # what is served is exactly right
-        st = admin_stats(d2)["warm_restart"]
-        assert st["dropped_pages"] >= 4
+        assert admin_stats(d2)["warm_restart"]["dropped_pages"] >= 4
     finally:
         e2.close()
 

@@ -19,6 +19,7 @@ from daemon.gpu.pools import KVPools, Pool
 from daemon.gpu.profile import ModelProfile
 from daemon.storage.copies import (
     CopyError,
+    CopyInFlight,
     device_to_host,
     host_to_device,
     plan_device_to_host,
@@ -381,7 +382,17 @@ async def test_cuda_round_trip_on_copy_stream(dtype: str, segment: int | None) -
                         await asyncio.sleep(0)
 
                 task = asyncio.create_task(tick())
-                await run_copy(device_to_host, pool, pages, host, slots)
+                # The first copy of a process loads its kernels and pinned blocks, which may
+                # synchronize the device once; the rule is for every copy after it.
+                await run_copy(device_to_host, pool, pages[:1], host, slots[:1])
+                # Keep the stream the copy waits behind busy: starting the copy must not make
+                # the loop wait for it (the event is still pending once the copy is enqueued),
+                # and awaiting it lets other tasks run.
+                torch.cuda._sleep(200_000_000)
+                copy = CopyInFlight(device_to_host, pool, pages, host, slots)
+                assert not copy.finished()
+                await copy
+                assert copy.finished()
                 for pg, slot in zip(pages, slots, strict=True):
                     assert bytes(host.page_bytes(slot)) == as_bytes(pool.page(pg).cpu())
                 saved = as_bytes(pool.buffer.cpu())
