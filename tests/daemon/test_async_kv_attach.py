@@ -37,3 +37,28 @@ def test_async_kv_attach_maps_the_daemons_host_memory(make_daemon) -> None:
 
         asyncio.run(run())
     d.check()
+
+
+def test_async_client_maps_host_segments_its_namespace_gains(make_daemon) -> None:
+    """Memory isolation: an AsyncClient's host mapping starts with no segment of the namespace;
+    a lookup naming slots in segments another session filled meanwhile maps them (in place,
+    before the call returns)."""
+    d = make_daemon({"models": [{**HOST, "host_segment_pages": 4}]})
+
+    async def run() -> None:
+        c = await AsyncClient.connect(d.socket)
+        mapped = await c.kv_attach("m")
+        assert mapped.segments == {} and mapped.generation == 0
+        with Client(d.socket) as sync:
+            pools = sync.kv_attach("m")
+            r = sync.kv_reserve("m", [b"k%d" % i for i in range(10)])
+            for s in r.slots:
+                pools.full[s] = s
+            sync.kv_commit("m", r.pin)
+        found = await c.kv_lookup("m", [b"k%d" % i for i in range(10)], pin=False)
+        assert found.host_segments_gen > 0 and mapped.generation == found.host_segments_gen
+        assert [int(mapped.full[s].max()) for s in found.slots] == list(found.slots)
+        await c.close()
+
+    asyncio.run(run())
+    d.check()

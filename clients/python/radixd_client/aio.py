@@ -46,7 +46,7 @@ from .protocol import (
     ModelInfo,
     Request,
 )
-from .reconnect import Reconnect, live_models, restarted
+from .reconnect import Reconnect, forget_host_pools, live_models, restarted
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from .pools import AttachedPools, KvHostPools
@@ -216,6 +216,7 @@ class AsyncClient(Operations):
         self.restarts += 1
         for model in live_models(self._attached):
             self._attached[model].rebind(*await self._attach_exclusive(model))
+        forget_host_pools(self._kv_attached)  # the old daemon's: kv_attach again
         return restarted(cause, old, self)
 
     # -- writing --------------------------------------------------------------------------------

@@ -45,7 +45,7 @@ from .protocol import (
     Request,
     int32_array,
 )
-from .reconnect import Reconnect, live_models, restarted
+from .reconnect import Reconnect, forget_host_pools, live_models, restarted
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from .pools import AttachedPools, KvHostPools
@@ -207,6 +207,7 @@ class Client(Operations):
         self.restarts += 1
         for model in live_models(self._attached):
             self._attached[model].rebind(*self._call_with_fds_once("attach", Attach(model=model)))
+        forget_host_pools(self._kv_attached)  # the old daemon's: kv_attach again
         return restarted(cause, old, self)
 
     # -- calls ----------------------------------------------------------------------------------

@@ -87,6 +87,15 @@ def live_models(attached: dict[str, Any]) -> list[str]:
     return list(attached)
 
 
+def forget_host_pools(kv_attached: dict[str, Any]) -> None:
+    """After a restart: the host pools ``kv_attach`` mapped are the old daemon's, and their
+    segment generations mean nothing to the new one. They stop following segments (the caller
+    maps the new daemon's with ``kv_attach``)."""
+    for pools in kv_attached.values():
+        pools.close()
+    kv_attached.clear()
+
+
 def restarted(cause: RadixdError, old_session: int | None, client: Any) -> SessionRestarted:
     return SessionRestarted(f"radixd went away ({cause.code}: {cause}); session {old_session} "
                             f"ended, this client is now session {client.session} of daemon "
