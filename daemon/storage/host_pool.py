@@ -210,7 +210,7 @@ class HostPool:
 
     def _pin(self, seg: int) -> None:
         """Page-lock segment ``seg`` (the whole pool when not segmented) for CUDA."""
-        r = self.segment_range(seg) if self._region is not None else range(self.capacity)
+        r = self.segment_range(seg)
         start = self.buffer[r.start].data_ptr()
         try:
             self._unregister[seg] = page_lock(start, len(r) * self.page_nbytes)
