@@ -33,6 +33,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Any
 
@@ -66,37 +67,62 @@ class FdStore:
     """systemd's side of the notify protocol and its fd store (name -> fd), for a daemon this
     process starts (:meth:`launch`). Used by this bench and by tests/daemon/test_fdstore.py."""
 
-    def __init__(self, directory: str):
+    def __init__(self, directory: str, limit: int = 1024):
+        """``limit``: FileDescriptorStoreMax= (passed to the daemon as ``$FDSTORE``)."""
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.address = os.path.join(directory, "notify.sock")
         self.sock.bind(self.address)
+        self.limit = limit
         self.fds: dict[str, int] = {}
         self.removed: list[str] = []
+        self._lock = threading.Lock()
+        self._last = time.monotonic()
+        self._closed = False
+        # systemd reads the notify socket all the time: a daemon storing more fds than the
+        # socket queues (net.unix.max_dgram_qlen, 10 by default) must not block on it
+        self._reader = threading.Thread(target=self._read, daemon=True, name="fdstore")
+        self._reader.start()
 
     def pump(self, timeout: float = 0.5) -> None:
-        """Take every message waiting, as systemd would: store or remove fds."""
-        self.sock.settimeout(timeout)
-        while True:
+        """Wait until systemd's side took every message sent so far: none came for ``timeout``
+        (at most a few times that, should the daemon keep talking)."""
+        deadline = time.monotonic() + 4 * timeout
+        while time.monotonic() - self._last < timeout and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def _read(self) -> None:
+        self.sock.settimeout(0.1)
+        while not self._closed:
             try:
                 data, anc, _, _ = self.sock.recvmsg(65536, socket.CMSG_SPACE(4 * 16))
             except TimeoutError:
-                return
-            fds = array.array("i")
-            for level, kind, raw in anc:
-                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                    fds.frombytes(raw[: len(raw) - len(raw) % 4])
-            fields = dict(line.partition("=")[::2] for line in data.decode().split("\n"))
-            name = fields.get("FDNAME", "")
-            if fields.get("FDSTORE") == "1" and len(fds) == 1:
-                if name in self.fds:
-                    os.close(self.fds[name])
-                self.fds[name] = fds[0]
                 continue
-            for fd in fds:
-                os.close(fd)
-            if fields.get("FDSTOREREMOVE") == "1" and name in self.fds:
-                os.close(self.fds.pop(name))
-                self.removed.append(name)
+            except OSError:
+                return
+            with self._lock:
+                self._last = time.monotonic()
+                self._take(data, anc)
+
+    def _take(self, data: bytes, anc: list[tuple[int, int, bytes]]) -> None:
+        """One message, as systemd takes it: store an fd (dropped past ``limit``, as systemd
+        drops what goes past FileDescriptorStoreMax=) or remove one."""
+        fds = array.array("i")
+        for level, kind, raw in anc:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds.frombytes(raw[: len(raw) - len(raw) % 4])
+        fields = dict(line.partition("=")[::2] for line in data.decode().split("\n"))
+        name = fields.get("FDNAME", "")
+        if fields.get("FDSTORE") == "1" and len(fds) == 1 and (
+                name in self.fds or len(self.fds) < self.limit):
+            if name in self.fds:
+                os.close(self.fds[name])
+            self.fds[name] = fds[0]
+            return
+        for fd in fds:
+            os.close(fd)
+        if fields.get("FDSTOREREMOVE") == "1" and name in self.fds:
+            os.close(self.fds.pop(name))
+            self.removed.append(name)
 
     def launch(self, sockets: dict[str, int] | None = None) -> dict[str, Any]:
         """How to start a daemon under this "systemd": ``launcher`` (argv to put before the
@@ -107,7 +133,8 @@ class FdStore:
         fds = tuple(both[n] for n in names)
         return {"launcher": (sys.executable, "-c", LAUNCH, ",".join(map(str, fds)),
                              ":".join(names)),
-                "env": {"NOTIFY_SOCKET": self.address, "FDSTORE": "16"}, "pass_fds": fds}
+                "env": {"NOTIFY_SOCKET": self.address, "FDSTORE": str(self.limit)},
+                "pass_fds": fds}
 
     def drop(self) -> None:
         """Forget every stored fd (what a stop for good does)."""
@@ -116,6 +143,8 @@ class FdStore:
         self.fds.clear()
 
     def close(self) -> None:
+        self._closed = True
+        self._reader.join()
         self.drop()
         self.sock.close()
 

@@ -22,7 +22,7 @@ from .config import Config, ConfigError, ModelConfig
 from .entities import ModelEntry, Tenant, build_tenants, namespace_quotas
 from .gpu.shared_memory import hide_descriptors
 from .model_cache import ModelCache
-from .sdnotify import Notifier, fdstore_enabled, passed_fds
+from .sdnotify import Notifier, fdstore_enabled, fdstore_max, passed_fds
 from .server import Server, tune_gc
 from .service import Service
 from .sockets import SocketPathError, check_socket_path
@@ -240,6 +240,7 @@ def build(config: Config, *, create_pools: bool = True,
     checker = Checker(service, config.checker)
     if fdstore_enabled() and create_pools:
         service.fd_store = (notifier or Notifier.from_env()).store_fd
+        service.fd_store_max = fdstore_max()
     server = Server(config, service, notifier, checker)
     daemon = Daemon(config, service, checker, server)
     server.start_admin = daemon.start_admin

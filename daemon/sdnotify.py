@@ -199,6 +199,16 @@ def fdstore_enabled(env: dict[str, str] | None = None) -> bool:
         return False
 
 
+def fdstore_max(env: dict[str, str] | None = None) -> int:
+    """How many fds systemd's store keeps for the unit (``$FDSTORE``, from
+    ``FileDescriptorStoreMax=``); 0 when unknown or off. systemd drops what goes past it."""
+    env = os.environ if env is None else env
+    try:
+        return max(0, int(env.get("FDSTORE", "0")))
+    except ValueError:
+        return 0
+
+
 def listen_fds(env: dict[str, str] | None = None, *, unset: bool = True) -> list[socket.socket]:
     """Listening sockets passed by systemd socket activation (none when not activated); the
     fd-store fds passed with them are left to :func:`passed_fds` (whose caller takes them)."""

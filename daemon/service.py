@@ -63,6 +63,8 @@ class Service(ServiceQueries):
         #: where a stop hands the host pools to systemd's fd store (``Notifier.store_fd``, set by
         #: daemon/app.py under systemd with ``$FDSTORE``); None: ``state_dir``, if set, instead
         self.fd_store: Callable[[str, int], bool] | None = None
+        #: how many fds that store keeps (``$FDSTORE``); 0: not known, no limit checked
+        self.fd_store_max = 0
         self.limits = P.Limits(max_frame_bytes=config.server.max_frame_bytes,
                                max_tokens=config.server.max_tokens,
                                max_inflight=config.server.max_inflight)
@@ -92,7 +94,8 @@ class Service(ServiceQueries):
                 await entry.tiers.aclose()
         if self.l3 is not None:
             await self.l3.aclose()
-        if self.fd_store is not None and save_host_fdstore(self.models, self.fd_store):
+        if self.fd_store is not None and save_host_fdstore(self.models, self.fd_store,
+                                                           self.fd_store_max):
             return
         if self.config.server.state_dir:
             save_host_state(self.models, self.config.server.state_dir)

@@ -159,23 +159,32 @@ def _snapshot_pages(snap: HostSnapshot) -> int:
     return sum(len(p.slots) // 4 for m in snap.models.values() for p in m.pools.values())
 
 
-def save_host_fdstore(models: dict[str, ModelEntry], store_fd: Callable[[str, int], bool]) -> int:
-    """Hand every model's host pools (their memfds: no page is copied) and a memfd holding the
-    index to systemd's fd store through ``store_fd(name, fd)`` (``Notifier.store_fd``); returns
-    the pages kept, 0 when nothing could be stored. The index goes last: a next start without it
-    uses none of the pools."""
+def save_host_fdstore(models: dict[str, ModelEntry], store_fd: Callable[[str, int], bool],
+                      limit: int = 0) -> int:
+    """Hand every model's host pools (their memfds: no page is copied; an isolated pool, the
+    memfd of each segment holding a saved page) and a memfd holding the index to systemd's fd
+    store through ``store_fd(name, fd)`` (``Notifier.store_fd``); returns the pages kept, 0 when
+    nothing could be stored, or when more fds are needed than the store keeps (``limit``,
+    ``$FDSTORE``; 0: unchecked): the caller then falls back to ``state_dir``. The index goes
+    last: a next start without it uses none of the pools."""
     t0 = time.perf_counter()
     snap = _snapshot(models, None)
-    sent = True
+    fds: list[tuple[str, int | None]] = []
     for name, entry in models.items():
         img = snap.models.get(name)
         for kind, image in img.pools.items() if img is not None else ():
             pool = entry.tiers.host.pool(kind)  # type: ignore[union-attr]
             if image.segment_pages:  # isolated: each segment holding a saved page, its memfd
-                for seg in sorted({s // image.segment_pages for s in as_slots(image.slots)}):
-                    sent = sent and store_fd(f"{image.file}-seg{seg}", pool.segment_fds[seg])
+                fds += [(f"{image.file}-seg{seg}", pool.segment_fds[seg]) for seg in
+                        sorted({s // image.segment_pages for s in as_slots(image.slots)})]
             else:
-                sent = sent and pool.fd is not None and store_fd(image.file, pool.fd)
+                fds.append((image.file, pool.fd))
+    if limit and len(fds) + 1 > limit:
+        log.warning("warm restart: the host pools need %d fds in systemd's fd store (one per "
+                    "host segment holding pages under memory isolation) plus the index, it "
+                    "keeps %d: raise FileDescriptorStoreMax= (and FDSTORE=)", len(fds), limit)
+        return 0
+    sent = all(fd is not None and store_fd(name, fd) for name, fd in fds)
     if not sent:
         log.warning("warm restart: the host pools could not be stored in systemd's fd store")
         return 0

@@ -218,3 +218,28 @@ def test_socket_activation_and_the_fd_store_together(make_daemon, store, tmp_pat
         assert store.fds == {}
     finally:
         listener.close()
+
+
+def test_a_store_too_small_for_the_host_segments_falls_back_to_state_dir(make_daemon,
+                                                                          tmp_path) -> None:
+    """Memory isolation stores one fd per host segment holding pages: when systemd keeps fewer
+    (FileDescriptorStoreMax=, passed as $FDSTORE), the stop stores none, says which setting to
+    raise, and the state directory keeps the host tier instead."""
+    path = Path(tempfile.mkdtemp(prefix="rxfd-", dir="/tmp"))
+    small = FdStore(str(path), limit=2)
+    try:
+        cfg = {**_config(), "server": {"state_dir": str(tmp_path / "state")}}
+        d1 = make_daemon(cfg, **small.launch())
+        cache_until_on_host(d1, [seq(10)])
+        d1.check()
+        assert d1.stop() == 0, d1.log()[-3000:]
+        small.pump()
+        assert small.fds == {}
+        assert "raise FileDescriptorStoreMax=" in d1.log()
+        d2 = make_daemon(cfg, **small.launch())
+        st = admin_stats(d2)["warm_restart"]
+        assert (st["source"], st["dropped_pages"]) == ("state_dir", 0) and st["kept_pages"] > 10
+        d2.check()
+    finally:
+        small.close()
+        shutil.rmtree(path, ignore_errors=True)
