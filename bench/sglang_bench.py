@@ -17,8 +17,9 @@ has too little memory available for that.
 The radixd backend copies on 1 thread and then on ``--copy-threads`` threads (its
 ``copy_threads`` setting): each row is compared with memcpy on as many threads, so a threaded
 figure is never flattered by a single-threaded baseline. HiCacheFile is SGLang's own (one thread).
-Each figure is the best of ``--reps`` runs (keys cleared before each set, so every set writes).
-Goals (issue 12): >= 0.8 of memcpy, >= 2x HiCacheFile.
+Every rep of every operation is timed right after a memcpy (see ``Timings``): GB/s are the best
+of ``--reps``, ratios the median of the paired ratios (keys are cleared before each set, so every
+set writes). Goals (issue 12): >= 0.8 of memcpy, >= 2x HiCacheFile.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ for p in (_ROOT, *(os.path.join(_ROOT, "clients", c) for c in ("python", "sglang
 import argparse  # noqa: E402
 import gc  # noqa: E402
 import shutil  # noqa: E402
+import signal  # noqa: E402
+import statistics  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
@@ -86,21 +89,37 @@ def mem_available() -> float:
     return float("inf")
 
 
-class Best:
-    """The shortest time of each named operation; the load on a shared machine changes from one
-    second to the next, so memcpy is timed between the operations it is compared with."""
+class Timings:
+    """Each operation's times, each beside the memcpy times taken right before it.
 
-    def __init__(self) -> None:
-        self.s: dict[str, float] = {}
+    The speed of the shared development machine changes by 2x from one second to the next
+    (other work on the two cores and on the memory bus), so comparing best-of figures taken
+    seconds or phases apart compares the machine's moods. Each rep of an operation is timed right
+    after a 1-thread memcpy and a memcpy on the operation's thread count, and a ratio is the
+    median over reps of the paired ratios; the GB/s are the best reps."""
 
-    def time(self, name: str, fn: Callable[[], Any]) -> None:
+    def __init__(self, nbytes: int, span: Span, tp: ThreadPoolExecutor) -> None:
+        self.nbytes, self.span, self.tp = nbytes, span, tp
+        self.t: dict[str, list[float]] = {}
+
+    def _time(self, name: str, fn: Callable[[], Any]) -> None:
         t = time.perf_counter()
         fn()
-        dt = time.perf_counter() - t
-        self.s[name] = min(dt, self.s.get(name, dt))
+        self.t.setdefault(name, []).append(time.perf_counter() - t)
 
-    def gbps(self, nbytes: int) -> dict[str, float]:
-        return {k: nbytes / v / 1e9 for k, v in self.s.items()}
+    def paired(self, name: str, threads: int, fn: Callable[[], Any]) -> None:
+        for n in sorted({1, threads}):
+            self._time(f"{name}@memcpy_{n}", lambda n=n: self.span.memcpy(n, self.tp))
+            self.t.setdefault(f"memcpy_{n}", []).append(self.t[f"{name}@memcpy_{n}"][-1])
+        self._time(name, fn)
+
+    def gbps(self, name: str) -> float:
+        return self.nbytes / min(self.t[name]) / 1e9
+
+    def x_memcpy(self, name: str, threads: int) -> float:
+        """Median over reps of (memcpy time on ``threads`` threads / this operation's time)."""
+        return statistics.median(
+            m / t for m, t in zip(self.t[f"{name}@memcpy_{threads}"], self.t[name], strict=True))
 
 
 class Span:
@@ -148,8 +167,8 @@ class Span:
                     raise AssertionError(f"{what}: not byte-exact at token {lo}")
 
 
-def radixd_phase(span: Span, pool_a: Any, pool_b: Any, keys: list[str], best: Best,
-                 threads: list[int], reps: int, tp: ThreadPoolExecutor) -> None:
+def radixd_phase(span: Span, pool_a: Any, pool_b: Any, keys: list[str], tm: Timings,
+                 threads: list[int], reps: int) -> None:
     """Set from A, exists and get into B, on each number of copy threads, each rep beside a
     memcpy on as many threads; radixd's host pool is resident only during this phase."""
     daemon = DaemonProcess(CONFIG.format(host_pages=len(keys) + 8, **GEO))
@@ -166,14 +185,14 @@ def radixd_phase(span: Span, pool_a: Any, pool_b: Any, keys: list[str], best: Be
             b.register_mem_pool_host(pool_b)
             insts += [a, b]
             for _ in range(reps):
-                best.time(f"memcpy_{n}", lambda n=n: span.memcpy(n, tp))
                 a.clear()
-                best.time(f"radixd_set_{n}", lambda a=a: a.batch_set_v1(keys, span.src))
+                tm.paired(f"radixd_set_{n}", n, lambda a=a: a.batch_set_v1(keys, span.src))
+                t = time.perf_counter()
                 if b.batch_exists(keys) != len(keys):
                     raise AssertionError("B does not find the prefix A stored")
-                best.time(f"memcpy_{n}", lambda n=n: span.memcpy(n, tp))
+                tm.t.setdefault("exists", []).append(time.perf_counter() - t)
                 span.zero_b()
-                best.time(f"radixd_get_{n}", lambda b=b: b.batch_get_v1(keys, span.dst))
+                tm.paired(f"radixd_get_{n}", n, lambda b=b: b.batch_get_v1(keys, span.dst))
                 span.check(f"radixd get, {n} copy thread(s)")
     finally:
         for inst in insts:
@@ -181,7 +200,7 @@ def radixd_phase(span: Span, pool_a: Any, pool_b: Any, keys: list[str], best: Be
         daemon.stop()
 
 
-def file_phase(span: Span, pool_a: Any, pool_b: Any, keys: list[str], best: Best,
+def file_phase(span: Span, pool_a: Any, pool_b: Any, keys: list[str], tm: Timings,
                reps: int) -> None:
     """SGLang's HiCacheFile on /dev/shm: A's instance writes the files, B's reads them."""
     shm = Path(tempfile.mkdtemp(prefix="radixd-sglang-bench-", dir="/dev/shm"))
@@ -204,10 +223,10 @@ def file_phase(span: Span, pool_a: Any, pool_b: Any, keys: list[str], best: Best
 
         for _ in range(reps):
             clear_shm()
-            best.time("file_set", lambda: files[0].batch_set_v2(
+            tm.paired("file_set", 1, lambda: files[0].batch_set_v2(
                 [PoolTransfer(PoolName.KV, host_indices=span.src, keys=keys)]))
             span.zero_b()
-            best.time("file_get", lambda: files[1].batch_get_v2(
+            tm.paired("file_get", 1, lambda: files[1].batch_get_v2(
                 [PoolTransfer(PoolName.KV, host_indices=span.dst, keys=keys)]))
             span.check("HiCacheFile get")
     finally:
@@ -227,6 +246,8 @@ def main() -> None:
                          "the 2 shared cores here, torch's threaded copy is several times slower)")
     ap.add_argument("--json", help="also write the figures to this file")
     args = ap.parse_args()
+    # a SIGTERM unwinds like an error: the daemon stops and /dev/shm is cleaned up
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     torch.set_num_threads(args.threads)
     threads = sorted({1, args.copy_threads})
     page_tokens = GEO["page_size"]
@@ -247,43 +268,61 @@ def main() -> None:
     pool_a.kv_buffer.view(torch.int16).random_()
     pool_b.kv_buffer.view(torch.int16).zero_()  # faulted in before anything is timed
     keys = [f"{i:064x}" for i in range(pages)]
-    best = Best()
     with ThreadPoolExecutor(max_workers=max(threads)) as tp:
+        tm = Timings(nbytes, span, tp)
         span.memcpy(1, None)
         span.check("memcpy")
         # radixd's host pool: the third copy, given back when the daemon stops.
         avail["radixd"] = mem_available()
-        radixd_phase(span, pool_a, pool_b, keys, best, threads, args.reps, tp)
+        radixd_phase(span, pool_a, pool_b, keys, tm, threads, args.reps)
         gc.collect()
         # HiCacheFile's files on /dev/shm: the third copy, removed at the end.
         avail["hicachefile"] = mem_available()
         if avail["hicachefile"] < nbytes + HEADROOM:
             raise SystemExit(f"radixd's memory did not come back: "
                              f"{avail['hicachefile'] / 1e9:.1f} GB available")
-        for _ in range(args.reps):  # memcpy beside HiCacheFile too: its best is the baseline
-            for n in threads:
-                best.time(f"memcpy_{n}", lambda n=n: span.memcpy(n, tp))
-        file_phase(span, pool_a, pool_b, keys, best, args.reps)
-    g = best.gbps(nbytes)
+        file_phase(span, pool_a, pool_b, keys, tm, args.reps)
+    load = os.getloadavg()[1]
 
     print(f"tokens {pages * page_tokens} ({pages} pages of {page_nbytes} B, "
-          f"{nbytes / 1e6:.0f} MB a copy), best of {args.reps}, torch intra-op threads "
-          f"{args.threads}; GB available at the start of each phase: "
+          f"{nbytes / 1e6:.0f} MB a copy), {args.reps} reps, torch intra-op threads "
+          f"{args.threads}, {usable_cpus()} CPUs, load average {load:.1f} (5 min); GB available "
+          f"at the start of each phase: "
           + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in avail.items()))
+    print("GB/s: the best rep. Ratios: the median over reps of each rep against the memcpy timed "
+          "right before it;\nx HiCacheFile = (x 1-thread memcpy) / (HiCacheFile's x 1-thread "
+          "memcpy).")
     print(f"{'':36}{'GB/s':>7}  {'x memcpy, same threads':>22}  {'x HiCacheFile':>13}")
+    figures: dict[str, float] = {"tokens": pages * page_tokens, "bytes": nbytes,
+                                 "radixd_exists_ms": min(tm.t["exists"]) * 1e3}
     for n in threads:
-        print(f"{f'memcpy, {n} thread(s)':36}{g[f'memcpy_{n}']:7.2f}")
+        figures[f"memcpy_{n}t_gbps"] = tm.gbps(f"memcpy_{n}")
+        print(f"{f'memcpy, {n} thread(s)':36}{tm.gbps(f'memcpy_{n}'):7.2f}")
     for op in ("set", "get"):
-        print(f"{f'HiCacheFile {op} (/dev/shm)':36}{g[f'file_{op}']:7.2f}  "
-              f"{g[f'file_{op}'] / g['memcpy_1']:21.2f}x")
+        figures[f"hicachefile_{op}_gbps"] = tm.gbps(f"file_{op}")
+        figures[f"hicachefile_{op}_x_memcpy"] = tm.x_memcpy(f"file_{op}", 1)
+        print(f"{f'HiCacheFile {op} (/dev/shm)':36}{tm.gbps(f'file_{op}'):7.2f}  "
+              f"{tm.x_memcpy(f'file_{op}', 1):21.2f}x")
     for op, who in (("set", "A"), ("get", "B")):
         for n in threads:
-            r = g[f"radixd_{op}_{n}"]
-            print(f"{f'radixd {op} ({who}), {n} copy thread(s)':36}{r:7.2f}  "
-                  f"{r / g[f'memcpy_{n}']:21.2f}x  {r / g[f'file_{op}']:12.2f}x")
+            name = f"radixd_{op}_{n}"
+            x_file = tm.x_memcpy(name, 1) / tm.x_memcpy(f"file_{op}", 1)
+            figures.update({f"{name}t_gbps": tm.gbps(name),
+                            f"{name}t_x_memcpy": tm.x_memcpy(name, n),
+                            f"{name}t_x_hicachefile": x_file})
+            print(f"{f'radixd {op} ({who}), {n} copy thread(s)':36}{tm.gbps(name):7.2f}  "
+                  f"{tm.x_memcpy(name, n):21.2f}x  {x_file:12.2f}x")
+    for n in threads[1:]:
+        pairs = [(m1, mn) for name in tm.t if name.endswith(f"_{n}@memcpy_1")
+                 for m1, mn in zip(tm.t[name], tm.t[name.replace("@memcpy_1", f"@memcpy_{n}")],
+                                   strict=True)]
+        speedup = statistics.median(m1 / mn for m1, mn in pairs)
+        figures[f"memcpy_{n}t_x_1t"] = speedup
+        print(f"memcpy on {n} threads against 1 thread (paired): {speedup:.2f}x")
+    print(f"radixd exists (B, one lookup of {pages} keys): {figures['radixd_exists_ms']:.1f} ms; "
+          f"each get and set is two such requests and the copies")
     if args.json:
-        write_json(args.json, {"tokens": pages * page_tokens, "bytes": nbytes,
-                               **{f"{k}_gbps": v for k, v in g.items()}})
+        write_json(args.json, figures)
 
 
 if __name__ == "__main__":
