@@ -3,23 +3,27 @@ background full check running back to back, against the same daemon set-up witho
 
 Usage (from the repository root)::
 
-    python bench/check_bench.py [--tokens 1e7] [--samples 20000] [--rounds 3] [--json out.json]
+    python bench/check_bench.py [--tokens 1e7] [--samples 20000] [--block 500] [--rounds 3]
+                                [--quick] [--json out.json]
 
-Two real daemons (page 64, bookkeeping only: ``export_pools = false``, so no host tier), run one
-after the other in this invocation, each filled over the socket with the same ``--tokens`` cached
-tokens (64 shared 1024-token documents, each sequence one of them plus 3072 fresh tokens):
+Two real daemons of this checkout (page 64, bookkeeping only: ``export_pools = false``, so no
+host tier), each filled over the socket with the same ``--tokens`` cached tokens (64 shared
+1024-token documents, each sequence one of them plus 3072 fresh tokens):
 
 - ``off``: ``checker.interval_s = 3600``: no background check runs during the measurement;
 - ``on``: ``checker.interval_s = 0.001``: stepped full passes (deep: every page re-hashed) run
   back to back, between requests (daemon/checker.py).
 
-One client matches every cached sequence once (the cache's steady state: a match that moves
-nothing, so a pass is not given up because of it), then matches random cached 4k sequences back
-to back (closed loop) over the Unix socket. The script prints ``match`` p50/p99/max in
-microseconds for both, the ratios on/off (goal: p99 at most 1.5x), and, for ``on``, the stepped
-passes done and given up during the measurement and the longest the check held the event loop at
-once, by wall clock and in CPU time (from the daemon's metrics). ``--rounds N`` runs both sides N
-times, alternating which goes first, and reports the median of each figure.
+One client matches every cached sequence once on each (the cache's steady state: a match that
+moves nothing, so a pass is not given up because of it), then matches random cached 4k sequences
+back to back (closed loop) over the Unix socket, in blocks of ``--block`` requests that alternate
+between the two daemons; the daemon not being measured is stopped (SIGSTOP) meanwhile, so that
+its checker takes no CPU from the other, and both sides see the same moments of a shared
+machine's noise. The script prints ``match`` p50/p99/max in microseconds for both, the ratios
+on/off (goal: p99 at most 1.5x), and, for ``on``, the stepped passes done and given up during the
+measurement and the longest the check held the event loop at once, by wall clock and in CPU time
+(from the daemon's metrics). ``--rounds N`` repeats the whole (fresh daemons) and reports the
+median of each figure.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ for _p in (_ROOT, os.path.join(_ROOT, "clients", "python")):
 import argparse  # noqa: E402
 import gc  # noqa: E402
 import random  # noqa: E402
+import signal  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 from array import array  # noqa: E402
@@ -78,6 +83,7 @@ def _metrics(d: DaemonProcess) -> dict[str, float]:
     out: dict[str, float] = {}
     for line in text.splitlines():
         if line.startswith(("radixd_invariant_stepped_passes_total",
+                            "radixd_invariant_slices_total",
                             "radixd_invariant_longest_slice_seconds",
                             "radixd_invariant_checks_total")):
             name, _, value = line.rpartition(" ")
@@ -98,79 +104,103 @@ def _fill(c: Client, seqs: list[bytes]) -> None:
         c.insert(MODEL, s, a.full_pages, a.swa_pages)
 
 
-def _measure(d: DaemonProcess, seqs: list[bytes], samples: int
-             ) -> tuple[list[float], dict[str, float], dict[str, float]]:
-    """Match latencies, and the daemon's checker figures just before and after them."""
-    rng = random.Random(3)
-    order = [rng.choice(seqs) for _ in range(samples)]
-    out = [0.0] * samples
-    clock = time.perf_counter_ns
-    with Client(d.socket, client_name="check-bench") as c:
-        for s in seqs:  # warm: every node touched once since the last insert
-            c.match(MODEL, s)
-        time.sleep(0.5)  # a pass given up by the warm-up starts again
-        before = _metrics(d)
-        gc.disable()
-        try:
-            for i, s in enumerate(order):
-                t = clock()
-                m = c.match(MODEL, s)
-                out[i] = (clock() - t) / 1000
-                if m.prefix_len != SEQ:
-                    raise RuntimeError(f"a cached sequence matched {m.prefix_len} tokens")
-        finally:
-            gc.enable()
-        after = _metrics(d)
-    return out, before, after
-
-
 def _pct(xs: list[float], q: float) -> float:
     s = sorted(xs)
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
-def run_side(label: str, interval: float, seqs: list[bytes], samples: int) -> dict[str, float]:
-    pages = len(seqs) * SEQ // PAGE + 1024
-    d = DaemonProcess(CONFIG.format(interval=interval, pages=pages), admin=True)
+def _start(interval: float, seqs: list[bytes]) -> tuple[DaemonProcess, float]:
+    """A filled and warmed daemon, and the seconds its fill took."""
+    d = DaemonProcess(CONFIG.format(interval=interval, pages=len(seqs) * SEQ // PAGE + 1024),
+                      admin=True)
+    t0 = time.perf_counter()
+    with Client(d.socket, client_name="check-bench-fill") as c:
+        _fill(c, seqs)
+    fill_s = time.perf_counter() - t0
+    return d, fill_s
+
+
+def one_round(seqs: list[bytes], samples: int, block: int, seed: int) -> dict[str, float]:
+    """Both daemons, measured in alternating blocks; their figures."""
+    sides = {"off": _start(3600.0, seqs), "on": _start(0.001, seqs)}
+    clients: dict[str, Client] = {}
     try:
-        t0 = time.perf_counter()
-        with Client(d.socket, client_name="check-bench-fill") as c:
-            _fill(c, seqs)
-        fill_s = time.perf_counter() - t0
-        lat, before, after = _measure(d, seqs, samples)
-        fig = {f"{label}_fill_s": round(fill_s, 2),
-               f"{label}_match_p50_us": round(_pct(lat, 0.5), 1),
-               f"{label}_match_p99_us": round(_pct(lat, 0.99), 1),
-               f"{label}_match_max_us": round(max(lat), 1),
-               f"{label}_rss_mib": round(d.rss_mb(), 1)}
+        for label, (d, _) in sides.items():
+            clients[label] = Client(d.socket, client_name="check-bench")
+            for s in seqs:  # warm: every node touched once since the last insert
+                clients[label].match(MODEL, s)
+        time.sleep(0.5)  # a pass given up by the warm-up starts again
+        before = _metrics(sides["on"][0])
+        rng = random.Random(seed)
+        lat: dict[str, list[float]] = {"off": [], "on": []}
+        clock = time.perf_counter_ns
+        order = ["off", "on"] if seed % 2 == 0 else ["on", "off"]
+        gc.disable()
+        try:
+            for b in range(2 * -(-samples // block)):
+                label = order[b % 2]
+                other = order[1 - b % 2]
+                sides[other][0].proc.send_signal(signal.SIGSTOP)
+                sides[label][0].proc.send_signal(signal.SIGCONT)
+                c, out = clients[label], lat[label]
+                for _ in range(block):
+                    s = rng.choice(seqs)
+                    t = clock()
+                    m = c.match(MODEL, s)
+                    out.append((clock() - t) / 1000)
+                    if m.prefix_len != SEQ:
+                        raise RuntimeError(f"a cached sequence matched {m.prefix_len} tokens")
+        finally:
+            gc.enable()
+            for d, _ in sides.values():
+                d.proc.send_signal(signal.SIGCONT)
+        after = _metrics(sides["on"][0])
+        fig: dict[str, float] = {}
+        for label, (d, fill_s) in sides.items():
+            xs = lat[label]
+            fig.update({f"{label}_fill_s": round(fill_s, 2),
+                        f"{label}_match_p50_us": round(_pct(xs, 0.5), 1),
+                        f"{label}_match_p90_us": round(_pct(xs, 0.90), 1),
+                        f"{label}_match_p99_us": round(_pct(xs, 0.99), 1),
+                        f"{label}_match_p999_us": round(_pct(xs, 0.999), 1),
+                        f"{label}_match_over_1ms": sum(1 for x in xs if x > 1000),
+                        f"{label}_match_max_us": round(max(xs), 1),
+                        f"{label}_rss_mib": round(d.rss_mb(), 1)})
         key = "radixd_invariant_stepped_passes_total{{outcome=\"{}\"}}"
         for outcome in ("done", "given_up"):
-            fig[f"{label}_passes_{outcome}"] = (after.get(key.format(outcome), 0)
-                                                - before.get(key.format(outcome), 0))
-        for clock in ("wall", "cpu"):
-            fig[f"{label}_longest_slice_{clock}_us"] = round(after.get(
-                f"radixd_invariant_longest_slice_seconds{{clock=\"{clock}\"}}", 0) * 1e6, 1)
+            fig[f"on_passes_{outcome}"] = (after.get(key.format(outcome), 0)
+                                           - before.get(key.format(outcome), 0))
+        for ended in ("request", "budget"):
+            k = f"radixd_invariant_slices_total{{ended=\"{ended}\"}}"
+            fig[f"on_slices_ended_by_{ended}"] = after.get(k, 0) - before.get(k, 0)
+        for clk in ("wall", "cpu"):
+            fig[f"on_longest_slice_{clk}_us"] = round(after.get(
+                f"radixd_invariant_longest_slice_seconds{{clock=\"{clk}\"}}", 0) * 1e6, 1)
         return fig
     finally:
-        d.stop()
+        for c in clients.values():
+            c.close()
+        for d, _ in sides.values():
+            d.stop()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=float, default=1e7)
-    ap.add_argument("--samples", type=int, default=20_000)
+    ap.add_argument("--samples", type=int, default=20_000, help="match requests per side")
+    ap.add_argument("--block", type=int, default=500, help="requests per block")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="1M tokens, 5000 samples, 1 round")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if args.quick:
+        args.tokens, args.samples, args.rounds = 1e6, 5000, 1
     seqs = _sequences(int(args.tokens))
     print(f"{len(seqs)} sequences of {SEQ} tokens, about {len(seqs) * (SEQ - DOC) + 64 * DOC:,} "
           f"cached tokens at page {PAGE}")
     rounds: list[dict[str, float]] = []
     for r in range(args.rounds):
-        sides = [("off", 3600.0), ("on", 0.001)]
-        fig = {}
-        for label, interval in (sides if r % 2 == 0 else sides[::-1]):
-            fig.update(run_side(label, interval, seqs, args.samples))
+        fig = one_round(seqs, args.samples, args.block, r)
         for q in ("p50", "p99", "max"):
             fig[f"match_{q}_ratio"] = round(fig[f"on_match_{q}_us"] / fig[f"off_match_{q}_us"], 2)
         print(f"round {r + 1}: " + ", ".join(f"{k} {fig[k]}" for k in sorted(fig)

@@ -8,8 +8,9 @@ before it does damage. It is shared by the server (its timer, SIGUSR1) and the a
 
 The background full check never holds a request back for more than one step (docs/design.md,
 section 5): it runs the check as steps of bounded work (``check_steps``) between requests, for at
-most ``slice_ms`` at a time, and gives way after the current step as soon as a request waits on
-a socket (``pending``). A pass reads the state across many turns of the event loop, so it only
+most ``slice_ms`` at a time, gives way after the current step as soon as a request waits on a
+socket (``pending``), and sleeps after each slice so as to take at most ``share`` of the loop's
+time. A pass reads the state across many turns of the event loop, so it only
 counts when nothing changed in between (``state_version`` is the same at every turn); otherwise
 it is given up and the next interval starts a new one. What a pass finds is confirmed by a
 complete check (all at once, as SIGUSR1 runs it) before anything is reported: only the complete
@@ -63,6 +64,7 @@ class PassStats(msgspec.Struct):
     unconfirmed: int = 0  # passes whose findings the complete check did not confirm
     steps: int = 0
     slices: int = 0
+    gave_way: int = 0  # slices ended because a request waited
     longest_slice_s: float = 0.0  # the longest the loop was held at once (wall clock)
     longest_slice_cpu_s: float = 0.0  # the same in the thread's CPU time (no preemption)
 
@@ -108,6 +110,7 @@ class Checker:
         otherwise the violations, each confirmed by a complete check."""
         deep = self.config.deep if deep is None else deep
         budget = self.config.slice_ms / 1000.0
+        rest = (1.0 - self.config.share) / self.config.share
         pending = self._pending
         target = self.target
         stats = self.passes
@@ -128,7 +131,10 @@ class Checker:
                     n += 1
                     if version is None:  # the first step settles what a check settles
                         version = target.state_version()
-                    if clock() - start >= budget or pending():
+                    if pending():
+                        stats.gave_way += 1
+                        break
+                    if clock() - start >= budget:
                         break
             except StopIteration:
                 done = True
@@ -141,9 +147,10 @@ class Checker:
             stats.longest_slice_s = max(stats.longest_slice_s, held)
             stats.longest_slice_cpu_s = max(stats.longest_slice_cpu_s, cpu() - start_cpu)
             if not done:
-                # requests that arrived meanwhile run now; and the check takes at most half of
-                # the loop's time, so that the process stays one the kernel wakes promptly
-                await asyncio.sleep(held)
+                # requests that arrived meanwhile run now; and the check takes at most `share`
+                # of the loop's time, so that the process mostly waits in epoll, where the
+                # kernel wakes it promptly for a request, rather than queued behind other work
+                await asyncio.sleep(held * rest)
                 if target.state_version() != version:
                     steps.close()
                     stats.given_up += 1

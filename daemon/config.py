@@ -148,6 +148,9 @@ class CheckerConfig(_Section):
     slice_ms: float = Field(0.5, gt=0, le=100, description="the longest the background full "
                             "check holds the event loop at once when no request is waiting (it "
                             "gives way after its current step as soon as one is)")
+    share: float = Field(0.25, gt=0, le=1, description="the most of the event loop's time the "
+                         "background full check takes: after each slice it sleeps long enough "
+                         "to keep to it")
 
 
 class ModelConfig(_Section):

@@ -178,6 +178,12 @@ class Collector:
         for outcome, n in (("done", ps.done), ("given_up", ps.given_up),
                            ("unconfirmed", ps.unconfirmed)):
             passes.add_metric([outcome], n)
+        ended = reg.counter("radixd_invariant_slices_total",
+                            "Slices of the stepped background check, by what ended them (request: "
+                            "a request waited; budget: checker.slice_ms ran out, or the pass "
+                            "ended).", ("ended",))
+        ended.add_metric(["request"], ps.gave_way)
+        ended.add_metric(["budget"], ps.slices - ps.gave_way)
         slices = reg.gauge("radixd_invariant_longest_slice_seconds",
                            "The longest the stepped background check held the event loop at "
                            "once, by clock (wall: including time the process was not running; "
