@@ -3,8 +3,8 @@ background full check running back to back, against the same daemon set-up witho
 
 Usage (from the repository root)::
 
-    python bench/check_bench.py [--tokens 1e7] [--samples 20000] [--block 500] [--rounds 3]
-                                [--quick] [--json out.json]
+    python bench/check_bench.py [--tokens 1e7] [--samples 20000] [--block 200] [--rounds 3]
+                                [--aa] [--no-stop] [--pin] [--quick] [--json out.json]
 
 Two real daemons of this checkout (page 64, bookkeeping only: ``export_pools = false``, so no
 host tier), each filled over the socket with the same ``--tokens`` cached tokens (64 shared
@@ -12,18 +12,23 @@ host tier), each filled over the socket with the same ``--tokens`` cached tokens
 
 - ``off``: ``checker.interval_s = 3600``: no background check runs during the measurement;
 - ``on``: ``checker.interval_s = 0.001``: stepped full passes (deep: every page re-hashed) run
-  back to back, between requests (daemon/checker.py).
+  back to back, between requests (daemon/checker.py); with ``--aa`` it is a second ``off`` (the
+  noise floor of the measurement: its ratios should be 1).
 
 One client matches every cached sequence once on each (the cache's steady state: a match that
 moves nothing, so a pass is not given up because of it), then matches random cached 4k sequences
 back to back (closed loop) over the Unix socket, in blocks of ``--block`` requests that alternate
-between the two daemons; the daemon not being measured is stopped (SIGSTOP) meanwhile, so that
-its checker takes no CPU from the other, and both sides see the same moments of a shared
-machine's noise. The script prints ``match`` p50/p99/max in microseconds for both, the ratios
-on/off (goal: p99 at most 1.5x), and, for ``on``, the stepped passes done and given up during the
-measurement and the longest the check held the event loop at once, by wall clock and in CPU time
-(from the daemon's metrics). ``--rounds N`` repeats the whole (fresh daemons) and reports the
-median of each figure.
+between the two daemons. The daemon not being measured is stopped (SIGSTOP) meanwhile, so that
+its checker takes no CPU from the other (``--no-stop``: left running), and both sides see the
+same moments of a shared machine's noise; the first ``SKIP`` requests of each block (the process
+just continued, perhaps in the middle of a slice) are not counted, on either side. ``--pin`` puts
+this client on CPU 0 and both daemons on CPU 1.
+
+The script prints ``match`` p50/p90/p99/p99.9/max in microseconds for both, the ratios on/off
+(goal: p99 at most 1.5x), and, for ``on``, the stepped passes done and given up during the
+measurement, the slices ended by a waiting request or by the budget, and the longest step and
+slice (wall clock and CPU time), from the daemon's metrics. ``--rounds N`` repeats the whole
+(fresh daemons, alternating which side goes first) and reports the median of each figure.
 """
 
 from __future__ import annotations
@@ -52,6 +57,8 @@ MODEL = "bench"
 PAGE = 64
 SEQ = 4096
 DOC = 1024
+#: requests not counted at the start of each block (both sides): the first after a SIGCONT
+SKIP = 5
 CONFIG = """
 log_level = "warning"
 [server]
@@ -84,6 +91,7 @@ def _metrics(d: DaemonProcess) -> dict[str, float]:
     for line in text.splitlines():
         if line.startswith(("radixd_invariant_stepped_passes_total",
                             "radixd_invariant_slices_total",
+                            "radixd_invariant_longest_step_seconds",
                             "radixd_invariant_longest_slice_seconds",
                             "radixd_invariant_checks_total")):
             name, _, value = line.rpartition(" ")
@@ -120,9 +128,20 @@ def _start(interval: float, seqs: list[bytes]) -> tuple[DaemonProcess, float]:
     return d, fill_s
 
 
-def one_round(seqs: list[bytes], samples: int, block: int, seed: int) -> dict[str, float]:
+def _pin(pid: int, cpu: int) -> None:
+    """Every thread of process ``pid`` onto ``cpu``."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        os.sched_setaffinity(int(tid), {cpu})
+
+
+def one_round(seqs: list[bytes], samples: int, block: int, seed: int, stop: bool, pin: bool,
+              aa: bool) -> dict[str, float]:
     """Both daemons, measured in alternating blocks; their figures."""
-    sides = {"off": _start(3600.0, seqs), "on": _start(0.001, seqs)}
+    sides = {"off": _start(3600.0, seqs), "on": _start(3600.0 if aa else 0.001, seqs)}
+    if pin:  # the client on one CPU, both daemons on another
+        os.sched_setaffinity(0, {0})
+        for d, _ in sides.values():
+            _pin(d.proc.pid, 1)
     clients: dict[str, Client] = {}
     try:
         for label, (d, _) in sides.items():
@@ -140,14 +159,16 @@ def one_round(seqs: list[bytes], samples: int, block: int, seed: int) -> dict[st
             for b in range(2 * -(-samples // block)):
                 label = order[b % 2]
                 other = order[1 - b % 2]
-                sides[other][0].proc.send_signal(signal.SIGSTOP)
-                sides[label][0].proc.send_signal(signal.SIGCONT)
+                if stop:
+                    sides[other][0].proc.send_signal(signal.SIGSTOP)
+                    sides[label][0].proc.send_signal(signal.SIGCONT)
                 c, out = clients[label], lat[label]
-                for _ in range(block):
+                for i in range(block + SKIP):
                     s = rng.choice(seqs)
                     t = clock()
                     m = c.match(MODEL, s)
-                    out.append((clock() - t) / 1000)
+                    if i >= SKIP:
+                        out.append((clock() - t) / 1000)
                     if m.prefix_len != SEQ:
                         raise RuntimeError(f"a cached sequence matched {m.prefix_len} tokens")
         finally:
@@ -173,6 +194,8 @@ def one_round(seqs: list[bytes], samples: int, block: int, seed: int) -> dict[st
         for ended in ("request", "budget"):
             k = f"radixd_invariant_slices_total{{ended=\"{ended}\"}}"
             fig[f"on_slices_ended_by_{ended}"] = after.get(k, 0) - before.get(k, 0)
+        fig["on_longest_step_us"] = round(
+            after.get("radixd_invariant_longest_step_seconds", 0) * 1e6, 1)
         for clk in ("wall", "cpu"):
             fig[f"on_longest_slice_{clk}_us"] = round(after.get(
                 f"radixd_invariant_longest_slice_seconds{{clock=\"{clk}\"}}", 0) * 1e6, 1)
@@ -188,8 +211,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=float, default=1e7)
     ap.add_argument("--samples", type=int, default=20_000, help="match requests per side")
-    ap.add_argument("--block", type=int, default=500, help="requests per block")
+    ap.add_argument("--block", type=int, default=200, help="requests per block")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--aa", action="store_true", help="both daemons without background checks")
+    ap.add_argument("--pin", action="store_true",
+                    help="this client on CPU 0 and both daemons on CPU 1: the daemon's check then "
+                         "takes no CPU from the client (on a machine with few cores)")
+    ap.add_argument("--no-stop", action="store_true",
+                    help="leave the daemon not being measured running (its checker then takes "
+                         "CPU from the other side too: the ratio errs in the daemon's disfavour)")
     ap.add_argument("--quick", action="store_true", help="1M tokens, 5000 samples, 1 round")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -200,7 +230,7 @@ def main() -> None:
           f"cached tokens at page {PAGE}")
     rounds: list[dict[str, float]] = []
     for r in range(args.rounds):
-        fig = one_round(seqs, args.samples, args.block, r)
+        fig = one_round(seqs, args.samples, args.block, r, not args.no_stop, args.pin, args.aa)
         for q in ("p50", "p99", "max"):
             fig[f"match_{q}_ratio"] = round(fig[f"on_match_{q}_us"] / fig[f"off_match_{q}_us"], 2)
         print(f"round {r + 1}: " + ", ".join(f"{k} {fig[k]}" for k in sorted(fig)

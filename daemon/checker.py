@@ -67,6 +67,7 @@ class PassStats(msgspec.Struct):
     gave_way: int = 0  # slices ended because a request waited
     longest_slice_s: float = 0.0  # the longest the loop was held at once (wall clock)
     longest_slice_cpu_s: float = 0.0  # the same in the thread's CPU time (no preemption)
+    longest_step_s: float = 0.0  # the longest step: what a waiting request waits for, at most
 
 
 class Checker:
@@ -125,9 +126,12 @@ class Checker:
             start = clock()
             start_cpu = cpu()
             n = 0
+            longest = 0.0
             try:
                 while True:
+                    t = clock()
                     next(steps)
+                    longest = max(longest, clock() - t)
                     n += 1
                     if version is None:  # the first step settles what a check settles
                         version = target.state_version()
@@ -146,6 +150,7 @@ class Checker:
             stats.slices += 1
             stats.longest_slice_s = max(stats.longest_slice_s, held)
             stats.longest_slice_cpu_s = max(stats.longest_slice_cpu_s, cpu() - start_cpu)
+            stats.longest_step_s = max(stats.longest_step_s, longest)
             if not done:
                 # requests that arrived meanwhile run now; and the check takes at most `share`
                 # of the loop's time, so that the process mostly waits in epoll, where the

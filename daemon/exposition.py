@@ -190,6 +190,10 @@ class Collector:
                            "cpu: the thread's own time).", ("clock",))
         slices.add_metric(["wall"], ps.longest_slice_s)
         slices.add_metric(["cpu"], ps.longest_slice_cpu_s)
+        reg.gauge("radixd_invariant_longest_step_seconds",
+                  "The longest single step of the stepped background check (wall clock): the "
+                  "most a request that arrives during a slice waits for it to give way."
+                  ).add_metric([], ps.longest_step_s)
         last = self.checker.last
         reg.gauge("radixd_invariant_violations",
                   "Violations the last invariant check found (0: healthy).").add_metric(
