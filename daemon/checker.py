@@ -57,7 +57,8 @@ class CheckerState(msgspec.Struct):
 
 
 class PassStats(msgspec.Struct):
-    """What the stepped background passes did (the log at debug, and the bench, read it)."""
+    """What the stepped background passes did (the metrics show it; bench/check_bench.py reads
+    it there)."""
 
     done: int = 0  # passes that read a state nothing changed during, to the end
     given_up: int = 0  # passes a change cut short
@@ -84,9 +85,9 @@ class Checker:
 
     def bind(self, ops: Callable[[], int], stop: Callable[[int], None],
              pending: Callable[[], bool] | None = None) -> None:
-        """The server that runs the checker: its count of operations that change state (a busy
-        daemon, whose count moved, gets the cheap check too), how strict mode stops it (exit
-        code 3), and whether a request waits to be read (the stepped check gives way to it)."""
+        """The server that runs the checker: its operation count (a busy daemon, whose count
+        moved, gets the cheap check too), how strict mode stops it (exit code 3), and whether a
+        request waits to be read (the stepped check gives way to it)."""
         self._ops = ops
         self.stop = stop
         if pending is not None:

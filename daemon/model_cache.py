@@ -574,8 +574,9 @@ class ModelCache:
         if a.swa is not None:
             pools.append(("swa", a.swa, audit.swa_pages, self._swa_owner))
         for name, alloc, in_tree, owners in pools:
-            yield from alloc.audit_steps(v)
-            yield from _conserved(name, alloc, in_tree, owners, v)
+            free = bytearray(alloc.capacity)
+            yield from alloc.audit_steps(v, free)
+            yield from _conserved(name, alloc, free, in_tree, owners, v)
         yield
         for owner, h in self.holdings.items():
             if any(self._full_owner.get(p) != owner for p in h.full) or any(
@@ -607,12 +608,12 @@ class ModelCache:
 _AT_MOST_2 = bytes([0, 1] + [2] * 254)
 
 
-def _conserved(name: str, alloc: Any, in_tree: PageMarks, owners: dict[int, Any], v: list[str]
-               ) -> Iterator[None]:
+def _conserved(name: str, alloc: Any, free: bytearray, in_tree: PageMarks,
+               owners: dict[int, Any], v: list[str]) -> Iterator[None]:
     """Page conservation of one pool, a chunk of page ids at a time: every page but the padding
-    page is exactly one of free, in the tree, held by a session. Each chunk is one comparison of
-    integers built from its bytes (tree count + held == in use, bytewise, with no carries);
-    only a chunk that differs is looked at page by page."""
+    page is exactly one of free (on a free list: ``free``), in the tree, held by a session. Each
+    chunk is one comparison of integers built from its bytes (free + tree count + held == 1,
+    bytewise, with no carries); only a chunk that differs is looked at page by page."""
     cap = alloc.capacity
     held = bytearray(cap)
     outside: list[int] = []
@@ -626,7 +627,6 @@ def _conserved(name: str, alloc: Any, in_tree: PageMarks, owners: dict[int, Any]
     tree = in_tree.counts
     if len(tree) > cap and tree.count(0, cap) != len(tree) - cap:
         outside += [p for p in range(cap, len(tree)) if tree[p]]
-    state = alloc.states
     found: dict[str, list[int]] = {"free and in the tree": [], "free and held by a session": [],
                                    "in the tree and held by a session": [], "unaccounted": []}
     step = 16384  # bytes compared at C speed; a chunk that differs is looked at one by one
@@ -634,23 +634,25 @@ def _conserved(name: str, alloc: Any, in_tree: PageMarks, owners: dict[int, Any]
         end = min(cap, start + step)
         t = bytes(tree[start:end]).ljust(end - start, b"\0").translate(_AT_MOST_2)
         h = held[start:end]
-        s = state[start:end]
-        if int.from_bytes(t, "little") + int.from_bytes(h, "little") != int.from_bytes(s, "little"):
+        f = free[start:end]
+        if (int.from_bytes(t, "little") + int.from_bytes(h, "little")
+                + int.from_bytes(f, "little") != int.from_bytes(b"\1" * (end - start), "little")):
             for i in range(end - start):
-                f, tt, hh = 1 - s[i], min(t[i], 1), h[i]
-                for label, hit in (("free and in the tree", f and tt),
-                                   ("free and held by a session", f and hh),
+                ff, tt, hh = f[i], min(t[i], 1), h[i]
+                for label, hit in (("free and in the tree", ff and tt),
+                                   ("free and held by a session", ff and hh),
                                    ("in the tree and held by a session", tt and hh),
-                                   ("unaccounted", not (f or tt or hh))):
+                                   ("unaccounted", not (ff or tt or hh))):
                     if hit:
                         found[label].append(start + i)
         yield
     for label, pages in found.items():
         if pages and label != "unaccounted":
             v.append(f"{name} pool: pages {pages[:10]} are {label}")
-    total = alloc.available + len(in_tree) + len(owners)
+    listed = free.count(1)
+    total = listed + len(in_tree) + len(owners)
     if total != alloc.usable or found["unaccounted"] or outside:
-        v.append(f"{name} pool: free {alloc.available} + tree {len(in_tree)} + held "
+        v.append(f"{name} pool: free {listed} + tree {len(in_tree)} + held "
                  f"{len(owners)} != capacity {alloc.usable}; unaccounted "
                  f"{found['unaccounted'][:10]}, outside the pool {sorted(outside)[:10]}")
 

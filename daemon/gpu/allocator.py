@@ -140,10 +140,11 @@ class PageAllocator:
             pass
         return v
 
-    def audit_steps(self, v: list[str]) -> Iterator[None]:
+    def audit_steps(self, v: list[str], marks: bytearray | None = None) -> Iterator[None]:
         """:meth:`audit` into ``v`` in steps of :data:`AUDIT_STEP_PAGES` pages (the daemon runs
-        them between requests: daemon/checker.py)."""
-        marks = bytearray(self.capacity)
+        them between requests: daemon/checker.py); ``marks`` (``capacity`` zero bytes) is left
+        with a 1 for every page on the free list."""
+        marks = bytearray(self.capacity) if marks is None else marks  # 1: on a free list
         twice = False
         free = self._free
         for start in range(0, len(free), AUDIT_STEP_PAGES):
@@ -154,11 +155,6 @@ class PageAllocator:
         if self._state[0] != _USED or marks[0]:
             v.append(f"{self.name}: the padding page 0 is free")
         yield from marked_free(self.name, self._state, marks, v)
-
-    @property
-    def states(self) -> bytearray:
-        """One byte per page: 1 in use (or the padding page 0), 0 free (read by the checker)."""
-        return self._state
 
 
 class PairedAllocator:

@@ -298,16 +298,12 @@ class SegmentedAllocator:
             pass
         return v
 
-    @property
-    def states(self) -> bytearray:
-        """One byte per page: 1 in use (or the padding page 0), 0 free (read by the checker)."""
-        return self._state
-
-    def audit_steps(self, v: list[str]) -> Iterator[None]:
+    def audit_steps(self, v: list[str], marks: bytearray | None = None) -> Iterator[None]:
         """:meth:`audit` into ``v`` in steps of about
         :data:`~daemon.gpu.allocator.AUDIT_STEP_PAGES` pages (the daemon runs them between
-        requests: daemon/checker.py)."""
-        marks = bytearray(self.capacity)
+        requests: daemon/checker.py); ``marks`` (``capacity`` zero bytes) is left with a 1 for
+        every page on a free list."""
+        marks = bytearray(self.capacity) if marks is None else marks  # 1: on a free list
         twice = False
         for f in self._seg_free:
             for start in range(0, len(f), AUDIT_STEP_PAGES):

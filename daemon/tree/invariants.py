@@ -30,8 +30,8 @@ _TWICE = bytes([0, 0] + [1] * 254)
 class PageMarks:
     """How many times the walk met each page id (saturating at 255), in a bytearray indexed by
     page id: unlike a set or a Counter it never rehashes a large table in one go, so no step of
-    the stepped check is long, and the pool check one layer up compares it with the allocator's
-    page states a chunk of bytes at a time."""
+    the stepped check is long, and the pool check one layer up compares it with the free lists'
+    marks a chunk of bytes at a time."""
 
     __slots__ = ("counts", "bad")
 
