@@ -81,6 +81,10 @@ class DaemonProcess:
         return len(os.listdir(f"/proc/{self.proc.pid}/fd"))
 
     def admin_json(self, path: str) -> Any:
+        return json.loads(self.admin_text(path))
+
+    def admin_text(self, path: str) -> str:
+        """The body of a GET on the admin endpoint (``token = "bench"``)."""
         if self.admin is None:
             raise RuntimeError("this daemon has no admin endpoint")
         conn = UnixHTTPConnection(self.admin)
@@ -92,7 +96,7 @@ class DaemonProcess:
             conn.close()
         if resp.status != 200:
             raise RuntimeError(f"admin GET {path}: HTTP {resp.status}: {body[:300]!r}")
-        return json.loads(body)
+        return body.decode()
 
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGTERM)

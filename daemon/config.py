@@ -145,6 +145,12 @@ class CheckerConfig(_Section):
     interval_s: float = Field(5.0, gt=0, description="seconds between background checks")
     strict: bool = Field(False, description="stop the daemon on the first violation (tests)")
     deep: bool = Field(True, description="re-hash every page in full checks")
+    slice_ms: float = Field(0.5, gt=0, le=100, description="the longest the background full "
+                            "check holds the event loop at once when no request is waiting (it "
+                            "gives way after its current step as soon as one is)")
+    share: float = Field(0.25, gt=0, le=1, description="the most of the event loop's time the "
+                         "background full check takes: after each slice it sleeps long enough "
+                         "to keep to it")
 
 
 class ModelConfig(_Section):

@@ -169,6 +169,31 @@ class Collector:
         runs = self.checker.runs
         for kind in sorted(set(CHECK_KINDS) | set(runs)):
             checks.add_metric([kind], runs.get(kind, 0))
+        ps = self.checker.passes
+        passes = reg.counter("radixd_invariant_stepped_passes_total",
+                             "Background full checks run in steps between requests, by outcome "
+                             "(done: to the end over an unchanged state; given_up: the state "
+                             "changed during it; unconfirmed: the complete check did not confirm "
+                             "what it found).", ("outcome",))
+        for outcome, n in (("done", ps.done), ("given_up", ps.given_up),
+                           ("unconfirmed", ps.unconfirmed)):
+            passes.add_metric([outcome], n)
+        ended = reg.counter("radixd_invariant_slices_total",
+                            "Slices of the stepped background check, by what ended them (request: "
+                            "a request waited; budget: checker.slice_ms ran out, or the pass "
+                            "ended).", ("ended",))
+        ended.add_metric(["request"], ps.gave_way)
+        ended.add_metric(["budget"], ps.slices - ps.gave_way)
+        slices = reg.gauge("radixd_invariant_longest_slice_seconds",
+                           "The longest the stepped background check held the event loop at "
+                           "once, by clock (wall: including time the process was not running; "
+                           "cpu: the thread's own time).", ("clock",))
+        slices.add_metric(["wall"], ps.longest_slice_s)
+        slices.add_metric(["cpu"], ps.longest_slice_cpu_s)
+        reg.gauge("radixd_invariant_longest_step_seconds",
+                  "The longest single step of the stepped background check (wall clock): the "
+                  "most a request that arrives during a slice waits for it to give way."
+                  ).add_metric([], ps.longest_step_s)
         last = self.checker.last
         reg.gauge("radixd_invariant_violations",
                   "Violations the last invariant check found (0: healthy).").add_metric(

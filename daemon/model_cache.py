@@ -10,24 +10,28 @@ conservation (free + tree + held = capacity, no page in two places) on demand.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .gpu.allocator import AllocatorError, OutOfPages
-from .gpu.segments import PairedSegmentAllocator, audit_model_segments
+from .gpu.segments import PairedSegmentAllocator, audit_model_segments_steps
 from .tree import (
     DEFAULT_POLICY,
+    STEP_ITEMS,
     BadArgument,
     EvictResult,
     InsertResult,
     MatchResult,
     Node,
+    PageMarks,
     Pin,
     RadixTree,
     Receipt,
     ReceiptError,
-    audit_tree,
+    TreeAudit,
+    audit_steps,
+    chunked,
 )
 
 if TYPE_CHECKING:
@@ -551,30 +555,29 @@ class ModelCache:
 
     def check(self, *, deep: bool = True) -> list[str]:
         """Tree invariants plus page conservation per pool; empty when healthy."""
+        v: list[str] = []
+        for _ in self.check_steps(v, deep=deep):
+            pass
+        return v
+
+    def check_steps(self, v: list[str], *, deep: bool = True) -> Iterator[None]:
+        """:meth:`check` into ``v``, yielding between bounded steps (the daemon runs them between
+        requests, and gives a pass up when anything changed between two of its steps:
+        daemon/checker.py). The first step settles the host drops; the state is read after it."""
         self.flush_host_drops()  # their slots are held for the tiers, out of the tree already
-        audit = audit_tree(self.tree, deep=deep)
-        v = audit.violations
-        v += audit_model_segments(self)
+        yield
+        audit = TreeAudit(v)
+        yield from audit_steps(self.tree, audit, deep=deep)
+        yield from audit_model_segments_steps(self, v)
         a = self.alloc_state
-        v += a.full.audit()
         pools = [("full", a.full, audit.full_pages, self._full_owner)]
         if a.swa is not None:
-            v += a.swa.audit()
             pools.append(("swa", a.swa, audit.swa_pages, self._swa_owner))
         for name, alloc, in_tree, owners in pools:
-            free = alloc.free_set()
-            held = set(owners)
-            for x, y, label in ((free, in_tree, "free and in the tree"),
-                                (free, held, "free and held by a session"),
-                                (in_tree, held, "in the tree and held by a session")):
-                both = x & y
-                if both:
-                    v.append(f"{name} pool: pages {sorted(both)[:10]} are {label}")
-            total = len(free) + len(in_tree) + len(held)
-            if total != alloc.usable or (free | in_tree | held) != set(range(1, alloc.capacity)):
-                lost = set(range(1, alloc.capacity)) - (free | in_tree | held)
-                v.append(f"{name} pool: free {len(free)} + tree {len(in_tree)} + held {len(held)} "
-                         f"!= capacity {alloc.usable}; unaccounted {sorted(lost)[:10]}")
+            free = bytearray(alloc.capacity)
+            yield from alloc.audit_steps(v, free)
+            yield from _conserved(name, alloc, free, in_tree, owners, v)
+        yield
         for owner, h in self.holdings.items():
             if any(self._full_owner.get(p) != owner for p in h.full) or any(
                     self._swa_owner.get(p) != owner for p in h.swa):
@@ -585,9 +588,11 @@ class ModelCache:
             v.append("swa page owner map holds pages no holding lists")
         if len(self.sink.watches) > 1:  # background copies run one at a time
             v.append(f"{len(self.sink.watches)} copy watches registered: one at most (a leak)")
-        if self.host is not None:
-            v += self.host.audit({"full": audit.host_slots, "swa": audit.host_swa_slots})
-            v += self.host.audit_tree_owners(self.tree.iter_nodes())
+        yield
+        if self.host is not None:  # one step: bounded by the host pool's size
+            v += self.host.audit({"full": set(audit.host_slots),
+                                  "swa": set(audit.host_swa_slots)})
+            yield from self.host.audit_tree_owners_steps(self.tree.iter_nodes(), v)
         elif audit.host_slots or audit.host_swa_slots:
             v.append("host slots in the tree of a model without a host tier")
         listed = {rid: o for o, h in self.holdings.items() for rid in h.receipts}
@@ -598,7 +603,59 @@ class ModelCache:
         if live != {id(r) for r in self.tree.receipts}:
             v.append(f"receipt registry ({len(live)}) and the tree's active locks "
                      f"({len(self.tree.receipts)}) disagree")
-        return v
+
+
+#: a page's count in the tree -> at most 2 (so that sums of a chunk's bytes never carry)
+_AT_MOST_2 = bytes([0, 1] + [2] * 254)
+
+
+def _conserved(name: str, alloc: Any, free: bytearray, in_tree: PageMarks,
+               owners: dict[int, Any], v: list[str]) -> Iterator[None]:
+    """Page conservation of one pool, a chunk of page ids at a time: every page but the padding
+    page is exactly one of free (on a free list: ``free``), in the tree, held by a session. Each
+    chunk is one comparison of integers built from its bytes (free + tree count + held == 1,
+    bytewise, with no carries); only a chunk that differs is looked at page by page."""
+    cap = alloc.capacity
+    held = bytearray(cap)
+    outside: list[int] = []
+    for chunk in chunked(owners, 4 * STEP_ITEMS):
+        for p in chunk:
+            if 0 < p < cap:
+                held[p] = 1
+            else:
+                outside.append(p)
+        yield
+    tree = in_tree.counts
+    if len(tree) > cap and tree.count(0, cap) != len(tree) - cap:
+        outside += [p for p in range(cap, len(tree)) if tree[p]]
+    found: dict[str, list[int]] = {"free and in the tree": [], "free and held by a session": [],
+                                   "in the tree and held by a session": [], "unaccounted": []}
+    step = 16384  # bytes compared at C speed; a chunk that differs is looked at one by one
+    for start in range(1, cap, step):
+        end = min(cap, start + step)
+        t = bytes(tree[start:end]).ljust(end - start, b"\0").translate(_AT_MOST_2)
+        h = held[start:end]
+        f = free[start:end]
+        if (int.from_bytes(t, "little") + int.from_bytes(h, "little")
+                + int.from_bytes(f, "little") != int.from_bytes(b"\1" * (end - start), "little")):
+            for i in range(end - start):
+                ff, tt, hh = f[i], min(t[i], 1), h[i]
+                for label, hit in (("free and in the tree", ff and tt),
+                                   ("free and held by a session", ff and hh),
+                                   ("in the tree and held by a session", tt and hh),
+                                   ("unaccounted", not (ff or tt or hh))):
+                    if hit:
+                        found[label].append(start + i)
+        yield
+    for label, pages in found.items():
+        if pages and label != "unaccounted":
+            v.append(f"{name} pool: pages {pages[:10]} are {label}")
+    listed = free.count(1)
+    total = listed + len(in_tree) + len(owners)
+    if total != alloc.usable or found["unaccounted"] or outside:
+        v.append(f"{name} pool: free {listed} + tree {len(in_tree)} + held "
+                 f"{len(owners)} != capacity {alloc.usable}; unaccounted "
+                 f"{found['unaccounted'][:10]}, outside the pool {sorted(outside)[:10]}")
 
 
 def _ids(pages: Iterable[int] | bytes) -> array:

@@ -14,7 +14,7 @@ import logging
 import os
 import secrets
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from radixd_client import protocol as P
@@ -574,15 +574,47 @@ class Service(ServiceQueries):
     def check(self, *, deep: bool = True) -> list[str]:
         """Every invariant of every model, plus sessions: each owner must be a live session."""
         v: list[str] = []
+        for _ in self.check_steps(v, deep=deep):
+            pass
+        return v
+
+    def check_steps(self, v: list[str], *, deep: bool = True) -> Iterator[None]:
+        """:meth:`check` into ``v`` in bounded steps, for the background checker, which runs
+        them between requests and gives the pass up when :meth:`state_version` moved between
+        two of them (daemon/checker.py)."""
         for name, entry in self.models.items():
-            v += [f"{name}: {x}" for x in entry.cache.check(deep=deep)]
-            if entry.keyed is not None:
-                v += [f"{name}: {x}" for x in entry.keyed.check(set(self.sessions))]
+            mv: list[str] = []
+            yield from entry.cache.check_steps(mv, deep=deep)
+            if entry.keyed is not None:  # one step: bounded by the host pool's size
+                mv += entry.keyed.check(set(self.sessions))
+            v += [f"{name}: {x}" for x in mv]
             ghosts = [o for o in entry.cache.holdings
                       if o not in self.sessions and not _is_job(o)]
             if ghosts:
                 v.append(f"{name}: pages or receipts held by sessions that are gone: {ghosts[:10]}")
-        return v
+            yield
+
+    def state_version(self) -> tuple:
+        """A value that changes whenever the state the full check reads changes: the trees'
+        change counters and clocks, page counters, pools, holdings, host slots, the keyed store's
+        counters and the sessions. (A change that leaves all of them as they were is possible
+        in principle: the checker confirms what a stepped pass finds with a complete check.)"""
+        out: list[Any] = [len(self.sessions), next(reversed(self.sessions), 0)]
+        for entry in self.models.values():
+            c = entry.cache
+            t = c.tree
+            a = c.alloc_state
+            out += (t.changes, t.clock, t.full_evictable, t.full_protected, t.swa_evictable,
+                    t.swa_protected, t.host_pages, t.host_swa_pages, len(t.receipts),
+                    len(t.pins), len(t.awaiting_copy), len(t.host_drops), a.full.available,
+                    a.swa.available if a.swa is not None else 0, c.held_full_pages,
+                    c.held_swa_pages, len(c.holdings))
+            if c.host is not None:
+                out += (c.host.full.available,
+                        c.host.swa.available if c.host.swa is not None else 0)
+            if entry.keyed is not None:
+                out += entry.keyed.counters.values()
+        return tuple(out)
 
     def quick_check(self) -> list[str]:
         """O(1) counter check for busy periods: free + tree + held = capacity, per pool."""

@@ -8,7 +8,7 @@ Page 0 is the padding page of every pool and is never handed out.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 
 class AllocatorError(ValueError):
@@ -29,6 +29,41 @@ class OutOfPages(Exception):
 
 _FREE = 0
 _USED = 1
+
+
+#: pages one audit step looks at one by one (about ten microseconds)
+AUDIT_STEP_PAGES = 256
+
+
+#: page state byte -> 1 where free
+_FREE_MARK = bytes([1, 0] + [0] * 254)
+
+
+def mark_free(marks: bytearray, pages: Iterable[int]) -> bool:
+    """Mark ``pages`` (from a free list) in ``marks``; whether one was marked already (or is out
+    of range: then it is not marked, and the state comparison reports it)."""
+    twice = False
+    n = len(marks)
+    for p in pages:
+        if 0 <= p < n:
+            twice |= marks[p] == 1
+            marks[p] = 1
+    return twice
+
+
+def marked_free(name: str, state: bytearray, marks: bytearray, v: list[str]
+                ) -> Iterator[None]:
+    """The pages ``state`` marks free are those the free lists hold (``marks``), compared a
+    chunk of bytes at a time."""
+    step = 64 * AUDIT_STEP_PAGES  # compared as bytes, not one by one
+    for start in range(0, len(state), step):
+        want = state[start:start + step].translate(_FREE_MARK)
+        if want != marks[start:start + step]:
+            off = [start + i for i, (x, y) in enumerate(zip(want, marks[start:start + step],
+                                                            strict=True)) if x != y]
+            v.append(f"{name}: free list and page states disagree on {off[:10]}")
+            return
+        yield
 
 
 def check_allocated(name: str, state: bytearray, pages: Iterable[int]) -> None:
@@ -101,17 +136,25 @@ class PageAllocator:
     def audit(self) -> list[str]:
         """Free list and state bytes agree, with no duplicate in the free list."""
         v: list[str] = []
-        free = self._free
-        fs = set(free)
-        if len(fs) != len(free):
-            v.append(f"{self.name}: the free list holds a page twice")
-        if self._state[0] != _USED or 0 in fs:
-            v.append(f"{self.name}: the padding page 0 is free")
-        marked = {p for p in range(1, self.capacity) if self._state[p] == _FREE}
-        if marked != fs:
-            v.append(f"{self.name}: free list and page states disagree on "
-                     f"{sorted(marked ^ fs)[:10]}")
+        for _ in self.audit_steps(v):
+            pass
         return v
+
+    def audit_steps(self, v: list[str], marks: bytearray | None = None) -> Iterator[None]:
+        """:meth:`audit` into ``v`` in steps of :data:`AUDIT_STEP_PAGES` pages (the daemon runs
+        them between requests: daemon/checker.py); ``marks`` (``capacity`` zero bytes) is left
+        with a 1 for every page on the free list."""
+        marks = bytearray(self.capacity) if marks is None else marks  # 1: on a free list
+        twice = False
+        free = self._free
+        for start in range(0, len(free), AUDIT_STEP_PAGES):
+            twice |= mark_free(marks, free[start:start + AUDIT_STEP_PAGES])
+            yield
+        if twice:
+            v.append(f"{self.name}: the free list holds a page twice")
+        if self._state[0] != _USED or marks[0]:
+            v.append(f"{self.name}: the padding page 0 is free")
+        yield from marked_free(self.name, self._state, marks, v)
 
 
 class PairedAllocator:

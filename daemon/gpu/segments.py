@@ -24,13 +24,20 @@ from __future__ import annotations
 import math
 import mmap
 from array import array
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from radixd_client.errors import PoolError
 from radixd_client.segments import check_segment_alignment
 
-from daemon.gpu.allocator import AllocatorError, OutOfPages, check_allocated
+from daemon.gpu.allocator import (
+    AUDIT_STEP_PAGES,
+    AllocatorError,
+    OutOfPages,
+    check_allocated,
+    mark_free,
+    marked_free,
+)
 
 if TYPE_CHECKING:
     from daemon.gpu.profile import ModelProfile
@@ -320,22 +327,40 @@ class SegmentedAllocator:
     def audit(self) -> list[str]:
         """Free lists, state bytes and segment bookkeeping agree."""
         v: list[str] = []
-        fs = self.free_set()
-        if sum(len(f) for f in self._seg_free) != len(fs):
+        for _ in self.audit_steps(v):
+            pass
+        return v
+
+    def audit_steps(self, v: list[str], marks: bytearray | None = None) -> Iterator[None]:
+        """:meth:`audit` into ``v`` in steps of about
+        :data:`~daemon.gpu.allocator.AUDIT_STEP_PAGES` pages (the daemon runs them between
+        requests: daemon/checker.py); ``marks`` (``capacity`` zero bytes) is left with a 1 for
+        every page on a free list."""
+        marks = bytearray(self.capacity) if marks is None else marks  # 1: on a free list
+        twice = False
+        for f in self._seg_free:
+            for start in range(0, len(f), AUDIT_STEP_PAGES):
+                twice |= mark_free(marks, f[start:start + AUDIT_STEP_PAGES])
+                yield
+        if twice:
             v.append(f"{self.name}: a free list holds a page twice")
-        if self._state[0] != _USED or 0 in fs:
+        if self._state[0] != _USED or marks[0]:
             v.append(f"{self.name}: the padding page 0 is free")
-        marked = {p for p in range(1, self.capacity) if self._state[p] == _FREE}
-        if marked != fs:
-            v.append(f"{self.name}: free lists and page states disagree on "
-                     f"{sorted(marked ^ fs)[:10]}")
-        if len(fs) != self._free_pages:
-            v.append(f"{self.name}: free page count {self._free_pages} != {len(fs)}")
+        yield from marked_free(self.name, self._state, marks, v)
+        listed = sum(len(f) for f in self._seg_free)
+        if listed != self._free_pages:
+            v.append(f"{self.name}: free page count {self._free_pages} != {listed}")
         for seg in range(self.num_segments):
+            yield
             r = self.segment_range(seg)
             if any(p // self.segment_pages != seg for p in self._seg_free[seg]):
                 v.append(f"{self.name}: segment {seg}'s free list holds another segment's page")
-            used = sum(1 for p in r if p and self._state[p] == _USED)
+            used = 0
+            st = self._state
+            for start in range(r.start, r.stop, AUDIT_STEP_PAGES):
+                used += sum(1 for p in range(start, min(r.stop, start + AUDIT_STEP_PAGES))
+                            if p and st[p] == _USED)
+                yield
             if used != self._seg_used[seg]:
                 v.append(f"{self.name}: segment {seg} counts {self._seg_used[seg]} pages in "
                          f"use, {used} are")
@@ -351,22 +376,28 @@ class SegmentedAllocator:
         if listed != sorted(s for s in range(self.num_segments) if self.owner[s] is not None):
             v.append(f"{self.name}: namespace segment lists disagree with segment owners")
         for ns, segs in self._ns_segments.items():
+            yield
             if any(self.owner[s] != ns for s in segs):
                 v.append(f"{self.name}: namespace {ns!r} lists a segment it does not own")
             if self._ns_free.get(ns) != sum(len(self._seg_free[s]) for s in segs):
                 v.append(f"{self.name}: namespace {ns!r} free count is off")
             if set(self._ns_open.get(ns, ())) != {s for s in segs if self._seg_free[s]}:
                 v.append(f"{self.name}: namespace {ns!r}'s segments with free pages are off")
-        return v
 
-    def audit_owners(self, pages: Iterable[int], namespace: str, what: str) -> list[str]:
-        """Every page of ``pages`` lies in a segment ``namespace`` holds (the isolation rule)."""
+    def misplaced(self, pages: Iterable[int], namespace: str, bad: set[int]) -> None:
+        """Add to ``bad`` the segments of ``pages`` that ``namespace`` does not hold (the
+        isolation rule)."""
         sp = self.segment_pages
-        bad = sorted({p // sp for p in pages if self.owner[p // sp] != namespace})
+        owner = self.owner
+        bad.update(p // sp for p in pages if owner[p // sp] != namespace)
+
+    def audit_owners(self, namespace: str, what: str, bad: set[int]) -> list[str]:
+        """The report of :meth:`misplaced`'s findings."""
         if not bad:
             return []
-        return [f"{self.name}: {what} of namespace {namespace!r} lie in segments {bad[:10]} "
-                f"owned by {[self.owner[s] for s in bad[:10]]}"]
+        segs = sorted(bad)[:10]
+        return [f"{self.name}: {what} of namespace {namespace!r} lie in segments {segs} owned "
+                f"by {[self.owner[s] for s in segs]}"]
 
 
 class PairedSegmentAllocator:
@@ -412,7 +443,7 @@ class PairedSegmentAllocator:
         self.swa.free(pages)
 
 
-def audit_model_segments(cache: Any) -> list[str]:
+def audit_model_segments_steps(cache: Any, v: list[str]) -> Iterator[None]:
     """Segment ownership of one model cache (``daemon.model_cache.ModelCache``, duck-typed: this
     package sits below it): every device page of a namespace's tree and every page a session
     holds lies in a segment of that namespace. That a free segment holds no live page is the
@@ -420,22 +451,24 @@ def audit_model_segments(cache: Any) -> list[str]:
     check). Pages in flight (a load's) count with their holder's namespace."""
     alloc = cache.alloc_state
     pools = dict(alloc.allocators())
-    by_ns: dict[tuple[str, str], list[int]] = {}
-    for node in cache.tree.iter_nodes():
+    bad: dict[tuple[str, str], set[int]] = {}
+    for i, node in enumerate(list(cache.tree.iter_nodes())):
+        if not i % 16:
+            yield
         key = cache.space(node.ns.name) if node.ns is not None else None
         if key is None:
             continue
         for kind, pages in (("full", node.full), ("swa", node.swa)):
-            if pages:
-                by_ns.setdefault((kind, key), []).extend(pages)
+            a = pools.get(kind)
+            if pages and a is not None:
+                a.misplaced(pages, key, bad.setdefault((kind, key), set()))
     for h in cache.holdings.values():
+        yield
         for kind, pages in (("full", h.full), ("swa", h.swa)):
+            a = pools.get(kind)
             for p in pages:
                 key = cache.space(h.namespace_of.get((kind, p), ""))
-                by_ns.setdefault((kind, key), []).append(p)
-    v: list[str] = []
-    for (kind, key), pages in by_ns.items():
-        a = pools.get(kind)
-        if a is not None:
-            v += a.audit_owners(pages, key, f"{kind} pages")
-    return v
+                if a is not None:
+                    a.misplaced((p,), key, bad.setdefault((kind, key), set()))
+    for (kind, key), segs in bad.items():
+        v += pools[kind].audit_owners(key, f"{kind} pages", segs)

@@ -385,7 +385,9 @@ class HostPool:
 
     def audit_owners(self, slots: Iterable[int], space: str, what: str) -> list[str]:
         """Every slot of ``slots`` lies in a segment namespace ``space`` holds."""
-        return self._alloc.audit_owners(slots, space, what)
+        bad: set[int] = set()
+        self._alloc.misplaced(slots, space, bad)
+        return self._alloc.audit_owners(space, what, bad)
 
     def audit(self) -> list[str]:
         """Violations: index, reverse index, reference counts and allocator must agree (and a

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from array import array
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from daemon.gpu.allocator import OutOfPages
@@ -186,23 +186,24 @@ class HostTier:
             return []
         return self.pool(kind).audit_owners(slots, ns, what)
 
-    def audit_tree_owners(self, nodes: Iterable[Any]) -> list[str]:
+    def audit_tree_owners_steps(self, nodes: Iterable[Any], v: list[str]) -> Iterator[None]:
         """Isolated: the host copies of every tree node (``daemon.tree.Node``, duck-typed: the
-        tree sits above storage) lie in host segments of the node's namespace."""
+        tree sits above storage) lie in host segments of the node's namespace; into ``v``,
+        yielding between bounded steps (the checker's stepped pass)."""
         if not self.isolated:
-            return []
-        by_ns: dict[tuple[str, str], list[int]] = {}
-        for n in nodes:
+            return
+        bad: dict[tuple[str, str], set[int]] = {}
+        for i, n in enumerate(list(nodes)):
+            if not i % 16:
+                yield
             if n.ns is None:
                 continue
             for kind, slots in (("full", n.host), ("swa", n.host_swa)):
-                if slots:
-                    by_ns.setdefault((kind, n.ns.name), []).extend(s for s in slots if s)
-        v: list[str] = []
-        for (kind, ns), slots in by_ns.items():
-            if kind == "full" or self.swa is not None:
-                v += self.audit_owners(kind, slots, ns, f"tree {kind} host slots")
-        return v
+                if slots and (kind == "full" or self.swa is not None):
+                    self.pool(kind).allocator.misplaced((s for s in slots if s), n.ns.name,
+                                                        bad.setdefault((kind, n.ns.name), set()))
+        for (kind, ns), segs in bad.items():
+            v += self.pool(kind).allocator.audit_owners(ns, f"tree {kind} host slots", segs)
 
     def describe(self) -> dict[str, Any]:
         out = {"full": self.full.describe()}

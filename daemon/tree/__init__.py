@@ -6,7 +6,15 @@ Other packages use only what this module exports and the public attributes and m
 
 from .errors import BadArgument, NodeNotUsable, ReceiptError, TreeError, UnknownNode
 from .hashing import HASH_BYTES, as_token_bytes, chain_hashes, namespace_seed
-from .invariants import audit_tree, check_tree
+from .invariants import (
+    STEP_ITEMS,
+    PageMarks,
+    TreeAudit,
+    audit_steps,
+    audit_tree,
+    check_tree,
+    chunked,
+)
 from .node import Node, Pin, Receipt
 from .policy import DEFAULT_POLICY, POLICIES
 from .radix import RadixTree
@@ -43,7 +51,12 @@ __all__ = [
     "TreeError",
     "UnknownNode",
     "as_token_bytes",
+    "audit_steps",
+    "PageMarks",
     "audit_tree",
+    "chunked",
+    "STEP_ITEMS",
+    "TreeAudit",
     "chain_hashes",
     "check_tree",
     "namespace_seed",

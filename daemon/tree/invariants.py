@@ -2,12 +2,19 @@
 
 Every violation is collected before reporting (one report shows the whole damage, not the first
 symptom). The page sets it gathers feed the pool-conservation check one layer up.
+
+The check is written as steps (:func:`audit_steps`, a generator that yields after every bounded
+piece of work: one node, a few pages re-hashed, a chunk of a queue or of a page set) so that the
+daemon can run it between requests without holding a request back for more than one step
+(daemon/checker.py). The steps read the tree as it is when each one runs: the caller must not
+let the tree change between two steps of one pass (the checker abandons a pass when it did).
+:func:`audit_tree` runs every step at once.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,15 +23,69 @@ from .lru import EvictionQueue
 from .node import Node
 from .radix import RadixTree
 
+#: bytes mapping a count to 1 where it is above 1 (a page seen twice), else to 0
+_TWICE = bytes([0, 0] + [1] * 254)
+
+
+class PageMarks:
+    """How many times the walk met each page id (saturating at 255), in a bytearray indexed by
+    page id: unlike a set or a Counter it never rehashes a large table in one go, so no step of
+    the stepped check is long, and the pool check one layer up compares it with the free lists'
+    marks a chunk of bytes at a time."""
+
+    __slots__ = ("counts", "bad")
+
+    def __init__(self) -> None:
+        self.counts = bytearray()
+        self.bad: list[int] = []  # ids <= 0
+
+    def add(self, pages: Iterable[int]) -> None:
+        c = self.counts
+        for p in pages:
+            if p <= 0:
+                self.bad.append(p)
+                continue
+            if p >= len(c):
+                c.extend(bytes(max(p + 1 - len(c), len(c))))
+            if c[p] < 255:
+                c[p] += 1
+
+    def __contains__(self, page: int) -> bool:
+        return 0 < page < len(self.counts) and self.counts[page] > 0
+
+    def __len__(self) -> int:
+        """Distinct pages met."""
+        return len(self.counts) - self.counts.count(0)
+
+    def __iter__(self) -> Iterator[int]:
+        """The pages met, in order."""
+        return (p for p, n in enumerate(self.counts) if n)
+
+    def twice(self, limit: int = 10) -> list[int]:
+        """Up to ``limit`` pages met more than once."""
+        dup = self.counts.translate(_TWICE)
+        out: list[int] = []
+        i = dup.find(1)
+        while i >= 0 and len(out) < limit:
+            out.append(i)
+            i = dup.find(1, i + 1)
+        return out
+
 
 @dataclass
 class TreeAudit:
     violations: list[str] = field(default_factory=list)
-    full_pages: set[int] = field(default_factory=set)
-    swa_pages: set[int] = field(default_factory=set)
-    host_slots: set[int] = field(default_factory=set)
-    host_swa_slots: set[int] = field(default_factory=set)
+    full_pages: PageMarks = field(default_factory=PageMarks)
+    swa_pages: PageMarks = field(default_factory=PageMarks)
+    host_slots: PageMarks = field(default_factory=PageMarks)
+    host_swa_slots: PageMarks = field(default_factory=PageMarks)
     nodes: int = 0
+
+
+#: items (pages, nodes, queue entries) one step handles at most: about ten microseconds
+STEP_ITEMS = 64
+#: pages one step re-hashes at most (SHA-256 of a page of 64 tokens: about 1 microsecond)
+HASH_STEP_PAGES = 8
 
 
 def check_tree(tree: RadixTree, *, deep: bool = True) -> list[str]:
@@ -33,14 +94,34 @@ def check_tree(tree: RadixTree, *, deep: bool = True) -> list[str]:
 
 
 def audit_tree(tree: RadixTree, *, deep: bool = True) -> TreeAudit:
+    """The whole audit at once (tests, SIGUSR1, ``POST /v1/check``, shutdown)."""
     a = TreeAudit()
+    for _ in audit_steps(tree, a, deep=deep):
+        pass
+    return a
+
+
+def chunked(items: Iterable[Any], n: int = STEP_ITEMS) -> Iterator[list[Any]]:
+    """``items`` in lists of at most ``n``: a step's worth of a long loop."""
+    chunk: list[Any] = []
+    for x in items:
+        chunk.append(x)
+        if len(chunk) == n:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def audit_steps(tree: RadixTree, a: TreeAudit, *, deep: bool = True) -> Iterator[None]:
+    """The audit of :func:`audit_tree` into ``a``, yielding between bounded steps."""
     v = a.violations
     pb = tree.page_bytes
     reachable: dict[int, Node] = {}
-    full_owner: Counter[int] = Counter()
-    swa_owner: Counter[int] = Counter()
-    host_owner: Counter[int] = Counter()
-    host_swa_owner: Counter[int] = Counter()
+    full_owner = a.full_pages
+    swa_owner = a.swa_pages
+    host_owner = a.host_slots
+    host_swa_owner = a.host_swa_slots
 
     for name, ns in tree.namespaces.items():
         root = ns.root
@@ -50,6 +131,7 @@ def audit_tree(tree: RadixTree, *, deep: bool = True) -> TreeAudit:
             v.append(f"namespace {name!r}: root carries locks {root.full_lock}/{root.swa_lock}")
         stack = [root]
         while stack:
+            yield
             n = stack.pop()
             if n.id in reachable:
                 v.append(f"node {n.id} reached twice (cycle or shared child)")
@@ -72,50 +154,46 @@ def audit_tree(tree: RadixTree, *, deep: bool = True) -> TreeAudit:
             if n.dev_children != dev_children:
                 v.append(f"node {n.id}: dev_children={n.dev_children}, recount {dev_children}")
             if n.parent is not None:
-                _check_node(tree, n, v, deep)
-                for p in n.full or ():
-                    full_owner[p] += 1
-                for p in n.swa or ():
-                    swa_owner[p] += 1
-                for p in n.host or ():
-                    host_owner[p] += 1
-                for p in n.host_swa or ():
-                    if p:
-                        host_swa_owner[p] += 1
+                yield from _check_node(tree, n, v, deep)
+                for owner, pages in ((full_owner, n.full), (swa_owner, n.swa),
+                                     (host_owner, n.host)):
+                    for chunk in chunked(pages or ()):
+                        owner.add(chunk)
+                        yield
+                if n.host_swa is not None:  # 0: a page of the host copy without an SWA copy
+                    host_swa_owner.add(p for p in n.host_swa if p)
 
     a.nodes = len(reachable)
+    yield
     if set(reachable) != set(tree.nodes):
         ghosts = sorted(set(tree.nodes) - set(reachable))[:10]
         lost = sorted(set(reachable) - set(tree.nodes))[:10]
         v.append(f"node registry disagrees with the tree: unreachable {ghosts}, "
                  f"unregistered {lost}")
-    for k, i in tree.nodes.items():
-        if i.id != k:
-            v.append(f"node registry maps {k} to node {i.id}")
+    for chunk in chunked(tree.nodes.items()):
+        for k, i in chunk:
+            if i.id != k:
+                v.append(f"node registry maps {k} to node {i.id}")
+        yield
     if tree.awaiting_copy:  # a two-phase eviction must be committed before anything else runs
         v.append(f"eviction left half-done: nodes {[n.id for n in tree.awaiting_copy][:10]} "
                  "await a host copy")
 
     for pool, owners in (("full", full_owner), ("swa", swa_owner), ("host", host_owner),
                          ("host swa", host_swa_owner)):
-        dup = [p for p, c in owners.items() if c > 1]
+        dup = owners.twice()
         if dup:
-            v.append(f"{pool} pages owned by more than one node: {sorted(dup)[:10]}")
-        bad = [p for p in owners if p <= 0]
-        if bad:
-            v.append(f"{pool} page ids <= 0 in the tree: {sorted(bad)[:10]}")
-    a.full_pages = set(full_owner)
-    a.swa_pages = set(swa_owner)
-    a.host_slots = set(host_owner)
-    a.host_swa_slots = set(host_swa_owner)
+            v.append(f"{pool} pages owned by more than one node: {dup}")
+        if owners.bad:
+            v.append(f"{pool} page ids <= 0 in the tree: {sorted(owners.bad)[:10]}")
+        yield
 
-    _check_locks(tree, reachable, v)
-    _check_queues(tree, reachable, v)
-    _check_counters(tree, reachable, v)
-    return a
+    yield from _check_locks(tree, reachable, v)
+    yield from _check_queues(tree, reachable, v)
+    yield from _check_counters(tree, reachable, v)
 
 
-def _check_node(tree: RadixTree, n: Node, v: list[str], deep: bool) -> None:
+def _check_node(tree: RadixTree, n: Node, v: list[str], deep: bool) -> Iterator[None]:
     pb = tree.page_bytes
     if not n.tokens or len(n.tokens) % pb:
         v.append(f"node {n.id}: {len(n.tokens)} token bytes is not a positive number of pages")
@@ -128,8 +206,15 @@ def _check_node(tree: RadixTree, n: Node, v: list[str], deep: bool) -> None:
     elif deep:
         parent = n.parent
         prev = parent.hashes[-HASH_BYTES:] if parent.parent is not None else n.ns.seed
-        if chain_hashes(prev, n.tokens, pb) != n.hashes:
-            v.append(f"node {n.id}: page hashes do not chain from its parent")
+        step = HASH_STEP_PAGES
+        for i in range(0, np_, step):  # each page's hash chains from the stored one before it
+            k = min(step, np_ - i)
+            got = chain_hashes(prev, n.tokens[i * pb:(i + k) * pb], pb)
+            if got != n.hashes[i * HASH_BYTES:(i + k) * HASH_BYTES]:
+                v.append(f"node {n.id}: page hashes do not chain from its parent")
+                break
+            prev = got[-HASH_BYTES:]
+            yield
     if n.full is None and n.host is None:
         v.append(f"node {n.id}: dead (no full KV on device or host)")
     if n.swa is not None and n.full is None:
@@ -154,132 +239,167 @@ def _check_node(tree: RadixTree, n: Node, v: list[str], deep: bool) -> None:
         v.append(f"node {n.id}: locked but not on device")
 
 
-def _check_locks(tree: RadixTree, reachable: dict[int, Node], v: list[str]) -> None:
+def _check_locks(tree: RadixTree, reachable: dict[int, Node], v: list[str]) -> Iterator[None]:
     full: Counter[int] = Counter()
     swa: Counter[int] = Counter()
     pb = tree.page_bytes
-    for r in tree.receipts:
-        if not r.active:
-            v.append(f"inactive receipt still registered: {r!r}")
-            continue
-        a = r.anchor
-        if reachable.get(a.id) is not a:
-            v.append(f"receipt anchored at node {a.id}, which is not in the tree")
-            continue
-        n = a
-        while n.parent is not None:
-            full[n.id] += 1
-            n = n.parent
-        left = r.swa_pages
-        n = a
-        while left > 0 and n.parent is not None:
-            swa[n.id] += 1
-            left -= len(n.tokens) // pb
-            n = n.parent
-        if left != 0:
-            v.append(f"receipt {r!r}: SWA segment does not end on a node boundary")
-    for n in reachable.values():
-        if n.full_lock < 0 or n.swa_lock < 0:
-            v.append(f"node {n.id}: negative lock count {n.full_lock}/{n.swa_lock}")
-        if n.full_lock < n.swa_lock:
-            v.append(f"node {n.id}: full lock {n.full_lock} < SWA lock {n.swa_lock}")
-        if n.parent is None:
-            continue
-        if n.full_lock != full[n.id] or n.swa_lock != swa[n.id]:
-            v.append(f"node {n.id}: locks {n.full_lock}/{n.swa_lock}, receipts account for "
-                     f"{full[n.id]}/{swa[n.id]} (a lost or doubled receipt)")
-        if n.swa_lock and n.swa is None:
-            v.append(f"node {n.id}: SWA-locked tombstone")
+    for chunk in chunked(tree.receipts, STEP_ITEMS // 8):  # each walks up to its root
+        for r in chunk:
+            if not r.active:
+                v.append(f"inactive receipt still registered: {r!r}")
+                continue
+            a = r.anchor
+            if reachable.get(a.id) is not a:
+                v.append(f"receipt anchored at node {a.id}, which is not in the tree")
+                continue
+            n = a
+            while n.parent is not None:
+                full[n.id] += 1
+                n = n.parent
+            left = r.swa_pages
+            n = a
+            while left > 0 and n.parent is not None:
+                swa[n.id] += 1
+                left -= len(n.tokens) // pb
+                n = n.parent
+            if left != 0:
+                v.append(f"receipt {r!r}: SWA segment does not end on a node boundary")
+        yield
+    for chunk in chunked(reachable.values()):
+        for n in chunk:
+            if n.full_lock < 0 or n.swa_lock < 0:
+                v.append(f"node {n.id}: negative lock count {n.full_lock}/{n.swa_lock}")
+            if n.full_lock < n.swa_lock:
+                v.append(f"node {n.id}: full lock {n.full_lock} < SWA lock {n.swa_lock}")
+            if n.parent is None:
+                continue
+            if n.full_lock != full[n.id] or n.swa_lock != swa[n.id]:
+                v.append(f"node {n.id}: locks {n.full_lock}/{n.swa_lock}, receipts account "
+                         f"for {full[n.id]}/{swa[n.id]} (a lost or doubled receipt)")
+            if n.swa_lock and n.swa is None:
+                v.append(f"node {n.id}: SWA-locked tombstone")
+        yield
     pins: Counter[int] = Counter()
     host_pins: Counter[int] = Counter()
-    for p in tree.pins:
-        a = p.anchor
-        if not p.active or reachable.get(a.id) is not a:
-            v.append(f"pin {p!r}: inactive, or anchored at a node not in the tree")
-            continue
-        count = host_pins if p.host_only else pins
-        while a.parent is not None:
-            count[a.id] += 1
-            a = a.parent
-    for n in reachable.values():
-        if n.parent is not None and (n.pin, n.host_pin) != (pins[n.id], host_pins[n.id]):
-            v.append(f"node {n.id}: pin counts {n.pin}/{n.host_pin}, pins in flight account "
-                     f"for {pins[n.id]}/{host_pins[n.id]}")
+    for chunk in chunked(tree.pins, STEP_ITEMS // 8):
+        for p in chunk:
+            a = p.anchor
+            if not p.active or reachable.get(a.id) is not a:
+                v.append(f"pin {p!r}: inactive, or anchored at a node not in the tree")
+                continue
+            count = host_pins if p.host_only else pins
+            while a.parent is not None:
+                count[a.id] += 1
+                a = a.parent
+        yield
+    for chunk in chunked(reachable.values()):
+        for n in chunk:
+            if n.parent is not None and (n.pin, n.host_pin) != (pins[n.id], host_pins[n.id]):
+                v.append(f"node {n.id}: pin counts {n.pin}/{n.host_pin}, pins in flight "
+                         f"account for {pins[n.id]}/{host_pins[n.id]}")
+        yield
 
 
-def _check_queues(tree: RadixTree, reachable: dict[int, Node], v: list[str]) -> None:
+def _check_queues(tree: RadixTree, reachable: dict[int, Node], v: list[str]) -> Iterator[None]:
     pol = tree.policy
     keys = {"full": pol.full_key, "swa": pol.swa_key, "host": pol.host_key}
+    by_ns: dict[int, list[Node]] = {id(ns): [] for ns in tree.namespaces.values()}
+    for chunk in chunked(reachable.values()):
+        for n in chunk:
+            if n.parent is not None and id(n.ns) in by_ns:
+                by_ns[id(n.ns)].append(n)
+        yield
     for name, ns in tree.namespaces.items():
-        every = [n for n in reachable.values() if n.parent is not None and n.ns is ns]
-        nodes = [n for n in every if not n.pin]  # a pinned node is in no queue
-        want = {
-            "full": {n.id for n in nodes
-                     if n.full is not None and n.full_lock == 0 and n.dev_children == 0},
-            "swa": {n.id for n in nodes
-                    if tree.swa_enabled and n.swa is not None and n.swa_lock == 0},
-            "host": {n.id for n in nodes
-                     if n.full is None and n.host is not None and not n.children
-                     and not n.host_pin},
-        }
+        want: dict[str, set[int]] = {"full": set(), "swa": set(), "host": set()}
+        full = swa = host = 0
+        for chunk in chunked(by_ns[id(ns)]):
+            for n in chunk:
+                if n.full is not None:
+                    full += len(n.full)
+                if n.swa is not None:
+                    swa += len(n.swa)
+                if n.host is not None:
+                    host += len(n.host)
+                if n.pin:  # a pinned node is in no queue
+                    continue
+                if n.full is not None and n.full_lock == 0 and n.dev_children == 0:
+                    want["full"].add(n.id)
+                if tree.swa_enabled and n.swa is not None and n.swa_lock == 0:
+                    want["swa"].add(n.id)
+                if (n.full is None and n.host is not None and not n.children
+                        and not n.host_pin):
+                    want["host"].add(n.id)
+            yield
         for label, q in (("full", ns.full_q), ("swa", ns.swa_q), ("host", ns.host_q)):
-            _check_queue(f"{name}/{label}", q, want[label], keys[label], reachable, v)
-        nodes = every
+            yield from _check_queue(f"{name}/{label}", q, want[label], keys[label], reachable,
+                                    v)
         counted = (ns.full_pages, ns.swa_pages, ns.host_pages)
-        full = sum(len(n.full) for n in nodes if n.full is not None)
-        swa = sum(len(n.swa) for n in nodes if n.swa is not None)
-        host = sum(len(n.host) for n in nodes if n.host is not None)
         if counted != (full, swa, host):
             v.append(f"namespace {name!r}: page counts {counted}, recomputed {(full, swa, host)}")
 
 
 def _check_queue(label: str, q: EvictionQueue, want: set[int], key: Callable[[Node], Any],
-                 reachable: dict[int, Node], v: list[str]) -> None:
-    live = [e for e in q.heap if e[2] is not None]
-    ids = [e[2].id for e in live]
-    if len(ids) != len(set(ids)):
+                 reachable: dict[int, Node], v: list[str]) -> Iterator[None]:
+    heap = q.heap
+    live: list[list] = []
+    for chunk in chunked(heap):
+        live += [e for e in chunk if e[2] is not None]
+        yield
+    got: set[int] = set()
+    twice = False
+    for chunk in chunked(live):
+        for e in chunk:
+            n = e[2]
+            if n.id in got:
+                twice = True
+            got.add(n.id)
+            if reachable.get(n.id) is not n:
+                v.append(f"{label} queue holds node {n.id}, which is not in the tree")
+            elif getattr(n, q.attr) is not e:
+                v.append(f"{label} queue entry of node {n.id} is not the node's live entry")
+            elif e[0] != key(n):
+                v.append(f"{label} queue orders node {n.id} by a stale key {e[0]} "
+                         f"(now {key(n)})")
+        yield
+    if twice:
         v.append(f"{label} queue holds a node twice")
     if q.live != len(live):
         v.append(f"{label} queue counts {q.live} live entries, holds {len(live)}")
-    got = set(ids)
     if got != want:
         v.append(f"{label} queue holds {sorted(got - want)[:10]} that are not eligible and misses "
                  f"{sorted(want - got)[:10]}")
-    for e in live:
-        n = e[2]
-        if reachable.get(n.id) is not n:
-            v.append(f"{label} queue holds node {n.id}, which is not in the tree")
-        elif getattr(n, q.attr) is not e:
-            v.append(f"{label} queue entry of node {n.id} is not the node's live entry")
-        elif e[0] != key(n):
-            v.append(f"{label} queue orders node {n.id} by a stale key {e[0]} (now {key(n)})")
-    heap = q.heap
-    for i in range(1, len(heap)):
-        if heap[(i - 1) // 2][:2] > heap[i][:2]:
-            v.append(f"{label} queue lost its heap order at {i}")
+    for start in range(1, len(heap), STEP_ITEMS):
+        if any(heap[(i - 1) // 2][:2] > heap[i][:2]
+               for i in range(start, min(len(heap), start + STEP_ITEMS))):
+            v.append(f"{label} queue lost its heap order")
             break
+        yield
 
 
-def _check_counters(tree: RadixTree, reachable: dict[int, Node], v: list[str]) -> None:
+def _check_counters(tree: RadixTree, reachable: dict[int, Node], v: list[str]
+                    ) -> Iterator[None]:
     fe = fp = se = sp = hp = hs = 0
-    for n in reachable.values():
-        if n.parent is None:
-            continue
-        np_ = len(n.tokens) // tree.page_bytes
-        if n.full is not None:  # a pin guards pages like a lock
-            if n.full_lock or n.pin:
-                fp += np_
-            else:
-                fe += np_
-        if n.swa is not None:
-            if n.swa_lock or n.pin:
-                sp += np_
-            else:
-                se += np_
-        if n.host is not None:
-            hp += np_
-        if n.host_swa is not None:
-            hs += sum(1 for p in n.host_swa if p)
+    pb = tree.page_bytes
+    for chunk in chunked(reachable.values()):
+        for n in chunk:
+            if n.parent is None:
+                continue
+            np_ = len(n.tokens) // pb
+            if n.full is not None:  # a pin guards pages like a lock
+                if n.full_lock or n.pin:
+                    fp += np_
+                else:
+                    fe += np_
+            if n.swa is not None:
+                if n.swa_lock or n.pin:
+                    sp += np_
+                else:
+                    se += np_
+            if n.host is not None:
+                hp += np_
+            if n.host_swa is not None:
+                hs += sum(1 for p in n.host_swa if p)
+        yield
     got = (tree.full_evictable, tree.full_protected, tree.swa_evictable, tree.swa_protected,
            tree.host_pages, tree.host_swa_pages)
     if got != (fe, fp, se, sp, hp, hs):

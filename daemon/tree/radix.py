@@ -92,6 +92,9 @@ class RadixTree(Matching, Insertion, Locking, Eviction, Tiering):
         self.host_drops: list[Node] = []
         self._next_id = 1
         self._clock = 0
+        # bumped by every new node and every queue change (which every lock, unlock, insert,
+        # eviction and tier move makes): the background checker gives a pass up when it moved
+        self.changes = 0
         # page counters, kept incrementally and recomputed by the checker
         self.full_evictable = 0
         self.full_protected = 0
@@ -133,6 +136,7 @@ class RadixTree(Matching, Insertion, Locking, Eviction, Tiering):
         return node
 
     def _new_id(self) -> int:
+        self.changes += 1
         i = self._next_id
         self._next_id = i + 1
         return i
@@ -157,6 +161,7 @@ class RadixTree(Matching, Insertion, Locking, Eviction, Tiering):
         """Put ``n`` in exactly the eviction queues it is eligible for, keyed by its priority."""
         if n.parent is None:
             return
+        self.changes += 1
         pol = self.policy
         ns = n.ns
         if n.pin:
@@ -184,6 +189,7 @@ class RadixTree(Matching, Insertion, Locking, Eviction, Tiering):
                 ns.host_q.remove(n)
 
     def _unqueue(self, n: Node) -> None:
+        self.changes += 1
         ns = n.ns
         ns.full_q.remove(n)
         ns.swa_q.remove(n)

@@ -80,7 +80,9 @@ class SegmentMachine(RuleBasedStateMachine):
         for s in range(self.a.num_segments):
             assert self.a.owner[s] == owners.get(s), f"segment {s}"
         for ns, ps in self.held.items():
-            assert self.a.audit_owners(ps, ns, "pages") == []
+            bad: set[int] = set()
+            self.a.misplaced(ps, ns, bad)
+            assert self.a.audit_owners(ns, "pages", bad) == []
             assert set(self.a.segments_of(ns)) == {p // self.seg for p in ps}
         assert self.a.available == self.cap - 1 - sum(len(h) for h in self.held.values())
 

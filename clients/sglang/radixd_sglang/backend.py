@@ -37,6 +37,7 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
+from .copier import DEFAULT_MIN_BYTES_PER_THREAD, PageCopier, default_copy_threads
 from .pages import KvPageView, page_view, restorable_lengths
 
 logger = logging.getLogger(__name__)
@@ -56,7 +57,11 @@ class RadixdHiCacheStorage(HiCacheStorage):
     ``interface_v1``): ``socket`` (radixd's Unix socket), ``token`` (the tenant's token; one tenant
     per SGLang instance is advised), ``model`` (radixd's model entry whose host page is one SGLang
     page), ``timeout_s`` (per request, default 5), ``fetch_timeout_s`` (bringing pages only Redis
-    holds into host, default 2), ``backoff_max_s`` (the longest wait between reconnects, default 5).
+    holds into host, default 2), ``backoff_max_s`` (the longest wait between reconnects, default 5),
+    ``copy_threads`` (the most threads one get or set copies pages on, default one per 4 CPUs,
+    1 to 4; 1 copies on SGLang's calling thread only) and ``copy_min_bytes_per_thread`` (a
+    batch gets one more thread per this many bytes, default 32 MiB, so small batches never pay
+    a hand-off).
     """
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict | None = None) -> None:
@@ -67,6 +72,9 @@ class RadixdHiCacheStorage(HiCacheStorage):
         self.timeout_s = float(extra.get("timeout_s", 5.0))
         self.fetch_timeout_s = float(extra.get("fetch_timeout_s", 2.0))
         self.backoff_max_s = float(extra.get("backoff_max_s", 5.0))
+        self._copier = PageCopier(
+            _int_setting(extra, "copy_threads", default_copy_threads()),
+            _int_setting(extra, "copy_min_bytes_per_thread", DEFAULT_MIN_BYTES_PER_THREAD))
         self.suffix = key_suffix(storage_config)
         self.is_writer = storage_config.is_storage_writer
         self._lock = threading.RLock()
@@ -237,17 +245,14 @@ class RadixdHiCacheStorage(HiCacheStorage):
         view, slots = self._views[kind], self._slots[kind]
         got = client.kv_lookup(self.model, self._keys(keys), kind, pin=True, fetch=True,
                                timeout_s=self.fetch_timeout_s)
-        ok = [False] * len(keys)
+        hits = got.present.index(0) if 0 in got.present else len(keys)
         try:
-            for i, (present, slot) in enumerate(zip(got.present, got.slots, strict=True)):
-                if not present:
-                    break
-                view.load(pages[i], slots[slot])
-                ok[i] = True
+            self._copier.run(view.load, [(pages[i], slots[got.slots[i]]) for i in range(hits)],
+                             view.page_nbytes)
         finally:
             if got.pin:
                 client.kv_release(self.model, got.pin)
-        return ok
+        return [True] * hits + [False] * (len(keys) - hits)
 
     def _set(self, client: Client, kind: str, keys: Sequence[str],
              pages: Sequence[int]) -> list[bool]:
@@ -260,9 +265,8 @@ class RadixdHiCacheStorage(HiCacheStorage):
         names = self._keys(keys)
         r = client.kv_reserve(self.model, names, kind)
         try:
-            for i, slot in enumerate(r.slots):
-                if slot:
-                    view.store(pages[i], slots[slot])
+            self._copier.run(view.store, [(pages[i], slots[s]) for i, s in enumerate(r.slots) if s],
+                             view.page_nbytes)
         except BaseException:
             if r.pin:
                 client.kv_release(self.model, r.pin)
@@ -395,6 +399,18 @@ class RadixdHiCacheStorage(HiCacheStorage):
     def close(self) -> None:
         with self._lock:
             self._drop()
+            self._copier.close()
+
+
+def _int_setting(extra: dict, name: str, default: int) -> int:
+    """An integer ``extra_config`` setting; a clear error at launch for anything else."""
+    value = extra.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise ValueError(f"radixd: extra_config {name} must be an integer, not {value!r}")
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"radixd: extra_config {name} must be an integer, not {value!r}") from None
 
 
 def key_suffix(config: HiCacheStorageConfig) -> str:

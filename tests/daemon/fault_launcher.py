@@ -1,0 +1,38 @@
+"""Runs radixd with one fault a real part cannot produce, planted on demand (tests only).
+
+Used as a ``launcher`` of tests/daemon/conftest.py's ``Daemon``: its argv is
+``fault_launcher.py PYTHON -m daemon.cli serve --config PATH``. SIGUSR2 adds one lock to a cached
+leaf of model ``m`` that no receipt accounts for (what a lost unlock would leave): only the full
+check sees it (the counter check and the checker's state version do not move).
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from daemon import checker, cli  # noqa: E402
+
+_targets: list = []
+_init = checker.Checker.__init__
+
+
+def _capture(self: checker.Checker, target: checker.Checkable, config: object) -> None:
+    _targets.append(target)
+    _init(self, target, config)  # type: ignore[arg-type]
+
+
+def _plant(*_: object) -> None:
+    tree = _targets[0].models["m"].cache.tree
+    leaf = next(n for n in tree.iter_nodes() if n.parent is not None and not n.children)
+    leaf.full_lock += 1
+    print(f"fault planted: node {leaf.id} locked without a receipt", flush=True)
+
+
+if __name__ == "__main__":
+    checker.Checker.__init__ = _capture  # type: ignore[method-assign]
+    signal.signal(signal.SIGUSR2, _plant)
+    sys.exit(cli.main(sys.argv[sys.argv.index("daemon.cli") + 1:]))

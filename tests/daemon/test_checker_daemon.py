@@ -1,0 +1,62 @@
+"""The background check of a real daemon runs in steps between requests and still stops a strict
+daemon on a real violation, confirmed by a complete check (daemon/checker.py)."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+from array import array
+from pathlib import Path
+
+from radixd_client import Client
+
+from . import conftest as conf
+
+LAUNCHER = (sys.executable, str(Path(__file__).with_name("fault_launcher.py")))
+
+
+def test_a_violation_planted_in_a_serving_daemon_is_found_in_steps_and_stops_it(
+        tmp_path: Path) -> None:
+    """A strict daemon serving requests: a lock no receipt accounts for is planted (SIGUSR2,
+    tests/daemon/fault_launcher.py). A stepped background pass finds it, the complete check
+    confirms it, and the daemon logs it and stops with exit code 3."""
+    d = conf.Daemon(tmp_path, {"checker": {"interval_s": 0.05, "strict": True}},
+                    launcher=LAUNCHER)
+    try:
+        with Client(d.socket, client_name="t") as c:
+            for i in range(6):
+                t = array("i", range(i * 100, i * 100 + 3 * 4)).tobytes()
+                a = c.alloc("m", 3)
+                c.insert("m", t, a.full_pages, a.swa_pages)
+            c.match("m", t)
+        d.check()  # clean so far: a complete check says so
+        d.proc.send_signal(signal.SIGUSR2)
+        code = d.proc.wait(30)
+        log = d.log()
+        assert code == 3, log[-3000:]
+        assert "fault planted" in log
+        assert "the stepped check found" in log, log[-3000:]
+        assert "receipts account for" in log and "strict mode: stopping" in log, log[-3000:]
+    finally:
+        d.stop()
+
+
+def test_requests_flow_while_stepped_passes_run(make_daemon) -> None:
+    """Passes back to back (interval 1 ms) while a client inserts and matches: every request is
+    answered, no pass reports anything, and the teardown's complete check is clean."""
+    d = make_daemon({"checker": {"interval_s": 0.001, "strict": True}})
+    with Client(d.socket, client_name="t") as c:
+        deadline = time.monotonic() + 1.0
+        i = 0
+        while time.monotonic() < deadline:
+            t = array("i", range(i % 7 * 50, i % 7 * 50 + 8)).tobytes()
+            m = c.match("m", t, lock=True)
+            if m.prefix_len < 8:
+                a = c.alloc("m", 2 - m.prefix_len // 4)
+                c.cache_finished("m", t, a.full_pages, a.swa_pages, m.prefix_len, 0,
+                                 m.receipt)
+            elif m.receipt is not None:
+                c.unlock("m", m.receipt)
+            i += 1
+    assert "the stepped check found" not in d.log()
