@@ -483,3 +483,31 @@ def test_a_moved_segment_leaves_old_mappings_on_the_old_memory() -> None:
         old.close()
         os.close(fd)
         assert host.describe()["num_segments"] == 3 and host.fd is None
+
+
+def test_the_host_tier_reports_a_tree_slot_in_another_namespaces_segment() -> None:
+    """The checker's host ownership audit: a node's host copy in a segment of its own namespace
+    passes, one in another namespace's segment is reported (nodes are duck-typed: storage sits
+    below the tree)."""
+    from array import array
+    from types import SimpleNamespace
+
+    from daemon.storage.host_tier import HostTier
+
+    host = HostTier(make_profile(**SEG_PROFILE), 9, 0, pin_memory=False, segment_pages=2)
+    try:
+        mine, theirs = host.take("full", [h(1)], "a"), host.take("full", [h(2)], "b")
+        host.filled("full", [*mine, *theirs])
+
+        def audit(slot: int) -> list[str]:
+            node = SimpleNamespace(ns=SimpleNamespace(name="a"), host=array("i", [slot]),
+                                   host_swa=None)
+            v: list[str] = []
+            for _ in host.audit_tree_owners_steps([node], v):
+                pass
+            return v
+
+        assert audit(mine[0]) == []
+        assert "tree full host slots of namespace 'a'" in audit(theirs[0])[0]
+    finally:
+        host.close()
