@@ -46,11 +46,11 @@ class PageNotHeld(AllocatorError):
 
 @dataclass
 class Holding:
-    full: set[int] = field(default_factory=set)
-    swa: set[int] = field(default_factory=set)
+    # held page -> the namespace it was allocated for (whose segment it lies in); filled from
+    # the allocation with dict.fromkeys, so handing out n pages is not n Python steps
+    full: dict[int, str] = field(default_factory=dict)
+    swa: dict[int, str] = field(default_factory=dict)
     receipts: set[int] = field(default_factory=set)
-    # the namespace each held page was allocated for (whose segment it lies in)
-    namespace_of: dict[tuple[str, int], str] = field(default_factory=dict)
 
 
 class Watch:
@@ -235,15 +235,19 @@ class ModelCache:
         h = self.holdings.get(owner)
         if h is None:  # it holds nothing: _check_held already refused any page it named
             return
-        for p in full:
-            del self._full_owner[p]
-            h.full.discard(p)
-            h.namespace_of.pop(("full", p), None)
-        for p in swa:
-            if p:
-                del self._swa_owner[p]
-                h.swa.discard(p)
-                h.namespace_of.pop(("swa", p), None)
+        if full:
+            fo = self._full_owner
+            hf = h.full
+            for p in full:
+                del fo[p]
+                del hf[p]
+        if swa:
+            so = self._swa_owner
+            hs = h.swa
+            for p in swa:
+                if p:
+                    del so[p]
+                    del hs[p]
 
     # ------------------------------------------------------------------ operations
 
@@ -278,7 +282,9 @@ class ModelCache:
         isolation."""
         if not self.isolated:
             return 0
-        return sum(a.generations.get(namespace, 0) for _, a in self.alloc_state.allocators())
+        a = self.alloc_state
+        g = a.full.generations.get(namespace, 0)
+        return g if a.swa is None else g + a.swa.generations.get(namespace, 0)
 
     def _short(self, key: str, n_full: int, n_swa: int) -> tuple[int, int]:
         a = self.alloc_state
@@ -315,18 +321,23 @@ class ModelCache:
         pages if they are short."""
         if not isinstance(n, int) or n < 0:
             raise BadArgument(f"n_pages must be a non-negative int, got {n!r}")
-        if not self.can_alloc(n, namespace):
-            # it cannot succeed: refuse before evicting anyone's cache for nothing
-            self.counters["alloc_failures"] += 1
-            raise self.oom_error(n, namespace)
-        self._make_room(namespace, n, n if self.alloc_state.swa is not None else 0, "alloc")
+        a = self.alloc_state
+        key = namespace if self.isolated else ""
+        if n > a.full.available_to(key) or (a.swa is not None and n > a.swa.available_to(key)):
+            # short of free pages: evict, unless that cannot succeed (then refuse before
+            # evicting anyone's cache for nothing)
+            if not self.can_alloc(n, namespace):
+                self.counters["alloc_failures"] += 1
+                raise self.oom_error(n, namespace)
+            self._make_room(namespace, n, n if a.swa is not None else 0, "alloc")
         try:
-            full, swa = self.alloc_state.alloc(n, self.space(namespace))
+            full, swa = a.alloc(n, key)
         except OutOfPages as exc:
             self.counters["alloc_failures"] += 1
             raise self.oom_error(n, namespace) from exc
         self.counters["allocs"] += 1
-        self._hand_out(owner, full, swa, namespace)
+        if n:
+            self._hand_out(owner, full, swa, namespace)
         return full, swa
 
     def alloc_unpaired(self, owner: Owner, n_full: int, n_swa: int, namespace: str = ""
@@ -350,14 +361,10 @@ class ModelCache:
 
     def _hand_out(self, owner: Owner, full: array, swa: array, namespace: str) -> None:
         h = self._holding(owner)
-        h.namespace_of.update((("full", p), namespace) for p in full)
-        h.namespace_of.update((("swa", p), namespace) for p in swa)
-        for p in full:
-            self._full_owner[p] = owner
-        for p in swa:
-            self._swa_owner[p] = owner
-        h.full.update(full)
-        h.swa.update(swa)
+        self._full_owner.update(dict.fromkeys(full, owner))
+        self._swa_owner.update(dict.fromkeys(swa, owner))
+        h.full.update(dict.fromkeys(full, namespace))
+        h.swa.update(dict.fromkeys(swa, namespace))
 
     def disown(self, owner: Owner) -> tuple[array, array]:
         """Every page ``owner`` holds, no longer held by it (the caller hands them on)."""

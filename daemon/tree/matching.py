@@ -33,11 +33,16 @@ class Matching:
         tomb = False
         dev_off = 0
         children = node.children
-        while off < n_pages * pb and children:
+        end = n_pages * pb
+        while off < end and children:
             child = children.get(tokens[off : off + pb])
             if child is None:
                 break
-            m = self._matched_pages(child, tokens, off, n_pages - off // pb)
+            ct = child.tokens
+            if len(ct) <= end - off and tokens.startswith(ct, off):  # the whole node matches
+                m = len(ct) // pb
+            else:
+                m = self._matched_pages(child, tokens, off, n_pages - off // pb)
             if child.full is None:
                 if child.host is None:
                     break
@@ -67,19 +72,23 @@ class Matching:
         else:
             best = ns.root
             usable = []
+        clock = self._clock
         for n in path:
-            self._touch(n)
+            if n.ts != clock:
+                self._touch(n)
         for n in host_path:
-            self._touch(n)
+            if n.ts != clock:
+                self._touch(n)
         if swa:
             self._touch_window(usable)
         for n in usable:
             n.hits += 1
-        full_pages = concat_pages(n.full for n in usable)
+        full_pages = concat_pages([n.full for n in usable])
         swa_pages = self._window_swa(usable) if swa else EMPTY
         prefix_len = best.depth
         host_len = 0
-        if host_path or (swa and any(n.host_swa is not None for n in path[best_i + 1 :])):
+        if host_path or (swa and best_i + 1 < len(path) and any(
+                n.host_swa is not None for n in path[best_i + 1 :])):
             end = self.usable_end(self.walk(namespace, tokens))
             host_len = max(0, end * self.page_size - prefix_len)
         receipt = self._lock(best, tag) if lock else None
