@@ -434,7 +434,8 @@ class ModelCache:
         k = res.inserted_len // self.profile.page_size - prev_prefix_len // self.profile.page_size
         self._release_pages(owner, full[:k], swa[:k])
         rid = self._register(owner, res.receipt) if res.receipt is not None else None
-        self.settle()
+        if self.tree.awaiting_copy or self.tree.host_drops:
+            self.settle()
         return res, rid
 
     def cache_finished(
@@ -450,7 +451,8 @@ class ModelCache:
         self._release_pages(owner, full, swa)
         if rid is not None:
             self._drop_receipt(owner, rid)
-        self.settle()
+        if self.tree.awaiting_copy or self.tree.host_drops:
+            self.settle()
         return res
 
     def cache_unfinished(

@@ -41,7 +41,7 @@ class Insertion:
         happens when none of them would have live SWA at the end of the path: a tombstone leaf is
         never created).
         """
-        ns = self.namespace(namespace)
+        ns = self.namespaces.get(namespace) or self.namespace(namespace)
         P = self.page_size
         pb = self.page_bytes
         n = len(tokens) // pb

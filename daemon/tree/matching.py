@@ -18,7 +18,7 @@ class Matching:
     def match(self, namespace: str, tokens: bytes, *, lock: bool = False, tag: Any = None
               ) -> MatchResult:
         """Longest usable cached prefix of ``tokens``; refreshes recency along the path."""
-        ns = self.namespace(namespace)
+        ns = self.namespaces.get(namespace) or self.namespace(namespace)
         pb = self.page_bytes
         n_pages = len(tokens) // pb
         window = self.window or 0
