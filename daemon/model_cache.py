@@ -197,11 +197,14 @@ class ModelCache:
         P = self.profile.page_size
         n = len(tokens) // (4 * P)
         total = -(-(len(tokens) // 4) // P) if tail else n
-        for name, v in (("prev_prefix_len", prev_prefix_len),
-                        ("swa_evicted_len", swa_evicted_len)):
-            if not isinstance(v, int) or v < 0 or v % P:
-                raise BadArgument(f"{name} must be a non-negative multiple of page_size {P}, "
-                                  f"got {v!r}")
+        if not (isinstance(prev_prefix_len, int) and isinstance(swa_evicted_len, int)
+                and prev_prefix_len >= 0 and swa_evicted_len >= 0
+                and not prev_prefix_len % P and not swa_evicted_len % P):
+            for name, v in (("prev_prefix_len", prev_prefix_len),
+                            ("swa_evicted_len", swa_evicted_len)):
+                if not isinstance(v, int) or v < 0 or v % P:
+                    raise BadArgument(f"{name} must be a non-negative multiple of page_size "
+                                      f"{P}, got {v!r}")
         prev = prev_prefix_len // P
         if prev > n:
             raise BadArgument(f"prev_prefix_len={prev_prefix_len} is beyond the page-aligned "

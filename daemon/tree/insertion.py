@@ -63,14 +63,15 @@ class Insertion:
             if child is None:
                 break
             ct = child.tokens
-            if len(ct) <= (n - i) * pb and tokens.startswith(ct, i * pb):  # the whole node
-                m = len(ct) // pb
+            lc = len(ct)
+            if lc <= (n - i) * pb and tokens.startswith(ct, i * pb):  # the whole node
+                m = lc // pb
             else:
                 m = self._matched_pages(child, tokens, i * pb, n - i)
             if i < prev < i + m:
                 m = prev - i  # process the tree-owned part and the caller's part separately
             e = i + m
-            if e < prev and m * pb < len(child.tokens):
+            if e < prev and m * pb < lc:
                 raise BadArgument(
                     f"prev_prefix_len={prev * P} is longer than the cached prefix "
                     f"({e * P} tokens) of this sequence (lock the prefix you reuse)")
@@ -82,7 +83,7 @@ class Insertion:
                 overlap = e
             elif child.full is None and not adopt:
                 break
-            if m * pb < len(child.tokens):
+            if m * pb < lc:
                 child = self._split(child, m)
             if e > prev:
                 cf = full_pages[i - prev : e - prev]

@@ -39,28 +39,29 @@ class Matching:
             if child is None:
                 break
             ct = child.tokens
-            if len(ct) <= end - off and tokens.startswith(ct, off):  # the whole node matches
-                m = len(ct) // pb
+            lc = len(ct)
+            if lc <= end - off and tokens.startswith(ct, off):  # the whole node matches
+                mb = lc  # matched bytes
             else:
-                m = self._matched_pages(child, tokens, off, n_pages - off // pb)
+                mb = self._matched_pages(child, tokens, off, n_pages - off // pb) * pb
             if child.full is None:
                 if child.host is None:
                     break
                 host_path.append(child)
             else:
                 path.append(child)
-                dev_off = off + m * pb
+                dev_off = off + mb
                 if not swa:
-                    best_i, best_m = len(path) - 1, m
+                    best_i, best_m = len(path) - 1, mb // pb
                 elif child.swa is None:
                     tomb = True
                     run = 0
                 else:
-                    run += m * self.page_size
+                    run += mb >> 2  # tokens
                     if not tomb or run >= window:
-                        best_i, best_m = len(path) - 1, m
-            off += m * pb
-            if m * pb < len(child.tokens):
+                        best_i, best_m = len(path) - 1, mb // pb
+            off += mb
+            if mb < lc:
                 break
             children = child.children
         if best_i >= 0:
