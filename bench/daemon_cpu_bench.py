@@ -7,8 +7,13 @@ timed loop and just after the last one finishes, divided by the operations the c
 in that window (each one is exactly one request the daemon handled). The baseline ref is exported
 with ``git archive`` into a temporary directory and its daemon runs from there.
 
+The floor, measured in the same run on this checkout's daemon with the same client counts, is
+an 8-byte ``ping`` instead of the mixed operations: what one request costs the daemon in socket
+reads and writes, the event loop and the kernel's wake-ups, before any operation's own work. On
+a small, shared machine that part is most of the total (``--no-floor`` leaves it out).
+
     python bench/daemon_cpu_bench.py [--baseline main] [--seconds 5] [--rounds 2] [--host-off]
-        [--json PATH]
+        [--no-floor] [--json PATH]
 """
 
 from __future__ import annotations
@@ -45,11 +50,30 @@ HOST_OFF = "host_pages = 0\nhost_swa_pages = 0\n"
 ADMIN_ANY_PORT = "[admin]\nport = 0\n"
 
 
+def _ping_loop(c: Client, seconds: float) -> tuple[int, float]:
+    """8-byte pings for ``seconds``: (operations done, seconds taken)."""
+    ops = 0
+    payload = b"x" * 8
+    t0 = time.perf_counter()
+    deadline = t0 + seconds
+    while time.perf_counter() < deadline:
+        c.ping(payload)
+        ops += 1
+    return ops, time.perf_counter() - t0
+
+
 def _worker(path: str, seconds: float, seed: int, ready: mp.Queue, go: mp.Event,
-            done: mp.Queue) -> None:
-    """Caches its prefixes (untimed), says so, waits for ``go``, then runs the timed loop."""
+            done: mp.Queue, ping: bool = False) -> None:
+    """Caches its prefixes (untimed), says so, waits for ``go``, then runs the timed loop
+    (``ping``: the floor's loop instead)."""
     rng = random.Random(seed)
     with Client(path, client_name=f"cpu-bench-{seed}") as c:
+        if ping:
+            _ping_loop(c, 0.2)
+            ready.put(seed)
+            go.wait()
+            done.put(_ping_loop(c, seconds))
+            return
         prefixes = [[rng.randrange(1, 100_000) for _ in range(4 * PAGE)] for _ in range(8)]
         for p in prefixes:
             _cache_prompt(c, array("i", p).tobytes())
@@ -60,13 +84,15 @@ def _worker(path: str, seconds: float, seed: int, ready: mp.Queue, go: mp.Event,
         done.put(_mixed_loop(c, reqs, seconds))
 
 
-def measure(d: DaemonProcess, clients: int, seconds: float) -> dict[str, float]:
-    """ops/s and daemon CPU us per operation for ``clients`` client processes on daemon ``d``."""
+def measure(d: DaemonProcess, clients: int, seconds: float, ping: bool = False
+            ) -> dict[str, float]:
+    """ops/s and daemon CPU us per operation for ``clients`` client processes on daemon ``d``
+    (``ping``: 8-byte pings instead of the mixed operations)."""
     ctx = mp.get_context("spawn")
     ready: mp.Queue = ctx.Queue()
     done: mp.Queue = ctx.Queue()
     go = ctx.Event()
-    procs = [ctx.Process(target=_worker, args=(d.socket, seconds, i, ready, go, done))
+    procs = [ctx.Process(target=_worker, args=(d.socket, seconds, i, ready, go, done, ping))
              for i in range(clients)]
     for p in procs:
         p.start()
@@ -85,10 +111,11 @@ def measure(d: DaemonProcess, clients: int, seconds: float) -> dict[str, float]:
 
 
 def run(baseline: str, seconds: float, host_off: bool, rounds: int = 2,
-        client_counts: tuple[int, ...] = (1, 8)) -> dict[str, float]:
+        client_counts: tuple[int, ...] = (1, 8), floor: bool = True) -> dict[str, float]:
     """Each side ``rounds`` times per client count, the order flipping every round (base, this,
     this, base, ...) so that a machine getting busier or quieter does not favour one side; each
-    figure is the mean over the rounds."""
+    figure is the mean over the rounds. ``floor``: also the ping floor (``*_floor`` keys), once
+    per round on this checkout's daemon, between the two sides."""
     conf = config(HOST_OFF if host_off else "") + ADMIN_ANY_PORT
     base_root = export_ref(baseline)
     out: dict[str, float] = {}
@@ -96,10 +123,15 @@ def run(baseline: str, seconds: float, host_off: bool, rounds: int = 2,
     try:
         for n in client_counts:
             for r in range(rounds):
-                for side, root in sides if r % 2 == 0 else sides[::-1]:
+                order = sides if r % 2 == 0 else sides[::-1]
+                runs = [(order[0][0], order[0][1], False)]
+                if floor:
+                    runs.append(("floor", _ROOT, True))
+                runs.append((order[1][0], order[1][1], False))
+                for side, root, ping in runs:
                     d = DaemonProcess(conf, root=root)
                     try:
-                        for k, v in measure(d, n, seconds).items():
+                        for k, v in measure(d, n, seconds, ping).items():
                             key = f"{k}_{n}c_{side}"
                             out[key] = out.get(key, 0.0) + v / rounds
                     finally:
@@ -120,17 +152,24 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     ap.add_argument("--host-off", action="store_true", help="models without a host (L2) tier")
     ap.add_argument("--rounds", type=int, default=2,
                     help="measurements per side and client count, order alternating (default 2)")
+    ap.add_argument("--no-floor", action="store_true",
+                    help="leave out the ping floor (this daemon answering 8-byte pings)")
     ap.add_argument("--json", metavar="PATH", help="write the figures as a flat JSON object")
     args = ap.parse_args(argv)
-    f = run(args.baseline, args.seconds, args.host_off, args.rounds)
+    f = run(args.baseline, args.seconds, args.host_off, args.rounds, floor=not args.no_floor)
     print(f"baseline {args.baseline}, host tier {'off' if args.host_off else 'on'}, "
           f"{args.seconds:g} s per window, mean of {args.rounds} rounds (order alternating)")
-    print(f"{'clients':>7} {'metric':>14} {args.baseline:>12} {'this':>12} {'this/base':>10}")
+    floor = not args.no_floor
+    print(f"{'clients':>7} {'metric':>14} {args.baseline:>12} {'this':>12} {'this/base':>10}"
+          + (f" {'ping floor':>12}" if floor else ""))
     for n in (1, 8):
         for k, fmt in (("ops_per_s", "{:12.0f}"), ("cpu_us_per_op", "{:12.2f}")):
             base, this = f[f"{k}_{n}c_base"], f[f"{k}_{n}c_this"]
-            print(f"{n:>7} {k:>14} {fmt.format(base)} {fmt.format(this)} "
-                  f"{f[f'{k}_{n}c_ratio']:>10.3f}")
+            line = (f"{n:>7} {k:>14} {fmt.format(base)} {fmt.format(this)} "
+                    f"{f[f'{k}_{n}c_ratio']:>10.3f}")
+            if floor:
+                line += f" {fmt.format(f[f'{k}_{n}c_floor'])}"
+            print(line)
     if args.json:
         write_json(args.json, {k: round(v, 3) for k, v in f.items()})
     return f

@@ -39,16 +39,33 @@ class Histogram:
 
 
 class OpStats:
-    """Per operation: a latency histogram and a count per result code ("ok" or an error code)."""
+    """Per operation: a latency histogram and a count per result code ("ok" or an error code).
+
+    Only refusals are counted apart (``errors``): the ok count of an operation is its
+    observations less its refusals, worked out when ``results`` is read (at scrape time), so an
+    answered operation costs one dict lookup and the histogram's update."""
 
     def __init__(self) -> None:
         self.latency: dict[str, Histogram] = {}
-        self.results: dict[tuple[str, str], int] = {}
+        self.errors: dict[tuple[str, str], int] = {}
 
     def observe(self, op: str, seconds: float, code: str = "ok") -> None:
         h = self.latency.get(op)
         if h is None:
             h = self.latency[op] = Histogram()
-        h.observe(seconds)
-        key = (op, code)
-        self.results[key] = self.results.get(key, 0) + 1
+        h.counts[bisect_left(h.buckets, seconds)] += 1
+        h.total += seconds
+        h.n += 1
+        if code != "ok":
+            key = (op, code)
+            self.errors[key] = self.errors.get(key, 0) + 1
+
+    @property
+    def results(self) -> dict[tuple[str, str], int]:
+        """(operation, code) -> count, "ok" included (for the metrics)."""
+        out = dict(self.errors)
+        for op, h in self.latency.items():
+            refused = sum(n for (o, _), n in self.errors.items() if o == op)
+            if h.n > refused:
+                out[(op, "ok")] = h.n - refused
+        return out

@@ -50,11 +50,11 @@ class PageNotHeld(AllocatorError):
 
 @dataclass
 class Holding:
-    full: set[int] = field(default_factory=set)
-    swa: set[int] = field(default_factory=set)
+    # held page -> the namespace it was allocated for (whose segment it lies in); filled from
+    # the allocation with dict.fromkeys, so handing out n pages is not n Python steps
+    full: dict[int, str] = field(default_factory=dict)
+    swa: dict[int, str] = field(default_factory=dict)
     receipts: set[int] = field(default_factory=set)
-    # the namespace each held page was allocated for (whose segment it lies in)
-    namespace_of: dict[tuple[str, int], str] = field(default_factory=dict)
 
 
 class Watch:
@@ -201,11 +201,14 @@ class ModelCache:
         P = self.profile.page_size
         n = len(tokens) // (4 * P)
         total = -(-(len(tokens) // 4) // P) if tail else n
-        for name, v in (("prev_prefix_len", prev_prefix_len),
-                        ("swa_evicted_len", swa_evicted_len)):
-            if not isinstance(v, int) or v < 0 or v % P:
-                raise BadArgument(f"{name} must be a non-negative multiple of page_size {P}, "
-                                  f"got {v!r}")
+        if not (isinstance(prev_prefix_len, int) and isinstance(swa_evicted_len, int)
+                and prev_prefix_len >= 0 and swa_evicted_len >= 0
+                and not prev_prefix_len % P and not swa_evicted_len % P):
+            for name, v in (("prev_prefix_len", prev_prefix_len),
+                            ("swa_evicted_len", swa_evicted_len)):
+                if not isinstance(v, int) or v < 0 or v % P:
+                    raise BadArgument(f"{name} must be a non-negative multiple of page_size "
+                                      f"{P}, got {v!r}")
         prev = prev_prefix_len // P
         if prev > n:
             raise BadArgument(f"prev_prefix_len={prev_prefix_len} is beyond the page-aligned "
@@ -239,15 +242,19 @@ class ModelCache:
         h = self.holdings.get(owner)
         if h is None:  # it holds nothing: _check_held already refused any page it named
             return
-        for p in full:
-            del self._full_owner[p]
-            h.full.discard(p)
-            h.namespace_of.pop(("full", p), None)
-        for p in swa:
-            if p:
-                del self._swa_owner[p]
-                h.swa.discard(p)
-                h.namespace_of.pop(("swa", p), None)
+        if full:
+            fo = self._full_owner
+            hf = h.full
+            for p in full:
+                del fo[p]
+                del hf[p]
+        if swa:
+            so = self._swa_owner
+            hs = h.swa
+            for p in swa:
+                if p:
+                    del so[p]
+                    del hs[p]
 
     # ------------------------------------------------------------------ operations
 
@@ -282,7 +289,9 @@ class ModelCache:
         isolation."""
         if not self.isolated:
             return 0
-        return sum(a.generations.get(namespace, 0) for _, a in self.alloc_state.allocators())
+        a = self.alloc_state
+        g = a.full.generations.get(namespace, 0)
+        return g if a.swa is None else g + a.swa.generations.get(namespace, 0)
 
     def _short(self, key: str, n_full: int, n_swa: int) -> tuple[int, int]:
         a = self.alloc_state
@@ -319,18 +328,23 @@ class ModelCache:
         pages if they are short."""
         if not isinstance(n, int) or n < 0:
             raise BadArgument(f"n_pages must be a non-negative int, got {n!r}")
-        if not self.can_alloc(n, namespace):
-            # it cannot succeed: refuse before evicting anyone's cache for nothing
-            self.counters["alloc_failures"] += 1
-            raise self.oom_error(n, namespace)
-        self._make_room(namespace, n, n if self.alloc_state.swa is not None else 0, "alloc")
+        a = self.alloc_state
+        key = namespace if self.isolated else ""
+        if n > a.full.available_to(key) or (a.swa is not None and n > a.swa.available_to(key)):
+            # short of free pages: evict, unless that cannot succeed (then refuse before
+            # evicting anyone's cache for nothing)
+            if not self.can_alloc(n, namespace):
+                self.counters["alloc_failures"] += 1
+                raise self.oom_error(n, namespace)
+            self._make_room(namespace, n, n if a.swa is not None else 0, "alloc")
         try:
-            full, swa = self.alloc_state.alloc(n, self.space(namespace))
+            full, swa = a.alloc(n, key)
         except OutOfPages as exc:
             self.counters["alloc_failures"] += 1
             raise self.oom_error(n, namespace) from exc
         self.counters["allocs"] += 1
-        self._hand_out(owner, full, swa, namespace)
+        if n:
+            self._hand_out(owner, full, swa, namespace)
         return full, swa
 
     def alloc_unpaired(self, owner: Owner, n_full: int, n_swa: int, namespace: str = ""
@@ -354,14 +368,10 @@ class ModelCache:
 
     def _hand_out(self, owner: Owner, full: array, swa: array, namespace: str) -> None:
         h = self._holding(owner)
-        h.namespace_of.update((("full", p), namespace) for p in full)
-        h.namespace_of.update((("swa", p), namespace) for p in swa)
-        for p in full:
-            self._full_owner[p] = owner
-        for p in swa:
-            self._swa_owner[p] = owner
-        h.full.update(full)
-        h.swa.update(swa)
+        self._full_owner.update(dict.fromkeys(full, owner))
+        self._swa_owner.update(dict.fromkeys(swa, owner))
+        h.full.update(dict.fromkeys(full, namespace))
+        h.swa.update(dict.fromkeys(swa, namespace))
 
     def disown(self, owner: Owner) -> tuple[array, array]:
         """Every page ``owner`` holds, no longer held by it (the caller hands them on)."""
@@ -431,7 +441,8 @@ class ModelCache:
         k = res.inserted_len // self.profile.page_size - prev_prefix_len // self.profile.page_size
         self._release_pages(owner, full[:k], swa[:k])
         rid = self._register(owner, res.receipt) if res.receipt is not None else None
-        self.settle()
+        if self.tree.awaiting_copy or self.tree.host_drops:
+            self.settle()
         return res, rid
 
     def cache_finished(
@@ -447,7 +458,8 @@ class ModelCache:
         self._release_pages(owner, full, swa)
         if rid is not None:
             self._drop_receipt(owner, rid)
-        self.settle()
+        if self.tree.awaiting_copy or self.tree.host_drops:
+            self.settle()
         return res
 
     def cache_unfinished(

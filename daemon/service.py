@@ -293,15 +293,18 @@ class Service(ServiceQueries):
         if r.n < 0 or r.n > cap:
             raise ServiceError(P.Code.BAD_ARGUMENT,
                                f"n must be between 0 and the pools' {cap} pages, got {r.n}")
-        ns = s.tenant.namespace
-        if not entry.cache.can_alloc(r.n, ns):  # refuse before any quota eviction, for nothing
-            entry.cache.counters["alloc_failures"] += 1
-            raise entry.cache.oom_error(r.n, ns)
-        self._enforce_quota(s, entry, r.n)
-        full, swa = entry.cache.alloc(s.id, r.n, ns)
-        s.tenant.counters["allocated_pages"] += r.n
+        t = s.tenant
+        ns = t.namespace
+        cache = entry.cache
+        if t.quota_full or t.quota_swa:
+            if not cache.can_alloc(r.n, ns):  # refuse before any quota eviction, for nothing
+                cache.counters["alloc_failures"] += 1
+                raise cache.oom_error(r.n, ns)
+            self._enforce_quota(s, entry, r.n)
+        full, swa = cache.alloc(s.id, r.n, ns)
+        t.counters["allocated_pages"] += r.n
         return P.AllocResult(full_pages=full.tobytes(), swa_pages=swa.tobytes(),
-                             segments_gen=entry.cache.segment_generation(ns))
+                             segments_gen=cache.segment_generation(ns))
 
     def free(self, s: Session, r: P.Free) -> P.Empty:
         entry = self._model(s, r.model)

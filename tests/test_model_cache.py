@@ -221,16 +221,16 @@ def test_check_catches_a_page_owned_twice():
     # a page in the tree also planted in a session's holding
     p = f[0]
     cache._full_owner[p] = 2
-    cache.holdings[2].full.add(p)
+    cache.holdings[2].full[p] = NS
     v = cache.check()
     assert any("in the tree and held by a session" in s and str(p) in s for s in v)
     del cache._full_owner[p]
-    cache.holdings[2].full.discard(p)
+    del cache.holdings[2].full[p]
     assert cache.check() == []
     # a free page also held by a session
     q = cache.alloc_state.swa._seg_free[0][-1]
     cache._swa_owner[q] = 2
-    cache.holdings[2].swa.add(q)
+    cache.holdings[2].swa[q] = NS
     v = cache.check()
     assert any("free and held by a session" in s for s in v)
 

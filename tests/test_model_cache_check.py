@@ -28,7 +28,7 @@ def test_checker_sees_an_swa_page_owned_by_no_holding() -> None:
     the holding) never frees it: a permanent leak the checker cannot report."""
     c = _cache()
     _, w = c.alloc(1, 2)
-    c.holdings[1].swa.discard(w[0])  # the corruption a bookkeeping bug would leave
+    del c.holdings[1].swa[w[0]]  # the corruption a bookkeeping bug would leave
     assert c.check() != []
 
 

@@ -230,21 +230,26 @@ class SegmentedAllocator:
 
     def alloc(self, n: int, namespace: str) -> array:
         """``n`` pages of ``namespace``'s segments, taking free segments when they are short."""
-        if n < 0:
-            raise ValueError(f"{self.name}: cannot allocate {n} pages")
-        have = self.available_to(namespace)
+        if n <= 0:
+            if n < 0:
+                raise ValueError(f"{self.name}: cannot allocate {n} pages")
+            return array("i")
+        have = self._ns_free.get(namespace, 0) + self._free_segment_pages
         if n > have:
             raise OutOfPages(f"{self.name}: {n} pages requested, {have} free to namespace "
                              f"{namespace!r}", requested=n, available=have)
-        self._ns_segments.setdefault(namespace, [])
-        self._ns_free.setdefault(namespace, 0)
-        open_ = self._ns_open.setdefault(namespace, {})
+        open_ = self._ns_open.get(namespace)
+        if open_ is None:
+            self._ns_segments[namespace] = []
+            self._ns_free[namespace] = 0
+            open_ = self._ns_open[namespace] = {}
         out = array("i")
+        seg_free = self._seg_free
         for seg in list(open_):  # oldest first: fullest first would pack tighter
             if len(out) == n:
                 break
             out += self._take(seg, n - len(out))
-            if not self._seg_free[seg]:
+            if not seg_free[seg]:
                 del open_[seg]
         while len(out) < n:
             seg = self._assign(namespace)
@@ -421,6 +426,8 @@ class PairedSegmentAllocator:
         return (("full", self.full), ("swa", self.swa))
 
     def alloc(self, n: int, namespace: str) -> tuple[array, array]:
+        if n == 0:
+            return array("i"), array("i")
         full_avail = self.full.available_to(namespace)
         swa_avail = self.swa.available_to(namespace) if self.swa is not None else n
         if n > full_avail or n > swa_avail:
@@ -466,9 +473,10 @@ def audit_model_segments_steps(cache: Any, v: list[str]) -> Iterator[None]:
         yield
         for kind, pages in (("full", h.full), ("swa", h.swa)):
             a = pools.get(kind)
-            for p in pages:
-                key = cache.space(h.namespace_of.get((kind, p), ""))
-                if a is not None:
-                    a.misplaced((p,), key, bad.setdefault((kind, key), set()))
+            if a is None:
+                continue
+            for p, namespace in pages.items():
+                key = cache.space(namespace)
+                a.misplaced((p,), key, bad.setdefault((kind, key), set()))
     for (kind, key), segs in bad.items():
         v += pools[kind].audit_owners(key, f"{kind} pages", segs)

@@ -41,7 +41,7 @@ class Insertion:
         happens when none of them would have live SWA at the end of the path: a tombstone leaf is
         never created).
         """
-        ns = self.namespace(namespace)
+        ns = self.namespaces.get(namespace) or self.namespace(namespace)
         P = self.page_size
         pb = self.page_bytes
         n = len(tokens) // pb
@@ -62,11 +62,16 @@ class Insertion:
             child = node.children.get(tokens[i * pb : (i + 1) * pb])
             if child is None:
                 break
-            m = self._matched_pages(child, tokens, i * pb, n - i)
+            ct = child.tokens
+            lc = len(ct)
+            if lc <= (n - i) * pb and tokens.startswith(ct, i * pb):  # the whole node
+                m = lc // pb
+            else:
+                m = self._matched_pages(child, tokens, i * pb, n - i)
             if i < prev < i + m:
                 m = prev - i  # process the tree-owned part and the caller's part separately
             e = i + m
-            if e < prev and m * pb < len(child.tokens):
+            if e < prev and m * pb < lc:
                 raise BadArgument(
                     f"prev_prefix_len={prev * P} is longer than the cached prefix "
                     f"({e * P} tokens) of this sequence (lock the prefix you reuse)")
@@ -78,7 +83,7 @@ class Insertion:
                 overlap = e
             elif child.full is None and not adopt:
                 break
-            if m * pb < len(child.tokens):
+            if m * pb < lc:
                 child = self._split(child, m)
             if e > prev:
                 cf = full_pages[i - prev : e - prev]
@@ -112,8 +117,10 @@ class Insertion:
             path.extend(new)
             node = new[-1]
             i = n
+        clock = self._clock
         for nn in path:
-            self._touch(nn)
+            if nn.ts != clock:
+                self._touch(nn)
             nn.hits += 1
         if swa:
             self._touch_window(path)
@@ -280,9 +287,12 @@ class Insertion:
         res = self.insert(namespace, tokens[: n * self.page_bytes], cf, cs, prev_prefix_len,
                           swa_evicted_len)
         left = res.inserted_len // self.page_size - prev_prefix_len // self.page_size
-        rest_full = array("i", cf[left:]) + tf
-        rest_swa = array("i", (p for p in (cs[left:] if cs is not None else ()) if p)) + array(
-            "i", (p for p in ts_ if p))
+        rest_full = array("i", cf[left:]) + tf if left < len(cf) else tf
+        rest_swa = array("i")
+        if cs is not None and left < len(cs):
+            rest_swa.extend(p for p in cs[left:] if p)
+        if ts_:
+            rest_swa.extend(p for p in ts_ if p)
         if rest_full:
             self.sink.free_full(rest_full)
         if rest_swa:
@@ -329,15 +339,16 @@ class Insertion:
         k = max(0, n - prev)
         cs = swa_pages[:k] if self.swa_enabled else None
         ts_ = swa_pages[k:] if self.swa_enabled else array("i")
-        if self.swa_enabled and any(p < 0 for p in ts_):
+        tf = full_pages[k:]
+        if ts_ and min(ts_) < 0:
             raise BadArgument("swa_pages ids must be >= 0")
-        if any(p <= 0 for p in full_pages[k:]):
+        if tf and min(tf) <= 0:
             raise BadArgument("full_pages must be page ids > 0")
         # the tail is split off before insert() checks its range: check the whole lists here
-        if len(set(full_pages)) != len(full_pages):
+        if len(full_pages) > 1 and len(set(full_pages)) != len(full_pages):
             raise BadArgument("full_pages must be distinct page ids")
-        if self.swa_enabled:
+        if self.swa_enabled and len(swa_pages) > 1:
             live = [p for p in swa_pages if p]
             if len(set(live)) != len(live):
                 raise BadArgument("swa_pages must be distinct page ids")
-        return n, full_pages[:k], cs, array("i", full_pages[k:]), array("i", ts_)
+        return n, full_pages[:k], cs, array("i", tf), array("i", ts_)

@@ -103,7 +103,8 @@ class Locking:
             n = n.parent
         receipt.active = False
         self.receipts.discard(receipt)
-        self._drop_dead_leaf(anchor)
+        if anchor.full_lock == 0:  # (only an unlocked node can be a dead leaf)
+            self._drop_dead_leaf(anchor)
 
     # ------------------------------------------------------------------ pins (tier copies)
 

@@ -18,7 +18,7 @@ class Matching:
     def match(self, namespace: str, tokens: bytes, *, lock: bool = False, tag: Any = None
               ) -> MatchResult:
         """Longest usable cached prefix of ``tokens``; refreshes recency along the path."""
-        ns = self.namespace(namespace)
+        ns = self.namespaces.get(namespace) or self.namespace(namespace)
         pb = self.page_bytes
         n_pages = len(tokens) // pb
         window = self.window or 0
@@ -33,29 +33,35 @@ class Matching:
         tomb = False
         dev_off = 0
         children = node.children
-        while off < n_pages * pb and children:
+        end = n_pages * pb
+        while off < end and children:
             child = children.get(tokens[off : off + pb])
             if child is None:
                 break
-            m = self._matched_pages(child, tokens, off, n_pages - off // pb)
+            ct = child.tokens
+            lc = len(ct)
+            if lc <= end - off and tokens.startswith(ct, off):  # the whole node matches
+                mb = lc  # matched bytes
+            else:
+                mb = self._matched_pages(child, tokens, off, n_pages - off // pb) * pb
             if child.full is None:
                 if child.host is None:
                     break
                 host_path.append(child)
             else:
                 path.append(child)
-                dev_off = off + m * pb
+                dev_off = off + mb
                 if not swa:
-                    best_i, best_m = len(path) - 1, m
+                    best_i, best_m = len(path) - 1, mb // pb
                 elif child.swa is None:
                     tomb = True
                     run = 0
                 else:
-                    run += m * self.page_size
+                    run += mb >> 2  # tokens
                     if not tomb or run >= window:
-                        best_i, best_m = len(path) - 1, m
-            off += m * pb
-            if m * pb < len(child.tokens):
+                        best_i, best_m = len(path) - 1, mb // pb
+            off += mb
+            if mb < lc:
                 break
             children = child.children
         if best_i >= 0:
@@ -67,19 +73,23 @@ class Matching:
         else:
             best = ns.root
             usable = []
+        clock = self._clock
         for n in path:
-            self._touch(n)
+            if n.ts != clock:
+                self._touch(n)
         for n in host_path:
-            self._touch(n)
+            if n.ts != clock:
+                self._touch(n)
         if swa:
             self._touch_window(usable)
         for n in usable:
             n.hits += 1
-        full_pages = concat_pages(n.full for n in usable)
+        full_pages = concat_pages([n.full for n in usable])
         swa_pages = self._window_swa(usable) if swa else EMPTY
         prefix_len = best.depth
         host_len = 0
-        if host_path or (swa and any(n.host_swa is not None for n in path[best_i + 1 :])):
+        if host_path or (swa and best_i + 1 < len(path) and any(
+                n.host_swa is not None for n in path[best_i + 1 :])):
             end = self.usable_end(self.walk(namespace, tokens))
             host_len = max(0, end * self.page_size - prefix_len)
         receipt = self._lock(best, tag) if lock else None

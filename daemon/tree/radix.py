@@ -149,8 +149,12 @@ class RadixTree(Matching, Insertion, Locking, Eviction, Tiering):
 
     def _advance(self, ntokens: int) -> None:
         """Recency is measured in cache churn (tokens of KV handed to the tree), so that "how long
-        ago" means "how much new content arrived since", and policies can weigh it against depth."""
-        self._clock += max(1, ntokens)
+        ago" means "how much new content arrived since", and policies can weigh it against depth.
+        An insert that hands over nothing (the whole sequence was cached) leaves the clock where
+        it is: nothing arrived, so what was touched before and after it is equally recent, and
+        the matches that follow find their nodes' positions current (no queue update)."""
+        if ntokens > 0:
+            self._clock += ntokens
 
     def npages(self, node: Node) -> int:
         return len(node.tokens) // self.page_bytes

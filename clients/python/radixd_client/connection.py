@@ -360,11 +360,22 @@ class FrameSplitter:
 
     def __init__(self, max_frame: int) -> None:
         self.max_frame = max_frame
-        self._buf = bytearray()
+        self._buf: bytes | bytearray = b""
         self._off = 0
 
     def feed(self, data: bytes) -> None:
-        self._buf += data
+        """Nothing pending (the usual case: a read ends at a frame's end): the bytes are read
+        where they are, not copied; otherwise they join what is pending."""
+        buf = self._buf
+        if self._off == len(buf):
+            self._buf = bytes(data)  # (a no-op for bytes: the daemon's reads hand bytes)
+            self._off = 0
+        elif isinstance(buf, bytearray):
+            buf += data
+        else:
+            self._buf = bytearray(memoryview(buf)[self._off :])
+            self._buf += data
+            self._off = 0
 
     @property
     def buffered(self) -> int:
@@ -392,6 +403,13 @@ class FrameSplitter:
         body.release()
 
     def compact(self) -> None:
-        if self._off:
-            del self._buf[: self._off]
+        off = self._off
+        if off:
+            buf = self._buf
+            if off == len(buf):
+                self._buf = b""
+            elif isinstance(buf, bytearray):
+                del buf[:off]
+            else:
+                self._buf = bytearray(memoryview(buf)[off:])
             self._off = 0
