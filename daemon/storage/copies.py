@@ -151,7 +151,7 @@ def _rows_on(device: torch.device, rows: torch.Tensor) -> torch.Tensor:
     synchronizes the host with the copy stream, so the event loop would sit behind every copy
     already queued there (a load would wait for the write-through copies ahead of it). Pinned
     memory uploads asynchronously; torch's pinned allocator keeps the block until the upload
-    is done."""
+    is done and reuses it after (only its first allocation of a size may synchronize)."""
     return rows.pin_memory().to(device, non_blocking=True)
 
 

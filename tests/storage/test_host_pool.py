@@ -382,9 +382,10 @@ async def test_cuda_round_trip_on_copy_stream(dtype: str, segment: int | None) -
                         await asyncio.sleep(0)
 
                 task = asyncio.create_task(tick())
-                # The first copy of a process loads its kernels and pinned blocks, which may
-                # synchronize the device once; the rule is for every copy after it.
-                await run_copy(device_to_host, pool, pages[:1], host, slots[:1])
+                # The first copy of a process, and of a size, loads kernels and page-locks a
+                # staging block (cudaHostAlloc), each of which may synchronize the device once;
+                # the rule is for the copies after them.
+                await run_copy(device_to_host, pool, pages, host, slots)
                 # Keep the stream the copy waits behind busy: starting the copy must not make
                 # the loop wait for it (the event is still pending once the copy is enqueued),
                 # and awaiting it lets other tasks run.
