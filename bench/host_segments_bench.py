@@ -39,41 +39,15 @@ import time  # noqa: E402
 from radixd_client import Client  # noqa: E402
 
 from bench._common import DaemonProcess, write_json  # noqa: E402
-from bench.segments_bench import TENANTS, _p50, _timed_us  # noqa: E402
+from bench.segments_bench import TENANTS, isolation_config, p50, timed_us  # noqa: E402
 
 HOST = 2048
 BATCH = 8
 
 
 def _config(isolation: str) -> str:
-    tenants = "".join(f'[[tenants]]\nname = "{n}"\ntoken = "{t}"\nnamespace = "{ns}"\n'
-                      for n, t, ns in TENANTS)
-    return f"""log_level = "warning"
-[server]
-socket = "{{socket}}"
-malloc_trim_interval_s = 0
-[admin]
-unix_socket = "{{admin}}"
-token = "bench"
-[checker]
-interval_s = 3600.0
-[[models]]
-name = "m"
-page_size = 16
-sliding_window = 128
-num_full_layers = 4
-num_swa_layers = 4
-num_kv_heads = 8
-head_dim = 128
-dtype = "float16"
-device = "cpu"
-full_pages = 64
-swa_pages = 64
-host_pages = {HOST}
-host_swa_pages = 512
-l3 = false
-memory_isolation = "{isolation}"
-{tenants}"""
+    return isolation_config(isolation, f"full_pages = 64\nswa_pages = 64\nhost_pages = {HOST}\n"
+                                       "host_swa_pages = 512\nl3 = false")
 
 
 def _maps() -> int:
@@ -124,7 +98,7 @@ def setup(side: Side) -> None:
             attach.append((time.perf_counter() - t) * 1000)
             segs, maps = len(pools.segments) or len(pools.infos), _maps() - before
             del pools
-    side.add("kv_attach_ms", _p50(attach))
+    side.add("kv_attach_ms", p50(attach))
     side.add("kv_attach_segments", float(segs))
     side.add("kv_attach_mappings", float(maps))
     side.add("daemon_mappings", float(side.d.mappings()))
@@ -138,11 +112,11 @@ def hot_path(side: Side, reps: int) -> None:
     for _ in range(HOST // 64 + 1):
         side.store(alice, side.keys(64))
     side.add("reserve_commit_8_p50_us",
-             _p50(_timed_us(lambda: side.store(alice, side.keys(BATCH)), reps)))
+             p50(timed_us(lambda: side.store(alice, side.keys(BATCH)), reps)))
     stored = side.keys(BATCH)
     side.store(alice, stored)
     side.add("lookup_8_p50_us",
-             _p50(_timed_us(lambda: alice.kv_lookup("m", stored, "full", pin=False), reps)))
+             p50(timed_us(lambda: alice.kv_lookup("m", stored, "full", pin=False), reps)))
 
 
 def churn(side: Side, turns: int) -> None:
@@ -158,7 +132,7 @@ def churn(side: Side, turns: int) -> None:
             side.store(c, side.keys(64))
         times.append(time.perf_counter() - t)
         c.kv_clear("m")
-    side.add("churn_turn_ms", _p50(times) * 1000)
+    side.add("churn_turn_ms", p50(times) * 1000)
 
 
 def main() -> None:
@@ -182,8 +156,8 @@ def main() -> None:
     finally:
         for side in sides.values():
             side.close()
-    seg = {k: _p50(v) for k, v in sides["segments"].figures.items()}
-    none = {k: _p50(v) for k, v in sides["none"].figures.items()}
+    seg = {k: p50(v) for k, v in sides["segments"].figures.items()}
+    none = {k: p50(v) for k, v in sides["none"].figures.items()}
     print(f"host tier: medians of {args.rounds} rounds ({reps} repetitions each for latencies)")
     print(f"{'figure':<26}{'segments':>12}{'none':>12}{'ratio':>8}")
     figures: dict[str, float] = {}

@@ -46,7 +46,10 @@ TENANTS = (("alice", "alice-token", "ns-a"), ("bob", "bob-token", "ns-b"))
 PAGE_MIB = 2 * 8 * 128 * 2 * PAGE * 4 / 2**20  # K and V, 8 heads, dim 128, fp16, 4 layers
 
 
-def _config(isolation: str) -> str:
+def isolation_config(isolation: str, pools: str) -> str:
+    """The daemon of this bench and of ``host_segments_bench``: one CPU model (page 16, 4 full and
+    4 SWA layers, 8 KV heads, head dim 128, fp16) with the pool sizes ``pools`` (TOML lines of
+    the model's table) and two tenants in two namespaces."""
     tenants = "".join(f'[[tenants]]\nname = "{n}"\ntoken = "{t}"\nnamespace = "{ns}"\n'
                       for n, t, ns in TENANTS)
     return f"""log_level = "warning"
@@ -68,18 +71,21 @@ num_kv_heads = 8
 head_dim = 128
 dtype = "float16"
 device = "cpu"
-full_pages = {FULL_PAGES}
-swa_pages = {FULL_PAGES}
-host_pages = 0
+{pools}
 memory_isolation = "{isolation}"
 {tenants}"""
 
 
-def _p50(xs: list[float]) -> float:
+def _config(isolation: str) -> str:
+    return isolation_config(isolation, f"full_pages = {FULL_PAGES}\nswa_pages = {FULL_PAGES}\n"
+                                       "host_pages = 0")
+
+
+def p50(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
-def _timed_us(fn: Any, n: int) -> list[float]:
+def timed_us(fn: Any, n: int) -> list[float]:
     out = []
     for _ in range(n):
         t = time.perf_counter_ns()
@@ -121,7 +127,7 @@ def setup(side: Side) -> None:
             t = time.perf_counter()
             c.attach("m")
             attach.append((time.perf_counter() - t) * 1000)
-    side.add("attach_ms", _p50(attach))
+    side.add("attach_ms", p50(attach))
     side.alice.attach("m")
     side.add("daemon_mappings", float(side.d.mappings()))
     side.add("daemon_fds", float(side.d.fds()))
@@ -136,12 +142,12 @@ def hot_path(side: Side, reps: int, seed: int) -> None:
     prompt = _tokens(rng, 4096)
     a = alice.alloc("m", 4096 // PAGE)
     alice.insert("m", prompt, a.full_pages, a.swa_pages)
-    side.add("match_4k_p50_us", _p50(_timed_us(lambda: alice.match("m", prompt), reps)))
+    side.add("match_4k_p50_us", p50(timed_us(lambda: alice.match("m", prompt), reps)))
 
     def alloc_free() -> None:
         got = alice.alloc("m", 16)
         alice.free("m", got.full_pages, got.swa_pages)
-    side.add("alloc_free_16_p50_us", _p50(_timed_us(alloc_free, reps)))
+    side.add("alloc_free_16_p50_us", p50(timed_us(alloc_free, reps)))
 
     prefixes = [list(array("i", _tokens(rng, 1024))) for _ in range(8)]
     it = iter([_tokens(rng, 1024 + 2 * PAGE, rng.choice(prefixes)) for _ in range(reps)])
@@ -152,7 +158,7 @@ def hot_path(side: Side, reps: int, seed: int) -> None:
         got = alice.alloc("m", len(toks) // 4 // PAGE - m.prefix_len // PAGE)
         alice.cache_finished("m", toks, got.full_pages, got.swa_pages, m.prefix_len, 0,
                              m.receipt)
-    side.add("request_p50_us", _p50(_timed_us(request, reps)))
+    side.add("request_p50_us", p50(timed_us(request, reps)))
 
 
 def churn(side: Side, turns: int) -> None:
@@ -168,7 +174,7 @@ def churn(side: Side, turns: int) -> None:
         got = c.alloc("m", n)
         times.append(time.perf_counter() - t)
         c.free("m", got.full_pages, got.swa_pages)
-    side.add("churn_alloc_p50_ms", _p50(times) * 1000)
+    side.add("churn_alloc_p50_ms", p50(times) * 1000)
     side.add("churn_moved_mib", _moved_mib(side.d) - before)
     side.add("churn_s_total", sum(times))
 
@@ -193,8 +199,8 @@ def main() -> None:
     finally:
         for side in sides.values():
             side.close()
-    seg = {k: _p50(v) for k, v in sides["segments"].figures.items()}
-    none = {k: _p50(v) for k, v in sides["none"].figures.items()}
+    seg = {k: p50(v) for k, v in sides["segments"].figures.items()}
+    none = {k: p50(v) for k, v in sides["none"].figures.items()}
     print(f"medians of {args.rounds} rounds ({reps} repetitions each for the latencies)")
     print(f"{'figure':<24}{'segments':>12}{'none':>12}{'ratio':>8}")
     figures: dict[str, float] = {}

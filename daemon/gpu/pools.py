@@ -36,7 +36,12 @@ from radixd_client.pools import (
 from radixd_client.segments import SegmentedRegion, segment_bytes
 
 from daemon.gpu.profile import DTYPE_ITEMSIZE, ModelProfile, torch_dtype
-from daemon.gpu.shared_memory import available_host_bytes, create_memfd, create_sealed_memfd
+from daemon.gpu.shared_memory import (
+    available_host_bytes,
+    create_memfd,
+    create_sealed_memfd,
+    renew_segment_memfd,
+)
 
 __all__ = ["POOL_LAYOUT", "KVPools", "Pool", "PoolError", "map_pool_fd"]
 
@@ -137,15 +142,8 @@ class Pool:
         # not backed up front: the zero-fill happens as the new namespace's engines write the
         # pages, not inside the alloc that moved the segment (the old memory is freed as the
         # last mapping of it goes, so the total stays about the same)
-        fd = self._segment_memfd(seg, back=False)
-        try:
-            self._region.map_segment(seg, fd)
-        except BaseException:
-            os.close(fd)
-            raise
-        old, self.segment_fds[seg] = self.segment_fds[seg], fd
-        os.close(old)
-        self.segment_epochs[seg] += 1
+        renew_segment_memfd(self._region, seg, self.segment_fds, self.segment_epochs,
+                            lambda s: self._segment_memfd(s, back=False))
 
     # -- views --------------------------------------------------------------------------------
 

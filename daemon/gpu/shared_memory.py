@@ -7,6 +7,8 @@ from __future__ import annotations
 import fcntl
 import mmap
 import os
+from collections.abc import Callable
+from typing import Any
 
 from radixd_client.pools import PoolError
 
@@ -82,6 +84,24 @@ def create_sealed_memfd(name: str, nbytes: int, back: bool = True) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def renew_segment_memfd(region: Any, seg: int, fds: list[int], epochs: list[int],
+                        make_fd: Callable[[int], int]) -> None:
+    """Give segment ``seg`` of a segmented pool fresh memory: ``make_fd(seg)`` (a new memfd,
+    not backed up front: the kernel zero-fills it as the new owner writes) mapped over the old
+    one in ``region`` (a ``radixd_client.segments.SegmentedRegion``); the old memfd is closed,
+    so its memory goes with the last process that maps it, and the epoch grows so that clients
+    know to map the segment again. Device and host pools share it."""
+    fd = make_fd(seg)
+    try:
+        region.map_segment(seg, fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    old, fds[seg] = fds[seg], fd
+    os.close(old)
+    epochs[seg] += 1
 
 
 def hide_descriptors() -> bool:

@@ -49,7 +49,12 @@ from radixd_client.segments import SegmentedRegion
 from daemon.gpu.allocator import AllocatorError, OutOfPages
 from daemon.gpu.profile import DTYPE_ITEMSIZE, ModelProfile, torch_dtype
 from daemon.gpu.segments import SegmentedAllocator
-from daemon.gpu.shared_memory import available_host_bytes, create_memfd, create_sealed_memfd
+from daemon.gpu.shared_memory import (
+    available_host_bytes,
+    create_memfd,
+    create_sealed_memfd,
+    renew_segment_memfd,
+)
 
 __all__ = ["HASH_BYTES", "HOST_POOL_LAYOUT", "AllocatorError", "HostPool", "OutOfPages",
            "PoolError"]
@@ -229,16 +234,8 @@ class HostPool:
         if undo is not None:
             undo()
             self._unregister[seg] = None
-        # not backed up front: the zero-fill happens as the new namespace writes its pages
-        fd = self._segment_memfd(seg, back=False)
-        try:
-            self._region.map_segment(seg, fd)
-        except BaseException:
-            os.close(fd)
-            raise
-        old, self.segment_fds[seg] = self.segment_fds[seg], fd
-        os.close(old)
-        self.segment_epochs[seg] += 1
+        renew_segment_memfd(self._region, seg, self.segment_fds, self.segment_epochs,
+                            lambda s: self._segment_memfd(s, back=False))
         if self.pinned:
             self._pin(seg)
 
