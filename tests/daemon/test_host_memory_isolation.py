@@ -22,7 +22,7 @@ import pytest
 from radixd_client import Client
 
 from .conftest import REPO, SMALL_MODEL
-from .test_memory_isolation import TENANTS
+from .test_memory_isolation import TENANTS, segment_inodes
 from .test_tiers import Engine, admin_stats, seq, wait_for
 
 P = SMALL_MODEL["page_size"]
@@ -68,19 +68,6 @@ print(json.dumps(out))
 """
 
 
-def _host_segment_inodes(pid: int) -> dict[int, int]:
-    """fd number -> inode of each host segment memfd the daemon holds."""
-    out = {}
-    for name in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{name}")
-        except OSError:
-            continue
-        if "radixd-m-" in target and "-host-seg" in target:
-            out[int(name)] = os.stat(f"/proc/{pid}/fd/{name}").st_ino
-    return out
-
-
 def _attack(d: Any, daemon_fds: list[int]) -> dict:
     env = {**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'clients' / 'python'}"}
     proc = subprocess.run([sys.executable, "-c", ATTACKER, d.socket, str(d.proc.pid),
@@ -124,7 +111,7 @@ def test_another_tenant_cannot_read_or_write_my_host_pages(make_daemon) -> None:
         wait_for(lambda: _host_pages(e.c) == 4, "A's host copies")
         with Client(d.socket, token="alice-token") as a:
             _store_secret(a)
-            inodes = _host_segment_inodes(d.proc.pid)
+            inodes = segment_inodes(d.proc.pid, "-host-seg")
             out = _attack(d, sorted(inodes))
         # every other slot of both host pools reads zeros in B: A's keyed pages and tree copies
         assert out["read"] == {"full": 0, "swa": 0} and out["nonzero"] == {"full": 0, "swa": 0}

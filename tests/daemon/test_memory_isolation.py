@@ -78,15 +78,16 @@ def ids(raw: bytes) -> list[int]:
     return list(array("i", raw))
 
 
-def _segment_inodes(pid: int) -> dict[int, int]:
-    """fd number -> inode of each memfd segment the daemon holds (read as the test's user)."""
+def segment_inodes(pid: int, tag: str = "-seg") -> dict[int, int]:
+    """fd number -> inode of each memfd segment the daemon holds (read as the test's user);
+    ``tag`` "-host-seg" picks the host pools' segments."""
     out = {}
     for name in os.listdir(f"/proc/{pid}/fd"):
         try:
             target = os.readlink(f"/proc/{pid}/fd/{name}")
         except OSError:
             continue
-        if "radixd-m-" in target and "-seg" in target:
+        if "radixd-m-" in target and tag in target:
             out[int(name)] = os.stat(f"/proc/{pid}/fd/{name}").st_ino
     return out
 
@@ -115,7 +116,7 @@ def test_another_tenant_cannot_read_or_write_my_pages(make_daemon) -> None:
         pages = ids(got.full_pages)
         assert ids(got.swa_pages) == pages  # fresh pools: the same ids in both
         full, swa = _write_secret(a, pages)
-        inodes = _segment_inodes(d.proc.pid)
+        inodes = segment_inodes(d.proc.pid)
         out = _attack(d.socket, pages, sorted(inodes))
         # B's view of A's pages is zeros, not the secret
         assert out["read_full"] == [0.0] * 3 and out["read_swa"] == [0.0] * 3, out
