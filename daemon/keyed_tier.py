@@ -274,10 +274,14 @@ class KeyedTier:
             todo.append(i)
         fit = min(fit, len(todo), pool.available_to(self.host.space(ns)))
         taken: dict[bytes, tuple[int, bytes]] = {}
-        for i in todo[:fit]:
-            h = keyed_hash(ns, self.fingerprint, kind, keys[i])
-            slots[i] = self._take(kind, h, ns)
-            taken[keys[i]] = (slots[i], h)
+        try:
+            for i in todo[:fit]:
+                h = keyed_hash(ns, self.fingerprint, kind, keys[i])
+                slots[i] = self._take(kind, h, ns)
+                taken[keys[i]] = (slots[i], h)
+        except BaseException:  # no pin holds them yet: give them back before the error goes up
+            self._free(kind, [slot for slot, _ in taken.values()])
+            raise
         declined = len(todo) - fit
         c = self.counters
         c["kv_reserved"] += fit

@@ -14,7 +14,7 @@ from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .gpu.allocator import AllocatorError, OutOfPages
+from .gpu.allocator import AUDIT_STEP_PAGES, AllocatorError, OutOfPages
 from .gpu.segments import PairedSegmentAllocator, audit_model_segments_steps
 from .tree import (
     DEFAULT_POLICY,
@@ -590,10 +590,14 @@ class ModelCache:
             yield from alloc.audit_steps(v, free)
             yield from _conserved(name, alloc, free, in_tree, owners, v)
         yield
-        for owner, h in self.holdings.items():
-            if any(self._full_owner.get(p) != owner for p in h.full) or any(
-                    self._swa_owner.get(p) != owner for p in h.swa):
-                v.append(f"owner {owner!r}: holding and page owner maps disagree")
+        for owner, h in list(self.holdings.items()):
+            for pages, owners in ((list(h.full), self._full_owner),
+                                  (list(h.swa), self._swa_owner)):
+                for start in range(0, len(pages), AUDIT_STEP_PAGES):
+                    if any(owners.get(p) != owner for p in pages[start:start + AUDIT_STEP_PAGES]):
+                        v.append(f"owner {owner!r}: holding and page owner maps disagree")
+                        break
+                    yield
         if sum(len(h.full) for h in self.holdings.values()) != len(self._full_owner):
             v.append("full page owner map holds pages no holding lists")
         if sum(len(h.swa) for h in self.holdings.values()) != len(self._swa_owner):

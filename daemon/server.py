@@ -334,6 +334,11 @@ class Connection(asyncio.Protocol):
         if not fds:
             self._write(frame)
             return
+        # The send may wait for the transport's buffer, and other sessions' requests run
+        # meanwhile: one of them may renew a listed segment, closing its memfd, and a number the
+        # daemon closes is soon another memfd (another namespace's). What is sent must be the
+        # descriptions the handler meant, so they are duplicated now and closed once sent.
+        fds = [os.dup(fd) for fd in fds]
         # SCM_RIGHTS needs sendmsg on the socket itself, after everything the transport still
         # buffers: until then later frames wait, so responses stay in request order
         self.holding = True
@@ -370,6 +375,8 @@ class Connection(asyncio.Protocol):
             transport.close()
             self.closed = True
         finally:
+            for fd in fds:
+                os.close(fd)
             self.holding = False
             if not self.closed:
                 if not self.paused:

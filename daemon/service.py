@@ -14,8 +14,8 @@ import logging
 import os
 import secrets
 from array import array
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from radixd_client import protocol as P
 
@@ -28,10 +28,12 @@ from .entities import (
     build_tenants,
 )
 from .gpu.allocator import OutOfPages
-from .queries import ServiceQueries, held_pages
+from .queries import ServiceQueries
+from .service_checks import ServiceChecks, mutating, mutating_async
 from .warm_restart import RestartReport, save_host_fdstore, save_host_state
 
 log = logging.getLogger("radixd.service")
+T = TypeVar("T")
 
 
 class ServiceError(Exception):
@@ -43,7 +45,8 @@ class ServiceError(Exception):
         self.details = details
 
 
-class Service(ServiceQueries):
+
+class Service(ServiceQueries, ServiceChecks):
     """The operations, over collaborators built elsewhere (daemon/app.py: the composition root):
     the model entries with their caches, pools and tier managers, the tenants, the L3 client.
     It only uses them, so a test can hand it pool-less models and no L3."""
@@ -57,6 +60,8 @@ class Service(ServiceQueries):
         self.l3 = l3
         self.sessions: dict[int, Session] = {}
         self._next_session = 1
+        #: operations that changed what the invariant check reads (service_checks.mutating)
+        self.mutations = 0
         self.instance = secrets.token_hex(8)
         #: what the last start restored of the host tier (daemon/warm_restart.py)
         self.restart = RestartReport()
@@ -83,14 +88,17 @@ class Service(ServiceQueries):
         pages are copied to host first, so the next run finds them there."""
         warm = self.fd_store is not None or bool(self.config.server.state_dir)
         for name, entry in self.models.items():
+            # the tree's copies first: making host room for them may evict keyed pages that
+            # L3 write-back still owes Redis, which the keyed store's drain then writes
+            if entry.tiers is not None:
+                gained = await entry.tiers.drain(deadline, back_up_device=warm)
+                if warm:
+                    log.info("warm restart: model %r: the tree's host pages grew by %d in the "
+                             "stop's drain (device-only nodes copied)", name, gained)
             if entry.keyed is not None:
                 await entry.keyed.drain(deadline)
                 await entry.keyed.aclose()
             if entry.tiers is not None:
-                gained = await entry.tiers.drain(deadline, back_up_device=warm)
-                if warm:
-                    log.info("warm restart: model %r: copied %d tree pages to host at stop",
-                             name, gained)
                 await entry.tiers.aclose()
         if self.l3 is not None:
             await self.l3.aclose()
@@ -140,6 +148,7 @@ class Service(ServiceQueries):
         """Everything the session held goes back, whatever way its connection ended."""
         if self.sessions.pop(session.id, None) is None:
             return
+        self.mutations += 1
         for entry in self.models.values():
             if entry.keyed is not None:
                 entry.keyed.release_owner(session.id)
@@ -260,6 +269,7 @@ class Service(ServiceQueries):
         tokens = self._tokens(r.tokens)
         if r.lock:
             self._lock_budget(s, entry)
+            self.mutations += 1  # a receipt: see service_checks.mutating
         res, rid = entry.cache.match(s.id, s.tenant.namespace, tokens, lock=r.lock)
         c = s.tenant.counters
         c["matches"] += 1
@@ -273,19 +283,23 @@ class Service(ServiceQueries):
                              receipt=rid,
                              segments_gen=entry.cache.segment_generation(s.tenant.namespace))
 
+    @mutating
     def lock(self, s: Session, r: P.Lock) -> P.LockResult:
         entry = self._model(s, r.model)
         self._lock_budget(s, entry)
         return P.LockResult(receipt=entry.cache.lock(s.id, s.tenant.namespace, r.node))
 
+    @mutating
     def unlock(self, s: Session, r: P.Unlock) -> P.Empty:
         self._model(s, r.model).cache.unlock(s.id, r.receipt)
         return P.Empty()
 
+    @mutating
     def release_swa(self, s: Session, r: P.ReleaseSwa) -> P.Empty:
         self._model(s, r.model).cache.release_swa(s.id, r.receipt)
         return P.Empty()
 
+    @mutating
     def alloc(self, s: Session, r: P.Alloc) -> P.AllocResult:
         entry = self._model(s, r.model)
         a = entry.cache.alloc_state
@@ -306,6 +320,7 @@ class Service(ServiceQueries):
         return P.AllocResult(full_pages=full.tobytes(), swa_pages=swa.tobytes(),
                              segments_gen=cache.segment_generation(ns))
 
+    @mutating
     def free(self, s: Session, r: P.Free) -> P.Empty:
         entry = self._model(s, r.model)
         entry.cache.free(s.id, self._pages(r.full_pages, "full_pages"),
@@ -322,6 +337,7 @@ class Service(ServiceQueries):
                               swa_pages=res.swa_pages.tobytes(), node=res.node_id, receipt=rid,
                               segments_gen=entry.cache.segment_generation(s.tenant.namespace))
 
+    @mutating
     def insert(self, s: Session, r: P.Insert) -> P.InsertResult:
         entry = self._model(s, r.model)
         if r.lock:
@@ -332,6 +348,7 @@ class Service(ServiceQueries):
             r.prev_prefix_len, r.swa_evicted_len, lock=r.lock)
         return self._insert_result(s, entry, res, rid)
 
+    @mutating
     def cache_unfinished(self, s: Session, r: P.CacheUnfinished) -> P.InsertResult:
         entry = self._model(s, r.model)
         if r.receipt is None:  # with a receipt, the new lock replaces it
@@ -342,6 +359,7 @@ class Service(ServiceQueries):
             r.prev_prefix_len, r.swa_evicted_len, r.receipt)
         return self._insert_result(s, entry, res, rid)
 
+    @mutating
     def cache_finished(self, s: Session, r: P.CacheFinished) -> P.InsertResult:
         entry = self._model(s, r.model)
         res = entry.cache.cache_finished(
@@ -350,6 +368,7 @@ class Service(ServiceQueries):
             r.prev_prefix_len, r.swa_evicted_len, r.receipt)
         return self._insert_result(s, entry, res, None)
 
+    @mutating
     def evict(self, s: Session, r: P.Evict) -> P.EvictResult:
         """An engine may make room only from its own namespace."""
         entry = self._model(s, r.model)
@@ -432,6 +451,7 @@ class Service(ServiceQueries):
             pools=infos, segment_pages=entry.pools.segment_pages or 0, segments=segments,
             generation=entry.cache.segment_generation(s.tenant.namespace)), fds
 
+    @mutating_async
     async def load(self, s: Session, r: P.Load) -> P.LoadResult:
         """Host copies of the path back to device, then a match: answered once the data is
         there. Other sessions are served meanwhile (this session's later frames wait)."""
@@ -459,6 +479,7 @@ class Service(ServiceQueries):
                             host_hit_len=m.host_hit_len, receipt=m.receipt, loaded_len=loaded,
                             segments_gen=m.segments_gen)
 
+    @mutating_async
     async def prefetch(self, s: Session, r: P.Prefetch) -> P.PrefetchResult:
         """Pages only L3 holds, to host. Never an error caused by L3: a miss instead."""
         entry = self._model(s, r.model)
@@ -520,26 +541,33 @@ class Service(ServiceQueries):
         if r.fetch:
             raise ServiceError(P.Code.BAD_ARGUMENT,
                                "kv_lookup with fetch waits for Redis: not allowed in a batch")
+        if r.pin:
+            self.mutations += 1  # a pin: see service_checks.mutating
         return keyed.lookup(s.id, s.tenant.namespace, r.pool, r.keys, r.pin)
 
+    @mutating
     def kv_reserve(self, s: Session, r: P.KvReserve) -> P.KvReserveResult:
         _, keyed = self._keyed(s, r.model)
         return keyed.reserve(s.id, s.tenant.namespace, r.pool, r.keys)
 
+    @mutating
     def kv_commit(self, s: Session, r: P.KvCommit) -> P.Empty:
         _, keyed = self._keyed(s, r.model)
         keyed.commit(s.id, r.pin)
         return P.Empty()
 
+    @mutating
     def kv_release(self, s: Session, r: P.KvRelease) -> P.Empty:
         _, keyed = self._keyed(s, r.model)
         keyed.release(s.id, r.pin)
         return P.Empty()
 
+    @mutating
     def kv_clear(self, s: Session, r: P.KvClear) -> P.KvClearResult:
         _, keyed = self._keyed(s, r.model)
         return P.KvClearResult(removed=len(keyed.clear(s.tenant.namespace)))
 
+    @mutating_async
     async def kv_lookup_fetch(self, s: Session, r: P.KvLookup) -> P.KvLookupResult:
         """``kv_lookup`` with ``fetch``: keys only Redis holds come to host first (a miss when
         Redis is down, slow or holds a bad value), then the lookup."""
@@ -572,69 +600,6 @@ class Service(ServiceQueries):
         "kv_release": kv_release, "kv_clear": kv_clear,
     }
 
-    # ------------------------------------------------------------------ checking
-
-    def check(self, *, deep: bool = True) -> list[str]:
-        """Every invariant of every model, plus sessions: each owner must be a live session."""
-        v: list[str] = []
-        for _ in self.check_steps(v, deep=deep):
-            pass
-        return v
-
-    def check_steps(self, v: list[str], *, deep: bool = True) -> Iterator[None]:
-        """:meth:`check` into ``v`` in bounded steps, for the background checker, which runs
-        them between requests and gives the pass up when :meth:`state_version` moved between
-        two of them (daemon/checker.py)."""
-        for name, entry in self.models.items():
-            mv: list[str] = []
-            yield from entry.cache.check_steps(mv, deep=deep)
-            if entry.keyed is not None:  # one step: bounded by the host pool's size
-                mv += entry.keyed.check(set(self.sessions))
-            v += [f"{name}: {x}" for x in mv]
-            ghosts = [o for o in entry.cache.holdings
-                      if o not in self.sessions and not _is_job(o)]
-            if ghosts:
-                v.append(f"{name}: pages or receipts held by sessions that are gone: {ghosts[:10]}")
-            yield
-
-    def state_version(self) -> tuple:
-        """A value that changes whenever the state the full check reads changes: the trees'
-        change counters and clocks, page counters, pools, holdings, host slots, the keyed store's
-        counters and the sessions. (A change that leaves all of them as they were is possible
-        in principle: the checker confirms what a stepped pass finds with a complete check.)"""
-        out: list[Any] = [len(self.sessions), next(reversed(self.sessions), 0)]
-        for entry in self.models.values():
-            c = entry.cache
-            t = c.tree
-            a = c.alloc_state
-            out += (t.changes, t.clock, t.full_evictable, t.full_protected, t.swa_evictable,
-                    t.swa_protected, t.host_pages, t.host_swa_pages, len(t.receipts),
-                    len(t.pins), len(t.awaiting_copy), len(t.host_drops), a.full.available,
-                    a.swa.available if a.swa is not None else 0, c.held_full_pages,
-                    c.held_swa_pages, len(c.holdings))
-            if c.host is not None:
-                out += (c.host.full.available,
-                        c.host.swa.available if c.host.swa is not None else 0)
-            if entry.keyed is not None:
-                out += entry.keyed.counters.values()
-        return tuple(out)
-
-    def quick_check(self) -> list[str]:
-        """O(1) counter check for busy periods: free + tree + held = capacity, per pool."""
-        v: list[str] = []
-        for name, entry in self.models.items():
-            c = entry.cache
-            a = c.alloc_state
-            tree_full, tree_swa = c.tree.device_pages()
-            held_full, held_swa = held_pages(c)
-            if a.full.available + tree_full + held_full != a.full.usable:
-                v.append(f"{name}: full pool free {a.full.available} + tree {tree_full} + held "
-                         f"{held_full} != {a.full.usable}")
-            if a.swa is not None and a.swa.available + tree_swa + held_swa != a.swa.usable:
-                v.append(f"{name}: swa pool free {a.swa.available} + tree {tree_swa} + held "
-                         f"{held_swa} != {a.swa.usable}")
-        return v
-
     def close(self) -> None:
         for s in list(self.sessions.values()):
             self.close_session(s)
@@ -648,11 +613,6 @@ class Service(ServiceQueries):
                 entry.tiers.host.close()
             if entry.pools is not None:
                 entry.pools.close()
-
-
-def _is_job(owner: Any) -> bool:
-    """Owners of pages a tier copy holds while it runs (not sessions)."""
-    return isinstance(owner, tuple) and owner[:1] == ("load",)
 
 
 def _cuda_ipc_handle(pool: Any) -> bytes:

@@ -159,3 +159,39 @@ def test_a_planted_violation_is_found_in_steps_and_confirmed() -> None:
     first, second = asyncio.run(run())
     assert second and any("receipts account for" in v for v in second), second
     assert svc.check() == second
+
+
+def test_the_state_version_moves_with_changes_the_counters_alone_miss() -> None:
+    """An alloc and a free of one page each, an unlock and a lock of the same path, a release of
+    the SWA lock another receipt shares: each leaves every counter as it was, and each must still
+    move the version, or a pass spanning it would read a state that changed under it."""
+    svc = _service()
+    s = svc.open_session(svc.authenticate(None, Peer(0, os.getuid(), os.getgid())), Peer())
+    tokens = array("i", PREFIXES[0]).tobytes()
+    a = svc.alloc(s, P.Alloc(model="m", n=3))
+    svc.insert(s, P.Insert(model="m", tokens=tokens, full_pages=a.full_pages,
+                           swa_pages=a.swa_pages))
+    r1 = svc.match(s, P.Match(model="m", tokens=tokens, lock=True))
+    r2 = svc.match(s, P.Match(model="m", tokens=tokens, lock=True))
+
+    def moved(change) -> bool:
+        before = svc.state_version()
+        change()
+        return svc.state_version() != before
+
+    def alloc_and_free() -> None:
+        got = svc.alloc(s, P.Alloc(model="m", n=1))
+        svc.free(s, P.Free(model="m", full_pages=got.full_pages, swa_pages=got.swa_pages))
+
+    def unlock_and_lock() -> None:
+        svc.unlock(s, P.Unlock(model="m", receipt=r2.receipt))
+        svc.match(s, P.Match(model="m", tokens=tokens, lock=True))
+
+    assert moved(alloc_and_free)
+    assert moved(unlock_and_lock)
+    assert moved(lambda: svc.release_swa(s, P.ReleaseSwa(model="m", receipt=r1.receipt)))
+    before = svc.state_version()
+    svc.match(s, P.Match(model="m", tokens=tokens))  # a plain match of a cached prefix: no move
+    svc.stats(s, P.Stats())
+    assert svc.state_version() == before
+    assert svc.check() == []

@@ -9,6 +9,7 @@ under its key, and, isolated, lies in a segment its namespace holds."""
 from __future__ import annotations
 
 import hypothesis.strategies as st
+import pytest
 from hypothesis import settings
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -137,3 +138,34 @@ class KeyedStore(RuleBasedStateMachine):
 
 TestKeyedStore = KeyedStore.TestCase
 TestKeyedStore.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+
+
+def test_a_reservation_whose_segment_gets_no_fresh_memory_takes_back_its_slots() -> None:
+    """A segment changing namespace needs a new memfd; when that fails (EMFILE, ENOMEM: faked
+    through the allocator's ``on_assign``), the reservation fails whole: no slot stays taken
+    without a pin, the segment stays free, and the next reservation gets the whole pool."""
+    cache = ModelCache(PROFILE)
+    host = HostTier(PROFILE, 7, 4, pin_memory=False, segment_pages=1)
+    cache.host = host
+    kv = KeyedTier(cache, host, {}, "tiny")
+    r = kv.reserve("s1", "a", "full", [b"k%d" % i for i in range(6)])
+    kv.commit("s1", r.pin)
+    kv.clear("a")  # every segment free, last served by "a"
+    alloc = host.full.allocator
+    renew, calls = alloc.on_assign, []
+
+    def no_fresh_memory_the_second_time(seg: int) -> None:
+        calls.append(seg)
+        if len(calls) == 2:
+            raise OSError(24, "Too many open files")
+        assert renew is not None
+        renew(seg)
+
+    alloc.on_assign = no_fresh_memory_the_second_time
+    with pytest.raises(OSError):
+        kv.reserve("s2", "b", "full", [b"x0", b"x1", b"x2"])
+    alloc.on_assign = renew
+    assert kv.check({"s1", "s2"}) == [] and host.audit({"full": set(), "swa": set()}) == []
+    assert host.keyed["full"] == set() and host.full.available_to("b") == 6
+    r = kv.reserve("s2", "b", "full", [b"y%d" % i for i in range(6)])
+    assert all(r.slots) and r.full == 0

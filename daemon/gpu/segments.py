@@ -251,17 +251,25 @@ class SegmentedAllocator:
             out += self._take(seg, n - len(out))
             if not seg_free[seg]:
                 del open_[seg]
-        while len(out) < n:
-            seg = self._assign(namespace)
-            out += self._take(seg, n - len(out))
-            if self._seg_free[seg]:
-                open_[seg] = None
-        self._ns_free[namespace] -= n
-        self._free_pages -= n
-        st = self._state
-        for p in out:
-            st[p] = _USED
+        try:
+            while len(out) < n:
+                seg = self._assign(namespace)
+                out += self._take(seg, n - len(out))
+                if self._seg_free[seg]:
+                    open_[seg] = None
+        except BaseException:  # a segment could not get fresh memory: give back what we took
+            self._handed_out(out, namespace)
+            self.free(out)
+            raise
+        self._handed_out(out, namespace)
         return out
+
+    def _handed_out(self, pages: array, namespace: str) -> None:
+        self._ns_free[namespace] -= len(pages)
+        self._free_pages -= len(pages)
+        st = self._state
+        for p in pages:
+            st[p] = _USED
 
     def _take(self, seg: int, k: int) -> array:
         free = self._seg_free[seg]
@@ -282,7 +290,11 @@ class SegmentedAllocator:
         seg = free.pop(pick)
         if self.last_owner[seg] != namespace:
             if self.last_owner[seg] is not None and self.on_assign is not None:
-                self.on_assign(seg)
+                try:
+                    self.on_assign(seg)
+                except BaseException:  # no fresh memory: it stays free, as it was
+                    free.insert(pick, seg)
+                    raise
                 self.segments_moved += 1
             self.generations[namespace] = self.generations.get(namespace, 0) + 1
         self.segments_assigned += 1
@@ -358,8 +370,13 @@ class SegmentedAllocator:
         for seg in range(self.num_segments):
             yield
             r = self.segment_range(seg)
-            if any(p // self.segment_pages != seg for p in self._seg_free[seg]):
-                v.append(f"{self.name}: segment {seg}'s free list holds another segment's page")
+            f = self._seg_free[seg]
+            for start in range(0, len(f), AUDIT_STEP_PAGES):
+                if any(p // self.segment_pages != seg for p in f[start:start + AUDIT_STEP_PAGES]):
+                    v.append(f"{self.name}: segment {seg}'s free list holds another segment's "
+                             "page")
+                    break
+                yield
             used = 0
             st = self._state
             for start in range(r.start, r.stop, AUDIT_STEP_PAGES):
@@ -469,13 +486,15 @@ def audit_model_segments_steps(cache: Any, v: list[str]) -> Iterator[None]:
             a = pools.get(kind)
             if pages and a is not None:
                 a.misplaced(pages, key, bad.setdefault((kind, key), set()))
-    for h in cache.holdings.values():
+    for h in list(cache.holdings.values()):
         yield
         for kind, pages in (("full", h.full), ("swa", h.swa)):
             a = pools.get(kind)
             if a is None:
                 continue
-            for p, namespace in pages.items():
+            for i, (p, namespace) in enumerate(list(pages.items())):
+                if i and not i % AUDIT_STEP_PAGES:
+                    yield
                 key = cache.space(namespace)
                 a.misplaced((p,), key, bad.setdefault((kind, key), set()))
     for (kind, key), segs in bad.items():

@@ -300,7 +300,13 @@ class CopyInFlight:
             stream = _copy_stream(device)
             stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(stream):
-                self._result = fn(*args)
+                try:
+                    self._result = fn(*args)
+                except BaseException:
+                    # what it queued before raising may still be writing: the caller frees
+                    # those pages and slots when this raises, so the stream finishes first
+                    stream.synchronize()
+                    raise
                 self._event = torch.cuda.Event()
                 self._event.record(stream)
         else:

@@ -88,7 +88,9 @@ class HostTier:
         try:
             for h in hashes:
                 out.append(pool.store(h, key))
-        except ValueError:  # the hash is held already (a stale copy): give back what we took
+        except BaseException:
+            # a hash held already (a stale copy), or a segment that could not get fresh
+            # memory: give back what we took
             for s in out:
                 pool.release(s)
             raise

@@ -113,3 +113,31 @@ def test_memory_isolation_auto_means_segments_on_the_cpu_and_none_on_cuda() -> N
         effective_isolation("segments", "cuda")
     with pytest.raises(ValueError, match="is not one of"):
         effective_isolation("isolated", "cpu")
+
+
+class _NoFreshMemory:
+    """An ``on_assign`` that fails on its ``fail_at``-th call, as a memfd_create (EMFILE, ENOMEM)
+    or a cudaHostRegister can: a fault no real part produces on demand."""
+
+    def __init__(self, fail_at: int) -> None:
+        self.calls = 0
+        self.fail_at = fail_at
+
+    def __call__(self, seg: int) -> None:
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise OSError(24, "Too many open files")
+
+
+def test_a_segment_that_cannot_get_fresh_memory_stays_free_and_nothing_leaks() -> None:
+    fault = _NoFreshMemory(fail_at=2)
+    a = SegmentedAllocator(9, 2, "full pool", fault)
+    pages = a.alloc(8, "a")  # every segment, then all back: free, last served by "a"
+    a.free(pages)
+    assert a.free_segment_count == 5 and a.audit() == []
+    with pytest.raises(OSError):
+        a.alloc(6, "b")  # the second segment it moves fails: the first one's pages go back
+    assert a.audit() == []
+    assert a.free_segment_count == 5 and a.available_to("b") == 8 and a.segments_of("b") == []
+    got = a.alloc(8, "b")  # the pool is whole: the next alloc gets all of it
+    assert sorted(got) == list(range(1, 9)) and a.audit() == []

@@ -5,6 +5,8 @@ miss, never an exception in SGLang's controller, with the pin released (the chec
 from __future__ import annotations
 
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -116,3 +118,38 @@ def test_every_page_is_copied_once_on_as_many_threads_as_ways(
     if pages:
         assert threading.current_thread().name in by_thread
         assert (len(by_thread) >= 2) == (want >= 2)
+
+
+class _SecondSubmitFails(ThreadPoolExecutor):
+    """A thread that cannot be started ("can't start new thread"): a fault no real part
+    produces on demand."""
+
+    def __init__(self) -> None:
+        super().__init__(max_workers=2)
+        self.submits = 0
+
+    def submit(self, *args, **kwargs):  # type: ignore[override]
+        self.submits += 1
+        if self.submits == 2:
+            raise RuntimeError("can't start new thread")
+        return super().submit(*args, **kwargs)
+
+
+def test_a_copy_run_that_cannot_start_waits_for_the_runs_already_copying() -> None:
+    """Until run() returns, the pages' pin is held; a run still copying after it would write
+    into slots radixd may already have given to someone else."""
+    pool = _SecondSubmitFails()
+    copier = PageCopier(3, 1, executor=pool)
+    started, finished = threading.Event(), []
+
+    def copy(page: int, slot: torch.Tensor) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            started.set()
+            time.sleep(0.2)
+            finished.append(page)
+
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        copier.run(copy, [(i, torch.zeros(1)) for i in range(3)], 1)
+    assert started.is_set() and finished == [1]  # the worker's run ended before run() returned
+    copier.close()
+    pool.shutdown()

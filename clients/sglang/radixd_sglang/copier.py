@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
 from typing import TypeVar
 
 import torch
@@ -43,7 +43,11 @@ class PageCopier:
     """Runs ``copy(page, slot)`` for each (page, slot) of a batch on up to ``threads`` threads,
     each with at least ``min_bytes_per_thread`` of it; returns once every copy has ended."""
 
-    def __init__(self, threads: int, min_bytes_per_thread: int) -> None:
+    def __init__(self, threads: int, min_bytes_per_thread: int,
+                 executor: Executor | None = None) -> None:
+        """``executor``: the threads to copy on besides the caller's (at least ``threads`` - 1
+        workers; an engine may share its own); by default the copier starts its own when a batch
+        first needs one, and :meth:`close` shuts only that one down."""
         if threads < 1:
             raise ValueError(f"radixd: extra_config copy_threads must be >= 1, not {threads}")
         if min_bytes_per_thread < 0:
@@ -51,7 +55,8 @@ class PageCopier:
                              f"not {min_bytes_per_thread}")
         self.threads = threads
         self.min_bytes_per_thread = min_bytes_per_thread
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: Executor | None = executor
+        self._owns_pool = executor is None
 
     def ways(self, pages: int, page_nbytes: int) -> int:
         """How many threads a batch of ``pages`` pages is copied on."""
@@ -70,8 +75,10 @@ class PageCopier:
             self._pool = ThreadPoolExecutor(max_workers=self.threads - 1,
                                             thread_name_prefix="radixd-copy")
         runs = split(pairs, ways)
-        futures: list[Future[None]] = [self._pool.submit(_copy_run, copy, r) for r in runs[1:]]
+        futures: list[Future[None]] = []
         try:
+            for r in runs[1:]:  # a submit that fails must still wait for the runs started
+                futures.append(self._pool.submit(_copy_run, copy, r))
             _copy_run(copy, runs[0])
         finally:
             wait(futures)
@@ -80,7 +87,7 @@ class PageCopier:
 
     def close(self) -> None:
         pool, self._pool = self._pool, None
-        if pool is not None:
+        if pool is not None and self._owns_pool:
             pool.shutdown(wait=True)
 
 

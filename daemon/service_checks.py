@@ -1,0 +1,120 @@
+"""The service's invariant checks: the complete check, the same check in bounded steps for the
+background checker (daemon/checker.py), the state version a stepped pass compares between its
+slices, the O(1) counter check; and the handler decorators that count the operations that
+change what the check reads. A mixin of :class:`daemon.service.Service`, as the query API is."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Awaitable, Callable, Iterator
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from .queries import held_pages
+
+if TYPE_CHECKING:
+    from .entities import ModelEntry, Session
+
+T = TypeVar("T")
+
+
+def mutating(handler: Callable[..., T]) -> Callable[..., T]:
+    """A handler that changes what the invariant check reads counts in ``mutations``, part of
+    :meth:`ServiceChecks.state_version`: a stepped check spanning it is given up. (Counters
+    alone miss changes that leave them as they were: an alloc and a free of one page each, an
+    unlock and a lock of the same path.)"""
+
+    @functools.wraps(handler)
+    def counted(self: ServiceChecks, s: Session, r: Any) -> T:
+        self.mutations += 1
+        return handler(self, s, r)
+
+    return counted
+
+
+def mutating_async(handler: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+    """:func:`mutating` for a handler that waits: counted when it starts and when it ends."""
+
+    @functools.wraps(handler)
+    async def counted(self: ServiceChecks, s: Session, r: Any) -> T:
+        self.mutations += 1
+        try:
+            return await handler(self, s, r)
+        finally:
+            self.mutations += 1
+
+    return counted
+
+
+class ServiceChecks:
+    """What :class:`daemon.service.Service` checks; it provides ``models`` and ``sessions``."""
+
+    models: dict[str, ModelEntry]
+    sessions: dict[int, Session]
+    #: operations that changed what the check reads (:func:`mutating`)
+    mutations: int = 0
+
+    def check(self, *, deep: bool = True) -> list[str]:
+        """Every invariant of every model, plus sessions: each owner must be a live session."""
+        v: list[str] = []
+        for _ in self.check_steps(v, deep=deep):
+            pass
+        return v
+
+    def check_steps(self, v: list[str], *, deep: bool = True) -> Iterator[None]:
+        """:meth:`check` into ``v`` in bounded steps, for the background checker, which runs
+        them between requests and gives the pass up when :meth:`state_version` moved between
+        two of them (daemon/checker.py)."""
+        for name, entry in self.models.items():
+            mv: list[str] = []
+            yield from entry.cache.check_steps(mv, deep=deep)
+            if entry.keyed is not None:  # one step: bounded by the host pool's size
+                mv += entry.keyed.check(set(self.sessions))
+            v += [f"{name}: {x}" for x in mv]
+            ghosts = [o for o in entry.cache.holdings
+                      if o not in self.sessions and not _is_job(o)]
+            if ghosts:
+                v.append(f"{name}: pages or receipts held by sessions that are gone: {ghosts[:10]}")
+            yield
+
+    def state_version(self) -> tuple:
+        """A value that changes whenever the state the full check reads changes: the trees'
+        change counters and clocks, page counters, pools, holdings, host slots, the keyed store's
+        counters and the sessions. (A change that leaves all of them as they were is possible
+        in principle: the checker confirms what a stepped pass finds with a complete check.)"""
+        out: list[Any] = [self.mutations, len(self.sessions), next(reversed(self.sessions), 0)]
+        for entry in self.models.values():
+            c = entry.cache
+            t = c.tree
+            a = c.alloc_state
+            out += (t.changes, t.clock, t.full_evictable, t.full_protected, t.swa_evictable,
+                    t.swa_protected, t.host_pages, t.host_swa_pages, len(t.receipts),
+                    len(t.pins), len(t.awaiting_copy), len(t.host_drops), a.full.available,
+                    a.swa.available if a.swa is not None else 0, c.held_full_pages,
+                    c.held_swa_pages, len(c.holdings))
+            if c.host is not None:
+                out += (c.host.full.available,
+                        c.host.swa.available if c.host.swa is not None else 0)
+            if entry.keyed is not None:
+                out += entry.keyed.counters.values()
+        return tuple(out)
+
+    def quick_check(self) -> list[str]:
+        """O(1) counter check for busy periods: free + tree + held = capacity, per pool."""
+        v: list[str] = []
+        for name, entry in self.models.items():
+            c = entry.cache
+            a = c.alloc_state
+            tree_full, tree_swa = c.tree.device_pages()
+            held_full, held_swa = held_pages(c)
+            if a.full.available + tree_full + held_full != a.full.usable:
+                v.append(f"{name}: full pool free {a.full.available} + tree {tree_full} + held "
+                         f"{held_full} != {a.full.usable}")
+            if a.swa is not None and a.swa.available + tree_swa + held_swa != a.swa.usable:
+                v.append(f"{name}: swa pool free {a.swa.available} + tree {tree_swa} + held "
+                         f"{held_swa} != {a.swa.usable}")
+        return v
+
+
+def _is_job(owner: Any) -> bool:
+    """Owners of pages a tier copy holds while it runs (not sessions)."""
+    return isinstance(owner, tuple) and owner[:1] == ("load",)
