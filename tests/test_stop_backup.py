@@ -1,0 +1,81 @@
+"""The stop before a warm restart, in process against the real service and the real Redis: the
+tree's device-only nodes are copied to host (``TierManager.drain(back_up_device=True)``), and
+the keyed pages that making room for them evicts still reach Redis under L3 write-back (the keyed
+store drains after the tree's back-up), so the next start finds both."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+import uuid
+from array import array
+from pathlib import Path
+
+import redis as redis_sync
+from radixd_client import protocol as P
+
+from daemon.app import build_service
+from daemon.config import Config
+from daemon.entities import Peer
+from daemon.service import Service
+
+PAGE = 4
+REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+def _service(state_dir: Path, prefix: str) -> Service:
+    model = {"name": "m", "page_size": PAGE, "sliding_window": 8, "num_full_layers": 1,
+             "num_swa_layers": 1, "num_kv_heads": 1, "head_dim": 64, "dtype": "float32",
+             "device": "cpu", "full_pages": 64, "swa_pages": 32, "host_pages": 9,
+             "host_swa_pages": 4, "host_segment_pages": 4, "write_policy": "write_back"}
+    tenants = [{"name": "a", "token": "ta", "namespace": "ns-a"},
+               {"name": "b", "token": "tb", "namespace": "ns-b"}]
+    return build_service(Config(models=[model], tenants=tenants,
+                                server={"state_dir": str(state_dir)},
+                                l3={"url": REDIS_URL, "write_policy": "write_back",
+                                    "key_prefix": prefix}), create_pools=True)
+
+
+def _session(svc: Service, token: str) -> object:
+    return svc.open_session(svc.authenticate(token, Peer(0, os.getuid(), os.getgid())), Peer())
+
+
+def test_the_stops_back_up_keeps_tree_pages_and_the_keyed_pages_it_evicts(tmp_path: Path) -> None:
+    prefix = f"radixd-test-{uuid.uuid4().hex[:12]}"
+    keys = [b"b%d" % i for i in range(4)]
+
+    async def run() -> tuple[int, list[int], list[str]]:
+        svc = _service(tmp_path, prefix)
+        svc.start_tiers()
+        sa, sb = _session(svc, "ta"), _session(svc, "tb")
+        r = svc.kv_reserve(sb, P.KvReserve(model="m", keys=keys))
+        svc.kv_commit(sb, P.KvCommit(model="m", pin=r.pin))
+        a = svc.alloc(sa, P.Alloc(model="m", n=8))  # write_back: device only while serving
+        svc.insert(sa, P.Insert(model="m", tokens=array("i", range(1, 8 * PAGE + 1)).tobytes(),
+                                full_pages=a.full_pages, swa_pages=a.swa_pages))
+        await svc.stop_tiers(time.monotonic() + 5)
+        host_pages = svc.models["m"].cache.tree.host_pages
+        violations = svc.check()
+        svc.close()
+        again = _service(tmp_path, prefix)
+        sb2 = _session(again, "tb")
+        again.start_tiers()
+        got = await again.kv_lookup_fetch(sb2, P.KvLookup(model="m", keys=keys, pin=False,
+                                                           fetch=True, timeout_ms=5000))
+        await again.stop_tiers(time.monotonic() + 2)
+        violations += again.check()
+        again.close()
+        return host_pages, list(got.present), violations
+
+    try:
+        host_pages, present, violations = asyncio.run(run())
+    finally:
+        raw = redis_sync.Redis.from_url(REDIS_URL)
+        found = list(raw.scan_iter(match=prefix + ":*", count=1000))
+        if found:
+            raw.delete(*found)
+        raw.close()
+    assert host_pages == 8  # every device-only page of the tree went to host at the stop
+    assert present == [1, 1, 1, 1]  # the keyed pages it displaced came back through Redis
+    assert violations == []
