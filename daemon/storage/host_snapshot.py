@@ -134,7 +134,10 @@ class PageSource:
     segment_pages: int = 0
     segments: dict[int, memoryview] = field(default_factory=dict)
 
-    def page(self, slot: int) -> memoryview | None:
+    def page(self, slot: int) -> bytes | memoryview | None:
+        """The saved page of old ``slot`` if it passes its checksum, else None. A page of an
+        old pool's memfd is copied before it is checked: an engine that still maps the old pool
+        may write it, and the bytes checked must be the bytes stored."""
         i = self.offsets.get(slot)
         data, at = self.data, (slot if self.in_place else i)
         if self.segment_pages and i is not None:
@@ -144,6 +147,8 @@ class PageSource:
             return None
         start = at * self.page_nbytes
         chunk = data[start : start + self.page_nbytes]
+        if self.in_place or self.segment_pages:
+            chunk = bytes(chunk)
         if len(chunk) != self.page_nbytes or zlib.crc32(chunk) != self.crcs[i]:
             return None
         return chunk
