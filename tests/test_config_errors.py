@@ -149,3 +149,17 @@ def test_sliding_window_0_describes_a_model_without_swa() -> None:
                                           r"sliding_window = 0"):
         load_config(None, env={}, overrides={"models": [
             {"name": "llama", "sliding_window": 0, "num_swa_layers": 2}]})
+
+
+@pytest.mark.parametrize(("overrides", "key"), [
+    ({"checker": {"slice_ms": 0}}, "checker.slice_ms"),
+    ({"checker": {"slice_ms": "fast"}}, "checker.slice_ms"),
+    ({"checker": {"share": 1.5}}, "checker.share"),
+    ({"checker": {"share": -0.1}}, "checker.share"),
+    ({"server": {"malloc_trim_interval_s": -1}}, "server.malloc_trim_interval_s"),
+    ({"models": [{"name": "m", "host_segment_pages": -1}]}, 'models["m"].host_segment_pages'),
+])
+def test_the_newer_keys_refuse_bad_values_by_name(overrides: dict, key: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, env={}, overrides=overrides)
+    assert str(info.value).startswith(f"invalid configuration: {key}: "), str(info.value)
