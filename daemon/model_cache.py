@@ -441,8 +441,7 @@ class ModelCache:
         k = res.inserted_len // self.profile.page_size - prev_prefix_len // self.profile.page_size
         self._release_pages(owner, full[:k], swa[:k])
         rid = self._register(owner, res.receipt) if res.receipt is not None else None
-        if self.tree.awaiting_copy or self.tree.host_drops:
-            self.settle()
+        self.settle()
         return res, rid
 
     def cache_finished(
@@ -458,8 +457,7 @@ class ModelCache:
         self._release_pages(owner, full, swa)
         if rid is not None:
             self._drop_receipt(owner, rid)
-        if self.tree.awaiting_copy or self.tree.host_drops:
-            self.settle()
+        self.settle()
         return res
 
     def cache_unfinished(
@@ -518,6 +516,8 @@ class ModelCache:
         while their bytes are still intact."""
         tree = self.tree
         res = EvictResult()
+        if not tree.awaiting_copy and not tree.host_drops:  # the usual case: nothing named
+            return res
         while tree.awaiting_copy:
             if self.copy_to_host is not None:
                 for n in list(tree.awaiting_copy):
