@@ -3,6 +3,7 @@
 Usage (from the repository root)::
 
     python bench/tree_bench.py [--quick] [--json out.json]
+    python bench/tree_bench.py --baseline REF [--page-sizes 1,16,64] [--quick]
 
 Every figure is measured twice, for page_size 64 and for page_size 1, both with a sliding window
 of 128 tokens; the figure names carry the suffix ``_p64`` / ``_p1``. Times are per call, taken
@@ -15,6 +16,10 @@ tokens with an earlier sequence), a few 32768-token documents, and a third of th
 inserted with ``swa_evicted_len`` (their decode freed the SWA KV below the last window), so
 matches walk across SWA tombstones. Sequences enter the tree the way an engine puts them there:
 match+lock, allocate pages for the uncached part, insert, unlock.
+
+``--baseline REF`` runs the same figures on the tree of git ``REF`` (``daemon/tree`` exported with
+``git archive`` and imported under another name) in the same process, each page size baseline
+first, and prints this checkout's figures beside the baseline's with their ratio.
 
 ``run(quick, extra=None)`` returns the flat dict of figures (``extra``: a zero-argument callable
 returning more figures to merge in, e.g. the multi-turn replay); ``main(argv)`` also prints the
@@ -32,6 +37,7 @@ if _ROOT not in sys.path:
 
 import argparse  # noqa: E402
 import gc  # noqa: E402
+import importlib.util  # noqa: E402
 import random  # noqa: E402
 import time  # noqa: E402
 import tracemalloc  # noqa: E402
@@ -39,7 +45,7 @@ from array import array  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 
-from bench._common import write_json  # noqa: E402
+from bench._common import export_ref, write_json  # noqa: E402
 from daemon.gpu.allocator import PairedAllocator  # noqa: E402
 from daemon.tree import RadixTree  # noqa: E402
 
@@ -79,13 +85,13 @@ class Sizes:
 
 QUICK = Sizes(
     populated_seqs=240, populated_long=4, match_4k_iters=10000, match_32k_iters=1000,
-    lock_iters=10000, insert_iters={64: 1000, 1: 150}, evict_seqs=256,
-    mem_tokens={64: MEM_TOKENS, 1: MEM_TOKENS_P1_QUICK}, warmup=200,
+    lock_iters=10000, insert_iters={64: 1000, 16: 500, 1: 150}, evict_seqs=256,
+    mem_tokens={64: MEM_TOKENS, 16: MEM_TOKENS, 1: MEM_TOKENS_P1_QUICK}, warmup=200,
 )
 FULL = Sizes(
     populated_seqs=320, populated_long=8, match_4k_iters=30000, match_32k_iters=4000,
-    lock_iters=30000, insert_iters={64: 5000, 1: 600}, evict_seqs=768,
-    mem_tokens={64: MEM_TOKENS, 1: MEM_TOKENS}, warmup=1000,
+    lock_iters=30000, insert_iters={64: 5000, 16: 2000, 1: 600}, evict_seqs=768,
+    mem_tokens={64: MEM_TOKENS, 16: MEM_TOKENS, 1: MEM_TOKENS}, warmup=1000,
 )
 
 
@@ -177,14 +183,14 @@ class Populated:
 
 
 def populate(page_size: int, n_seqs: int, n_long: int, headroom: float = 1.3,
-             seed: int = 1) -> Populated:
+             seed: int = 1, tree_cls: type = RadixTree) -> Populated:
     """A tree holding n_seqs 4k sequences and n_long 32k ones, in a pool with some headroom."""
     P = page_size
     # distinct pages: system prompts, 3k (first turns) or 2k (second turns) per sequence, longs
     est = N_SYS * SYS_LEN + n_seqs * (SEQ_LEN - SYS_LEN) + n_long * (LONG_LEN - SYS_LEN)
     cap = int(est * headroom) // P + 2 * LONG_LEN // P + 2
     alloc = PairedAllocator(cap, cap)
-    tree = RadixTree(P, WINDOW, alloc)
+    tree = tree_cls(P, WINDOW, alloc)
     wl = Workload(P, seed)
     pop = Populated(tree, alloc, wl)
     for i in range(n_seqs):
@@ -346,13 +352,13 @@ def bench_insert(pop: Populated, sz: Sizes) -> dict[str, float]:
     }
 
 
-def bench_evict(page_size: int, sz: Sizes) -> dict[str, float]:
+def bench_evict(page_size: int, sz: Sizes, tree_cls: type = RadixTree) -> dict[str, float]:
     """evict_page: tree.evict(full_pages=N) over a large populated tree, per page freed.
 
     N is 16384 tokens' worth of pages (a few LRU leaves per call); batches stop when a tenth of
     the tree is left, so every timed call works on a large tree.
     """
-    pop = populate(page_size, sz.evict_seqs, 0, headroom=1.05, seed=2)
+    pop = populate(page_size, sz.evict_seqs, 0, headroom=1.05, seed=2, tree_cls=tree_cls)
     tree = pop.tree
     batch = 16384 // page_size
     start = tree.device_pages()[0]
@@ -373,7 +379,7 @@ def bench_evict(page_size: int, sz: Sizes) -> dict[str, float]:
     return {"evict_page_p50_us": _pct(per_page, 50)}
 
 
-def bench_memory(page_size: int, tokens: int) -> dict[str, float]:
+def bench_memory(page_size: int, tokens: int, tree_cls: type = RadixTree) -> dict[str, float]:
     """bytes_per_cached_token: tracemalloc snapshot difference around building tree+allocators.
 
     Tokens ids, page hashes, page ids, nodes, queues, allocator state; no KV tensors (no pools).
@@ -388,7 +394,7 @@ def bench_memory(page_size: int, tokens: int) -> dict[str, float]:
         before = tracemalloc.take_snapshot()
         cap = (tokens + 2 * SEQ_LEN) // P + 2
         alloc = PairedAllocator(cap, cap)
-        tree = RadixTree(P, WINDOW, alloc)
+        tree = tree_cls(P, WINDOW, alloc)
         while cached_tokens(tree) < tokens:
             toks, f = wl.next_seq()
             engine_insert(tree, alloc, toks, f)
@@ -416,9 +422,9 @@ def bench_memory(page_size: int, tokens: int) -> dict[str, float]:
 # ---------------------------------------------------------------------------------------- driver
 
 
-def run_page_size(page_size: int, sz: Sizes) -> dict[str, float]:
+def run_page_size(page_size: int, sz: Sizes, tree_cls: type = RadixTree) -> dict[str, float]:
     t = time.perf_counter()
-    pop = populate(page_size, sz.populated_seqs, sz.populated_long)
+    pop = populate(page_size, sz.populated_seqs, sz.populated_long, tree_cls=tree_cls)
     print(f"  p{page_size}: populated {len(pop.tree.nodes)} nodes, "
           f"{cached_tokens(pop.tree)} cached tokens in {time.perf_counter() - t:.1f} s",
           file=sys.stderr)
@@ -427,8 +433,8 @@ def run_page_size(page_size: int, sz: Sizes) -> dict[str, float]:
     out.update(bench_lock(pop, sz))
     out.update(bench_insert(pop, sz))
     del pop
-    out.update(bench_evict(page_size, sz))
-    out.update(bench_memory(page_size, sz.mem_tokens[page_size]))
+    out.update(bench_evict(page_size, sz, tree_cls))
+    out.update(bench_memory(page_size, sz.mem_tokens[page_size], tree_cls))
     print(f"  p{page_size}: done in {time.perf_counter() - t:.1f} s", file=sys.stderr)
     keys = sorted(out, key=lambda k: ORDER.index(k) if k in ORDER else len(ORDER))
     return {f"{k}_p{page_size}": out[k] for k in keys}
@@ -524,12 +530,63 @@ def format_table(figures: dict[str, float], quick: bool = False) -> str:
     return "\n".join(lines + [""] + ["note: " + n for n in notes])
 
 
+def baseline_tree_class(ref: str) -> type:
+    """``RadixTree`` of git ``ref``: its ``daemon/tree`` package (pure, importing nothing else of
+    the project) loaded under its own module name beside this checkout's."""
+    root = os.path.join(export_ref(ref), "daemon", "tree")
+    name = "radixd_baseline_tree"
+    spec = importlib.util.spec_from_file_location(
+        name, os.path.join(root, "__init__.py"), submodule_search_locations=[root])
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod.RadixTree
+
+
+def compare(ref: str, page_sizes: list[int], quick: bool) -> dict[str, float]:
+    """Every figure of each page size on the baseline's tree, then on this checkout's, in this
+    process; returns both (``base_``-prefixed for the baseline) and prints them side by side."""
+    base_cls = baseline_tree_class(ref)
+    sz = QUICK if quick else FULL
+    out: dict[str, float] = {}
+    rows = []
+    for P in page_sizes:
+        print(f"tree_bench: page_size {P}, baseline {ref}", file=sys.stderr)
+        base = run_page_size(P, sz, base_cls)
+        print(f"tree_bench: page_size {P}, this checkout", file=sys.stderr)
+        this = run_page_size(P, sz)
+        for k, v in this.items():
+            b = base[k]
+            out[k], out["base_" + k] = v, b
+            rows.append((k, _fmt(b), _fmt(v), f"{v / b:.2f}" if b else ""))
+    head = ("figure", ref, "this", "this/base")
+    w = [max(len(r[i]) for r in [head] + rows) for i in range(4)]
+    for j, r in enumerate([head] + rows):
+        print("  ".join(c.ljust(w[i]) if i == 0 else c.rjust(w[i]) for i, c in enumerate(r)))
+        if j == 0:
+            print("  ".join("-" * x for x in w))
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict[str, float]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer iterations (under a minute)")
     ap.add_argument("--json", metavar="PATH", help="write the figures as a flat JSON object")
+    ap.add_argument("--baseline", metavar="REF",
+                    help="also run the tree of this git ref, in this process, and compare")
+    ap.add_argument("--page-sizes", default="64,1", help="with --baseline: page sizes to run")
     args = ap.parse_args(argv)
     t = time.perf_counter()
+    if args.baseline:
+        sizes = [int(x) for x in args.page_sizes.split(",")]
+        if not set(sizes) <= set(FULL.insert_iters):
+            ap.error(f"--page-sizes: each of {sorted(FULL.insert_iters)}, got {sizes}")
+        figures = compare(args.baseline, sizes, args.quick)
+        print(f"total {time.perf_counter() - t:.1f} s")
+        if args.json:
+            write_json(args.json, figures)
+        return figures
     from bench import multiturn
 
     def replay() -> dict[str, float]:

@@ -18,6 +18,7 @@ from .gpu.allocator import AUDIT_STEP_PAGES, AllocatorError, OutOfPages
 from .gpu.segments import PairedSegmentAllocator, audit_model_segments_steps
 from .tree import (
     DEFAULT_POLICY,
+    HASH_BLOCK_TOKENS,
     STEP_ITEMS,
     BadArgument,
     EvictResult,
@@ -101,10 +102,11 @@ class ModelCache:
 
     def __init__(
         self, profile: ModelProfile, *, pools: KVPools | None = None, policy: str = DEFAULT_POLICY,
-        segment_pages: int | None = None,
+        segment_pages: int | None = None, hash_block_tokens: int = HASH_BLOCK_TOKENS,
     ) -> None:
         """``segment_pages``: pages per segment, each serving one namespace (memory isolation,
-        daemon.gpu.segments); None: one segment per pool that every namespace shares."""
+        daemon.gpu.segments); None: one segment per pool that every namespace shares.
+        ``hash_block_tokens``: see :class:`RadixTree` (tests only)."""
         self.profile = profile
         self.pools = pools
         self.isolated = segment_pages is not None
@@ -119,6 +121,7 @@ class ModelCache:
             self.sink,
             layout_fingerprint=profile.layout_fingerprint(),
             policy=policy,
+            hash_block_tokens=hash_block_tokens,
         )
         self.swa_enabled = self.tree.swa_enabled
         self.host: HostTier | None = None  # set by the tier manager when L2 is on
@@ -171,8 +174,13 @@ class ModelCache:
         del self._receipts[rid]
         self.holdings[owner].receipts.discard(rid)
 
-    def _check_held(self, owner: Owner, full: Iterable[int], swa: Iterable[int]) -> None:
-        """Ownership, after the shape checks (_check_ids, _check_shape) have passed."""
+    def _check_held(self, owner: Owner, full: Iterable[int], swa: Iterable[int],
+                    sets: tuple[set[int], set[int]] | None = None) -> None:
+        """Ownership, after the shape checks (_check_ids, _check_shape, which gives ``sets``)."""
+        h = self.holdings.get(owner)
+        fs, ss = sets if sets is not None else (set(full), set(swa))
+        if h is not None and fs <= h.full.keys() and ss <= h.swa.keys():
+            return  # the usual case, two set comparisons in C
         for pages, owners, pool in ((full, self._full_owner, "full"),
                                     (swa, self._swa_owner, "swa")):
             for p in pages:
@@ -191,13 +199,14 @@ class ModelCache:
                 raise BadArgument(f"{pool}_pages lists a page twice")
 
     def _check_shape(self, tokens: bytes, full: array, swa: array, prev_prefix_len: int,
-                     swa_evicted_len: int, *, tail: bool) -> None:
+                     swa_evicted_len: int, *, tail: bool) -> tuple[set[int], set[int]]:
         """bad_argument for what the request alone shows (counts, alignment, duplicates, the SWA
         frontier), before any ownership check: the tree checks the same again (and, against its
         own state, whether prev_prefix_len is cached), but only after _check_held would have
         answered page_not_held. Ids that are no held page (0 in full_pages, negative ids) are
         left to _check_held, as in free. ``tail``: the lists include the unaligned tail page
-        (cache_*)."""
+        (cache_*). Returns the full ids and the SWA ids other than 0, as sets, for
+        _check_held."""
         P = self.profile.page_size
         n = len(tokens) // (4 * P)
         total = -(-(len(tokens) // 4) // P) if tail else n
@@ -217,25 +226,32 @@ class ModelCache:
         if len(full) != want:
             raise BadArgument(f"full_pages has {len(full)} ids; pages [{prev}, {total}) need "
                               f"{want}")
+        live: set[int] = set()
         if self.swa_enabled:
             if len(swa) != want:
                 raise BadArgument(f"swa_pages has {len(swa)} ids; pages [{prev}, {total}) need "
                                   f"{want}")
             frontier = min(swa_evicted_len // P, n)
-            for j, sp in enumerate(swa):
-                if prev + j < frontier and sp != 0:
-                    raise BadArgument(f"swa_pages[{j}] must be 0: page {prev + j} is below "
-                                      f"swa_evicted_len={swa_evicted_len}")
-                if sp == 0 and frontier <= prev + j < n:
-                    raise BadArgument(f"swa_pages[{j}] must be a page id: page {prev + j} is at "
-                                      f"or after swa_evicted_len={swa_evicted_len}")
-            live = [p for p in swa if p]
-            if len(set(live)) != len(live):
+            k = max(0, min(frontier - prev, want))  # below the frontier (checks in C: min, set)
+            if k and (min(swa[:k]) != 0 or max(swa[:k]) != 0):
+                j = next(j for j in range(k) if swa[j] != 0)
+                raise BadArgument(f"swa_pages[{j}] must be 0: page {prev + j} is below "
+                                  f"swa_evicted_len={swa_evicted_len}")
+            e = n - prev  # [k, e): from the frontier to the aligned end, ids; then the tail
+            if e > k and swa[k:e].count(0):
+                j = swa.index(0, k)
+                raise BadArgument(f"swa_pages[{j}] must be a page id: page {prev + j} is at "
+                                  f"or after swa_evicted_len={swa_evicted_len}")
+            live = set(swa[k:])
+            live.discard(0)  # a tail page may come without SWA
+            if len(live) != want - k - swa[e:].count(0):
                 raise BadArgument("swa_pages must be distinct page ids")
         elif (any(swa) if tail else len(swa)):  # (cache_* accept zeros there, as before)
             raise BadArgument("this model has no sliding-window layers: swa_pages must be empty")
-        if len(set(full)) != len(full):
+        fs = set(full)
+        if len(fs) != len(full):
             raise BadArgument("full_pages must be distinct page ids")
+        return fs, live
 
     def _release_pages(self, owner: Owner, full: Iterable[int], swa: Iterable[int]) -> None:
         """Pages that left the owner (to the tree or back to the free list)."""
@@ -434,10 +450,10 @@ class ModelCache:
         prev_prefix_len: int = 0, swa_evicted_len: int = 0, *, lock: bool = False,
     ) -> tuple[InsertResult, int | None]:
         full, swa = _ids(full), _ids(swa)
-        self._check_shape(tokens, full, swa, prev_prefix_len, swa_evicted_len, tail=False)
-        self._check_held(owner, full, (p for p in swa if p))
+        held = self._check_shape(tokens, full, swa, prev_prefix_len, swa_evicted_len, tail=False)
+        self._check_held(owner, full, (p for p in swa if p), held)
         res = self.tree.insert(namespace, tokens, full, swa, prev_prefix_len, swa_evicted_len,
-                               lock=lock)
+                               lock=lock, trusted=True)
         k = res.inserted_len // self.profile.page_size - prev_prefix_len // self.profile.page_size
         self._release_pages(owner, full[:k], swa[:k])
         rid = self._register(owner, res.receipt) if res.receipt is not None else None
@@ -449,11 +465,11 @@ class ModelCache:
         prev_prefix_len: int, swa_evicted_len: int, rid: int | None,
     ) -> InsertResult:
         full, swa = _ids(full), _ids(swa)
-        self._check_shape(tokens, full, swa, prev_prefix_len, swa_evicted_len, tail=True)
+        held = self._check_shape(tokens, full, swa, prev_prefix_len, swa_evicted_len, tail=True)
         r = self._receipt(owner, rid) if rid is not None else None
-        self._check_held(owner, full, (p for p in swa if p))
+        self._check_held(owner, full, (p for p in swa if p), held)
         res = self.tree.cache_finished(namespace, tokens, full, swa, prev_prefix_len,
-                                       swa_evicted_len, r)
+                                       swa_evicted_len, r, trusted=True)
         self._release_pages(owner, full, swa)
         if rid is not None:
             self._drop_receipt(owner, rid)
@@ -465,11 +481,11 @@ class ModelCache:
         prev_prefix_len: int, swa_evicted_len: int, rid: int | None,
     ) -> tuple[InsertResult, int]:
         full, swa = _ids(full), _ids(swa)
-        self._check_shape(tokens, full, swa, prev_prefix_len, swa_evicted_len, tail=True)
+        held = self._check_shape(tokens, full, swa, prev_prefix_len, swa_evicted_len, tail=True)
         r = self._receipt(owner, rid) if rid is not None else None
-        self._check_held(owner, full, (p for p in swa if p))
+        self._check_held(owner, full, (p for p in swa if p), held)
         res = self.tree.cache_unfinished(namespace, tokens, full, swa, prev_prefix_len,
-                                         swa_evicted_len, r)
+                                         swa_evicted_len, r, trusted=True)
         k = res.inserted_len // self.profile.page_size - prev_prefix_len // self.profile.page_size
         self._release_pages(owner, full[:k], swa[:k])
         if rid is not None:

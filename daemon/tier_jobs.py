@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from .gpu.allocator import OutOfPages
 from .model_cache import ModelCache, Watch
-from .tree import HASH_BYTES, LoadPlan, Namespace, Node, Pin, chain_hashes
+from .tree import LoadPlan, Namespace, Node, Pin, page_keys
 
 _load_ids = itertools.count(1)
 
@@ -46,11 +46,6 @@ class BackupJob:
     host_swa: array = field(default_factory=lambda: array("i"))
     watch: Watch | None = None  # None: a synchronous copy (nothing can free pages under it)
     finished: bool = False  # finish_backup ran (an eviction may finish a running job early)
-
-
-def page_hashes(n: Node) -> list[bytes]:
-    h = n.hashes
-    return [h[i : i + HASH_BYTES] for i in range(0, len(h), HASH_BYTES)]
 
 
 def reserve_host(mc: ModelCache, ns: Namespace, kind: str, hashes: list[bytes],
@@ -112,7 +107,7 @@ def plan_backup(mc: ModelCache, node: Node, exclude: set[int], quota: int = 0,
     chain = _chain(node, exclude)
     if not chain or any(n.full is None for n in chain):
         return None
-    hashes = [h for n in chain for h in page_hashes(n)]
+    hashes = tree.page_keys(chain)
     full_slots = reserve_host(mc, node.ns, "full", hashes, quota)
     if full_slots is None:
         return None
@@ -281,7 +276,7 @@ class FetchJob:
     """Pages [start, ...) of ``tokens`` that L3 may hold, under a pinned host prefix."""
 
     start: int
-    hashes: list[bytes]  # every page of tokens, from the root
+    hashes: list[bytes]  # the page key of every page of tokens, from the root
     pin: Pin | None
     full_slots: dict[int, int] = field(default_factory=dict)  # page index -> pending slot
     swa_slots: dict[int, int] = field(default_factory=dict)
@@ -293,8 +288,7 @@ def begin_fetch(mc: ModelCache, namespace: str, tokens: bytes) -> FetchJob:
     pb = tree.page_bytes
     n = len(tokens) // pb
     seed = tree.namespace(namespace).seed
-    hashes = chain_hashes(seed, tokens[: n * pb], pb)
-    hl = [hashes[i : i + HASH_BYTES] for i in range(0, len(hashes), HASH_BYTES)]
+    hl = page_keys(seed, b"", tokens[: n * pb], pb, tree.block_bytes)[0]
     # host_only: the prefix keeps its host copies; its device pages stay evictable (a node with
     # a host copy is demoted, not deleted), so a Redis round trip never makes an alloc fail
     return FetchJob(start, hl, tree.pin(last, host_only=True) if last is not None else None)

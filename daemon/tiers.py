@@ -39,13 +39,7 @@ from .config import L3Config, ModelConfig
 from .gpu.allocator import OutOfPages
 from .model_cache import ModelCache
 from .storage.codec import encode_page
-from .storage.copies import (
-    CopyInFlight,
-    CopyPlan,
-    host_to_device,
-    plan_device_to_host,
-    run_plans,
-)
+from .storage.copies import CopyInFlight, CopyPlan, host_to_device, plan_device_to_host, run_plans
 from .storage.host_tier import HostTier
 from .storage.l3_ledger import L3Ledger
 from .storage.redis_tier import RedisTier
@@ -58,7 +52,6 @@ from .tier_jobs import (
     finish_backup,
     finish_fetch,
     finish_load,
-    page_hashes,
     plan_backup,
     reserve_host,
     watch_backup,
@@ -441,14 +434,16 @@ class TierManager:
         """The page's name in L3: its tree hash salted with the model's identity."""
         return hashlib.sha256(self._l3_salt + page_hash).digest()
 
-    def _queue_l3(self, node: Node, full_slots: Iterable[int], swa_slots: Iterable[int],
+    def _queue_l3(self, node: Node, full_slots: array, swa_slots: Iterable[int],
                   snapshot: bool = False) -> None:
         """Queue a node's host pages for Redis, holding the slots until they are encoded (or,
         with ``snapshot``, encoding them now: slots about to be freed must free at once, or the
         eviction that freed them would not make room)."""
         ns = node.ns.name
         pb = self.cache.tree.page_bytes
-        hashes = page_hashes(node)
+        hashes = [self.host.full.hash_of(s) for s in full_slots]  # indexed by page key already
+        if None in hashes:  # pragma: no cover - a tree host copy is always indexed
+            hashes = self.cache.tree.page_keys([node])
         for j, (fs, ss) in enumerate(zip(full_slots, swa_slots, strict=True)):
             toks = node.tokens[j * pb : (j + 1) * pb]
             for kind, slot in (("full", fs), ("swa", ss)):

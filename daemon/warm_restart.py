@@ -62,7 +62,7 @@ from .storage.host_snapshot import (
     write_pool,
 )
 from .storage.keyed_pages import keyed_hash
-from .tree import HASH_BYTES, Node, chain_hashes
+from .tree import Node, page_keys
 
 log = logging.getLogger("radixd.warm_restart")
 
@@ -256,8 +256,9 @@ class _Restorer:
         tree = self.tree
         pb = tree.page_bytes
         swa_pool = self.host.swa is not None
-        # per record index: (tokens from the root, last page hash) when restored, else None
-        paths: list[tuple[bytes, bytes] | None] = []
+        # per record index: (tokens from the root, the hash chain's state at its end) when
+        # restored, else None
+        paths: list[tuple[bytes, bytes, bytes] | None] = []
         for rec in self.img.tree:
             host = as_slots(rec.host)
             hswa = as_slots(rec.host_swa) if rec.host_swa else array("i", bytes(4 * len(host)))
@@ -270,9 +271,8 @@ class _Restorer:
                 self.dropped += len(host) + sum(1 for s in hswa if s)
                 continue
             ns = tree.namespace(rec.ns)
-            prefix, prev = parent if parent is not None else (b"", ns.seed)
-            hashes = chain_hashes(prev, rec.tokens, pb)
-            hs = [hashes[j * HASH_BYTES : (j + 1) * HASH_BYTES] for j in range(npages)]
+            prefix, prev, carry = parent if parent is not None else (b"", ns.seed, b"")
+            hs, prev, carry = page_keys(prev, carry, rec.tokens, pb, tree.block_bytes)
             full = [self._copy("full", host[j], hs[j], rec.ns) for j in range(npages)]
             if any(s is None for s in full):
                 self._give_back("full", full)
@@ -295,7 +295,7 @@ class _Restorer:
                 self.dropped += npages
                 continue
             self.kept += got + got_swa
-            paths.append((tokens, hashes[-HASH_BYTES:]))
+            paths.append((tokens, prev, carry))
 
     def keyed_pages(self) -> None:
         keyed = self.entry.keyed

@@ -6,11 +6,13 @@ from __future__ import annotations
 from array import array
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from daemon.gpu.allocator import OutOfPages
 from daemon.gpu.profile import ModelProfile
 from daemon.model_cache import ModelCache, PageNotHeld
-from daemon.tree import ReceiptError, as_token_bytes, check_tree
+from daemon.tree import BadArgument, ReceiptError, as_token_bytes, check_tree
 
 P = 4
 NS = "ns"
@@ -382,3 +384,70 @@ def test_held_pages_count_what_sessions_hold():
     assert (cache.held_full_pages, cache.held_swa_pages) == (5, 5)
     cache.release_owner(1)
     assert (cache.held_full_pages, cache.held_swa_pages) == (2, 2)
+
+
+# ---------------------------------------------------------------------- id lists, checked in C
+
+
+def reference_verdict(cache: ModelCache, owner: int, n: int, total: int, prev: int,
+                      frontier_len: int, full: list[int], swa: list[int]) -> str:
+    """What the per-id loops ModelCache used to run say of these lists: "bad_argument",
+    "page_not_held" or "ok" (written apart from the code under test, id by id)."""
+    frontier = min(frontier_len // P, n)
+    for j, sp in enumerate(swa):
+        if prev + j < frontier and sp != 0:
+            return "bad_argument"
+        if sp == 0 and frontier <= prev + j < n:
+            return "bad_argument"
+    live = [p for p in swa if p]
+    if len(set(live)) != len(live) or len(set(full)) != len(full):
+        return "bad_argument"
+    h = cache.holdings.get(owner)
+    if h is None or any(p not in h.full for p in full) or any(p not in h.swa for p in live):
+        return "page_not_held"
+    return "ok"
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_id_list_checks_agree_with_the_per_id_reference(data):
+    """cache_finished's checks of the id lists (min, max, count and sets, in C) give the
+    verdict of a loop over every id, on lists mixing held ids, zeros, negatives, duplicates
+    and ids of another owner; a refused call changes nothing."""
+    cache = make_cache(full=64, swa=64)
+    pages = data.draw(st.integers(2, 12))
+    tail = data.draw(st.integers(0, P - 1))
+    tokens = seq(list(range(1, pages + 1)), tail)
+    n = pages
+    total = pages + (1 if tail else 0)
+    prev = 0
+    frontier_len = data.draw(st.integers(0, pages + 1)) * P
+    f, w = cache.alloc(1, total)
+    of, ow = cache.alloc(2, 2)  # another owner's
+    full, swa = list(f), list(w)
+    frontier = min(frontier_len // P, n)
+    for j in range(min(frontier, total)):
+        swa[j] = 0  # the decode freed these
+    for _ in range(data.draw(st.integers(0, 3))):  # faults, each kind at any page
+        kind = data.draw(st.sampled_from(["zero", "id", "dup", "other", "negative"]))
+        pool = data.draw(st.sampled_from(["full", "swa"]))
+        lst, own, other = (full, f, of) if pool == "full" else (swa, w, ow)
+        edges = sorted({0, max(0, frontier - 1), min(frontier, total - 1), n - 1, total - 1})
+        j = data.draw(st.one_of(st.sampled_from(edges), st.integers(0, total - 1)))
+        dup = lst[data.draw(st.integers(0, total - 1))]
+        lst[j] = {"zero": 0, "id": own[j] or own[-1], "dup": dup, "other": other[0],
+                  "negative": -3}[kind]
+    want = reference_verdict(cache, 1, n, total, prev, frontier_len, full, swa)
+    before = snapshot(cache)
+    try:
+        cache.cache_finished(1, NS, tokens, array("i", full), array("i", swa), prev,
+                             frontier_len, None)
+        got = "ok"
+    except PageNotHeld:
+        got = "page_not_held"
+    except BadArgument:
+        got = "bad_argument"
+    assert got == want, (full, swa, frontier_len)
+    if got != "ok":
+        assert snapshot(cache) == before
+    assert check_tree(cache.tree) == []

@@ -5,7 +5,15 @@ Other packages use only what this module exports and the public attributes and m
 :class:`RadixTree` and :class:`Node`."""
 
 from .errors import BadArgument, NodeNotUsable, ReceiptError, TreeError, UnknownNode
-from .hashing import HASH_BYTES, as_token_bytes, chain_hashes, namespace_seed
+from .hashing import (
+    HASH_BLOCK_TOKENS,
+    HASH_BYTES,
+    as_token_bytes,
+    block_hashes,
+    block_pages,
+    namespace_seed,
+    page_keys,
+)
 from .invariants import (
     STEP_ITEMS,
     PageMarks,
@@ -31,6 +39,7 @@ from .tiering import LoadPlan
 
 __all__ = [
     "DEFAULT_POLICY",
+    "HASH_BLOCK_TOKENS",
     "HASH_BYTES",
     "POLICIES",
     "BadArgument",
@@ -57,7 +66,9 @@ __all__ = [
     "chunked",
     "STEP_ITEMS",
     "TreeAudit",
-    "chain_hashes",
+    "block_hashes",
+    "block_pages",
     "check_tree",
     "namespace_seed",
+    "page_keys",
 ]

@@ -7,7 +7,7 @@ from array import array
 from typing import Any
 
 from .errors import BadArgument, ReceiptError
-from .hashing import HASH_BYTES, chain_hashes
+from .hashing import HASH_BYTES, block_hashes
 from .node import Node, Receipt
 from .results import InsertResult, concat_pages
 
@@ -29,6 +29,7 @@ class Insertion:
         *,
         lock: bool = False,
         tag: Any = None,
+        trusted: bool = False,
     ) -> InsertResult:
         """Hand computed pages to the tree.
 
@@ -40,13 +41,19 @@ class Insertion:
         of the tree's canonical page. Pages beyond ``inserted_len`` stay the caller's (that
         happens when none of them would have live SWA at the end of the path: a tombstone leaf is
         never created).
+
+        ``trusted``: the caller has already proved what the tree would check of each id (distinct
+        live pages of its own, zeros exactly below the SWA frontier), as
+        :class:`daemon.model_cache.ModelCache` does before it calls: the counts and offsets are
+        still checked, the ids are not checked again (at a page of one token those checks cost
+        more than the insert).
         """
         ns = self.namespaces.get(namespace) or self.namespace(namespace)
         P = self.page_size
         pb = self.page_bytes
         n = len(tokens) // pb
         prev, f = self._check_insert_args(n, full_pages, swa_pages, prev_prefix_len,
-                                          swa_evicted_len)
+                                          swa_evicted_len, trusted)
         swa = self.swa_enabled
         # a path whose new part would end without live SWA takes no new device pages
         adopt = (not swa) or f < n
@@ -139,7 +146,8 @@ class Insertion:
         )
 
     def _check_insert_args(
-        self, n: int, full_pages: Any, swa_pages: Any, prev_prefix_len: Any, swa_evicted_len: Any
+        self, n: int, full_pages: Any, swa_pages: Any, prev_prefix_len: Any, swa_evicted_len: Any,
+        trusted: bool = False,
     ) -> tuple[int, int]:
         P = self.page_size
         if not isinstance(prev_prefix_len, int) or prev_prefix_len < 0 or prev_prefix_len % P:
@@ -164,22 +172,25 @@ class Insertion:
             if swa_pages is None or len(swa_pages) != want:
                 got = None if swa_pages is None else len(swa_pages)
                 raise BadArgument(f"swa_pages has {got} ids; pages [{prev}, {n}) need {want}")
-            for j, sp in enumerate(swa_pages):
-                freed = prev + j < f
-                if freed and sp != 0:
-                    raise BadArgument(f"swa_pages[{j}] must be 0: page {prev + j} is below "
-                                      f"swa_evicted_len={swa_evicted_len}")
-                if not freed and sp <= 0:
-                    raise BadArgument(f"swa_pages[{j}] must be a page id: page {prev + j} is at or "
-                                      f"after swa_evicted_len={swa_evicted_len}")
+            if trusted:
+                return prev, f
+            # whole-list checks run in C (min, max, set): at a page of one token a request
+            # carries thousands of ids, and a Python loop over them was most of an insert
+            k = max(0, min(f - prev, want))  # the caller's pages below the SWA frontier
+            if k and (min(swa_pages[:k]) != 0 or max(swa_pages[:k]) != 0):
+                j = next(j for j in range(k) if swa_pages[j] != 0)
+                raise BadArgument(f"swa_pages[{j}] must be 0: page {prev + j} is below "
+                                  f"swa_evicted_len={swa_evicted_len}")
+            if k < want and min(swa_pages[k:]) <= 0:
+                j = next(j for j in range(k, want) if swa_pages[j] <= 0)
+                raise BadArgument(f"swa_pages[{j}] must be a page id: page {prev + j} is at or "
+                                  f"after swa_evicted_len={swa_evicted_len}")
+            if want - k > 1 and len(set(swa_pages[k:])) != want - k:
+                raise BadArgument("swa_pages must be distinct page ids")
         elif swa_pages:
             raise BadArgument("this model has no sliding-window layers: swa_pages must be empty")
-        if len(set(full_pages)) != want or any(p <= 0 for p in full_pages):
+        if want and not trusted and (min(full_pages) <= 0 or len(set(full_pages)) != want):
             raise BadArgument("full_pages must be distinct page ids > 0")
-        if self.swa_enabled and want:
-            live = [p for p in swa_pages if p]
-            if len(set(live)) != len(live):
-                raise BadArgument("swa_pages must be distinct page ids")
         return prev, f
 
     def _merge_into_device(
@@ -249,9 +260,9 @@ class Insertion:
     ) -> list[Node]:
         """New nodes for pages [i, n): a tombstone part below the frontier, then a live leaf."""
         pb = self.page_bytes
-        prev_hash = parent.hashes[-HASH_BYTES:] if parent.hashes else parent.ns.seed
+        bp = self.block_pages
         seg = tokens[i * pb : n * pb]
-        hashes = chain_hashes(prev_hash, seg, pb)
+        hashes = block_hashes(*self.chain_state(parent), seg, self.block_bytes)
         out: list[Node] = []
         cuts = [i, n]
         if cs is not None and i < f < n:
@@ -259,7 +270,7 @@ class Insertion:
         cur = parent
         for a, b in zip(cuts, cuts[1:], strict=False):
             nd = Node(self._new_id(), cur, parent.ns, seg[(a - i) * pb : (b - i) * pb],
-                      hashes[(a - i) * HASH_BYTES : (b - i) * HASH_BYTES])
+                      hashes[(a // bp - i // bp) * HASH_BYTES : (b // bp - i // bp) * HASH_BYTES])
             if cur.children is None:
                 cur.children = {}
             cur.children[nd.tokens[:pb]] = nd
@@ -275,17 +286,19 @@ class Insertion:
     def cache_finished(
         self, namespace: str, tokens: bytes, full_pages: array, swa_pages: array | None,
         prev_prefix_len: int, swa_evicted_len: int, receipt: Receipt | None,
+        trusted: bool = False,
     ) -> InsertResult:
         """End of a request: insert what it computed, free the rest of its pages, drop its lock.
 
         ``full_pages``/``swa_pages`` cover [prev_prefix_len, ceil(len(tokens) / page)), so they
-        include the unaligned tail page, which is never cached.
+        include the unaligned tail page, which is never cached. ``trusted``: as for insert.
         """
-        n, cf, cs, tf, ts_ = self._split_tail(tokens, full_pages, swa_pages, prev_prefix_len)
+        n, cf, cs, tf, ts_ = self._split_tail(tokens, full_pages, swa_pages, prev_prefix_len,
+                                              trusted)
         if receipt is not None and not receipt.active:
             raise ReceiptError("this lock was already released")
         res = self.insert(namespace, tokens[: n * self.page_bytes], cf, cs, prev_prefix_len,
-                          swa_evicted_len)
+                          swa_evicted_len, trusted=trusted)
         left = res.inserted_len // self.page_size - prev_prefix_len // self.page_size
         rest_full = array("i", cf[left:]) + tf if left < len(cf) else tf
         rest_swa = array("i")
@@ -304,23 +317,27 @@ class Insertion:
     def cache_unfinished(
         self, namespace: str, tokens: bytes, full_pages: array, swa_pages: array | None,
         prev_prefix_len: int, swa_evicted_len: int, receipt: Receipt | None, tag: Any = None,
+        trusted: bool = False,
     ) -> InsertResult:
         """After a prefill chunk: insert, move the lock to the new end, keep the unaligned tail.
 
         The result's receipt replaces ``receipt``; its ``inserted_len`` is the next call's
         ``prev_prefix_len``. Pages past ``inserted_len`` (the tail page included) stay the caller's.
+        ``trusted``: as for insert.
         """
-        n, cf, cs, _tf, _ts = self._split_tail(tokens, full_pages, swa_pages, prev_prefix_len)
+        n, cf, cs, _tf, _ts = self._split_tail(tokens, full_pages, swa_pages, prev_prefix_len,
+                                               trusted)
         if receipt is not None and not receipt.active:
             raise ReceiptError("this lock was already released")
         res = self.insert(namespace, tokens[: n * self.page_bytes], cf, cs, prev_prefix_len,
-                          swa_evicted_len, lock=True, tag=tag)
+                          swa_evicted_len, lock=True, tag=tag, trusted=trusted)
         if receipt is not None:
             self.unlock(receipt)
         return res
 
     def _split_tail(
-        self, tokens: bytes, full_pages: array, swa_pages: array | None, prev_prefix_len: int
+        self, tokens: bytes, full_pages: array, swa_pages: array | None, prev_prefix_len: int,
+        trusted: bool = False,
     ) -> tuple[int, array, array | None, array, array]:
         P = self.page_size
         n = len(tokens) // self.page_bytes
@@ -340,6 +357,8 @@ class Insertion:
         cs = swa_pages[:k] if self.swa_enabled else None
         ts_ = swa_pages[k:] if self.swa_enabled else array("i")
         tf = full_pages[k:]
+        if trusted:
+            return n, full_pages[:k], cs, array("i", tf), array("i", ts_)
         if ts_ and min(ts_) < 0:
             raise BadArgument("swa_pages ids must be >= 0")
         if tf and min(tf) <= 0:

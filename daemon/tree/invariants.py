@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from .hashing import HASH_BYTES, chain_hashes
+from .hashing import HASH_BYTES, block_hashes
 from .lru import EvictionQueue
 from .node import Node
 from .radix import RadixTree
@@ -84,8 +84,8 @@ class TreeAudit:
 
 #: items (pages, nodes, queue entries) one step handles at most: about ten microseconds
 STEP_ITEMS = 64
-#: pages one step re-hashes at most (SHA-256 of a page of 64 tokens: about 1 microsecond)
-HASH_STEP_PAGES = 8
+#: hash blocks one step re-hashes at most (SHA-256 of 64 tokens: about 1 microsecond)
+HASH_STEP_BLOCKS = 8
 
 
 def check_tree(tree: RadixTree, *, deep: bool = True) -> list[str]:
@@ -201,19 +201,23 @@ def _check_node(tree: RadixTree, n: Node, v: list[str], deep: bool) -> Iterator[
     np_ = len(n.tokens) // pb
     if n.depth != n.parent.depth + len(n.tokens) // 4:
         v.append(f"node {n.id}: depth {n.depth} is not its parent's plus its own length")
-    if len(n.hashes) != np_ * HASH_BYTES:
-        v.append(f"node {n.id}: {len(n.hashes)} hash bytes for {np_} pages")
-    elif deep:
-        parent = n.parent
-        prev = parent.hashes[-HASH_BYTES:] if parent.parent is not None else n.ns.seed
-        step = HASH_STEP_PAGES
-        for i in range(0, np_, step):  # each page's hash chains from the stored one before it
-            k = min(step, np_ - i)
-            got = chain_hashes(prev, n.tokens[i * pb:(i + k) * pb], pb)
-            if got != n.hashes[i * HASH_BYTES:(i + k) * HASH_BYTES]:
-                v.append(f"node {n.id}: page hashes do not chain from its parent")
+    nh = tree.hash_count(n)
+    if len(n.hashes) != nh * HASH_BYTES:
+        v.append(f"node {n.id}: {len(n.hashes)} hash bytes for {nh} blocks ending in it")
+    elif deep and nh:
+        prev, carry = tree.chain_state(n.parent)
+        bb = tree.block_bytes
+        first = bb - len(carry)  # bytes of this node's tokens that complete its first block
+        pos = 0
+        for j in range(0, nh, HASH_STEP_BLOCKS):  # each block chains from the stored one before
+            k = min(HASH_STEP_BLOCKS, nh - j)
+            end = first + (j + k - 1) * bb
+            got = block_hashes(prev, carry if j == 0 else b"", n.tokens[pos:end], bb)
+            if got != n.hashes[j * HASH_BYTES:(j + k) * HASH_BYTES]:
+                v.append(f"node {n.id}: block hashes do not chain from its ancestors")
                 break
             prev = got[-HASH_BYTES:]
+            pos = end
             yield
     if n.full is None and n.host is None:
         v.append(f"node {n.id}: dead (no full KV on device or host)")

@@ -30,7 +30,7 @@ from collections.abc import Iterable
 
 from .errors import BadArgument, UnknownNode
 from .eviction import Eviction
-from .hashing import HASH_BYTES, namespace_seed
+from .hashing import HASH_BLOCK_TOKENS, HASH_BYTES, block_pages, namespace_seed, page_keys
 from .insertion import Insertion
 from .locks import Locking
 from .matching import Matching
@@ -63,13 +63,23 @@ class RadixTree(Matching, Insertion, Locking, Eviction, Tiering):
         host_sink: HostSink | None = None,
         layout_fingerprint: bytes = b"",
         policy: str | EvictionPolicy = DEFAULT_POLICY,
+        hash_block_tokens: int = HASH_BLOCK_TOKENS,
     ) -> None:
+        """``hash_block_tokens``: what a block of the hash chain holds at least; the key format
+        of the tiers (protocol.md 9.3) is that of the default, other values are for tests that
+        want blocks to end inside short sequences."""
         if not isinstance(page_size, int) or page_size < 1:
             raise BadArgument(f"page_size must be an int >= 1, got {page_size!r}")
         if window is not None and (not isinstance(window, int) or window < 1):
             raise BadArgument(f"window must be an int >= 1 or None, got {window!r}")
         self.page_size = page_size
         self.page_bytes = page_size * 4
+        # the hash chain runs over blocks of whole pages (daemon.tree.hashing)
+        if not isinstance(hash_block_tokens, int) or hash_block_tokens < 1:
+            raise BadArgument(f"hash_block_tokens must be an int >= 1, got {hash_block_tokens!r}")
+        self.block_pages = block_pages(page_size, hash_block_tokens)
+        self.block_tokens = self.block_pages * page_size
+        self.block_bytes = self.block_tokens * 4
         self.window = window
         self.swa_enabled = window is not None
         self.window_pages = -(-window // page_size) if window else 0
@@ -159,6 +169,53 @@ class RadixTree(Matching, Insertion, Locking, Eviction, Tiering):
     def npages(self, node: Node) -> int:
         return len(node.tokens) // self.page_bytes
 
+    # ------------------------------------------------------------------ content keys
+
+    def chain_state(self, node: Node) -> tuple[bytes, bytes]:
+        """The hash chain's state at the end of ``node``: the hash of the last block that ends
+        there or above, and the token bytes from that block's end to the node's end.
+
+        A node holds the hashes of the blocks that end inside it, so the block hash wanted is
+        the last one of the nearest node (itself or an ancestor) that a block ends in; the
+        carry is at most a block less one page, gathered on the way up.
+        """
+        if self.block_pages == 1:
+            return (node.hashes[-HASH_BYTES:] if node.parent is not None else node.ns.seed), b""
+        need = (node.depth % self.block_tokens) * 4
+        parts: list[bytes] = []
+        n = node
+        while n.parent is not None:
+            t = n.tokens
+            if len(t) > need:  # the block boundary lies inside this node, or at its end
+                if need:
+                    parts.append(t[len(t) - need :])
+                parts.reverse()
+                return n.hashes[-HASH_BYTES:], b"".join(parts)
+            parts.append(t)
+            need -= len(t)
+            n = n.parent
+        parts.reverse()
+        return n.ns.seed, b"".join(parts)
+
+    def hash_count(self, node: Node) -> int:
+        """How many block hashes ``node`` holds: one for each block that ends inside it."""
+        bt = self.block_tokens
+        return node.depth // bt - (node.depth - len(node.tokens) // 4) // bt
+
+    def page_keys(self, nodes: list[Node]) -> list[bytes]:
+        """The page keys (daemon.tree.hashing) of every page of ``nodes``, a path downward in
+        which each node is the previous one's child: what the host and Redis tiers name pages
+        by. Below a page of ``HASH_BLOCK_TOKENS`` tokens this is one SHA-256 per page, so only
+        the tiers ask, and only for what they copy."""
+        if not nodes:
+            return []
+        if self.block_pages == 1:  # one page a block: the page keys are the stored hashes
+            h = nodes[0].hashes if len(nodes) == 1 else b"".join(n.hashes for n in nodes)
+            return [h[i : i + HASH_BYTES] for i in range(0, len(h), HASH_BYTES)]
+        prev, carry = self.chain_state(nodes[0].parent)
+        tokens = nodes[0].tokens if len(nodes) == 1 else b"".join(n.tokens for n in nodes)
+        return page_keys(prev, carry, tokens, self.page_bytes, self.block_bytes)[0]
+
     # ------------------------------------------------------------------ queue bookkeeping
 
     def _requeue(self, n: Node) -> None:
@@ -230,9 +287,11 @@ class RadixTree(Matching, Insertion, Locking, Eviction, Tiering):
         pb = self.page_bytes
         kb = k * pb
         parent = node.parent
-        up = Node(self._new_id(), parent, node.ns, node.tokens[:kb], node.hashes[: k * HASH_BYTES])
+        bt = self.block_tokens
+        hb = ((parent.depth + k * self.page_size) // bt - parent.depth // bt) * HASH_BYTES
+        up = Node(self._new_id(), parent, node.ns, node.tokens[:kb], node.hashes[:hb])
         node.tokens = node.tokens[kb:]
-        node.hashes = node.hashes[k * HASH_BYTES :]
+        node.hashes = node.hashes[hb:]
         if node.full is not None:
             up.full = node.full[:k]
             node.full = node.full[k:]

@@ -18,7 +18,7 @@ from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from .hashing import HASH_BYTES, chain_hashes
+from .hashing import block_hashes
 from .node import Node
 
 
@@ -223,8 +223,8 @@ class Tiering:
         if stop == i:
             return got, got_swa
         seg = tokens[i * pb : stop * pb]
-        prev_hash = node.hashes[-HASH_BYTES:] if node.parent is not None else ns.seed
-        new = Node(self._new_id(), node, ns, seg, chain_hashes(prev_hash, seg, pb))
+        new = Node(self._new_id(), node, ns, seg,
+                   block_hashes(*self.chain_state(node), seg, self.block_bytes))
         if node.children is None:
             node.children = {}
         node.children[seg[:pb]] = new

@@ -5,6 +5,7 @@ daemon fixture ends with a strict full check)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import time
@@ -297,6 +298,54 @@ def test_round_trip_through_redis(make_daemon, prefix: str) -> None:
         e.c.unlock("m", r.receipt)
         st = tier_stats(d)
         assert st["tree_host_pages"] == 10
+    finally:
+        e.close()
+
+
+def documented_page_ids(fp: bytes, ns: str, model: str, tokens: list[int]) -> list[str]:
+    """protocol.md 9.3's page ids, computed from the formula alone, as a third-party reader
+    would: the chain runs over blocks of ceil(64 / P) pages, each page keyed by its block's
+    tokens up to its own end."""
+    sha = hashlib.sha256
+    nsb = ns.encode()
+    seed = sha(b"radixd-namespace-v1" + len(nsb).to_bytes(4, "little") + nsb
+               + len(fp).to_bytes(4, "little") + fp).digest()
+    salt = sha(b"radixd-l3-model\0" + model.encode()).digest()
+    B = max(1, -(-64 // P))
+    raw = b"".join(t.to_bytes(4, "little", signed=True) for t in tokens)
+    prev, ids = seed, []
+    for j in range(len(tokens) // P):
+        b = j // B
+        h = sha(prev + raw[b * B * P * 4 : (j + 1) * P * 4]).digest()
+        if j % B == B - 1:
+            prev = h
+        ids.append(sha(salt + h).hexdigest())
+    return ids
+
+
+def test_l3_keys_follow_the_documented_formula(make_daemon, prefix: str) -> None:
+    """Pages of 4 tokens: blocks of 16 pages, so page keys inside a block and at its end both
+    occur; every page the daemon wrote is where the formula says, holding its own tokens."""
+    d = make_daemon(l3_config(SHARED_URL, prefix, full_pages=96, swa_pages=64))
+    e = Engine(d.socket)
+    try:
+        n = 40  # two whole blocks and half of a third
+        toks = seq(n, base=7)
+        e.cache(toks)
+        wait_for(lambda: l3_pages(prefix) >= n + WINDOW_PAGES, "the L3 write")
+        fp = bytes.fromhex(e.pools.infos["full"].description["layout_fingerprint"])
+        ids = documented_page_ids(fp, "default", "m", toks)
+        raw = redis_sync.Redis.from_url(SHARED_URL)
+        try:
+            for j, i in enumerate(ids):
+                value = raw.get(f"{prefix}:{i}")
+                assert value is not None, f"page {j}: no value at its documented key"
+                assert value[52:84] == bytes.fromhex(i)
+                want = b"".join(t.to_bytes(4, "little") for t in toks[j * P : (j + 1) * P])
+                assert value[88 : 88 + 4 * P] == want, j
+            assert all(raw.exists(f"{prefix}:{i}:swa") for i in ids[-WINDOW_PAGES:])
+        finally:
+            raw.close()
     finally:
         e.close()
 

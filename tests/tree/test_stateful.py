@@ -83,9 +83,11 @@ class CacheMachine(RuleBasedStateMachine):
         full_cap=st.integers(12, 96),
         swa_ratio=st.sampled_from([0.5, 1.0]),
         segment_pages=st.sampled_from([None, 3, 8]),
+        # blocks of the hash chain that end inside (and across) the short sequences drawn here
+        hash_block=st.sampled_from([1, 3, 4, 8, 64]),
     )
     def setup(self, page_size: int, window_pages: int, window_extra: bool, full_cap: int,
-              swa_ratio: float, segment_pages: int | None) -> None:
+              swa_ratio: float, segment_pages: int | None, hash_block: int) -> None:
         self.P = page_size
         window = window_pages * page_size - (1 if window_extra and page_size > 1 else 0)
         self.wp = -(-window // page_size)
@@ -95,7 +97,8 @@ class CacheMachine(RuleBasedStateMachine):
             swa_pages=max(2, int(full_cap * swa_ratio)), dtype="float32", device="cpu")
         # segment_pages: memory isolation (pages of a namespace from its own segments, checked
         # by ModelCache.check), or None, one shared pool
-        self.cache = ModelCache(profile, segment_pages=segment_pages)
+        self.cache = ModelCache(profile, segment_pages=segment_pages,
+                                hash_block_tokens=hash_block)
         self.tree = self.cache.tree
         self.model: dict[str, dict[bytes, list[int]]] = {ns: {} for ns in NAMESPACES}
         self.locks: dict[int, ModelLock] = {}

@@ -165,9 +165,10 @@ class TierMachine(RuleBasedStateMachine):
         window_extra=st.booleans(),
         policy=st.sampled_from(["lru", "lru-depth"]),
         write_back=st.booleans(),  # evictions (and the cleanups of unlock, unpin) demote
+        hash_block=st.sampled_from([1, 3, 4, 8, 64]),  # blocks ending inside short paths
     )
     def setup(self, page_size: int, window_pages: int, window_extra: bool, policy: str,
-              write_back: bool) -> None:
+              write_back: bool, hash_block: int) -> None:
         self.P = page_size
         self.pb = 4 * page_size
         window = None
@@ -178,7 +179,7 @@ class TierMachine(RuleBasedStateMachine):
         self.sink = CollectingSink()
         self.hsink = CollectingSink()
         self.tree = TwoPhaseTree(page_size, window, self.sink, host_sink=self.hsink,
-                                 policy=policy)
+                                 policy=policy, hash_block_tokens=hash_block)
         self.tree.copy = self._demote
         self.tree.dropped = self._host_dropped
         self.tree.host_copy_hits = 0  # every node is offered; _demote declines unless write_back

@@ -7,6 +7,7 @@ which pages the caller owns and which the tree let go of.
 
 from __future__ import annotations
 
+import hashlib
 from array import array
 
 import pytest
@@ -19,7 +20,7 @@ from daemon.tree import (
     ReceiptError,
     UnknownNode,
     as_token_bytes,
-    chain_hashes,
+    block_pages,
     check_tree,
     namespace_seed,
 )
@@ -230,25 +231,54 @@ def test_node_ids_are_never_reused(P):
 # ---------------------------------------------------------------------- hashes and namespaces
 
 
-@pytest.mark.parametrize("P", PAGE_SIZES)
-def test_hashes_chain_from_the_namespace_seed(P):
+def reference_page_keys(seed: bytes, tokens: bytes, P: int) -> list[bytes]:
+    """protocol.md 9.3's page keys, written from the formula: the key of page j is SHA-256 of
+    the previous block's hash and the tokens from its block's start to its own end."""
+    K = max(1, -(-64 // P))
+    keys: list[bytes] = []
+    prev = seed
+    for j in range(len(tokens) // (4 * P)):
+        start = (j // K) * K * P * 4
+        keys.append(hashlib.sha256(prev + tokens[start : (j + 1) * P * 4]).digest())
+        if j % K == K - 1:
+            prev = keys[-1]
+    return keys
+
+
+@pytest.mark.parametrize("P", PAGE_SIZES + [48])
+def test_hashes_chain_over_blocks_from_the_namespace_seed(P):
+    """Nodes hold the hash of each block that ends inside them, whatever the splits; the page
+    keys the tiers use follow the documented formula, and equal the block hashes at page 64."""
     fp = b"layout-1"
     h = Harness(P, fingerprint=fp)
-    a = seq(P, [1, 2, 3, 4])
-    b = seq(P, [1, 2, 5])
-    h.insert(a)
-    h.insert(b)  # splits a's node after two pages
+    K = block_pages(P)
+    assert K == max(1, -(-64 // P))
+    n = 3 * K + 2  # three whole blocks and part of a fourth
+    a = seq(P, list(range(1, n + 1)))
+    # b leaves a mid-block (a split that does not fall on a block edge, unless K is 1)
+    b = seq(P, list(range(1, K + 2)) + [900, 901, 902] + list(range(1000, 1000 + 2 * K)))
+    c = seq(P, [1, 2, 903])  # and c leaves both inside the first block
+    for t in (a, b, c):
+        h.insert(t)
+    h.ok()
     seed = namespace_seed(NS, fp)
-    pb = 4 * P
-    for tokens in (a, b):
+    for tokens in (a, b, c):
         nodes = h.path(tokens)
-        assert sum(len(n.tokens) for n in nodes) == len(tokens)
-        assert b"".join(n.hashes for n in nodes) == chain_hashes(seed, tokens, pb)
-        prev = seed
-        for n in nodes:
-            assert n.hashes == chain_hashes(prev, n.tokens, pb)
-            assert len(n.hashes) == HASH_BYTES * (len(n.tokens) // pb)
-            prev = n.hashes[-HASH_BYTES:]
+        assert b"".join(n.tokens for n in nodes) == tokens
+        keys = reference_page_keys(seed, tokens, P)
+        assert h.tree.page_keys(nodes) == keys
+        blocks = [k for j, k in enumerate(keys) if j % K == K - 1]
+        assert b"".join(n.hashes for n in nodes) == b"".join(blocks)
+        for i, nd in enumerate(nodes):  # and each node's own keys, asked for alone
+            off = sum(len(x.tokens) for x in nodes[:i]) // (4 * P)
+            assert h.tree.page_keys([nd]) == keys[off : off + len(nd.tokens) // (4 * P)]
+        if K == 1:
+            assert b"".join(keys) == b"".join(n.hashes for n in nodes)
+    if K > 1:  # a node inside one block holds no hash
+        assert any(not nd.hashes for nd in h.tree.iter_nodes() if nd.parent is not None)
+    nd = h.path(a)[-1]  # and the checker finds a block hash tampered with
+    nd.hashes = bytes(HASH_BYTES) + nd.hashes[HASH_BYTES:]
+    assert any("do not chain" in x for x in check_tree(h.tree))
 
 
 @pytest.mark.parametrize("P", PAGE_SIZES)
@@ -263,17 +293,15 @@ def test_namespaces_are_isolated(P):
     (na,) = h.path(tokens, "a")
     (nb,) = h.path(tokens, "b")
     assert na is not nb and list(na.full) == list(full_a) and list(nb.full) == list(full_b)
-    assert len(na.hashes) == len(nb.hashes) == 3 * HASH_BYTES
-    ha = {na.hashes[i : i + HASH_BYTES] for i in range(0, len(na.hashes), HASH_BYTES)}
-    hb = {nb.hashes[i : i + HASH_BYTES] for i in range(0, len(nb.hashes), HASH_BYTES)}
-    assert not ha & hb
+    ka, kb = h.tree.page_keys([na]), h.tree.page_keys([nb])
+    assert len(ka) == len(kb) == 3 and not set(ka) & set(kb)
     # node ids are scoped to their namespace
     with pytest.raises(UnknownNode):
         h.tree.lock(na.id, namespace="b")
     # a different layout fingerprint gives different hashes for the same namespace
     other = Harness(P, fingerprint=b"layout-2")
     other.insert(tokens, ns="a")
-    assert other.path(tokens, "a")[0].hashes != na.hashes
+    assert not set(other.tree.page_keys(other.path(tokens, "a"))) & set(ka)
 
 
 # ---------------------------------------------------------------------- the SWA rule of a match
