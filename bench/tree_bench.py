@@ -3,7 +3,7 @@
 Usage (from the repository root)::
 
     python bench/tree_bench.py [--quick] [--json out.json]
-    python bench/tree_bench.py --baseline REF [--page-sizes 1,16,64] [--quick]
+    python bench/tree_bench.py --baseline REF [--page-sizes 1,16,64] [--rounds 3] [--quick]
 
 Every figure is measured twice, for page_size 64 and for page_size 1, both with a sliding window
 of 128 tokens; the figure names carry the suffix ``_p64`` / ``_p1``. Times are per call, taken
@@ -18,8 +18,9 @@ matches walk across SWA tombstones. Sequences enter the tree the way an engine p
 match+lock, allocate pages for the uncached part, insert, unlock.
 
 ``--baseline REF`` runs the same figures on the tree of git ``REF`` (``daemon/tree`` exported with
-``git archive`` and imported under another name) in the same process, each page size baseline
-first, and prints this checkout's figures beside the baseline's with their ratio.
+``git archive`` and imported under another name) in the same run: each side and page size in a
+fresh process, ``--rounds`` times, the order flipping every round; it prints the medians of this
+checkout's figures beside the baseline's, with their ratio.
 
 ``run(quick, extra=None)`` returns the flat dict of figures (``extra``: a zero-argument callable
 returning more figures to merge in, e.g. the multi-turn replay); ``main(argv)`` also prints the
@@ -38,7 +39,12 @@ if _ROOT not in sys.path:
 import argparse  # noqa: E402
 import gc  # noqa: E402
 import importlib.util  # noqa: E402
+import inspect  # noqa: E402
+import json  # noqa: E402
 import random  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
 import time  # noqa: E402
 import tracemalloc  # noqa: E402
 from array import array  # noqa: E402
@@ -62,7 +68,8 @@ MEM_TOKENS = 1_000_000  # cached (distinct) tokens for bytes_per_cached_token
 MEM_TOKENS_P1_QUICK = 250_000
 ORDER = [  # table order of the figures of one page size
     "match_4k_p50_us", "match_4k_p99_us", "match_4k_churn_p50_us", "match_32k_p50_us",
-    "lock_unlock_p50_us", "lock_unlock_churn_p50_us", "insert_4k_p50_us", "evict_page_p50_us",
+    "lock_unlock_p50_us", "lock_unlock_churn_p50_us", "insert_4k_p50_us",
+    "insert_4k_trusted_p50_us", "evict_page_p50_us",
     "bytes_per_cached_token", "bytes_per_cached_token_ntokens",
 ]
 
@@ -313,6 +320,10 @@ def bench_insert(pop: Populated, sz: Sizes) -> dict[str, float]:
     prefix_misses = hot_misses = 0
     clock = time.perf_counter_ns
     match, lock, unlock, insert = tree.match, tree.lock, tree.unlock, tree.insert
+    # every other insert as ModelCache makes it (ids already checked), where the tree can
+    # be told so; ``trusted`` is absent from baseline trees older than it
+    can_trust = "trusted" in inspect.signature(insert).parameters
+    ins_trusted: list[int] = []
     gc.collect()
     for i in range(warm + iters):
         toks = wl.fresh_4k(i)
@@ -330,14 +341,18 @@ def bench_insert(pop: Populated, sz: Sizes) -> dict[str, float]:
         prev = m.prefix_len // P
         full, swa = _alloc(tree, alloc, n - prev)
         gc.disable()
+        trusted = can_trust and i % 2 == 1
         t4 = clock()
-        res = insert(NS, toks, full, swa, prev * P, 0)
+        if trusted:
+            res = insert(NS, toks, full, swa, prev * P, 0, trusted=True)
+        else:
+            res = insert(NS, toks, full, swa, prev * P, 0)
         t5 = clock()
         gc.enable()
         unlock(m.receipt)
         assert res.inserted_len == SEQ_LEN
         if i >= warm:
-            ins.append(t5 - t4)
+            (ins_trusted if trusted else ins).append(t5 - t4)
             mat.append(t1 - t0)
             lck.append(t3 - t2)
             prefix_misses += m.prefix_len < SYS_LEN
@@ -345,7 +360,8 @@ def bench_insert(pop: Populated, sz: Sizes) -> dict[str, float]:
     if prefix_misses or hot_misses:
         print(f"  note: p{P} insert loop: {prefix_misses}/{len(ins)} inserts did not reuse the 1k "
               f"prefix, {hot_misses}/{len(ins)} hot matches were short", file=sys.stderr)
-    return {
+    out = {"insert_4k_trusted_p50_us": _pct(ins_trusted, 50)} if ins_trusted else {}
+    return out | {
         "insert_4k_p50_us": _pct(ins, 50),
         "match_4k_churn_p50_us": _pct(mat, 50),
         "lock_unlock_churn_p50_us": _pct(lck, 50),
@@ -530,13 +546,13 @@ def format_table(figures: dict[str, float], quick: bool = False) -> str:
     return "\n".join(lines + [""] + ["note: " + n for n in notes])
 
 
-def baseline_tree_class(ref: str) -> type:
-    """``RadixTree`` of git ``ref``: its ``daemon/tree`` package (pure, importing nothing else of
-    the project) loaded under its own module name beside this checkout's."""
-    root = os.path.join(export_ref(ref), "daemon", "tree")
+def tree_class_at(root: str) -> type:
+    """``RadixTree`` of the checkout at ``root``: its ``daemon/tree`` package (pure, importing
+    nothing else of the project) loaded under its own module name."""
+    pkg = os.path.join(root, "daemon", "tree")
     name = "radixd_baseline_tree"
     spec = importlib.util.spec_from_file_location(
-        name, os.path.join(root, "__init__.py"), submodule_search_locations=[root])
+        name, os.path.join(pkg, "__init__.py"), submodule_search_locations=[pkg])
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod
@@ -544,23 +560,41 @@ def baseline_tree_class(ref: str) -> type:
     return mod.RadixTree
 
 
-def compare(ref: str, page_sizes: list[int], quick: bool) -> dict[str, float]:
-    """Every figure of each page size on the baseline's tree, then on this checkout's, in this
-    process; returns both (``base_``-prefixed for the baseline) and prints them side by side."""
-    base_cls = baseline_tree_class(ref)
-    sz = QUICK if quick else FULL
+def compare(ref: str, page_sizes: list[int], quick: bool, rounds: int) -> dict[str, float]:
+    """Every figure of each page size on the tree of git ``ref`` and on this checkout's, each
+    run in a fresh process (a process's first tree runs in a cleaner heap than its later ones),
+    ``rounds`` times with the order flipping every round; medians, printed side by side."""
+    base_root = export_ref(ref)
+    runs: dict[str, dict[str, list[float]]] = {"base": {}, "this": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        out_json = os.path.join(tmp, "figures.json")
+        for r in range(rounds):
+            for P in page_sizes:
+                sides = [("base", base_root), ("this", "")]
+                for side, root in sides if r % 2 == 0 else sides[::-1]:
+                    print(f"tree_bench: round {r + 1}, page_size {P}, {side}", file=sys.stderr)
+                    cmd = [sys.executable, os.path.abspath(__file__), "--page-sizes", str(P),
+                           "--json", out_json] + (["--quick"] if quick else [])
+                    subprocess.run(cmd + (["--tree-root", root] if root else ["--this-tree"]),
+                                   check=True)
+                    with open(out_json) as f:
+                        for k, v in json.load(f).items():
+                            runs[side].setdefault(k, []).append(v)
     out: dict[str, float] = {}
     rows = []
-    for P in page_sizes:
-        print(f"tree_bench: page_size {P}, baseline {ref}", file=sys.stderr)
-        base = run_page_size(P, sz, base_cls)
-        print(f"tree_bench: page_size {P}, this checkout", file=sys.stderr)
-        this = run_page_size(P, sz)
-        for k, v in this.items():
-            b = base[k]
-            out[k], out["base_" + k] = v, b
-            rows.append((k, _fmt(b), _fmt(v), f"{v / b:.2f}" if b else ""))
-    head = ("figure", ref, "this", "this/base")
+    def order(k: str) -> tuple[int, int]:
+        name, _, size = k.rpartition("_p")
+        return page_sizes.index(int(size)), ORDER.index(name) if name in ORDER else len(ORDER)
+
+    for k in sorted(runs["this"], key=order):
+        v = statistics.median(runs["this"][k])
+        b = statistics.median(runs["base"][k]) if k in runs["base"] else None
+        out[k] = v
+        if b is not None:
+            out["base_" + k] = b
+        rows.append((k, _fmt(b) if b is not None else "-", _fmt(v),
+                     f"{v / b:.2f}" if b else ""))
+    head = (f"figure (median of {rounds})", ref, "this", "this/base")
     w = [max(len(r[i]) for r in [head] + rows) for i in range(4)]
     for j, r in enumerate([head] + rows):
         print("  ".join(c.ljust(w[i]) if i == 0 else c.rjust(w[i]) for i, c in enumerate(r)))
@@ -569,20 +603,37 @@ def compare(ref: str, page_sizes: list[int], quick: bool) -> dict[str, float]:
     return out
 
 
+def run_one_side(tree_cls: type, page_sizes: list[int], quick: bool) -> dict[str, float]:
+    sz = QUICK if quick else FULL
+    figures: dict[str, float] = {}
+    for P in page_sizes:
+        figures.update(run_page_size(P, sz, tree_cls))
+    return figures
+
+
 def main(argv: list[str] | None = None) -> dict[str, float]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer iterations (under a minute)")
     ap.add_argument("--json", metavar="PATH", help="write the figures as a flat JSON object")
     ap.add_argument("--baseline", metavar="REF",
-                    help="also run the tree of this git ref, in this process, and compare")
+                    help="compare with the tree of this git ref (fresh processes, alternating)")
+    ap.add_argument("--rounds", type=int, default=3, help="with --baseline: rounds per side")
     ap.add_argument("--page-sizes", default="64,1", help="with --baseline: page sizes to run")
+    # one side of a --baseline comparison, in its own process
+    ap.add_argument("--tree-root", help=argparse.SUPPRESS)
+    ap.add_argument("--this-tree", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    sizes = [int(x) for x in args.page_sizes.split(",")]
+    if not set(sizes) <= set(FULL.insert_iters):
+        ap.error(f"--page-sizes: each of {sorted(FULL.insert_iters)}, got {sizes}")
+    if args.tree_root or args.this_tree:
+        cls = tree_class_at(args.tree_root) if args.tree_root else RadixTree
+        figures = run_one_side(cls, sizes, args.quick)
+        write_json(args.json, figures)
+        return figures
     t = time.perf_counter()
     if args.baseline:
-        sizes = [int(x) for x in args.page_sizes.split(",")]
-        if not set(sizes) <= set(FULL.insert_iters):
-            ap.error(f"--page-sizes: each of {sorted(FULL.insert_iters)}, got {sizes}")
-        figures = compare(args.baseline, sizes, args.quick)
+        figures = compare(args.baseline, sizes, args.quick, args.rounds)
         print(f"total {time.perf_counter() - t:.1f} s")
         if args.json:
             write_json(args.json, figures)

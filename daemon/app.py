@@ -191,10 +191,15 @@ def build_service(config: Config, *, create_pools: bool = True) -> Service:
             report = restore_host_fdstore(models, stored, notifier.remove_fds)
         finally:
             notifier.close()
+        # a stop whose fd-store save failed half way saved to state_dir instead, and left
+        # systemd holding some pools without the index: those are refused (and removed), and
+        # the state directory is what that stop kept
+        refused = report is not None and bool(report.reason) and not report.kept_pages
+        if (report is None or refused) and config.server.state_dir:
+            saved = restore_host_state(models, config.server.state_dir)
+            report = saved if report is None or saved.source != "none" else report
         if report is not None:
             service.restart = report
-        elif config.server.state_dir:
-            service.restart = restore_host_state(models, config.server.state_dir)
     return service
 
 

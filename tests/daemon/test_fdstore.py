@@ -243,3 +243,33 @@ def test_a_store_too_small_for_the_host_segments_falls_back_to_state_dir(make_da
     finally:
         small.close()
         shutil.rmtree(path, ignore_errors=True)
+
+
+def test_pools_left_in_the_store_without_an_index_fall_back_to_state_dir(make_daemon, store,
+                                                                          tmp_path) -> None:
+    """A stop whose fd-store save fails half way saves to the state directory instead, leaving
+    systemd holding the pools it had already stored but no index. The next start refuses those
+    (and removes them from the store) and restores what the state directory kept."""
+    cfg = {**_config(), "server": {"state_dir": str(tmp_path / "state")}}
+    a = seq(10)
+    d1 = make_daemon(cfg)  # the fallback save: no fd store reached, the state directory
+    kept = cache_until_on_host(d1, [a])
+    d1.check()
+    assert d1.stop() == 0, d1.log()[-3000:]
+    stray = os.memfd_create("radixd-host-0-full", os.MFD_CLOEXEC)
+    os.ftruncate(stray, 1 << 16)
+    store.fds["radixd-host-0-full"] = stray  # what the half-done save left with systemd
+    d2 = make_daemon(cfg, **store.launch())
+    assert "no index" in d2.log()
+    st = admin_stats(d2)["warm_restart"]
+    assert (st["source"], st["dropped_pages"]) == ("state_dir", 0) and st["kept_pages"] >= 10
+    store.pump()
+    assert store.fds == {} and store.removed == ["radixd-host-0-full"]
+    e2 = Engine(d2.socket, seed=9)
+    try:
+        r = e2.c.load("m", a)
+        assert r.prefix_len == 10 * P
+        assert e2.verify(a, r, expect=kept) > 10
+    finally:
+        e2.close()
+    d2.check()
