@@ -489,14 +489,20 @@ class KeyedTier:
                 yield pin.ns, slot, None
 
     def _check_pool_steps(self, kind: str, v: list[str]) -> Iterator[None]:
+        """The part of :meth:`check_steps` about the host pool of ``kind``: the slots' marks
+        are a bytearray, not a set, so that no step rehashes a table the pool's size."""
         pool = self.host.full if kind == "full" else self.host.swa
         keyed = self.host.keyed[kind]
         if pool is None:
-            if any(x is not None for x in self._keyed_slots(kind)):
-                v.append(f"keyed {kind} pages but no {kind} host pool")
+            for chunk in chunked(self._keyed_slots(kind)):
+                if any(x is not None for x in chunk):
+                    v.append(f"keyed {kind} pages but no {kind} host pool")
+                    return
+                yield
             return
         cap = pool.capacity
         hashes = pool.slot_hashes()
+        refs = pool.reference_counts()
         marks = bytearray(cap)  # 1: a keyed page's or a reservation's slot
         odd: set[int] = set()  # ... such slots outside the pool
         stored = reserved = 0
@@ -530,12 +536,13 @@ class KeyedTier:
                     continue
                 else:
                     odd.add(slot)
-                if slot in hashes:
+                if slot in refs:
                     distinct_held += 1
                 else:
                     free.append(slot)
-            for ns, slots in by_ns.items():
-                alloc.misplaced(slots, ns, misplaced.setdefault(ns, set()))  # type: ignore[union-attr]
+            if alloc is not None:
+                for ns, slots in by_ns.items():
+                    alloc.misplaced(slots, ns, misplaced.setdefault(ns, set()))
             yield
         if twice:
             v.append(f"keyed {kind}: a host slot is held by two keyed pages or reservations")

@@ -344,7 +344,7 @@ class Store:
     def audits(self) -> list[str]:
         return self.host.audit(self.tree) + self.kv.check(set(OWNERS))
 
-    def references(self) -> list[str]:
+    def expected(self) -> list[str]:
         return ref_host_audit(self.host, self.tree) + ref_keyed_check(self.kv, set(OWNERS))
 
 
@@ -368,7 +368,7 @@ def test_the_stepped_audits_find_what_the_set_based_ones_found(
         planted = fault is not None and store.plant(fault)
         with step_size(step):
             got = store.audits()
-        want = store.references()
+        want = store.expected()
         assert normal(got) == normal(want)
         assert bool(got) == planted, (fault, got)
     finally:

@@ -346,10 +346,10 @@ class HostPool:
         slots without :meth:`hash_of`'s per-call validation."""
         return MappingProxyType(self._hash_of)
 
-    def references(self) -> Iterator[tuple[int, int]]:
-        """(slot, reference count) of every held slot, read lazily: a stepped audit takes them a
-        chunk at a time rather than copying them all in one step."""
-        return iter(self._refs.items())
+    def reference_counts(self) -> Mapping[int, int]:
+        """Slot -> reference count of every held slot, a read-only live view: a stepped audit
+        walks it a chunk at a time rather than copying it all in one step."""
+        return MappingProxyType(self._refs)
 
     def refcount(self, slot: int) -> int:
         """References held on ``slot`` (0 when it is free)."""

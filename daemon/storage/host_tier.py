@@ -188,7 +188,7 @@ class HostTier:
             wrong: tuple[int, int, int] | None = None  # the first miscounted slot
             tree_held = 0  # held slots in the tree
             stray = False  # a held slot nothing accounts for
-            for chunk in chunked(pool.references()):
+            for chunk in chunked(pool.reference_counts().items()):
                 for s, n in chunk:
                     t = s in tree
                     tree_held += t
