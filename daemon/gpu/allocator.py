@@ -37,8 +37,8 @@ _USED = 1
 
 #: pages one audit step looks at one by one (about ten microseconds)
 AUDIT_STEP_PAGES = 256
-#: host slots or keyed pages one audit step looks at one by one (a few dict look-ups each: up to
-#: about 0.3 ms a step on the 2-core development machine; bench/host_audit_bench.py measures it)
+#: host slots or keyed pages one audit step looks at one by one (a few dict look-ups each: p99
+#: about 0.2 ms a step on the 2-core development machine; bench/host_audit_bench.py measures it)
 AUDIT_STEP_SLOTS = 256
 
 
