@@ -33,11 +33,12 @@ import hashlib
 import logging
 import time
 from array import array
-from collections.abc import Awaitable, Callable, Hashable
+from collections.abc import Awaitable, Callable, Hashable, Iterator
 from typing import Any
 
 from radixd_client import protocol as P
 
+from .gpu.allocator import chunked
 from .model_cache import ModelCache
 from .storage.codec import encode_page
 from .storage.host_pool import HostPool
@@ -461,45 +462,109 @@ class KeyedTier:
         """The store's invariants: its bookkeeping, and per host pool kind free + tree host +
         keyed + reserved (+ copies in flight) = capacity, with no slot in two places and every
         keyed slot holding the page's own hash."""
-        v = self.pages.audit(live_owners)
-        for kind in P.KV_POOLS:
-            pool = self.host.full if kind == "full" else self.host.swa
-            stored = [p.slot for p in self.pages.pages.values() if p.kind == kind]
-            reserved = [s for pin in self.pages.pins.values()
-                        if pin.kind == kind and pin.reserved is not None
-                        for s, _ in pin.reserved.values()]
-            if pool is None:
-                if stored or reserved:
-                    v.append(f"keyed {kind} pages but no {kind} host pool")
-                continue
-            mine = set(stored) | set(reserved)
-            if len(mine) != len(stored) + len(reserved):
-                v.append(f"keyed {kind}: a host slot is held by two keyed pages or reservations")
-            if mine != self.host.keyed[kind]:
-                v.append(f"keyed {kind}: slots {sorted(mine ^ self.host.keyed[kind])[:10]} "
-                         "disagree with the host tier's keyed set")
-            held = pool.held()
-            if mine - held:
-                v.append(f"keyed {kind}: slots {sorted(mine - held)[:10]} are free in the pool")
-            others = held - mine  # the tree's host pages, copies in flight, L3 readers
-            if pool.available + len(others) + len(stored) + len(reserved) != pool.usable:
-                v.append(f"keyed {kind}: free {pool.available} + tree and copies {len(others)} "
-                         f"+ keyed {len(stored)} + reserved {len(reserved)} != capacity "
-                         f"{pool.usable}")
-            for page in self.pages.pages.values():
-                if page.kind == kind and pool.hash_of(page.slot) != page.hash:
-                    v.append(f"keyed page {page.key!r}: slot {page.slot} holds another hash")
-                    break
-            by_ns: dict[str, list[int]] = {}  # isolation: each slot in its namespace's segment
-            for page in self.pages.pages.values():
-                if page.kind == kind:
-                    by_ns.setdefault(page.ns, []).append(page.slot)
-            for pin in self.pages.pins.values():
-                if pin.kind == kind and pin.reserved is not None:
-                    by_ns.setdefault(pin.ns, []).extend(s for s, _ in pin.reserved.values())
-            for ns, slots in by_ns.items():
-                v += self.host.audit_owners(kind, slots, ns, f"keyed {kind} slots")
+        v: list[str] = []
+        for _ in self.check_steps(live_owners, v):
+            pass
         return v
+
+    def check_steps(self, live_owners: set[Hashable], v: list[str]) -> Iterator[None]:
+        """:meth:`check` into ``v``, yielding after each bounded piece of work (at most
+        :data:`~daemon.gpu.allocator.AUDIT_STEP_SLOTS` pages or keys), so that the background
+        checker never holds a request back for a whole store (daemon/checker.py)."""
+        yield from self.pages.audit_steps(live_owners, v)
+        for kind in P.KV_POOLS:
+            yield from self._check_pool_steps(kind, v)
+
+    def _keyed_slots(self, kind: str) -> Iterator[tuple[str, int, KeyedPage | None] | None]:
+        """(namespace, slot, page) of every stored page of ``kind``, then (namespace, slot,
+        None) of every reserved key of ``kind``, read lazily; None for each page or pin of the
+        other kind, so that a chunk of this is a bounded piece of work whatever the kind."""
+        for page in self.pages.pages.values():
+            yield (page.ns, page.slot, page) if page.kind == kind else None
+        for pin in self.pages.pins.values():
+            if pin.kind != kind or pin.reserved is None:
+                yield None
+                continue
+            for slot, _ in pin.reserved.values():
+                yield pin.ns, slot, None
+
+    def _check_pool_steps(self, kind: str, v: list[str]) -> Iterator[None]:
+        """The part of :meth:`check_steps` about the host pool of ``kind``: the slots' marks
+        are a bytearray, not a set, so that no step rehashes a table the pool's size."""
+        pool = self.host.full if kind == "full" else self.host.swa
+        keyed = self.host.keyed[kind]
+        if pool is None:
+            for chunk in chunked(self._keyed_slots(kind)):
+                if any(x is not None for x in chunk):
+                    v.append(f"keyed {kind} pages but no {kind} host pool")
+                    return
+                yield
+            return
+        cap = pool.capacity
+        hashes = pool.slot_hashes()
+        refs = pool.reference_counts()
+        marks = bytearray(cap)  # 1: a keyed page's or a reservation's slot
+        odd: set[int] = set()  # ... such slots outside the pool
+        stored = reserved = 0
+        twice = False
+        free: list[int] = []  # keyed slots the pool does not hold
+        distinct_held = 0
+        wrong_hash: KeyedPage | None = None
+        misplaced: dict[str, set[int]] = {}  # isolation: namespace -> segments it does not hold
+        alloc = pool.allocator if self.host.isolated else None
+        for chunk in chunked(self._keyed_slots(kind)):
+            by_ns: dict[str, list[int]] = {}
+            for item in chunk:
+                if item is None:
+                    continue
+                ns, slot, page = item
+                if page is None:
+                    reserved += 1
+                else:
+                    stored += 1
+                    if wrong_hash is None and hashes.get(slot) != page.hash:
+                        wrong_hash = page
+                if alloc is not None:
+                    by_ns.setdefault(ns, []).append(slot)
+                if 0 <= slot < cap:
+                    if marks[slot]:
+                        twice = True
+                        continue
+                    marks[slot] = 1
+                elif slot in odd:
+                    twice = True
+                    continue
+                else:
+                    odd.add(slot)
+                if slot in refs:
+                    distinct_held += 1
+                else:
+                    free.append(slot)
+            if alloc is not None:
+                for ns, slots in by_ns.items():
+                    alloc.misplaced(slots, ns, misplaced.setdefault(ns, set()))
+            yield
+        if twice:
+            v.append(f"keyed {kind}: a host slot is held by two keyed pages or reservations")
+        n_mine = len(free) + distinct_held
+        agree = n_mine == len(keyed)
+        for chunk in chunked(keyed):
+            agree = agree and all(0 <= s < cap and marks[s] or s in odd for s in chunk)
+            yield
+        if not agree:  # the report: a rare path, in one step
+            mine = {x[1] for x in self._keyed_slots(kind) if x is not None}
+            v.append(f"keyed {kind}: slots {sorted(mine ^ keyed)[:10]} disagree with the host "
+                     "tier's keyed set")
+        if free:
+            v.append(f"keyed {kind}: slots {sorted(free)[:10]} are free in the pool")
+        others = pool.used - distinct_held  # the tree's host pages, copies in flight, readers
+        if pool.available + others + stored + reserved != pool.usable:
+            v.append(f"keyed {kind}: free {pool.available} + tree and copies {others} + keyed "
+                     f"{stored} + reserved {reserved} != capacity {pool.usable}")
+        if wrong_hash is not None:
+            v.append(f"keyed page {wrong_hash.key!r}: slot {wrong_hash.slot} holds another hash")
+        for ns, segs in misplaced.items():
+            v += pool.allocator.audit_owners(ns, f"keyed {kind} slots", segs)
 
     def stats(self, ns: str) -> dict[str, int]:
         """The namespace's keyed pages and the model's keyed-store counters."""

@@ -621,9 +621,9 @@ class ModelCache:
         if len(self.sink.watches) > 1:  # background copies run one at a time
             v.append(f"{len(self.sink.watches)} copy watches registered: one at most (a leak)")
         yield
-        if self.host is not None:  # one step: bounded by the host pool's size
-            v += self.host.audit({"full": set(audit.host_slots),
-                                  "swa": set(audit.host_swa_slots)})
+        if self.host is not None:
+            yield from self.host.audit_steps({"full": audit.host_slots,
+                                              "swa": audit.host_swa_slots}, v)
             yield from self.host.audit_tree_owners_steps(self.tree.iter_nodes(), v)
         elif audit.host_slots or audit.host_swa_slots:
             v.append("host slots in the tree of a model without a host tier")

@@ -67,8 +67,8 @@ class ServiceChecks:
         for name, entry in self.models.items():
             mv: list[str] = []
             yield from entry.cache.check_steps(mv, deep=deep)
-            if entry.keyed is not None:  # one step: bounded by the host pool's size
-                mv += entry.keyed.check(set(self.sessions))
+            if entry.keyed is not None:
+                yield from entry.keyed.check_steps(set(self.sessions), mv)
             v += [f"{name}: {x}" for x in mv]
             ghosts = [o for o in entry.cache.holdings
                       if o not in self.sessions and not _is_job(o)]
@@ -78,9 +78,10 @@ class ServiceChecks:
 
     def state_version(self) -> tuple:
         """A value that changes whenever the state the full check reads changes: the trees'
-        change counters and clocks, page counters, pools, holdings, host slots, the keyed store's
-        counters and the sessions. (A change that leaves all of them as they were is possible
-        in principle: the checker confirms what a stepped pass finds with a complete check.)"""
+        change counters and clocks, page counters, pools, holdings, host slots and the host
+        tier's change count, the keyed store's change count and counters, and the sessions. (A
+        change that leaves all of them as they were is possible in principle: the checker
+        confirms what a stepped pass finds with a complete check.)"""
         out: list[Any] = [self.mutations, len(self.sessions), next(reversed(self.sessions), 0)]
         for entry in self.models.values():
             c = entry.cache
@@ -91,10 +92,12 @@ class ServiceChecks:
                     len(t.pins), len(t.awaiting_copy), len(t.host_drops), a.full.available,
                     a.swa.available if a.swa is not None else 0, c.held_full_pages,
                     c.held_swa_pages, len(c.holdings))
-            if c.host is not None:
-                out += (c.host.full.available,
+            if c.host is not None:  # changes no tree counter sees (an L3 reader's reference,
+                # a copy filled, a keyed slot) move c.host.changes
+                out += (c.host.changes, c.host.full.available,
                         c.host.swa.available if c.host.swa is not None else 0)
             if entry.keyed is not None:
+                out.append(entry.keyed.pages.changes)
                 out += entry.keyed.counters.values()
         return tuple(out)
 

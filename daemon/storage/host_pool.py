@@ -39,14 +39,15 @@ from __future__ import annotations
 import math
 import os
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from types import MappingProxyType
 from typing import Any
 
 import torch
 from radixd_client.pools import PoolError, tensor_over
 from radixd_client.segments import SegmentedRegion
 
-from daemon.gpu.allocator import AllocatorError, OutOfPages
+from daemon.gpu.allocator import AUDIT_STEP_PAGES, AllocatorError, OutOfPages, chunked
 from daemon.gpu.profile import DTYPE_ITEMSIZE, ModelProfile, torch_dtype
 from daemon.gpu.segments import SegmentedAllocator
 from daemon.gpu.shared_memory import (
@@ -56,14 +57,19 @@ from daemon.gpu.shared_memory import (
     renew_segment_memfd,
 )
 
-__all__ = ["HASH_BYTES", "HOST_POOL_LAYOUT", "AllocatorError", "HostPool", "OutOfPages",
-           "PoolError"]
+__all__ = ["HASH_BYTES", "HOST_POOL_LAYOUT", "MARK_FREE", "MARK_HELD", "AllocatorError",
+           "HostPool", "OutOfPages", "PoolError"]
 
 #: Axis names of a host pool tensor, outermost first (page-first).
 HOST_POOL_LAYOUT: tuple[str, ...] = ("page", "layer", "kv", "token", "kv_head", "head_dim")
 #: Length of a page hash (SHA-256).
 HASH_BYTES = 32
 _KINDS = ("full", "swa")
+#: :meth:`HostPool.audit_steps`'s marks: the slot is on a free list / holds a page
+MARK_FREE = 1
+MARK_HELD = 2
+#: a mark byte -> 1 where the slot is neither free nor held (a leak)
+_LOST = bytes(1 if not b & (MARK_FREE | MARK_HELD) else 0 for b in range(256))
 
 
 def _check_hash(page_hash: object) -> bytes:
@@ -194,6 +200,9 @@ class HostPool:
         self._slot_of: dict[bytes, int] = {}  # page hash -> slot
         self._hash_of: dict[int, bytes] = {}  # slot -> page hash
         self._refs: dict[int, int] = {}  # slot -> reference count (>= 1)
+        #: bumped by every change of the slots' bookkeeping (store, acquire, release): part of
+        #: the checker's state version, so that a stepped audit spanning a change is given up
+        self.changes = 0
 
     # -- memory -----------------------------------------------------------------------------
 
@@ -332,6 +341,16 @@ class HostPool:
         """The slots holding a page."""
         return set(self._refs)
 
+    def slot_hashes(self) -> Mapping[int, bytes]:
+        """Slot -> page hash of every held slot, a read-only live view: an audit looks up many
+        slots without :meth:`hash_of`'s per-call validation."""
+        return MappingProxyType(self._hash_of)
+
+    def reference_counts(self) -> Mapping[int, int]:
+        """Slot -> reference count of every held slot, a read-only live view: a stepped audit
+        walks it a chunk at a time rather than copying it all in one step."""
+        return MappingProxyType(self._refs)
+
     def refcount(self, slot: int) -> int:
         """References held on ``slot`` (0 when it is free)."""
         return self._refs.get(self._check_slot(slot), 0)
@@ -344,6 +363,7 @@ class HostPool:
         slot = self._slot_of.get(_check_hash(page_hash))
         if slot is not None:
             self._refs[slot] += 1
+            self.changes += 1
         return slot
 
     def store(self, page_hash: bytes, space: str = "") -> int:
@@ -364,6 +384,7 @@ class HostPool:
                 f"{self._slot_of[page_hash]}; acquire it instead"
             )
         slot = int(self._alloc.alloc(1, space)[0])
+        self.changes += 1
         self._slot_of[page_hash] = slot
         self._hash_of[slot] = page_hash
         self._refs[slot] = 1
@@ -372,6 +393,7 @@ class HostPool:
     def release(self, slot: int) -> None:
         """Drop one reference; at 0 the slot is freed and its hash forgotten."""
         self._check_held(slot)
+        self.changes += 1
         left = self._refs[slot] - 1
         if left:
             self._refs[slot] = left
@@ -389,37 +411,79 @@ class HostPool:
     def audit(self) -> list[str]:
         """Violations: index, reverse index, reference counts and allocator must agree (and a
         free segment holds no slot in use: the allocator's own audit)."""
-        name = f"{self.model} {self.kind} host pool"
-        v: list[str] = list(self._alloc.audit())
-        for page_hash, slot in self._slot_of.items():
-            if not isinstance(page_hash, bytes) or len(page_hash) != HASH_BYTES:
-                v.append(f"{name}: index key {page_hash!r} is not a {HASH_BYTES}-byte hash")
-            if self._hash_of.get(slot) != page_hash:
-                v.append(f"{name}: hash {page_hash.hex()[:16]}... maps to slot {slot}, "
-                         f"which is recorded for another hash")
-        if len(set(self._slot_of.values())) != len(self._slot_of):
-            v.append(f"{name}: a slot is indexed under two hashes")
-        for slot, page_hash in self._hash_of.items():
-            if self._slot_of.get(page_hash) != slot:
-                v.append(f"{name}: slot {slot} records a hash the index does not map to it")
-        if set(self._refs) != set(self._hash_of):
-            v.append(f"{name}: reference counts and held slots disagree on "
-                     f"{sorted(set(self._refs) ^ set(self._hash_of))[:10]}")
-        bad = sorted(s for s, n in self._refs.items() if not isinstance(n, int) or n < 1)
-        if bad:
-            v.append(f"{name}: slots {bad[:10]} have a reference count below 1")
-        out_of_range = sorted(s for s in self._refs if not 0 < s < self.capacity)
-        if out_of_range:
-            v.append(f"{name}: slots {out_of_range[:10]} are outside 1..{self.capacity - 1}")
-        free = self._alloc.free_set()
-        both = sorted(free & set(self._refs))
-        if both:
-            v.append(f"{name}: slots {both[:10]} are both free and held")
-        allocated = set(range(1, self.capacity)) - free
-        lost = sorted(allocated - set(self._refs))
-        if lost:
-            v.append(f"{name}: slots {lost[:10]} are allocated but held by no hash (leak)")
+        v: list[str] = []
+        for _ in self.audit_steps(v):
+            pass
         return v
+
+    def audit_steps(self, v: list[str], marks: bytearray | None = None) -> Iterator[None]:
+        """:meth:`audit` into ``v``, yielding after each bounded piece of work (at most
+        :data:`~daemon.gpu.allocator.AUDIT_STEP_SLOTS` slots looked at one by one, or a chunk of
+        bytes compared at once), so that the background checker never holds a request back
+        behind a large pool (daemon/checker.py). ``marks`` (``capacity`` zero bytes) is left
+        with :data:`MARK_FREE` for every slot on a free list and :data:`MARK_HELD` for every
+        slot holding a page, for the host tier's audit one layer up."""
+        name = f"{self.model} {self.kind} host pool"
+        cap = self.capacity
+        m = bytearray(cap) if marks is None else marks
+        yield from self._alloc.audit_steps(v, m)  # leaves 1 (MARK_FREE) on free-listed slots
+        hash_at = self._hash_of.get
+        agree = True
+        for chunk in chunked(self._slot_of.items()):
+            for page_hash, slot in chunk:
+                if not isinstance(page_hash, bytes) or len(page_hash) != HASH_BYTES:
+                    v.append(f"{name}: index key {page_hash!r} is not a {HASH_BYTES}-byte hash")
+                if hash_at(slot) != page_hash:
+                    agree = False
+                    v.append(f"{name}: hash {page_hash.hex()[:16]}... maps to slot {slot}, "
+                             f"which is recorded for another hash")
+            yield
+        # two hashes indexed to one slot cannot both agree with the slot's one hash: only a
+        # disagreement makes it worth counting (a rare path, in one step)
+        if not agree and len(set(self._slot_of.values())) != len(self._slot_of):
+            v.append(f"{name}: a slot is indexed under two hashes")
+        for chunk in chunked(self._hash_of.items()):
+            for slot, page_hash in chunk:
+                if self._slot_of.get(page_hash) != slot:
+                    v.append(f"{name}: slot {slot} records a hash the index does not map to it")
+            yield
+        hashed = self._hash_of
+        unhashed = False  # a slot with references but no hash
+        low: list[int] = []  # reference count below 1
+        outside: list[int] = []
+        both: list[int] = []  # free and held
+        for chunk in chunked(self._refs.items()):
+            for slot, n in chunk:
+                unhashed |= slot not in hashed
+                if not isinstance(n, int) or n < 1:
+                    low.append(slot)
+                if isinstance(slot, int) and 0 < slot < cap:
+                    if m[slot] & MARK_FREE:
+                        both.append(slot)
+                    m[slot] |= MARK_HELD
+                else:
+                    outside.append(slot)
+            yield
+        if unhashed or len(self._refs) != len(hashed):  # the report: a rare path, in one step
+            v.append(f"{name}: reference counts and held slots disagree on "
+                     f"{sorted(set(self._refs) ^ set(hashed))[:10]}")
+        if low:
+            v.append(f"{name}: slots {sorted(low)[:10]} have a reference count below 1")
+        if outside:
+            v.append(f"{name}: slots {sorted(outside)[:10]} are outside 1..{cap - 1}")
+        if both:
+            v.append(f"{name}: slots {sorted(both)[:10]} are both free and held")
+        lost: list[int] = []  # neither on a free list nor held: allocated to nobody
+        step = 64 * AUDIT_STEP_PAGES  # compared as bytes, not one by one
+        for start in range(0, cap, step):
+            flags = m[start:start + step].translate(_LOST)
+            i = flags.find(1, 1 if start == 0 else 0)  # slot 0 is reserved
+            while i >= 0 and len(lost) < 10:
+                lost.append(start + i)
+                i = flags.find(1, i + 1)
+            yield
+        if lost:
+            v.append(f"{name}: slots {lost} are allocated but held by no hash (leak)")
 
     # -- lifetime ---------------------------------------------------------------------------
 

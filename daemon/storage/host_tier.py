@@ -16,13 +16,13 @@ from __future__ import annotations
 
 from array import array
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-from daemon.gpu.allocator import OutOfPages
+from daemon.gpu.allocator import OutOfPages, chunked
 from daemon.gpu.profile import ModelProfile
 
-from .host_pool import HostPool
+from .host_pool import MARK_HELD, HostPool
 
 
 class HostTier:
@@ -47,6 +47,15 @@ class HostTier:
         self.readers: dict[str, Counter[int]] = {"full": Counter(), "swa": Counter()}
         # slots the key-addressed store (daemon/keyed_tier.py) holds, one reference each
         self.keyed: dict[str, set[int]] = {"full": set(), "swa": set()}
+        self._filled = 0  # calls of filled(): see changes
+
+    @property
+    def changes(self) -> int:
+        """Grows with every change of what :meth:`audit` reads (the pools' slots and references,
+        the pending set): part of the checker's state version, so that a stepped audit spanning
+        a change is given up (daemon/service_checks.py). Every other change here takes or gives
+        back a pool reference, which the pool counts."""
+        return self._filled + sum(p.changes for p in self.pools())
 
     def pool(self, kind: str) -> HostPool:
         p = self.full if kind == "full" else self.swa
@@ -99,6 +108,7 @@ class HostTier:
 
     def filled(self, kind: str, slots: Iterable[int]) -> None:
         """The copy into these slots is done: they may be read."""
+        self._filled += 1
         self.pending[kind].difference_update(slots)
 
     def drop(self, kind: str, slots: Iterable[int]) -> None:
@@ -150,37 +160,74 @@ class HostTier:
 
     # -- checking and reporting -------------------------------------------------------------------
 
-    def audit(self, in_tree: dict[str, set[int]]) -> list[str]:
+    def audit(self, in_tree: Mapping[str, Collection[int]]) -> list[str]:
         """Conservation per host pool: every held slot is in the tree or pending, never both."""
         v: list[str] = []
+        for _ in self.audit_steps(in_tree, v):
+            pass
+        return v
+
+    def audit_steps(self, in_tree: Mapping[str, Collection[int]], v: list[str]
+                    ) -> Iterator[None]:
+        """:meth:`audit` into ``v``, yielding after each bounded piece of work (at most
+        :data:`~daemon.gpu.allocator.AUDIT_STEP_SLOTS` slots), so that the background checker
+        never holds a request back for a whole host pool (daemon/checker.py). ``in_tree``: per
+        pool kind, the host slots the tree holds (a set, or the tree audit's page marks: any
+        collection whose membership test is O(1))."""
         for kind, pool in (("full", self.full), ("swa", self.swa)):
+            tree = in_tree.get(kind) or set()
             if pool is None:
-                if in_tree.get(kind):
+                if tree:
                     v.append(f"{kind} host slots in the tree but no {kind} host pool")
                 continue
-            v += pool.audit()
-            held = pool.held()
-            tree = in_tree.get(kind, set())
+            marks = bytearray(pool.capacity)
+            yield from pool.audit_steps(v, marks)  # leaves MARK_HELD on every held slot
             pend = self.pending[kind]
             readers = self.readers[kind]
             keyed = self.keyed[kind]
-            for s in held:
-                want = (s in tree) + (s in pend) + readers.get(s, 0) + (s in keyed)
-                if pool.refcount(s) != want:
-                    v.append(f"{kind} host slot {s}: {pool.refcount(s)} references, the tree, "
-                             f"copies and readers account for {want}")
-                    break
-            if tree & pend:
-                v.append(f"{kind} host slots {sorted(tree & pend)[:10]} are in the tree and "
-                         "pending a copy")
-            if keyed & (tree | pend):
-                v.append(f"{kind} host slots {sorted(keyed & (tree | pend))[:10]} are keyed "
-                         "and in the tree or pending")
-            if held != tree | pend | set(readers) | keyed:
-                v.append(f"{kind} host pool: held {len(held)} != tree {len(tree)} + pending "
+            wrong: tuple[int, int, int] | None = None  # the first miscounted slot
+            tree_held = 0  # held slots in the tree
+            stray = False  # a held slot nothing accounts for
+            for chunk in chunked(pool.reference_counts().items()):
+                for s, n in chunk:
+                    t = s in tree
+                    tree_held += t
+                    want = t + (s in pend) + readers.get(s, 0) + (s in keyed)
+                    if wrong is None and n != want:
+                        wrong = (s, n, want)
+                    if not want and s not in readers:  # (only readers count below 0)
+                        stray = True
+                yield
+            if wrong is not None:
+                s, n, want = wrong
+                v.append(f"{kind} host slot {s}: {n} references, the tree, copies and readers "
+                         f"account for {want}")
+            both: list[int] = []
+            for chunk in chunked(pend):
+                both += (s for s in chunk if s in tree)
+                stray |= _unheld(chunk, marks)
+                yield
+            if both:
+                v.append(f"{kind} host slots {sorted(both)[:10]} are in the tree and pending a "
+                         "copy")
+            both = []
+            for chunk in chunked(keyed):
+                both += (s for s in chunk if s in tree or s in pend)
+                stray |= _unheld(chunk, marks)
+                yield
+            if both:
+                v.append(f"{kind} host slots {sorted(both)[:10]} are keyed and in the tree or "
+                         "pending")
+            for chunk in chunked(readers):
+                stray |= _unheld(chunk, marks)
+                yield
+            n_tree = len(tree)
+            if stray or tree_held != n_tree:  # the report: a rare path, in one step
+                held = pool.held()
+                accounted = set(tree) | pend | set(readers) | keyed
+                v.append(f"{kind} host pool: held {len(held)} != tree {n_tree} + pending "
                          f"{len(pend)} + read {len(readers)} + keyed {len(keyed)}; unaccounted "
-                         f"{sorted(held ^ (tree | pend | set(readers) | keyed))[:10]}")
-        return v
+                         f"{sorted(held ^ accounted)[:10]}")
 
     def audit_owners(self, kind: str, slots: Iterable[int], ns: str, what: str) -> list[str]:
         """Isolated: every slot of ``slots`` lies in a host segment of namespace ``ns``."""
@@ -220,3 +267,9 @@ class HostTier:
         self.full.close()
         if self.swa is not None:
             self.swa.close()
+
+
+def _unheld(slots: list[int], marks: bytearray) -> bool:
+    """Whether a slot of ``slots`` holds no page, by the marks of ``HostPool.audit_steps``."""
+    cap = len(marks)
+    return any(not (isinstance(s, int) and 0 < s < cap and marks[s] & MARK_HELD) for s in slots)

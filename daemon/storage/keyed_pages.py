@@ -23,6 +23,8 @@ from collections import OrderedDict
 from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, field
 
+from daemon.gpu.allocator import AUDIT_STEP_SLOTS, chunked
+
 #: Domain tag of a keyed page's host-pool hash (tree page hashes chain from a namespace seed).
 KEYED_HASH_TAG = b"radixd-keyed-page\x00"
 
@@ -85,6 +87,11 @@ class KeyedPages:
         # full-pool host pages per namespace, stored or reserved (the host quota counts them)
         self.ns_pages: dict[str, int] = {}
         self._next_pin = 1
+        #: bumped by every change :meth:`audit` would see (a pin, a reservation, a page stored or
+        #: removed): part of the checker's state version, so that a stepped audit spanning one is
+        #: given up. A hit (:meth:`touch`) only reorders pages and is not counted: reads do not
+        #: cut passes short, and the audit never walks the order itself across steps
+        self.changes = 0
 
     # -- queries ---------------------------------------------------------------------------------
 
@@ -122,6 +129,7 @@ class KeyedPages:
                 self.ns_pages.pop(ns, None)
 
     def _new_pin(self, owner: Hashable, ns: str, kind: str) -> KvPin:
+        self.changes += 1
         pin = KvPin(self._next_pin, owner, ns, kind)
         self._next_pin += 1
         self.pins[pin.id] = pin
@@ -129,6 +137,7 @@ class KeyedPages:
         return pin
 
     def _end_pin(self, pin: KvPin) -> None:
+        self.changes += 1
         del self.pins[pin.id]
         ids = self.by_owner[pin.owner]
         ids.discard(pin.id)
@@ -190,6 +199,7 @@ class KeyedPages:
         """Forget an unpinned stored page (evicted or cleared); the caller frees its slot."""
         if page.pins:
             raise ValueError(f"keyed page {page.key!r} is pinned {page.pins} times")
+        self.changes += 1
         pid = (page.ns, page.kind, page.key)
         del self.pages[pid]
         del self.order[page.kind][pid]
@@ -198,6 +208,7 @@ class KeyedPages:
     def add_stored(self, ns: str, kind: str, key: bytes, slot: Slot, h: bytes, stamp: int
                    ) -> KeyedPage:
         """A page that arrived stored (fetched from Redis): no reservation in between."""
+        self.changes += 1
         pid = (ns, kind, key)
         page = KeyedPage(ns, kind, key, slot, h, stamp, in_l3=True)
         self.pages[pid] = page
@@ -210,17 +221,37 @@ class KeyedPages:
     def audit(self, live_owners: set[Hashable]) -> list[str]:
         """Internal consistency: indexes, pin counts, owners alive, counters recomputed."""
         v: list[str] = []
+        for _ in self.audit_steps(live_owners, v):
+            pass
+        return v
+
+    def audit_steps(self, live_owners: set[Hashable], v: list[str]) -> Iterator[None]:
+        """:meth:`audit` into ``v``, yielding after each bounded piece of work (at most
+        :data:`~daemon.gpu.allocator.AUDIT_STEP_SLOTS` pages, pins or keys looked at), so that
+        the background checker never holds a request back for a whole store
+        (daemon/checker.py)."""
         for kind, order in self.order.items():
-            mine = {pid for pid in self.pages if pid[1] == kind}
-            if set(order) != mine:
+            n = 0
+            missing = False  # a page of this kind the recency order lacks
+            for chunk in chunked(self.pages):
+                for pid in chunk:
+                    if pid[1] == kind:
+                        n += 1
+                        missing |= pid not in order
+                yield
+            if missing or n != len(order):  # the report: a rare path, in one step
+                mine = {pid for pid in self.pages if pid[1] == kind}
                 v.append(f"keyed {kind}: recency order and pages disagree on "
                          f"{sorted(set(order) ^ mine)[:5]}")
-        for pid, page in self.pages.items():
-            if pid != (page.ns, page.kind, page.key):
-                v.append(f"keyed page {pid!r} is indexed under another key")
+        for chunk in chunked(self.pages.items()):
+            for pid, page in chunk:
+                if pid != (page.ns, page.kind, page.key):
+                    v.append(f"keyed page {pid!r} is indexed under another key")
+            yield
         want_pins: dict[int, int] = {}
         reserving: dict[PageId, int] = {}
         counts: dict[str, int] = {}
+        work = 0  # pages and keys looked at since the last step (one pin may name 64k)
         for pin_id, pin in self.pins.items():
             if pin.id != pin_id:
                 v.append(f"keyed pin {pin_id} records id {pin.id}")
@@ -228,11 +259,16 @@ class KeyedPages:
                 v.append(f"keyed pin {pin_id} belongs to {pin.owner!r}, which is gone")
             if pin_id not in self.by_owner.get(pin.owner, ()):
                 v.append(f"keyed pin {pin_id} is not listed for its owner")
+            work += 1
             if pin.reserved is None:
                 for p in pin.pages:
                     if self.pages.get((p.ns, p.kind, p.key)) is not p:
                         v.append(f"keyed pin {pin_id} pins a page that is not stored")
                     want_pins[id(p)] = want_pins.get(id(p), 0) + 1
+                    work += 1
+                    if work >= AUDIT_STEP_SLOTS:
+                        work = 0
+                        yield
             else:
                 for key in pin.reserved:
                     pid = (pin.ns, pin.kind, key)
@@ -241,17 +277,35 @@ class KeyedPages:
                     reserving[pid] = pin_id
                     if pin.kind == "full":
                         counts[pin.ns] = counts.get(pin.ns, 0) + 1
-        if reserving != self.reserving:
+                    work += 1
+                    if work >= AUDIT_STEP_SLOTS:
+                        work = 0
+                        yield
+            if work >= AUDIT_STEP_SLOTS:
+                work = 0
+                yield
+        yield
+        same = len(reserving) == len(self.reserving)
+        for chunk in chunked(reserving.items()):
+            same = same and all(self.reserving.get(pid, 0) == i for pid, i in chunk)
+            yield
+        if not same:
             v.append("keyed reservations and the reserving index disagree")
-        listed = {i for ids in self.by_owner.values() for i in ids}
-        if listed != set(self.pins):
+        listed: set[int] = set()
+        unknown = False  # an owner lists a pin that does not exist
+        for chunk in chunked(i for ids in self.by_owner.values() for i in ids):
+            listed.update(chunk)
+            unknown |= any(i not in self.pins for i in chunk)
+            yield
+        if unknown or len(listed) != len(self.pins):
             v.append(f"keyed pins listed by owners {len(listed)} != pins {len(self.pins)}")
-        for page in self.pages.values():
-            if page.pins != want_pins.get(id(page), 0):
-                v.append(f"keyed page {page.key!r}: pin count {page.pins}, pins account for "
-                         f"{want_pins.get(id(page), 0)}")
-            if page.kind == "full":
-                counts[page.ns] = counts.get(page.ns, 0) + 1
+        for chunk in chunked(self.pages.values()):
+            for page in chunk:
+                if page.pins != want_pins.get(id(page), 0):
+                    v.append(f"keyed page {page.key!r}: pin count {page.pins}, pins account "
+                             f"for {want_pins.get(id(page), 0)}")
+                if page.kind == "full":
+                    counts[page.ns] = counts.get(page.ns, 0) + 1
+            yield
         if counts != self.ns_pages:
             v.append(f"keyed pages per namespace {self.ns_pages} != recomputed {counts}")
-        return v
