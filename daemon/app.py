@@ -183,7 +183,12 @@ def build_service(config: Config, *, create_pools: bool = True) -> Service:
     build_tiers(config, models, tenants, l3)
     service = Service(config, models, tenants, l3)
     if create_pools:
-        from .warm_restart import restore_host_fdstore, restore_host_state
+        from .warm_restart import (
+            NO_INDEX,
+            discard_host_state,
+            restore_host_fdstore,
+            restore_host_state,
+        )
 
         stored = passed_fds()[1]
         notifier = Notifier.from_env()
@@ -193,11 +198,14 @@ def build_service(config: Config, *, create_pools: bool = True) -> Service:
             notifier.close()
         # a stop whose fd-store save failed half way saved to state_dir instead, and left
         # systemd holding some pools without the index: those are refused (and removed), and
-        # the state directory is what that stop kept
-        refused = report is not None and bool(report.reason) and not report.kept_pages
-        if (report is None or refused) and config.server.state_dir:
-            saved = restore_host_state(models, config.server.state_dir)
+        # the state directory is what that stop kept; after any other fd-store restore, what
+        # state_dir holds is older than it
+        state_dir = config.server.state_dir
+        if (report is None or report.reason == NO_INDEX) and state_dir:
+            saved = restore_host_state(models, state_dir)
             report = saved if report is None or saved.source != "none" else report
+        elif report is not None and state_dir:
+            discard_host_state(state_dir)
         if report is not None:
             service.restart = report
     return service

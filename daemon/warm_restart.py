@@ -68,6 +68,9 @@ log = logging.getLogger("radixd.warm_restart")
 
 #: The fd-store name of the memfd holding the index.
 INDEX_FD = f"{FDSTORE_PREFIX}host-index"
+#: why pools passed back without the index are refused: what a stop whose fd-store save failed
+#: half way leaves with systemd (it saved to ``state_dir`` instead)
+NO_INDEX = "the fd store holds host pools but no index"
 
 
 @dataclass
@@ -396,6 +399,15 @@ def restore_host_state(models: dict[str, ModelEntry], state_dir: str) -> Restart
     return _finish(report, t0)
 
 
+def discard_host_state(state_dir: str) -> None:
+    """Drop what ``state_dir`` holds, unread: a start that restored from the fd store must not
+    leave an older snapshot there for a later start to restore."""
+    with contextlib.suppress(SnapshotError):
+        if take_snapshot(state_dir) is not None:
+            log.info("warm restart: an older host snapshot in %s is discarded", state_dir)
+    remove_pages(state_dir)
+
+
 def restore_host_fdstore(models: dict[str, ModelEntry], stored: dict[str, int],
                          remove_fds: Callable[[str], bool]) -> RestartReport | None:
     """Rebuild the host tiers from the fds systemd's fd store passed back (``stored``: name ->
@@ -411,7 +423,7 @@ def restore_host_fdstore(models: dict[str, ModelEntry], stored: dict[str, int],
     try:
         index = stored.get(INDEX_FD)
         if index is None:
-            raise SnapshotError("the fd store holds host pools but no index")
+            raise SnapshotError(NO_INDEX)
         snap = decode_index(read_fd(index))
 
         def source(image: PoolImage) -> PageSource:

@@ -41,3 +41,48 @@ def test_checker_sees_a_receipt_no_holding_lists() -> None:
     res, rid = c.insert(1, NS, seq([1, 2]), f, w, lock=True)
     c.holdings[1].receipts.discard(rid)
     assert c.check() != []
+
+
+def test_the_deep_check_finds_a_host_slot_indexed_under_another_pages_key() -> None:
+    """The L3 writer names a host page by the key its slot is indexed under: the deep check
+    re-derives every tree host page's key from the tokens and compares. Pages of 4 tokens make
+    blocks of 16 pages, so these keys are the ones derived inside a block (protocol.md 9.3)."""
+    import asyncio
+    import os
+    import time
+    from array import array
+
+    from radixd_client import protocol as P
+
+    from daemon.app import build_service
+    from daemon.config import Config
+    from daemon.entities import Peer
+
+    model = {"name": "m", "page_size": 4, "sliding_window": 8, "num_full_layers": 1,
+             "num_swa_layers": 1, "num_kv_heads": 1, "head_dim": 8, "dtype": "float32",
+             "device": "cpu", "full_pages": 64, "swa_pages": 32, "host_pages": 32,
+             "write_policy": "write_through"}
+    svc = build_service(Config(models=[model]), create_pools=True)
+    tree = svc.models["m"].cache.tree
+
+    async def fill() -> None:
+        svc.start_tiers()
+        s = svc.open_session(svc.authenticate(None, Peer(0, os.getuid(), os.getgid())), Peer())
+        a = svc.alloc(s, P.Alloc(model="m", n=8))
+        svc.insert(s, P.Insert(model="m", tokens=array("i", range(1, 33)).tobytes(),
+                               full_pages=a.full_pages, swa_pages=a.swa_pages))
+        deadline = time.monotonic() + 10
+        while tree.host_pages < 8 and time.monotonic() < deadline:  # the background copy
+            await asyncio.sleep(0.01)
+        await svc.stop_tiers(time.monotonic() + 5)
+
+    try:
+        asyncio.run(fill())
+        node = next(n for n in tree.iter_nodes() if n.host is not None and len(n.host) > 1)
+        assert svc.check() == []
+        node.host[0], node.host[1] = node.host[1], node.host[0]  # each under the other's key
+        found = [x for x in svc.check() if "indexed under another key" in x]
+        assert len(found) == 1 and f"node {node.id}:" in found[0]
+        assert not [x for x in svc.check(deep=False) if "indexed under another key" in x]
+    finally:
+        svc.close()

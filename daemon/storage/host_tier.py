@@ -19,8 +19,9 @@ from collections import Counter
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-from daemon.gpu.allocator import OutOfPages, chunked
+from daemon.gpu.allocator import AllocatorError, OutOfPages, chunked
 from daemon.gpu.profile import ModelProfile
+from daemon.tree import page_keys
 
 from .host_pool import MARK_HELD, HostPool
 
@@ -253,6 +254,41 @@ class HostTier:
                                                         bad.setdefault((kind, n.ns.name), set()))
         for (kind, ns), segs in bad.items():
             v += self.pool(kind).allocator.audit_owners(ns, f"tree {kind} host slots", segs)
+
+    def audit_tree_steps(self, tree: Any, v: list[str], *, deep: bool) -> Iterator[None]:
+        """The host copies of ``tree`` (a ``daemon.tree.RadixTree``): where they lie
+        (:meth:`audit_tree_owners_steps`) and, ``deep``, their keys
+        (:meth:`audit_tree_keys_steps`)."""
+        yield from self.audit_tree_owners_steps(tree.iter_nodes(), v)
+        if deep:
+            yield from self.audit_tree_keys_steps(tree, v)
+
+    def audit_tree_keys_steps(self, tree: Any, v: list[str]) -> Iterator[None]:
+        """Every host slot of a tree node is indexed under its page's key, re-derived from the
+        tokens. That key is the one the L3 writer publishes the page under, so a wrong one
+        would name another prefix's page."""
+        pb, bb = tree.page_bytes, tree.block_bytes
+        for n in list(tree.iter_nodes()):
+            if n.host is None or n.parent is None:
+                continue
+            prev, carry = tree.chain_state(n.parent)
+            for a in range(0, len(n.tokens) // pb, 64):  # 64 pages re-hashed a step
+                keys, prev, carry = page_keys(prev, carry, n.tokens[a * pb:(a + 64) * pb], pb,
+                                              bb)
+                for kind, slots in (("full", n.host), ("swa", n.host_swa)):
+                    if slots is None or (kind == "swa" and self.swa is None):
+                        continue
+                    pool = self.pool(kind)
+                    for j, key in enumerate(keys, a):
+                        try:
+                            wrong = slots[j] and pool.hash_of(slots[j]) != key
+                        except (AllocatorError, IndexError):
+                            continue  # not a slot of this pool: the tree's audit says so
+                        if wrong:
+                            v.append(f"node {n.id}: {kind} host slot {slots[j]} (page {j}) is "
+                                     "indexed under another key than its page's")
+                            break
+                yield
 
     def describe(self) -> dict[str, Any]:
         out = {"full": self.full.describe()}

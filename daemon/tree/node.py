@@ -86,7 +86,7 @@ class Node:
     def __repr__(self) -> str:
         state = "host" if self.full is None else ("tomb" if self.swa is None else "live")
         return (
-            f"Node(id={self.id}, pages={len(self.hashes) // 32}, {state}, "
+            f"Node(id={self.id}, tokens={len(self.tokens) // 4}, {state}, "
             f"host={self.host is not None}, locks={self.full_lock}/{self.swa_lock}, pin={self.pin})"
         )
 

@@ -23,7 +23,7 @@ from radixd_client import Client
 
 from bench.restart_bench import FdStore
 from daemon.cli import format_status
-from daemon.storage.host_snapshot import as_slots, decode_index, read_fd
+from daemon.storage.host_snapshot import INDEX_NAME, as_slots, decode_index, read_fd
 from daemon.warm_restart import INDEX_FD
 
 from .test_tiers import Engine, P, admin_stats, cache_until_on_host, seq, tier_stats, wait_for
@@ -272,4 +272,29 @@ def test_pools_left_in_the_store_without_an_index_fall_back_to_state_dir(make_da
         assert e2.verify(a, r, expect=kept) > 10
     finally:
         e2.close()
+    d2.check()
+
+
+def test_a_restore_from_the_fd_store_discards_an_older_state_dir_snapshot(make_daemon, store,
+                                                                          tmp_path) -> None:
+    """What state_dir holds when the fd store restored is older than what the fd store held: it
+    is discarded, so that a later start that falls back to state_dir never restores it."""
+    state = tmp_path / "state"
+    cfg = {**_config(), "server": {"state_dir": str(state)}}
+    d0 = make_daemon(cfg)
+    cache_until_on_host(d0, [seq(6, base=7000)])
+    assert d0.stop() == 0, d0.log()[-3000:]
+    old = {p.name: p.read_bytes() for p in state.iterdir()}
+    assert INDEX_NAME in old
+    d1 = make_daemon(cfg, **store.launch())  # restores state_dir (and consumes it)
+    cache_until_on_host(d1, [seq(6)])
+    assert d1.stop() == 0, d1.log()[-3000:]
+    store.pump()
+    assert INDEX_FD in store.fds
+    for name, raw in old.items():  # the older snapshot, back in place
+        (state / name).write_bytes(raw)
+    d2 = make_daemon(cfg, **store.launch())
+    assert admin_stats(d2)["warm_restart"]["source"] == "fdstore"
+    assert "older host snapshot" in d2.log()
+    assert not [p.name for p in state.iterdir() if p.name.startswith("host-")]
     d2.check()

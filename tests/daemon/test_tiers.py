@@ -105,14 +105,21 @@ def wait_for(fn: Any, what: str, timeout: float = 10.0) -> Any:
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def admin_stats(d: Any) -> dict[str, Any]:
-    """GET /v1/stats of the daemon's admin endpoint (its port is in the log, its token beside
-    the socket)."""
-    url = re.findall(r"admin endpoint on (http://\S+)", d.log())[-1]
+def admin_get(d: Any, path: str) -> bytes:
+    """GET ``path`` of the daemon's admin endpoint (its URL is in the log, its token beside the
+    socket)."""
+    # the daemon accepts on its socket before its admin endpoint is up: wait for that line
+    url = wait_for(lambda: re.findall(r"admin endpoint on (http://\S+)", d.log()),
+                   "the admin endpoint")[-1]
     token = (d.tmp / "admin.token").read_text().strip()
-    req = urllib.request.Request(url + "/v1/stats", headers={"Authorization": f"Bearer {token}"})
+    req = urllib.request.Request(url + path, headers={"Authorization": f"Bearer {token}"})
     with urllib.request.urlopen(req, timeout=5) as r:
-        return json.loads(r.read())
+        return r.read()
+
+
+def admin_stats(d: Any) -> dict[str, Any]:
+    """GET /v1/stats of the daemon's admin endpoint."""
+    return json.loads(admin_get(d, "/v1/stats"))
 
 
 def l3_stats(d: Any) -> dict[str, Any]:

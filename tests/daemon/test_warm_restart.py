@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import re
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +20,7 @@ from .conftest import SMALL_MODEL
 from .test_tiers import (  # noqa: F401 - prefix: fixture
     Engine,
     P,
+    admin_get,
     admin_stats,
     cache_until_on_host,
     l3_config,
@@ -36,11 +36,7 @@ def _config(state: Path, **model: Any) -> dict[str, Any]:
 
 
 def _metrics(d: Any) -> str:
-    url = re.findall(r"admin endpoint on (http://\S+)", d.log())[-1]
-    token = (d.tmp / "admin.token").read_text().strip()
-    req = urllib.request.Request(url + "/metrics", headers={"Authorization": f"Bearer {token}"})
-    with urllib.request.urlopen(req, timeout=5) as r:
-        return r.read().decode()
+    return admin_get(d, "/metrics").decode()
 
 
 def _stop(d: Any) -> None:
