@@ -264,20 +264,22 @@ class KeyedTier:
         fit = self.fit_quota(ns, want) if kind == "full" else want
         self.make_room(kind, fit, ns)
         # after the eviction: a key it took is no longer stored, and is written (or declined)
-        todo: list[int] = []
+        todo: list[tuple[int, bytes]] = []
         busy = 0
         for i, k in enumerate(keys):
             if self.pages.get(ns, kind, k) is not None:
                 continue  # stored: nothing to write
-            if self.pages.is_reserved(ns, kind, k):
-                busy += 1  # another reservation is writing it
+            h = keyed_hash(ns, self.fingerprint, kind, k)
+            # another reservation is writing it, or its old page is gone but its slot is still
+            # read (an L3 write in flight holds it): a new copy can be reserved once that ends
+            if self.pages.is_reserved(ns, kind, k) or pool.lookup(h) is not None:
+                busy += 1
                 continue
-            todo.append(i)
+            todo.append((i, h))
         fit = min(fit, len(todo), pool.available_to(self.host.space(ns)))
         taken: dict[bytes, tuple[int, bytes]] = {}
         try:
-            for i in todo[:fit]:
-                h = keyed_hash(ns, self.fingerprint, kind, keys[i])
+            for i, h in todo[:fit]:
                 slots[i] = self._take(kind, h, ns)
                 taken[keys[i]] = (slots[i], h)
         except BaseException:  # no pin holds them yet: give them back before the error goes up

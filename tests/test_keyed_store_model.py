@@ -169,3 +169,28 @@ def test_a_reservation_whose_segment_gets_no_fresh_memory_takes_back_its_slots()
     assert host.keyed["full"] == set() and host.full.available_to("b") == 6
     r = kv.reserve("s2", "b", "full", [b"y%d" % i for i in range(6)])
     assert all(r.slots) and r.full == 0
+
+
+def test_a_key_whose_old_slot_an_l3_write_still_reads_is_busy_not_an_error() -> None:
+    """The L3 writer holds a keyed page's slot while it encodes it (``HostTier.hold``, as
+    daemon/keyed_tier.py's writer does). If the page is cleared meanwhile, the slot stays indexed
+    under the key's hash until the write lets go: reserving the key again reports it busy (it
+    used to fail with an internal error), and works once the write is done."""
+    cache = ModelCache(PROFILE)
+    host = HostTier(PROFILE, 7, 4, pin_memory=False)
+    cache.host = host
+    kv = KeyedTier(cache, host, {}, "tiny")
+    r = kv.reserve("s1", "a", "full", [b"k0", b"k1"])
+    kv.commit("s1", r.pin)
+    slot = r.slots[0]
+    assert host.hold("full", (slot,))  # the L3 writer reading k0's page
+    kv.clear("a")
+    again = kv.reserve("s1", "a", "full", [b"k0", b"k1"])
+    assert (again.busy, again.slots[0], again.full) == (1, 0, 0) and again.slots[1]
+    kv.commit("s1", again.pin)
+    host.unhold("full", (slot,))  # the write is done: the old slot goes
+    assert kv.check({"s1"}) == [] and host.audit({"full": set(), "swa": set()}) == []
+    third = kv.reserve("s1", "a", "full", [b"k0"])
+    assert third.busy == 0 and third.slots[0]
+    kv.commit("s1", third.pin)
+    assert kv.check({"s1"}) == []
