@@ -3,7 +3,7 @@
 Usage (from the repository root)::
 
     python bench/tree_bench.py [--quick] [--json out.json]
-    python bench/tree_bench.py --baseline REF [--page-sizes 1,16,64] [--rounds 3] [--quick]
+    python bench/tree_bench.py --baseline REF [--page-sizes 1,16,64] [--quick]
 
 Every figure is measured twice, for page_size 64 and for page_size 1, both with a sliding window
 of 128 tokens; the figure names carry the suffix ``_p64`` / ``_p1``. Times are per call, taken
@@ -17,10 +17,11 @@ inserted with ``swa_evicted_len`` (their decode freed the SWA KV below the last 
 matches walk across SWA tombstones. Sequences enter the tree the way an engine puts them there:
 match+lock, allocate pages for the uncached part, insert, unlock.
 
-``--baseline REF`` runs the same figures on the tree of git ``REF`` (``daemon/tree`` exported with
-``git archive`` and imported under another name) in the same run: each side and page size in a
-fresh process, ``--rounds`` times, the order flipping every round; it prints the medians of this
-checkout's figures beside the baseline's, with their ratio.
+``--baseline REF`` compares with the tree of git ``REF`` (``daemon/tree`` exported with ``git
+archive`` and imported under another name) in this process: both trees populated alike, then
+insert_4k, match_4k_churn and lock_unlock_churn timed on each in turns, operation by operation (separate
+runs on this shared machine moved by up to 1.7x between runs of the same code), and bytes per
+cached token of each; it prints them side by side with the ratio.
 
 ``run(quick, extra=None)`` returns the flat dict of figures (``extra``: a zero-argument callable
 returning more figures to merge in, e.g. the multi-turn replay); ``main(argv)`` also prints the
@@ -40,11 +41,7 @@ import argparse  # noqa: E402
 import gc  # noqa: E402
 import importlib.util  # noqa: E402
 import inspect  # noqa: E402
-import json  # noqa: E402
 import random  # noqa: E402
-import statistics  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
 import time  # noqa: E402
 import tracemalloc  # noqa: E402
 from array import array  # noqa: E402
@@ -560,41 +557,79 @@ def tree_class_at(root: str) -> type:
     return mod.RadixTree
 
 
-def compare(ref: str, page_sizes: list[int], quick: bool, rounds: int) -> dict[str, float]:
-    """Every figure of each page size on the tree of git ``ref`` and on this checkout's, each
-    run in a fresh process (a process's first tree runs in a cleaner heap than its later ones),
-    ``rounds`` times with the order flipping every round; medians, printed side by side."""
-    base_root = export_ref(ref)
-    runs: dict[str, dict[str, list[float]]] = {"base": {}, "this": {}}
-    with tempfile.TemporaryDirectory() as tmp:
-        out_json = os.path.join(tmp, "figures.json")
-        for r in range(rounds):
-            for P in page_sizes:
-                sides = [("base", base_root), ("this", "")]
-                for side, root in sides if r % 2 == 0 else sides[::-1]:
-                    print(f"tree_bench: round {r + 1}, page_size {P}, {side}", file=sys.stderr)
-                    cmd = [sys.executable, os.path.abspath(__file__), "--page-sizes", str(P),
-                           "--json", out_json] + (["--quick"] if quick else [])
-                    subprocess.run(cmd + (["--tree-root", root] if root else ["--this-tree"]),
-                                   check=True)
-                    with open(out_json) as f:
-                        for k, v in json.load(f).items():
-                            runs[side].setdefault(k, []).append(v)
+def interleaved(page_size: int, sz: Sizes, classes: dict[str, type]) -> dict[str, dict]:
+    """insert_4k, match_4k_churn (p50, p99) and lock_unlock_churn (each right after an insert, as
+    in :func:`bench_insert`) of each tree class, taken in turns: both
+    trees are populated alike in this process, and every iteration times the same operation on
+    each (the order flipping each time), so a machine that gets busier or quieter, or a heap
+    laid out better for whichever ran first, weighs on both sides alike. Where a tree takes
+    ``trusted`` (ids already checked, as ModelCache calls it), every other insert uses it."""
+    P = page_size
+    n = SEQ_LEN // P
+    pops = {side: populate(P, sz.populated_seqs, sz.populated_long, tree_cls=cls)
+            for side, cls in classes.items()}
+    hot = {side: _usable(pop.tree, pop.seqs, SEQ_LEN)[:16] for side, pop in pops.items()}
+    trust = {side: "trusted" in inspect.signature(pop.tree.insert).parameters
+             for side, pop in pops.items()}
+    # the match and lock each follow an insert: the *_churn figures of bench_insert
+    names = ("insert_4k", "insert_4k_trusted", "match_4k_churn", "lock_unlock_churn")
+    samples: dict[str, dict[str, list[int]]] = {side: {k: [] for k in names} for side in pops}
+    iters = sz.insert_iters[P]
+    warm = min(sz.warmup, max(10, iters // 5))
+    clock = time.perf_counter_ns
+    for i in range(warm + iters):
+        for side in list(pops)[:: 1 if i % 2 else -1]:
+            tree, alloc, wl = pops[side].tree, pops[side].alloc, pops[side].wl
+            h = hot[side][i % len(hot[side])]
+            toks = wl.fresh_4k(i)
+            m = tree.match(NS, toks, lock=True)
+            prev = m.prefix_len // P
+            full, swa = _alloc(tree, alloc, n - prev)
+            trusted = trust[side] and i % 2 == 1
+            kw = {"trusted": True} if trusted else {}
+            gc.disable()
+            t0 = clock()
+            tree.insert(NS, toks, full, swa, prev * P, 0, **kw)
+            t1 = clock()
+            r = tree.match(NS, h)
+            t2 = clock()
+            tree.unlock(tree.lock(r.node_id))
+            t3 = clock()
+            gc.enable()
+            tree.unlock(m.receipt)
+            if i >= warm:
+                got = samples[side]
+                got["insert_4k_trusted" if trusted else "insert_4k"].append(t1 - t0)
+                got["match_4k_churn"].append(t2 - t1)
+                got["lock_unlock_churn"].append(t3 - t2)
+    out: dict[str, dict] = {}
+    for side, got in samples.items():
+        out[side] = {f"{k}_p50_us": _pct(v, 50) for k, v in got.items() if v}
+        out[side]["match_4k_churn_p99_us"] = _pct(got["match_4k_churn"], 99)
+    return out
+
+
+def compare(ref: str, page_sizes: list[int], quick: bool) -> dict[str, float]:
+    """This checkout's tree against the tree of git ``ref``, in this process: the latencies
+    taken in turns (:func:`interleaved`), bytes per cached token measured for each (the same
+    deterministic workload); printed side by side with the ratio."""
+    sz = QUICK if quick else FULL
+    classes = {"base": tree_class_at(export_ref(ref)), "this": RadixTree}
     out: dict[str, float] = {}
     rows = []
-    def order(k: str) -> tuple[int, int]:
-        name, _, size = k.rpartition("_p")
-        return page_sizes.index(int(size)), ORDER.index(name) if name in ORDER else len(ORDER)
-
-    for k in sorted(runs["this"], key=order):
-        v = statistics.median(runs["this"][k])
-        b = statistics.median(runs["base"][k]) if k in runs["base"] else None
-        out[k] = v
-        if b is not None:
-            out["base_" + k] = b
-        rows.append((k, _fmt(b) if b is not None else "-", _fmt(v),
-                     f"{v / b:.2f}" if b else ""))
-    head = (f"figure (median of {rounds})", ref, "this", "this/base")
+    for P in page_sizes:
+        print(f"tree_bench: page_size {P}, {ref} and this checkout in turns", file=sys.stderr)
+        figs = interleaved(P, sz, classes)
+        for side, cls in classes.items():
+            figs[side].update(bench_memory(P, sz.mem_tokens[P], cls))
+        for k, v in figs["this"].items():
+            b = figs["base"].get(k)
+            out[f"{k}_p{P}"] = v
+            if b is not None:
+                out[f"base_{k}_p{P}"] = b
+            rows.append((f"{k}_p{P}", _fmt(b) if b is not None else "-", _fmt(v),
+                         f"{v / b:.2f}" if b else ""))
+    head = ("figure", ref, "this", "this/base")
     w = [max(len(r[i]) for r in [head] + rows) for i in range(4)]
     for j, r in enumerate([head] + rows):
         print("  ".join(c.ljust(w[i]) if i == 0 else c.rjust(w[i]) for i, c in enumerate(r)))
@@ -603,37 +638,20 @@ def compare(ref: str, page_sizes: list[int], quick: bool, rounds: int) -> dict[s
     return out
 
 
-def run_one_side(tree_cls: type, page_sizes: list[int], quick: bool) -> dict[str, float]:
-    sz = QUICK if quick else FULL
-    figures: dict[str, float] = {}
-    for P in page_sizes:
-        figures.update(run_page_size(P, sz, tree_cls))
-    return figures
-
-
 def main(argv: list[str] | None = None) -> dict[str, float]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer iterations (under a minute)")
     ap.add_argument("--json", metavar="PATH", help="write the figures as a flat JSON object")
     ap.add_argument("--baseline", metavar="REF",
-                    help="compare with the tree of this git ref (fresh processes, alternating)")
-    ap.add_argument("--rounds", type=int, default=3, help="with --baseline: rounds per side")
+                    help="compare with the tree of this git ref, in this process, in turns")
     ap.add_argument("--page-sizes", default="64,1", help="with --baseline: page sizes to run")
-    # one side of a --baseline comparison, in its own process
-    ap.add_argument("--tree-root", help=argparse.SUPPRESS)
-    ap.add_argument("--this-tree", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     sizes = [int(x) for x in args.page_sizes.split(",")]
     if not set(sizes) <= set(FULL.insert_iters):
         ap.error(f"--page-sizes: each of {sorted(FULL.insert_iters)}, got {sizes}")
-    if args.tree_root or args.this_tree:
-        cls = tree_class_at(args.tree_root) if args.tree_root else RadixTree
-        figures = run_one_side(cls, sizes, args.quick)
-        write_json(args.json, figures)
-        return figures
     t = time.perf_counter()
     if args.baseline:
-        figures = compare(args.baseline, sizes, args.quick, args.rounds)
+        figures = compare(args.baseline, sizes, args.quick)
         print(f"total {time.perf_counter() - t:.1f} s")
         if args.json:
             write_json(args.json, figures)
