@@ -19,9 +19,9 @@ match+lock, allocate pages for the uncached part, insert, unlock.
 
 ``--baseline REF`` compares with the tree of git ``REF`` (``daemon/tree`` exported with ``git
 archive`` and imported under another name) in this process: both trees populated alike, then
-insert_4k, match_4k_churn and lock_unlock_churn timed on each in turns, operation by operation (separate
-runs on this shared machine moved by up to 1.7x between runs of the same code), and bytes per
-cached token of each; it prints them side by side with the ratio.
+insert_4k, match_4k_churn and lock_unlock_churn timed on each in turns, operation by operation
+(separate runs on this shared machine moved by up to 1.7x between runs of the same code), and
+bytes per cached token of each; it prints them side by side with the ratio.
 
 ``run(quick, extra=None)`` returns the flat dict of figures (``extra``: a zero-argument callable
 returning more figures to merge in, e.g. the multi-turn replay); ``main(argv)`` also prints the
