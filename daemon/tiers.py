@@ -431,7 +431,7 @@ class TierManager:
     # ------------------------------------------------------------------ L3 write
 
     def _l3_id(self, page_hash: bytes) -> bytes:
-        """The page's name in L3: its tree hash salted with the model's identity."""
+        """The page's name in L3: its page key salted with the model's identity."""
         return hashlib.sha256(self._l3_salt + page_hash).digest()
 
     def _queue_l3(self, node: Node, full_slots: array, swa_slots: Iterable[int],
