@@ -255,11 +255,14 @@ class KeyedTier:
         slots = array("i", bytes(4 * len(keys)))
         clock = self.cache.tree.clock
         want = 0
+        hashes: dict[bytes, bytes] = {}
         for k in keys:
             page = self.pages.get(ns, kind, k)
             if page is not None:
                 self.pages.touch(page, clock)  # in use: the last to make room
-            elif not self.pages.is_reserved(ns, kind, k):
+                continue
+            h = hashes[k] = keyed_hash(ns, self.fingerprint, kind, k)
+            if not self.pages.is_reserved(ns, kind, k) and pool.lookup(h) is None:
                 want += 1
         fit = self.fit_quota(ns, want) if kind == "full" else want
         self.make_room(kind, fit, ns)
@@ -269,7 +272,7 @@ class KeyedTier:
         for i, k in enumerate(keys):
             if self.pages.get(ns, kind, k) is not None:
                 continue  # stored: nothing to write
-            h = keyed_hash(ns, self.fingerprint, kind, k)
+            h = hashes.get(k) or keyed_hash(ns, self.fingerprint, kind, k)
             # another reservation is writing it, or its old page is gone but its slot is still
             # read (an L3 write in flight holds it): a new copy can be reserved once that ends
             if self.pages.is_reserved(ns, kind, k) or pool.lookup(h) is not None:
