@@ -38,13 +38,14 @@ from typing import Any
 
 from radixd_client import protocol as P
 
-from .gpu.allocator import chunked
+from .gpu.allocator import AUDIT_STEP_SLOTS
 from .model_cache import ModelCache
 from .storage.codec import encode_page
 from .storage.host_pool import HostPool
 from .storage.host_tier import HostTier
 from .storage.keyed_pages import KeyedPage, KeyedPages, KvPin, keyed_hash
 from .storage.redis_tier import RedisTier
+from .tree import chunked
 
 log = logging.getLogger("radixd.keyed")
 
@@ -499,7 +500,7 @@ class KeyedTier:
         pool = self.host.full if kind == "full" else self.host.swa
         keyed = self.host.keyed[kind]
         if pool is None:
-            for chunk in chunked(self._keyed_slots(kind)):
+            for chunk in chunked(self._keyed_slots(kind), AUDIT_STEP_SLOTS):
                 if any(x is not None for x in chunk):
                     v.append(f"keyed {kind} pages but no {kind} host pool")
                     return
@@ -517,7 +518,7 @@ class KeyedTier:
         wrong_hash: KeyedPage | None = None
         misplaced: dict[str, set[int]] = {}  # isolation: namespace -> segments it does not hold
         alloc = pool.allocator if self.host.isolated else None
-        for chunk in chunked(self._keyed_slots(kind)):
+        for chunk in chunked(self._keyed_slots(kind), AUDIT_STEP_SLOTS):
             by_ns: dict[str, list[int]] = {}
             for item in chunk:
                 if item is None:
@@ -553,7 +554,7 @@ class KeyedTier:
             v.append(f"keyed {kind}: a host slot is held by two keyed pages or reservations")
         n_mine = len(free) + distinct_held
         agree = n_mine == len(keyed)
-        for chunk in chunked(keyed):
+        for chunk in chunked(keyed, AUDIT_STEP_SLOTS):
             agree = agree and all(0 <= s < cap and marks[s] or s in odd for s in chunk)
             yield
         if not agree:  # the report: a rare path, in one step

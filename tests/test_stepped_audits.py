@@ -26,12 +26,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from radixd_client import protocol as P
 
+import daemon.keyed_tier as keyed_tier_module
+import daemon.storage.host_pool as host_pool_module
+import daemon.storage.host_tier as host_tier_module
 import daemon.storage.keyed_pages as keyed_pages_module
 from daemon.app import build_service
 from daemon.checker import Checker
 from daemon.config import CheckerConfig, Config
 from daemon.entities import Peer
-from daemon.gpu import allocator
 from daemon.gpu.profile import ModelProfile
 from daemon.keyed_tier import KeyedTier
 from daemon.model_cache import ModelCache
@@ -50,13 +52,15 @@ NS = {"s1": "a", "s2": "b"}
 def step_size(n: int) -> Iterator[None]:
     """Audit steps of ``n`` slots (the daemon's is AUDIT_STEP_SLOTS): small pools then still
     span many steps, and every chunk boundary is crossed."""
-    saved = (allocator.chunked.__defaults__, keyed_pages_module.AUDIT_STEP_SLOTS)
-    allocator.chunked.__defaults__ = (n,)
-    keyed_pages_module.AUDIT_STEP_SLOTS = n
+    modules = (host_pool_module, host_tier_module, keyed_pages_module, keyed_tier_module)
+    saved = [m.AUDIT_STEP_SLOTS for m in modules]
+    for m in modules:
+        m.AUDIT_STEP_SLOTS = n
     try:
         yield
     finally:
-        allocator.chunked.__defaults__, keyed_pages_module.AUDIT_STEP_SLOTS = saved
+        for m, was in zip(modules, saved, strict=True):
+            m.AUDIT_STEP_SLOTS = was
 
 
 # -- the reference: the audits as they were before they were stepped (one set-based piece) ----
@@ -437,7 +441,7 @@ def test_no_step_of_a_pass_over_a_large_host_pool_is_long() -> None:
             gc.enable()
         assert v == []
         total = sum(steps)
-        assert len(steps) > 4 * 20_000 // allocator.AUDIT_STEP_SLOTS
+        assert len(steps) > 4 * 20_000 // host_pool_module.AUDIT_STEP_SLOTS
         assert max(steps) < total / 20, (max(steps), total)
     finally:
         svc.close()

@@ -9,10 +9,6 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Iterable, Iterator
-from itertools import islice
-from typing import TypeVar
-
-T = TypeVar("T")
 
 
 class AllocatorError(ValueError):
@@ -40,17 +36,6 @@ AUDIT_STEP_PAGES = 256
 #: host slots or keyed pages one audit step looks at one by one (a few dict look-ups each: p99
 #: about 0.2 ms a step on the 2-core development machine; bench/host_audit_bench.py measures it)
 AUDIT_STEP_SLOTS = 256
-
-
-def chunked(items: Iterable[T], n: int = AUDIT_STEP_SLOTS) -> Iterator[list[T]]:
-    """``items`` in lists of at most ``n``, read lazily: a stepped audit takes one list per step
-    from a live container (a dict, a set) instead of copying the whole of it in one go. The
-    container must not change between two steps; the checker's state version gives a pass up
-    when it does (daemon/checker.py), and a change it missed raises, which a complete check then
-    judges."""
-    it = iter(items)
-    while chunk := list(islice(it, n)):
-        yield chunk
 
 
 #: page state byte -> 1 where free

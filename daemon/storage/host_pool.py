@@ -47,7 +47,7 @@ import torch
 from radixd_client.pools import PoolError, tensor_over
 from radixd_client.segments import SegmentedRegion
 
-from daemon.gpu.allocator import AUDIT_STEP_PAGES, AllocatorError, OutOfPages, chunked
+from daemon.gpu.allocator import AUDIT_STEP_PAGES, AUDIT_STEP_SLOTS, AllocatorError, OutOfPages
 from daemon.gpu.profile import DTYPE_ITEMSIZE, ModelProfile, torch_dtype
 from daemon.gpu.segments import SegmentedAllocator
 from daemon.gpu.shared_memory import (
@@ -56,6 +56,7 @@ from daemon.gpu.shared_memory import (
     create_sealed_memfd,
     renew_segment_memfd,
 )
+from daemon.tree import chunked
 
 __all__ = ["HASH_BYTES", "HOST_POOL_LAYOUT", "MARK_FREE", "MARK_HELD", "AllocatorError",
            "HostPool", "OutOfPages", "PoolError"]
@@ -429,7 +430,7 @@ class HostPool:
         yield from self._alloc.audit_steps(v, m)  # leaves 1 (MARK_FREE) on free-listed slots
         hash_at = self._hash_of.get
         agree = True
-        for chunk in chunked(self._slot_of.items()):
+        for chunk in chunked(self._slot_of.items(), AUDIT_STEP_SLOTS):
             for page_hash, slot in chunk:
                 if not isinstance(page_hash, bytes) or len(page_hash) != HASH_BYTES:
                     v.append(f"{name}: index key {page_hash!r} is not a {HASH_BYTES}-byte hash")
@@ -442,7 +443,7 @@ class HostPool:
         # disagreement makes it worth counting (a rare path, in one step)
         if not agree and len(set(self._slot_of.values())) != len(self._slot_of):
             v.append(f"{name}: a slot is indexed under two hashes")
-        for chunk in chunked(self._hash_of.items()):
+        for chunk in chunked(self._hash_of.items(), AUDIT_STEP_SLOTS):
             for slot, page_hash in chunk:
                 if self._slot_of.get(page_hash) != slot:
                     v.append(f"{name}: slot {slot} records a hash the index does not map to it")
@@ -452,7 +453,7 @@ class HostPool:
         low: list[int] = []  # reference count below 1
         outside: list[int] = []
         both: list[int] = []  # free and held
-        for chunk in chunked(self._refs.items()):
+        for chunk in chunked(self._refs.items(), AUDIT_STEP_SLOTS):
             for slot, n in chunk:
                 unhashed |= slot not in hashed
                 if not isinstance(n, int) or n < 1:

@@ -19,9 +19,9 @@ from collections import Counter
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-from daemon.gpu.allocator import AllocatorError, OutOfPages, chunked
+from daemon.gpu.allocator import AUDIT_STEP_SLOTS, AllocatorError, OutOfPages
 from daemon.gpu.profile import ModelProfile
-from daemon.tree import page_keys
+from daemon.tree import chunked, page_keys
 
 from .host_pool import MARK_HELD, HostPool
 
@@ -189,7 +189,7 @@ class HostTier:
             wrong: tuple[int, int, int] | None = None  # the first miscounted slot
             tree_held = 0  # held slots in the tree
             stray = False  # a held slot nothing accounts for
-            for chunk in chunked(pool.reference_counts().items()):
+            for chunk in chunked(pool.reference_counts().items(), AUDIT_STEP_SLOTS):
                 for s, n in chunk:
                     t = s in tree
                     tree_held += t
@@ -204,7 +204,7 @@ class HostTier:
                 v.append(f"{kind} host slot {s}: {n} references, the tree, copies and readers "
                          f"account for {want}")
             both: list[int] = []
-            for chunk in chunked(pend):
+            for chunk in chunked(pend, AUDIT_STEP_SLOTS):
                 both += (s for s in chunk if s in tree)
                 stray |= _unheld(chunk, marks)
                 yield
@@ -212,14 +212,14 @@ class HostTier:
                 v.append(f"{kind} host slots {sorted(both)[:10]} are in the tree and pending a "
                          "copy")
             both = []
-            for chunk in chunked(keyed):
+            for chunk in chunked(keyed, AUDIT_STEP_SLOTS):
                 both += (s for s in chunk if s in tree or s in pend)
                 stray |= _unheld(chunk, marks)
                 yield
             if both:
                 v.append(f"{kind} host slots {sorted(both)[:10]} are keyed and in the tree or "
                          "pending")
-            for chunk in chunked(readers):
+            for chunk in chunked(readers, AUDIT_STEP_SLOTS):
                 stray |= _unheld(chunk, marks)
                 yield
             n_tree = len(tree)

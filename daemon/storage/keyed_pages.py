@@ -23,7 +23,8 @@ from collections import OrderedDict
 from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, field
 
-from daemon.gpu.allocator import AUDIT_STEP_SLOTS, chunked
+from daemon.gpu.allocator import AUDIT_STEP_SLOTS
+from daemon.tree import chunked
 
 #: Domain tag of a keyed page's host-pool hash (tree page hashes chain from a namespace seed).
 KEYED_HASH_TAG = b"radixd-keyed-page\x00"
@@ -233,7 +234,7 @@ class KeyedPages:
         for kind, order in self.order.items():
             n = 0
             missing = False  # a page of this kind the recency order lacks
-            for chunk in chunked(self.pages):
+            for chunk in chunked(self.pages, AUDIT_STEP_SLOTS):
                 for pid in chunk:
                     if pid[1] == kind:
                         n += 1
@@ -243,7 +244,7 @@ class KeyedPages:
                 mine = {pid for pid in self.pages if pid[1] == kind}
                 v.append(f"keyed {kind}: recency order and pages disagree on "
                          f"{sorted(set(order) ^ mine)[:5]}")
-        for chunk in chunked(self.pages.items()):
+        for chunk in chunked(self.pages.items(), AUDIT_STEP_SLOTS):
             for pid, page in chunk:
                 if pid != (page.ns, page.kind, page.key):
                     v.append(f"keyed page {pid!r} is indexed under another key")
@@ -286,20 +287,21 @@ class KeyedPages:
                 yield
         yield
         same = len(reserving) == len(self.reserving)
-        for chunk in chunked(reserving.items()):
+        for chunk in chunked(reserving.items(), AUDIT_STEP_SLOTS):
             same = same and all(self.reserving.get(pid, 0) == i for pid, i in chunk)
             yield
         if not same:
             v.append("keyed reservations and the reserving index disagree")
         listed: set[int] = set()
         unknown = False  # an owner lists a pin that does not exist
-        for chunk in chunked(i for ids in self.by_owner.values() for i in ids):
+        owned = (i for ids in self.by_owner.values() for i in ids)
+        for chunk in chunked(owned, AUDIT_STEP_SLOTS):
             listed.update(chunk)
             unknown |= any(i not in self.pins for i in chunk)
             yield
         if unknown or len(listed) != len(self.pins):
             v.append(f"keyed pins listed by owners {len(listed)} != pins {len(self.pins)}")
-        for chunk in chunked(self.pages.values()):
+        for chunk in chunked(self.pages.values(), AUDIT_STEP_SLOTS):
             for page in chunk:
                 if page.pins != want_pins.get(id(page), 0):
                     v.append(f"keyed page {page.key!r}: pin count {page.pins}, pins account "

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Any
 
 from .hashing import HASH_BYTES, block_hashes
@@ -102,14 +103,13 @@ def audit_tree(tree: RadixTree, *, deep: bool = True) -> TreeAudit:
 
 
 def chunked(items: Iterable[Any], n: int = STEP_ITEMS) -> Iterator[list[Any]]:
-    """``items`` in lists of at most ``n``: a step's worth of a long loop."""
-    chunk: list[Any] = []
-    for x in items:
-        chunk.append(x)
-        if len(chunk) == n:
-            yield chunk
-            chunk = []
-    if chunk:
+    """``items`` in lists of at most ``n``, read lazily: a step's worth of a long loop, taken
+    from a live container (a dict, a set) one list a step instead of copying all of it in one
+    go. The container must not change between two steps; the checker's state version gives a
+    pass up when it does (daemon/checker.py), and a change it missed raises, which a complete
+    check then judges."""
+    it = iter(items)
+    while chunk := list(islice(it, n)):
         yield chunk
 
 
