@@ -12,6 +12,7 @@ import asyncio
 import os
 import random
 from array import array
+from collections.abc import Callable
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -93,13 +94,14 @@ class Engine:
             assert code in ("out_of_memory", "OutOfPages"), exc
 
 
-async def _interleave(svc: Service, seed: int, ops: int, gaps: list[int]) -> Checker:
-    """``ops`` operations, each after ``gaps[i]`` turns of the loop, while stepped passes run
-    back to back (one step per slice); returns the checker once the operations are done and a
-    last pass over the quiet state has run."""
+async def interleave(svc: Service, step: Callable[[], object], ops: int, gaps: list[int]
+                     ) -> Checker:
+    """``ops`` calls of ``step`` (each a change of the service's state), each after ``gaps[i]``
+    turns of the loop, while stepped passes run back to back (one step per slice); returns the
+    checker once the changes are done and a last pass over the quiet state has run. No pass
+    may report anything (tests/test_stepped_audits.py uses it too)."""
     checker = Checker(svc, CheckerConfig(slice_ms=0.001, strict=True))
     checker.bind(ops=lambda: 0, stop=lambda code: None, pending=lambda: True)
-    engine = Engine(svc, seed)
     done = asyncio.Event()
     results: list[list[str] | None] = []
 
@@ -111,7 +113,7 @@ async def _interleave(svc: Service, seed: int, ops: int, gaps: list[int]) -> Che
         for i in range(ops):
             for _ in range(gaps[i % len(gaps)]):
                 await asyncio.sleep(0)
-            engine.step()
+            step()
         done.set()
 
     await asyncio.gather(passes(), operations())
@@ -130,7 +132,7 @@ def test_operations_between_steps_never_make_a_finding(seed: int, ops: int,
     the end and finds nothing, or notices the change and is given up: no finding reaches the
     confirming complete check (``unconfirmed`` stays 0), and the complete check agrees."""
     svc = _service()
-    checker = asyncio.run(_interleave(svc, seed, ops, gaps))
+    checker = asyncio.run(interleave(svc, Engine(svc, seed).step, ops, gaps))
     assert checker.passes.unconfirmed == 0
     assert checker.passes.done >= 1
     assert svc.check() == []

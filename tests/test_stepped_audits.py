@@ -40,6 +40,7 @@ from daemon.model_cache import ModelCache
 from daemon.service import Service
 from daemon.storage.host_pool import HASH_BYTES, HostPool
 from daemon.storage.host_tier import HostTier
+from tests.test_checker_steps import interleave
 
 PROFILE = ModelProfile(name="tiny", page_size=4, sliding_window=8, num_full_layers=1,
                        num_swa_layers=1, num_kv_heads=1, head_dim=512, dtype="float32",
@@ -526,32 +527,6 @@ class Traffic:
             assert getattr(exc, "code", None) == "out_of_memory", exc
 
 
-async def _interleave(svc: Service, traffic: Traffic, ops: int, gaps: list[int]) -> Checker:
-    """``ops`` changes, each after ``gaps[i]`` turns of the loop, while stepped passes run back
-    to back (one step per slice); then one pass over the quiet state."""
-    checker = Checker(svc, CheckerConfig(slice_ms=0.001, strict=True))
-    checker.bind(ops=lambda: 0, stop=lambda code: None, pending=lambda: True)
-    done = asyncio.Event()
-    results: list[list[str] | None] = []
-
-    async def passes() -> None:
-        while not done.is_set():
-            results.append(await checker.run_stepped())
-
-    async def changes() -> None:
-        for i in range(ops):
-            for _ in range(gaps[i % len(gaps)]):
-                await asyncio.sleep(0)
-            traffic.step()
-        done.set()
-
-    await asyncio.gather(passes(), changes())
-    results.append(await checker.run_stepped())
-    assert all(not r for r in results), results
-    assert results[-1] == []
-    return checker
-
-
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), ops=st.integers(1, 80),
        gaps=st.lists(st.integers(0, 200), min_size=1, max_size=6),
@@ -567,7 +542,7 @@ def test_host_and_keyed_changes_between_steps_never_make_a_finding(
         for _ in range(20):  # a store with pages, pins and copies to walk over
             traffic.step()
         with step_size(step):
-            checker = asyncio.run(_interleave(svc, traffic, ops, gaps))
+            checker = asyncio.run(interleave(svc, traffic.step, ops, gaps))
         assert checker.passes.unconfirmed == 0
         assert checker.passes.done >= 1
         assert svc.check() == []
