@@ -646,9 +646,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                     help="compare with the tree of this git ref, in this process, in turns")
     ap.add_argument("--page-sizes", default="64,1", help="with --baseline: page sizes to run")
     args = ap.parse_args(argv)
-    sizes = [int(x) for x in args.page_sizes.split(",")]
-    if not set(sizes) <= set(FULL.insert_iters):
-        ap.error(f"--page-sizes: each of {sorted(FULL.insert_iters)}, got {sizes}")
+    sizes = [int(x) for x in args.page_sizes.split(",") if x.isdigit()]
+    if len(sizes) != len(args.page_sizes.split(",")) or not set(sizes) <= set(FULL.insert_iters):
+        ap.error(f"--page-sizes: a comma-separated list of {sorted(FULL.insert_iters)}, got "
+                 f"{args.page_sizes!r}")
     t = time.perf_counter()
     if args.baseline:
         figures = compare(args.baseline, sizes, args.quick)

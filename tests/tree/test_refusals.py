@@ -34,3 +34,10 @@ def test_refused_insert_leaves_the_tree_unchanged() -> None:
         t.insert("ns", _pages(1, 5, 6), array("i", [9]), array("i", [9]), prev_prefix_len=2 * P)
     assert check_tree(t) == []
     assert (sorted(t.nodes), t._clock, t.stats["splits"]) == before
+
+
+@pytest.mark.parametrize("bad", [0, -64, 1.5, "64", None])
+def test_a_bad_hash_block_size_is_refused_by_name(bad) -> None:
+    """``hash_block_tokens`` (tests draw small blocks through it) must be a positive int."""
+    with pytest.raises(BadArgument, match="hash_block_tokens must be an int >= 1"):
+        RadixTree(4, 8, CollectingSink(), hash_block_tokens=bad)
