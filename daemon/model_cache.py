@@ -11,15 +11,16 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Callable, Hashable, Iterable, Iterator
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .gpu.allocator import AUDIT_STEP_PAGES, AllocatorError, OutOfPages
+import numpy as np
+
+from .gpu.allocator import AllocatorError, OutOfPages, has_duplicates, nonzero_ids
 from .gpu.segments import PairedSegmentAllocator, audit_model_segments_steps
+from .holdings import SCAN_STEP, Holders, Holding
 from .tree import (
     DEFAULT_POLICY,
     HASH_BLOCK_TOKENS,
-    STEP_ITEMS,
     BadArgument,
     EvictResult,
     InsertResult,
@@ -32,7 +33,6 @@ from .tree import (
     ReceiptError,
     TreeAudit,
     audit_steps,
-    chunked,
 )
 
 if TYPE_CHECKING:
@@ -47,15 +47,6 @@ class PageNotHeld(AllocatorError):
     """A page the caller named is not one it holds."""
 
     code = "page_not_held"
-
-
-@dataclass
-class Holding:
-    # held page -> the namespace it was allocated for (whose segment it lies in); filled from
-    # the allocation with dict.fromkeys, so handing out n pages is not n Python steps
-    full: dict[int, str] = field(default_factory=dict)
-    swa: dict[int, str] = field(default_factory=dict)
-    receipts: set[int] = field(default_factory=set)
 
 
 class Watch:
@@ -79,12 +70,12 @@ class TreeSink:
 
     def free_full(self, pages: array) -> None:
         for w in self.watches:
-            w.tainted_full.update(p for p in pages if p in w.full)
+            w.tainted_full.update(w.full.intersection(pages))
         self.alloc.free_full(pages)
 
     def free_swa(self, pages: array) -> None:
         for w in self.watches:
-            w.tainted_swa.update(p for p in pages if p in w.swa)
+            w.tainted_swa.update(w.swa.intersection(pages))
         self.alloc.free_swa(pages)
 
     def watch(self, full: Iterable[int], swa: Iterable[int]) -> Watch:
@@ -133,9 +124,8 @@ class ModelCache:
         # host (or decline), and read host pages the tree dropped before their slots are reused.
         self.copy_to_host: Callable[[Node], None] | None = None
         self.read_host_drops: Callable[[list[Node]], None] | None = None
-        self.holdings: dict[Owner, Holding] = {}
-        self._full_owner: dict[int, Owner] = {}
-        self._swa_owner: dict[int, Owner] = {}
+        self.holders = Holders(profile.full_pages, profile.swa_pages or 0)
+        self.holdings: dict[Owner, Holding] = self.holders.by_owner
         self._receipts: dict[int, tuple[Owner, Receipt]] = {}
         self._next_receipt = 1
         self.counters = {
@@ -151,10 +141,7 @@ class ModelCache:
     # ------------------------------------------------------------------ owners
 
     def _holding(self, owner: Owner) -> Holding:
-        h = self.holdings.get(owner)
-        if h is None:
-            h = self.holdings[owner] = Holding()
-        return h
+        return self.holders.holding(owner)
 
     def _register(self, owner: Owner, r: Receipt) -> int:
         rid = self._next_receipt
@@ -174,17 +161,17 @@ class ModelCache:
         del self._receipts[rid]
         self.holdings[owner].receipts.discard(rid)
 
-    def _check_held(self, owner: Owner, full: Iterable[int], swa: Iterable[int],
-                    sets: tuple[set[int], set[int]] | None = None) -> None:
-        """Ownership, after the shape checks (_check_ids, _check_shape, which gives ``sets``)."""
+    def _check_held(self, owner: Owner, full: array, swa: array, *, swa_zeros: bool) -> None:
+        """Ownership, after the shape checks (_check_ids, _check_shape). ``swa_zeros``: a 0 in
+        ``swa`` stands for no SWA page (cache_*, insert) rather than a page id (free)."""
         h = self.holdings.get(owner)
-        fs, ss = sets if sets is not None else (set(full), set(swa))
-        if h is not None and fs <= h.full.keys() and ss <= h.swa.keys():
-            return  # the usual case, two set comparisons in C
-        for pages, owners, pool in ((full, self._full_owner, "full"),
-                                    (swa, self._swa_owner, "swa")):
+        live = nonzero_ids(swa) if swa_zeros else swa
+        if h is not None and h.full.covers(full) and h.swa.covers(live):
+            return  # the usual case, in numpy
+        for pages, held, pool in ((full, h.full if h else (), "full"),
+                                  (live, h.swa if h else (), "swa")):
             for p in pages:
-                if owners.get(p) != owner or (owner is None and p not in owners):
+                if p not in held:
                     raise PageNotHeld(f"{pool} page {p} is not held by this session")
 
     @staticmethod
@@ -195,18 +182,17 @@ class ModelCache:
         int32 is a well-formed id: 0, negative ids and ids outside the pool are ids this session
         does not hold (page_not_held)."""
         for pages, pool in ((full, "full"), (swa, "swa")):
-            if len(set(pages)) != len(pages):
+            if has_duplicates(pages):
                 raise BadArgument(f"{pool}_pages lists a page twice")
 
     def _check_shape(self, tokens: bytes, full: array, swa: array, prev_prefix_len: int,
-                     swa_evicted_len: int, *, tail: bool) -> tuple[set[int], set[int]]:
+                     swa_evicted_len: int, *, tail: bool) -> None:
         """bad_argument for what the request alone shows (counts, alignment, duplicates, the SWA
         frontier), before any ownership check: the tree checks the same again (and, against its
         own state, whether prev_prefix_len is cached), but only after _check_held would have
         answered page_not_held. Ids that are no held page (0 in full_pages, negative ids) are
         left to _check_held, as in free. ``tail``: the lists include the unaligned tail page
-        (cache_*). Returns the full ids and the SWA ids other than 0, as sets, for
-        _check_held."""
+        (cache_*)."""
         P = self.profile.page_size
         n = len(tokens) // (4 * P)
         total = -(-(len(tokens) // 4) // P) if tail else n
@@ -226,7 +212,6 @@ class ModelCache:
         if len(full) != want:
             raise BadArgument(f"full_pages has {len(full)} ids; pages [{prev}, {total}) need "
                               f"{want}")
-        live: set[int] = set()
         if self.swa_enabled:
             if len(swa) != want:
                 raise BadArgument(f"swa_pages has {len(swa)} ids; pages [{prev}, {total}) need "
@@ -242,35 +227,21 @@ class ModelCache:
                 j = swa.index(0, k)
                 raise BadArgument(f"swa_pages[{j}] must be a page id: page {prev + j} is at "
                                   f"or after swa_evicted_len={swa_evicted_len}")
-            live = set(swa[k:])
-            live.discard(0)  # a tail page may come without SWA
-            if len(live) != want - k - swa[e:].count(0):
+            if has_duplicates(nonzero_ids(swa[k:])):  # a tail page may come without SWA (0)
                 raise BadArgument("swa_pages must be distinct page ids")
         elif (any(swa) if tail else len(swa)):  # (cache_* accept zeros there, as before)
             raise BadArgument("this model has no sliding-window layers: swa_pages must be empty")
-        fs = set(full)
-        if len(fs) != len(full):
+        if has_duplicates(full):
             raise BadArgument("full_pages must be distinct page ids")
-        return fs, live
 
-    def _release_pages(self, owner: Owner, full: Iterable[int], swa: Iterable[int]) -> None:
-        """Pages that left the owner (to the tree or back to the free list)."""
+    def _release_pages(self, owner: Owner, full: array, swa: array) -> None:
+        """Pages that left the owner (to the tree or back to the free list), all held by it
+        (_check_held); a 0 in ``swa`` (no SWA page) is skipped."""
         h = self.holdings.get(owner)
         if h is None:  # it holds nothing: _check_held already refused any page it named
             return
-        if full:
-            fo = self._full_owner
-            hf = h.full
-            for p in full:
-                del fo[p]
-                del hf[p]
-        if swa:
-            so = self._swa_owner
-            hs = h.swa
-            for p in swa:
-                if p:
-                    del so[p]
-                    del hs[p]
+        h.full.remove(full)
+        h.swa.remove(swa)
 
     # ------------------------------------------------------------------ operations
 
@@ -384,21 +355,26 @@ class ModelCache:
 
     def _hand_out(self, owner: Owner, full: array, swa: array, namespace: str) -> None:
         h = self._holding(owner)
-        self._full_owner.update(dict.fromkeys(full, owner))
-        self._swa_owner.update(dict.fromkeys(swa, owner))
-        h.full.update(dict.fromkeys(full, namespace))
-        h.swa.update(dict.fromkeys(swa, namespace))
+        h.full.add(namespace, full)
+        h.swa.add(namespace, swa)
 
-    def disown(self, owner: Owner) -> tuple[array, array]:
-        """Every page ``owner`` holds, no longer held by it (the caller hands them on)."""
-        h = self.holdings.pop(owner, None)
+    def disown(self, owner: Owner, known: tuple[array, array] | None = None
+               ) -> tuple[array, array]:
+        """Every page ``owner`` holds, no longer held by it (the caller hands them on).
+        ``known``: the pages the caller believes it holds (a load job's); when they are all
+        it holds, the page tables are not scanned for them."""
+        h = self.holdings.get(owner)
         if h is None:
             return array("i"), array("i")
-        for p in h.full:
-            del self._full_owner[p]
-        for p in h.swa:
-            del self._swa_owner[p]
-        return array("i", sorted(h.full)), array("i", sorted(h.swa))
+        if (known is not None and len(known[0]) == len(h.full) and len(known[1]) == len(h.swa)
+                and h.full.covers(known[0]) and h.swa.covers(known[1])):
+            full, swa = known
+            h.full.remove(full)
+            h.swa.remove(swa)
+        else:
+            full, swa = array("i", h.full), array("i", h.swa)
+        self.holders.drop(owner)
+        return full, swa
 
     def can_alloc(self, n: int, namespace: str = "") -> bool:
         """Whether ``n`` pages of each pool are free to ``namespace`` or might be made free by
@@ -413,8 +389,8 @@ class ModelCache:
     def oom_error(self, n: int, namespace: str = "") -> OutOfPages:
         a = self.alloc_state
         t = self.tree
-        held_full = len(self._full_owner)
-        held_swa = len(self._swa_owner)
+        held_full = self.held_full_pages
+        held_swa = self.held_swa_pages
         key = self.space(namespace)
         swa_free = a.swa.available_to(key) if a.swa is not None else 0
         return OutOfPages(
@@ -438,7 +414,7 @@ class ModelCache:
         full = array("i", full)
         swa = array("i", swa)
         self._check_ids(full, swa)
-        self._check_held(owner, full, swa)
+        self._check_held(owner, full, swa, swa_zeros=False)
         self._release_pages(owner, full, swa)
         if full:
             self.alloc_state.free_full(full)
@@ -450,8 +426,8 @@ class ModelCache:
         prev_prefix_len: int = 0, swa_evicted_len: int = 0, *, lock: bool = False,
     ) -> tuple[InsertResult, int | None]:
         full, swa = _ids(full), _ids(swa)
-        held = self._check_shape(tokens, full, swa, prev_prefix_len, swa_evicted_len, tail=False)
-        self._check_held(owner, full, (p for p in swa if p), held)
+        self._check_shape(tokens, full, swa, prev_prefix_len, swa_evicted_len, tail=False)
+        self._check_held(owner, full, swa, swa_zeros=True)
         res = self.tree.insert(namespace, tokens, full, swa, prev_prefix_len, swa_evicted_len,
                                lock=lock, trusted=True)
         k = res.inserted_len // self.profile.page_size - prev_prefix_len // self.profile.page_size
@@ -465,9 +441,9 @@ class ModelCache:
         prev_prefix_len: int, swa_evicted_len: int, rid: int | None,
     ) -> InsertResult:
         full, swa = _ids(full), _ids(swa)
-        held = self._check_shape(tokens, full, swa, prev_prefix_len, swa_evicted_len, tail=True)
+        self._check_shape(tokens, full, swa, prev_prefix_len, swa_evicted_len, tail=True)
         r = self._receipt(owner, rid) if rid is not None else None
-        self._check_held(owner, full, (p for p in swa if p), held)
+        self._check_held(owner, full, swa, swa_zeros=True)
         res = self.tree.cache_finished(namespace, tokens, full, swa, prev_prefix_len,
                                        swa_evicted_len, r, trusted=True)
         self._release_pages(owner, full, swa)
@@ -481,9 +457,9 @@ class ModelCache:
         prev_prefix_len: int, swa_evicted_len: int, rid: int | None,
     ) -> tuple[InsertResult, int]:
         full, swa = _ids(full), _ids(swa)
-        held = self._check_shape(tokens, full, swa, prev_prefix_len, swa_evicted_len, tail=True)
+        self._check_shape(tokens, full, swa, prev_prefix_len, swa_evicted_len, tail=True)
         r = self._receipt(owner, rid) if rid is not None else None
-        self._check_held(owner, full, (p for p in swa if p), held)
+        self._check_held(owner, full, swa, swa_zeros=True)
         res = self.tree.cache_unfinished(namespace, tokens, full, swa, prev_prefix_len,
                                          swa_evicted_len, r, trusted=True)
         k = res.inserted_len // self.profile.page_size - prev_prefix_len // self.profile.page_size
@@ -552,32 +528,30 @@ class ModelCache:
 
     def release_owner(self, owner: Owner) -> tuple[int, int, int]:
         """Everything an owner holds goes back: its locks and its pages. Returns the counts."""
-        h = self.holdings.pop(owner, None)
+        h = self.holdings.get(owner)
         if h is None:
             return (0, 0, 0)
         for rid in sorted(h.receipts):
             _, r = self._receipts.pop(rid)
             self.tree.unlock(r)
             self.settle()
-        for p in h.full:
-            del self._full_owner[p]
-        for p in h.swa:
-            del self._swa_owner[p]
-        if h.full:
-            self.alloc_state.free_full(array("i", h.full))
-        if h.swa:
-            self.alloc_state.free_swa(array("i", h.swa))
-        return (len(h.receipts), len(h.full), len(h.swa))
+        receipts = len(h.receipts)
+        full, swa = self.disown(owner)
+        if full:
+            self.alloc_state.free_full(full)
+        if swa:
+            self.alloc_state.free_swa(swa)
+        return (receipts, len(full), len(swa))
 
     @property
     def held_full_pages(self) -> int:
         """Full pages sessions hold (allocated, not yet given to the tree or freed)."""
-        return len(self._full_owner)
+        return sum(len(h.full) for h in self.holdings.values())
 
     @property
     def held_swa_pages(self) -> int:
         """SWA pages sessions hold (allocated, not yet given to the tree or freed)."""
-        return len(self._swa_owner)
+        return sum(len(h.swa) for h in self.holdings.values())
 
     # ------------------------------------------------------------------ checking
 
@@ -598,26 +572,16 @@ class ModelCache:
         yield from audit_steps(self.tree, audit, deep=deep)
         yield from audit_model_segments_steps(self, v)
         a = self.alloc_state
-        pools = [("full", a.full, audit.full_pages, self._full_owner)]
+        pools = [("full", a.full, audit.full_pages, self.holders.full)]
         if a.swa is not None:
-            pools.append(("swa", a.swa, audit.swa_pages, self._swa_owner))
-        for name, alloc, in_tree, owners in pools:
+            pools.append(("swa", a.swa, audit.swa_pages, self.holders.swa))
+        for name, alloc, in_tree, table in pools:
             free = bytearray(alloc.capacity)
             yield from alloc.audit_steps(v, free)
-            yield from _conserved(name, alloc, free, in_tree, owners, v)
+            counts: list[np.ndarray] = []
+            yield from _conserved(name, alloc, free, in_tree, table.holder_np, counts, v)
+            self.holders.audit_counts(name, v, counts[0])
         yield
-        for owner, h in list(self.holdings.items()):
-            for pages, owners in ((list(h.full), self._full_owner),
-                                  (list(h.swa), self._swa_owner)):
-                for start in range(0, len(pages), AUDIT_STEP_PAGES):
-                    if any(owners.get(p) != owner for p in pages[start:start + AUDIT_STEP_PAGES]):
-                        v.append(f"owner {owner!r}: holding and page owner maps disagree")
-                        break
-                    yield
-        if sum(len(h.full) for h in self.holdings.values()) != len(self._full_owner):
-            v.append("full page owner map holds pages no holding lists")
-        if sum(len(h.swa) for h in self.holdings.values()) != len(self._swa_owner):
-            v.append("swa page owner map holds pages no holding lists")
         if len(self.sink.watches) > 1:  # background copies run one at a time
             v.append(f"{len(self.sink.watches)} copy watches registered: one at most (a leak)")
         yield
@@ -641,22 +605,28 @@ class ModelCache:
 _AT_MOST_2 = bytes([0, 1] + [2] * 254)
 
 
-def _conserved(name: str, alloc: Any, free: bytearray, in_tree: PageMarks,
-               owners: dict[int, Any], v: list[str]) -> Iterator[None]:
+def _conserved(name: str, alloc: Any, free: bytearray, in_tree: PageMarks, holder: np.ndarray,
+               counts: list[np.ndarray], v: list[str]) -> Iterator[None]:
     """Page conservation of one pool, a chunk of page ids at a time: every page but the padding
-    page is exactly one of free (on a free list: ``free``), in the tree, held by a session. Each
-    chunk is one comparison of integers built from its bytes (free + tree count + held == 1,
-    bytewise, with no carries); only a chunk that differs is looked at page by page."""
+    page is exactly one of free (on a free list: ``free``), in the tree, held by a session (its
+    number in ``holder``). Each chunk is one comparison of integers built from its bytes (free +
+    tree count + held == 1, bytewise, with no carries); only a chunk that differs is looked at
+    page by page. Appends to ``counts`` the pages held per session number."""
     cap = alloc.capacity
-    held = bytearray(cap)
     outside: list[int] = []
-    for chunk in chunked(owners, 4 * STEP_ITEMS):
-        for p in chunk:
-            if 0 < p < cap:
-                held[p] = 1
-            else:
-                outside.append(p)
+    held_numbers = np.zeros(1, dtype=np.int64)
+    for start in range(0, len(holder), SCAN_STEP):
+        c = np.bincount(holder[start:start + SCAN_STEP])
+        if len(c) > len(held_numbers):
+            c[:len(held_numbers)] += held_numbers
+            held_numbers = c
+        else:
+            held_numbers[:len(c)] += c
         yield
+    if holder[0]:
+        v.append(f"{name} pool: the padding page 0 is held by session number {holder[0]}")
+    counts.append(held_numbers)
+    n_held = int(held_numbers[1:].sum())
     tree = in_tree.counts
     if len(tree) > cap and tree.count(0, cap) != len(tree) - cap:
         outside += [p for p in range(cap, len(tree)) if tree[p]]
@@ -666,7 +636,7 @@ def _conserved(name: str, alloc: Any, free: bytearray, in_tree: PageMarks,
     for start in range(1, cap, step):
         end = min(cap, start + step)
         t = bytes(tree[start:end]).ljust(end - start, b"\0").translate(_AT_MOST_2)
-        h = held[start:end]
+        h = (holder[start:end] != 0).tobytes()
         f = free[start:end]
         if (int.from_bytes(t, "little") + int.from_bytes(h, "little")
                 + int.from_bytes(f, "little") != int.from_bytes(b"\1" * (end - start), "little")):
@@ -683,10 +653,10 @@ def _conserved(name: str, alloc: Any, free: bytearray, in_tree: PageMarks,
         if pages and label != "unaccounted":
             v.append(f"{name} pool: pages {pages[:10]} are {label}")
     listed = free.count(1)
-    total = listed + len(in_tree) + len(owners)
+    total = listed + len(in_tree) + n_held
     if total != alloc.usable or found["unaccounted"] or outside:
         v.append(f"{name} pool: free {listed} + tree {len(in_tree)} + held "
-                 f"{len(owners)} != capacity {alloc.usable}; unaccounted "
+                 f"{n_held} != capacity {alloc.usable}; unaccounted "
                  f"{found['unaccounted'][:10]}, outside the pool {sorted(outside)[:10]}")
 
 

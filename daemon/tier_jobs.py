@@ -255,7 +255,7 @@ def begin_load(mc: ModelCache, namespace: str, tokens: bytes, device_len: int,
 def finish_load(mc: ModelCache, namespace: str, tokens: bytes, job: LoadJob, ok: bool) -> int:
     """Hand the copied pages to the tree (or free them when the copy failed); returns the pages
     that became resident."""
-    mc.disown(job.owner)
+    mc.disown(job.owner, (job.full_pages, job.swa_pages))
     fd = {i: p for (i, _), p in zip(job.plan.full, job.full_pages, strict=True)}
     sd = {i: p for (i, _), p in zip(job.plan.swa, job.swa_pages, strict=True)}
     try:

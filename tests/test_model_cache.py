@@ -222,26 +222,35 @@ def test_check_catches_a_page_owned_twice():
     assert cache.check() == []
     # a page in the tree also planted in a session's holding
     p = f[0]
-    cache._full_owner[p] = 2
-    cache.holdings[2].full[p] = NS
+    cache.holdings[2].full.add(NS, [p])
     v = cache.check()
     assert any("in the tree and held by a session" in s and str(p) in s for s in v)
-    del cache._full_owner[p]
-    del cache.holdings[2].full[p]
+    cache.holdings[2].full.remove([p])
     assert cache.check() == []
     # a free page also held by a session
     q = cache.alloc_state.swa._seg_free[0][-1]
-    cache._swa_owner[q] = 2
-    cache.holdings[2].swa[q] = NS
+    cache.holdings[2].swa.add(NS, [q])
     v = cache.check()
     assert any("free and held by a session" in s for s in v)
+    cache.holdings[2].swa.remove([q])
+    assert cache.check() == []
+    # a page held under a session number no holding has (a holding dropped without its pages)
+    cache.holders.full.holder[g[0]] = 9
+    v = cache.check()
+    assert any("held by session number 9, which no holding has" in s for s in v)
+    assert any("its full holding counts 1 pages, the page table gives it 0" in s for s in v)
 
 
-def test_check_catches_holding_maps_disagreeing():
+def test_check_catches_a_holding_miscounted():
     cache = make_cache()
-    f, w = cache.alloc(1, 2)
-    cache._full_owner[f[0]] = 2  # the page map says owner 2, the holding says owner 1
-    assert any("disagree" in s for s in cache.check())
+    cache.alloc(1, 2)
+    assert cache.check() == []
+    cache.holdings[1].full.count += 1
+    assert any("its full holding counts 3 pages, the page table gives it 2" in s
+               for s in cache.check())
+    cache.holdings[1].full.count -= 1
+    cache.holders.full.holder[0] = 1
+    assert any("padding page 0 is held" in s for s in cache.check())
 
 
 def test_model_without_swa():

@@ -27,16 +27,21 @@ from array import array
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 from radixd_client.errors import PoolError
 from radixd_client.segments import check_segment_alignment
 
 from daemon.gpu.allocator import (
     AUDIT_STEP_PAGES,
+    VECTOR_MIN,
     AllocatorError,
     OutOfPages,
+    as_page_array,
     check_allocated,
     mark_free,
     marked_free,
+    page_ids,
+    set_states,
 )
 
 if TYPE_CHECKING:
@@ -267,9 +272,7 @@ class SegmentedAllocator:
     def _handed_out(self, pages: array, namespace: str) -> None:
         self._ns_free[namespace] -= len(pages)
         self._free_pages -= len(pages)
-        st = self._state
-        for p in pages:
-            st[p] = _USED
+        set_states(self._state, pages, _USED)
 
     def _take(self, seg: int, k: int) -> array:
         free = self._seg_free[seg]
@@ -306,23 +309,22 @@ class SegmentedAllocator:
 
     def check_free(self, pages: Iterable[int]) -> None:
         """Raise unless every page is allocated and listed once (validation before any change)."""
-        check_allocated(self.name, self._state, pages)
+        check_allocated(self.name, self._state, as_page_array(pages))
 
     def free(self, pages: Iterable[int]) -> None:
         """Pages back to their segments; a segment left empty goes back to the free list."""
-        pages = pages if isinstance(pages, array) else array("i", pages)
-        self.check_free(pages)
-        st = self._state
-        sp = self.segment_pages
+        pages = as_page_array(pages)
+        check_allocated(self.name, self._state, pages)
+        set_states(self._state, pages, _FREE)
         emptied: set[int] = set()
-        for p in pages:
-            st[p] = _FREE
-            seg = p // sp
-            if not self._seg_free[seg]:
-                self._ns_open[self.owner[seg]][seg] = None  # type: ignore[index]
-            self._seg_free[seg].append(p)
-            self._seg_used[seg] -= 1
-            self._ns_free[self.owner[seg]] += 1  # type: ignore[index]
+        for seg, back in self._by_segment(pages):
+            free = self._seg_free[seg]
+            owner = self.owner[seg]
+            if not free:
+                self._ns_open[owner][seg] = None  # type: ignore[index]
+            free.extend(back)
+            self._seg_used[seg] -= len(back)
+            self._ns_free[owner] += len(back)  # type: ignore[index]
             if not self._seg_used[seg]:
                 emptied.add(seg)
         self._free_pages += len(pages)
@@ -337,6 +339,36 @@ class SegmentedAllocator:
             self.owner[seg] = None
             self._free_segments.append(seg)
             self._free_segment_pages += len(self._seg_free[seg])
+
+    def _by_segment(self, pages: array) -> list[tuple[int, array]]:
+        """``pages`` split by segment, each part in its pages' order, the parts in the order of
+        their first page (a page-by-page loop's order: the free lists, and the order in which
+        segments open, come out the same)."""
+        if self.num_segments == 1:
+            return [(0, pages)] if len(pages) else []
+        if len(pages) < VECTOR_MIN:
+            parts: dict[int, array] = {}
+            sp = self.segment_pages
+            for p in pages:
+                part = parts.get(p // sp)
+                if part is None:
+                    part = parts[p // sp] = array("i")
+                part.append(p)
+            return list(parts.items())
+        segs = page_ids(pages) // self.segment_pages
+        if not len(segs) or segs.min() == segs.max():
+            return [(int(segs[0]), pages)] if len(segs) else []
+        order = np.argsort(segs, kind="stable")
+        ranked = segs[order]
+        starts = np.flatnonzero(np.diff(ranked)) + 1
+        bounds = np.concatenate(([0], starts, [len(ranked)]))
+        picked = page_ids(pages)[order]
+        out = []
+        for g in np.argsort(order[bounds[:-1]]):
+            part = array("i")
+            part.frombytes(picked[bounds[g]:bounds[g + 1]].tobytes())
+            out.append((int(ranked[bounds[g]]), part))
+        return out
 
     def free_set(self) -> set[int]:
         return {p for f in self._seg_free for p in f}
@@ -488,14 +520,17 @@ def audit_model_segments_steps(cache: Any, v: list[str]) -> Iterator[None]:
                 a.misplaced(pages, key, bad.setdefault((kind, key), set()))
     for h in list(cache.holdings.values()):
         yield
-        for kind, pages in (("full", h.full), ("swa", h.swa)):
+        for kind, held in (("full", h.full), ("swa", h.swa)):
             a = pools.get(kind)
-            if a is None:
+            if a is None or not len(held):
                 continue
-            for i, (p, namespace) in enumerate(list(pages.items())):
-                if i and not i % AUDIT_STEP_PAGES:
-                    yield
+            parts: list[tuple[str, Any]] = []
+            yield from held.items_steps(parts)
+            for namespace, ids in parts:
                 key = cache.space(namespace)
-                a.misplaced((p,), key, bad.setdefault((kind, key), set()))
+                for start in range(0, len(ids), AUDIT_STEP_PAGES):
+                    a.misplaced(ids[start:start + AUDIT_STEP_PAGES].tolist(), key,
+                                bad.setdefault((kind, key), set()))
+                    yield
     for (kind, key), segs in bad.items():
         v += pools[kind].audit_owners(key, f"{kind} pages", segs)
