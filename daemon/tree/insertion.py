@@ -116,11 +116,12 @@ class Insertion:
         # nothing may change before this point: every refusal above leaves the tree as it was
         self._advance((n - prev) * P)
         if i < n and adopt:
-            new = self._append(node, tokens, i, n, f, full_pages[i - prev :],
-                               swa_pages[i - prev :] if swa else None)
-            out_full.append(full_pages[i - prev :])
+            cf = full_pages[i - prev :]
+            cs = swa_pages[i - prev :] if swa else None
+            new = self._append(node, tokens, i, n, f, cf, cs)
+            out_full.append(cf)  # concat_pages copies: the result never shares the nodes' arrays
             if swa:
-                out_swa.append(swa_pages[i - prev :])
+                out_swa.append(cs)
             path.extend(new)
             node = new[-1]
             i = n
@@ -211,7 +212,7 @@ class Insertion:
         if f > i:
             self._split(child, f - i)  # upper [i, f) stays a tombstone
             cs = cs[f - i :]
-        child.swa = array("i", cs)
+        child.swa = cs
         child.swa_ts = self._clock
         np_ = len(cs)
         if child.swa_lock:  # pragma: no cover - tombstones are never SWA-locked
@@ -233,13 +234,16 @@ class Insertion:
         if cs is not None and i < f < e:
             up = self._split(child, f - i)
             self._set_device(up, cf[: f - i], None)
-            self._set_device(child, cf[f - i :], array("i", cs[f - i :]))
+            self._set_device(child, cf[f - i :], cs[f - i :])
         else:
             live = cs is not None and f <= i
-            self._set_device(child, cf, array("i", cs) if live else None)
+            self._set_device(child, cf, cs if live else None)
 
     def _set_device(self, n: Node, full: array, swa: array | None) -> None:
-        n.full = array("i", full)
+        """Give ``n`` device pages. It keeps ``full`` and ``swa`` as they are: callers pass
+        arrays of their own that nothing else changes (a copy per call was a large part of an
+        insert at a page of one token)."""
+        n.full = full
         n.swa = swa
         n.ts = n.swa_ts = self._clock
         np_ = len(full)
@@ -276,7 +280,9 @@ class Insertion:
             cur.children[nd.tokens[:pb]] = nd
             self.nodes[nd.id] = nd
             live = cs is not None and a >= f
-            self._set_device(nd, cf[a - i : b - i], array("i", cs[a - i : b - i]) if live else None)
+            whole = b - a == len(cf)  # the common case: one node takes the caller's whole slice
+            self._set_device(nd, cf if whole else cf[a - i : b - i],
+                             (cs if whole else cs[a - i : b - i]) if live else None)
             out.append(nd)
             cur = nd
         return out
