@@ -55,13 +55,14 @@ def block_hashes(prev: bytes, carry: bytes, tokens: bytes, block_bytes: int) -> 
     block): the chain state at the point where ``tokens`` starts.
     """
     data = carry + tokens if carry else tokens
-    out = bytearray()
+    out: list[bytes] = []
+    keep = out.append
     h = prev
     sha = hashlib.sha256
     for off in range(0, len(data) - block_bytes + 1, block_bytes):
         h = sha(h + data[off : off + block_bytes]).digest()
-        out += h
-    return bytes(out)
+        keep(h)
+    return b"".join(out)
 
 
 def page_keys(prev: bytes, carry: bytes, tokens: bytes, page_bytes: int, block_bytes: int

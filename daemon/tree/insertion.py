@@ -11,6 +11,39 @@ from .hashing import HASH_BYTES, block_hashes
 from .node import Node, Receipt
 from .results import InsertResult, concat_pages
 
+_ZERO_ID = bytes(4)
+
+
+def _int32_bytes(ids: Any) -> bytes | None:
+    """The raw int32 words of ``ids`` when it is an ``array('i')``, else None."""
+    if isinstance(ids, array) and ids.typecode == "i" and ids.itemsize == 4:
+        return ids.tobytes()
+    return None
+
+
+def all_page_ids(ids: Any) -> bool:
+    """Whether every id is > 0 (``min(ids) > 0``): on an ``array('i')`` a scan of its bytes in
+    C, since min() makes a Python int of each of the thousands of ids of a page-1 request."""
+    raw = _int32_bytes(ids)
+    if raw is None:
+        return min(ids) > 0
+    if not raw[3::4].isascii():  # a sign bit is set: a negative id
+        return False
+    i = raw.find(_ZERO_ID)
+    while i >= 0:  # a zero id is four zero bytes at a word boundary
+        if not i % 4:
+            return False
+        i = raw.find(_ZERO_ID, i + 1)
+    return True
+
+
+def all_zero(ids: Any) -> bool:
+    """Whether every id is 0 (``min(ids) == max(ids) == 0``), in C on an ``array('i')``."""
+    raw = _int32_bytes(ids)
+    if raw is None:
+        return min(ids) == 0 == max(ids)
+    return raw.count(0) == len(raw)
+
 
 class Insertion:
     """The insert half of :class:`~daemon.tree.radix.RadixTree` (a mixin: it
@@ -116,11 +149,12 @@ class Insertion:
         # nothing may change before this point: every refusal above leaves the tree as it was
         self._advance((n - prev) * P)
         if i < n and adopt:
-            new = self._append(node, tokens, i, n, f, full_pages[i - prev :],
-                               swa_pages[i - prev :] if swa else None)
-            out_full.append(full_pages[i - prev :])
+            cf = full_pages[i - prev :]
+            cs = swa_pages[i - prev :] if swa else None
+            new = self._append(node, tokens, i, n, f, cf, cs)
+            out_full.append(cf)  # concat_pages copies: the result never shares the nodes' arrays
             if swa:
-                out_swa.append(swa_pages[i - prev :])
+                out_swa.append(cs)
             path.extend(new)
             node = new[-1]
             i = n
@@ -174,14 +208,14 @@ class Insertion:
                 raise BadArgument(f"swa_pages has {got} ids; pages [{prev}, {n}) need {want}")
             if trusted:
                 return prev, f
-            # whole-list checks run in C (min, max, set): at a page of one token a request
+            # whole-list checks run in C (byte scans, set): at a page of one token a request
             # carries thousands of ids, and a Python loop over them was most of an insert
             k = max(0, min(f - prev, want))  # the caller's pages below the SWA frontier
-            if k and (min(swa_pages[:k]) != 0 or max(swa_pages[:k]) != 0):
+            if k and not all_zero(swa_pages[:k]):
                 j = next(j for j in range(k) if swa_pages[j] != 0)
                 raise BadArgument(f"swa_pages[{j}] must be 0: page {prev + j} is below "
                                   f"swa_evicted_len={swa_evicted_len}")
-            if k < want and min(swa_pages[k:]) <= 0:
+            if k < want and not all_page_ids(swa_pages[k:]):
                 j = next(j for j in range(k, want) if swa_pages[j] <= 0)
                 raise BadArgument(f"swa_pages[{j}] must be a page id: page {prev + j} is at or "
                                   f"after swa_evicted_len={swa_evicted_len}")
@@ -189,7 +223,7 @@ class Insertion:
                 raise BadArgument("swa_pages must be distinct page ids")
         elif swa_pages:
             raise BadArgument("this model has no sliding-window layers: swa_pages must be empty")
-        if want and not trusted and (min(full_pages) <= 0 or len(set(full_pages)) != want):
+        if want and not trusted and (not all_page_ids(full_pages) or len(set(full_pages)) != want):
             raise BadArgument("full_pages must be distinct page ids > 0")
         return prev, f
 
@@ -211,7 +245,7 @@ class Insertion:
         if f > i:
             self._split(child, f - i)  # upper [i, f) stays a tombstone
             cs = cs[f - i :]
-        child.swa = array("i", cs)
+        child.swa = cs
         child.swa_ts = self._clock
         np_ = len(cs)
         if child.swa_lock:  # pragma: no cover - tombstones are never SWA-locked
@@ -233,13 +267,16 @@ class Insertion:
         if cs is not None and i < f < e:
             up = self._split(child, f - i)
             self._set_device(up, cf[: f - i], None)
-            self._set_device(child, cf[f - i :], array("i", cs[f - i :]))
+            self._set_device(child, cf[f - i :], cs[f - i :])
         else:
             live = cs is not None and f <= i
-            self._set_device(child, cf, array("i", cs) if live else None)
+            self._set_device(child, cf, cs if live else None)
 
     def _set_device(self, n: Node, full: array, swa: array | None) -> None:
-        n.full = array("i", full)
+        """Give ``n`` device pages. It keeps ``full`` and ``swa`` as they are: callers pass
+        fresh arrays that nothing else keeps (at a page of one token each copy is one more pass
+        over thousands of ids)."""
+        n.full = full
         n.swa = swa
         n.ts = n.swa_ts = self._clock
         np_ = len(full)
@@ -276,7 +313,9 @@ class Insertion:
             cur.children[nd.tokens[:pb]] = nd
             self.nodes[nd.id] = nd
             live = cs is not None and a >= f
-            self._set_device(nd, cf[a - i : b - i], array("i", cs[a - i : b - i]) if live else None)
+            whole = b - a == len(cf)  # the common case: one node takes the caller's whole slice
+            self._set_device(nd, cf if whole else cf[a - i : b - i],
+                             (cs if whole else cs[a - i : b - i]) if live else None)
             out.append(nd)
             cur = nd
         return out

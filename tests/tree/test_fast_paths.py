@@ -1,0 +1,110 @@
+"""The insert path's fast paths agree with the plain code they replace: the byte scans of page ids
+with min()/max(), block_hashes with the per-block chain written out, a trusted insert with a
+checked one, and no insert result shares an array with the tree."""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from daemon.tree import BadArgument, block_hashes, check_tree
+from daemon.tree.insertion import all_page_ids, all_zero
+
+from .helpers import NS, Ids, make_tree, seq
+
+INT32 = st.integers(-(2**31), 2**31 - 1)
+# ids whose bytes make zero runs across word boundaries (0x100, 0x10000, 0x1000000 multiples)
+EDGY = st.sampled_from([0, 1, -1, 255, 256, 65535, 65536, 2**24, 2**24 - 1, 2**31 - 1, -(2**31),
+                        0x01000000, 0x00010000, 0x00000100, 0x7F000000, 0x80])
+IDS = st.lists(st.one_of(INT32, EDGY), min_size=1, max_size=64)
+
+
+@given(IDS)
+def test_all_page_ids_is_min_above_zero(ids: list[int]) -> None:
+    assert all_page_ids(array("i", ids)) == (min(ids) > 0)
+    assert all_page_ids(ids) == (min(ids) > 0)  # not an array('i'): the plain path
+
+
+@given(st.lists(st.one_of(st.just(0), INT32, EDGY), min_size=1, max_size=64))
+def test_all_zero_is_min_and_max_zero(ids: list[int]) -> None:
+    assert all_zero(array("i", ids)) == (min(ids) == 0 == max(ids))
+    assert all_zero(ids) == (min(ids) == 0 == max(ids))
+
+
+def _chain(prev: bytes, carry: bytes, tokens: bytes, block_bytes: int) -> bytes:
+    data = carry + tokens
+    out = b""
+    for off in range(0, len(data) - block_bytes + 1, block_bytes):
+        prev = hashlib.sha256(prev + data[off : off + block_bytes]).digest()
+        out += prev
+    return out
+
+
+@given(st.binary(min_size=32, max_size=32), st.integers(1, 8), st.integers(0, 7),
+       st.binary(max_size=200))
+def test_block_hashes_is_the_chain(prev: bytes, block_words: int, carry_words: int,
+                                   raw: bytes) -> None:
+    bb = 4 * block_words
+    carry = bytes(range(4 * (carry_words % block_words)))
+    tokens = raw[: len(raw) - len(raw) % 4]
+    assert block_hashes(prev, carry, tokens, bb) == _chain(prev, carry, tokens, bb)
+
+
+def _state(tree) -> list:
+    return sorted((n.id, n.tokens, n.hashes, None if n.full is None else n.full.tolist(),
+                   None if n.swa is None else n.swa.tolist(), n.ts, n.swa_ts, n.hits)
+                  for n in tree.iter_nodes())
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from([1, 4]), st.data())
+def test_trusted_insert_equals_checked_insert(P: int, data: st.DataObject) -> None:
+    """The same valid inserts into two trees, one trusted and one checked: the same results,
+    trees and freed pages; scribbling over a result changes neither tree."""
+    trees = [make_tree(P, window_pages=3) for _ in range(2)]
+    ids = [Ids(), Ids()]
+    for _ in range(data.draw(st.integers(1, 6))):
+        labels = data.draw(st.lists(st.integers(1, 4), min_size=1, max_size=40))
+        toks = seq(P, labels)
+        n = len(labels)
+        frontier = data.draw(st.integers(0, n + 1)) * P
+        results = []
+        for (tree, sink), own, trusted in zip(trees, ids, (True, False), strict=True):
+            m = tree.match(NS, toks, lock=True)
+            prev = m.prefix_len // P
+            f = min(frontier // P, n)
+            zeros = max(0, f - prev)
+            res = tree.insert(NS, toks, own.full(n - prev), own.swa(n - prev, zeros),
+                              prev * P, frontier, trusted=trusted)
+            tree.unlock(m.receipt)
+            results.append((res.prefix_len, res.inserted_len, res.full_pages.tolist(),
+                            res.swa_pages.tolist(), res.node_id, list(sink.full),
+                            list(sink.swa)))
+            before = _state(tree)
+            for a in (res.full_pages, res.swa_pages):
+                for j in range(len(a)):
+                    a[j] = -7
+            assert _state(tree) == before
+            assert check_tree(tree) == []
+        assert results[0] == results[1]
+        assert _state(trees[0][0]) == _state(trees[1][0])
+
+
+@pytest.mark.parametrize("P", [1, 4])
+@pytest.mark.parametrize("bad", [0, -3, 0x01000000 * -1])
+def test_checked_insert_still_refuses_bad_ids(P: int, bad: int) -> None:
+    tree, _ = make_tree(P)
+    toks = seq(P, [1, 2, 3, 4])
+    full = array("i", [5, 6, bad, 8])
+    with pytest.raises(BadArgument, match="full_pages must be distinct page ids > 0"):
+        tree.insert(NS, toks, full, array("i", [1, 2, 3, 4]))
+    with pytest.raises(BadArgument, match=r"swa_pages\[2\] must be a page id"):
+        tree.insert(NS, toks, array("i", [1, 2, 3, 4]), full)
+    with pytest.raises(BadArgument, match=r"swa_pages\[1\] must be 0"):
+        tree.insert(NS, toks, array("i", [1, 2, 3, 4]), array("i", [0, 5, 6, 7]),
+                    swa_evicted_len=2 * P)
+    assert check_tree(tree) == []
