@@ -12,8 +12,16 @@ an 8-byte ``ping`` instead of the mixed operations: what one request costs the d
 reads and writes, the event loop and the kernel's wake-ups, before any operation's own work. On
 a small, shared machine that part is most of the total (``--no-floor`` leaves it out).
 
+``--page-size P`` (default 64) runs both daemons at page size P, a divisor of 64, with the
+request keeping its shape in tokens: a cached shared prefix of 256 tokens plus 128 fresh ones, as
+at 64 (4 and 2 pages). ``--request-tokens N`` (a multiple of 4 * P, at most 8192) makes it a
+request of N tokens instead, 3/4 of them a cached shared prefix and 1/4 fresh. The pools (device
+and host, full and SWA) hold the same tokens at every page size (64/P times the pages), and each
+client has 512 * 128 / fresh distinct requests, so the tree holds about as many tokens whatever
+the shape.
+
     python bench/daemon_cpu_bench.py [--baseline main] [--seconds 5] [--rounds 2] [--host-off]
-        [--no-floor] [--json PATH]
+        [--no-floor] [--page-size P] [--request-tokens N] [--json PATH]
 """
 
 from __future__ import annotations
@@ -37,9 +45,12 @@ from radixd_client import Client  # noqa: E402
 
 from bench._common import DaemonProcess, export_ref, write_json  # noqa: E402
 from bench.rpc_bench import (  # noqa: E402
+    FRESH_TOKENS,
     PAGE,
+    PREFIX_TOKENS,
     _cache_prompt,
     _mixed_loop,
+    _prefixes,
     _requests,
     config,
 )
@@ -48,6 +59,41 @@ from bench.rpc_bench import (  # noqa: E402
 HOST_OFF = "host_pages = 0\nhost_swa_pages = 0\n"
 #: appended last: no fixed admin port, so the two daemons (and other benches) never collide
 ADMIN_ANY_PORT = "[admin]\nport = 0\n"
+#: the model's default host (L2) pool sizes in pages (daemon.config.ModelConfig), which
+#: --page-size scales like the device pools
+HOST_PAGES, HOST_SWA_PAGES = 4096, 1024
+#: --page-size: the divisors of PAGE (the pools scale by PAGE / P, the default shape is whole pages)
+PAGE_SIZES = tuple(p for p in range(1, PAGE + 1) if PAGE % p == 0)
+#: --request-tokens: the most, so that 8 clients' prefixes and requests fit the SWA pool (the
+#: smaller one: 1,280,000 tokens) at every page size, 8 * (8 * 6144 + 65536) = 917,504 tokens
+MAX_REQUEST_TOKENS = 8192
+
+
+def request_shape(page_size: int = PAGE, request_tokens: int | None = None) -> tuple[int, int]:
+    """(prefix tokens, fresh tokens) of one request: rpc_bench's 256 + 128 by default, else 3/4
+    and 1/4 of ``request_tokens``. Raises ValueError, naming the option, for a shape that is not
+    whole pages of ``page_size`` or does not fit the pools."""
+    if page_size not in PAGE_SIZES:
+        raise ValueError(f"--page-size: one of {', '.join(map(str, PAGE_SIZES))} (a divisor of "
+                         f"{PAGE}), got {page_size}")
+    if request_tokens is None:
+        return PREFIX_TOKENS, FRESH_TOKENS
+    if (request_tokens <= 0 or request_tokens % (4 * page_size)
+            or request_tokens > MAX_REQUEST_TOKENS):
+        raise ValueError(f"--request-tokens: a multiple of 4 * page size ({4 * page_size}) up "
+                         f"to {MAX_REQUEST_TOKENS}, got {request_tokens}")
+    return request_tokens * 3 // 4, request_tokens // 4
+
+
+def model_keys(page_size: int = PAGE, host_off: bool = False) -> str:
+    """More keys for rpc_bench's model table: no host tier (``host_off``), or at another page size
+    than PAGE the host pools scaled to hold the same tokens as the defaults at PAGE."""
+    if host_off:
+        return HOST_OFF
+    if page_size == PAGE:
+        return ""
+    k = PAGE // page_size
+    return f"host_pages = {HOST_PAGES * k}\nhost_swa_pages = {HOST_SWA_PAGES * k}\n"
 
 
 def _ping_loop(c: Client, seconds: float) -> tuple[int, float]:
@@ -63,9 +109,11 @@ def _ping_loop(c: Client, seconds: float) -> tuple[int, float]:
 
 
 def _worker(path: str, seconds: float, seed: int, ready: mp.Queue, go: mp.Event,
-            done: mp.Queue, ping: bool = False) -> None:
+            done: mp.Queue, ping: bool = False, page: int = PAGE,
+            shape: tuple[int, int] = (PREFIX_TOKENS, FRESH_TOKENS)) -> None:
     """Caches its prefixes (untimed), says so, waits for ``go``, then runs the timed loop
-    (``ping``: the floor's loop instead)."""
+    (``ping``: the floor's loop instead). ``page``: the model's page size; ``shape``: (prefix
+    tokens, fresh tokens) of a request."""
     rng = random.Random(seed)
     with Client(path, client_name=f"cpu-bench-{seed}") as c:
         if ping:
@@ -74,25 +122,28 @@ def _worker(path: str, seconds: float, seed: int, ready: mp.Queue, go: mp.Event,
             go.wait()
             done.put(_ping_loop(c, seconds))
             return
-        prefixes = [[rng.randrange(1, 100_000) for _ in range(4 * PAGE)] for _ in range(8)]
+        prefixes = _prefixes(rng, shape[0])
         for p in prefixes:
-            _cache_prompt(c, array("i", p).tobytes())
-        reqs = _requests(rng, prefixes)
-        _mixed_loop(c, reqs, 0.2)  # warm: first allocations, code paths
+            _cache_prompt(c, array("i", p).tobytes(), page)
+        reqs = _requests(rng, prefixes, fresh=shape[1])
+        _mixed_loop(c, reqs, 0.2, page)  # warm: first allocations, code paths
         ready.put(seed)
         go.wait()
-        done.put(_mixed_loop(c, reqs, seconds))
+        done.put(_mixed_loop(c, reqs, seconds, page))
 
 
-def measure(d: DaemonProcess, clients: int, seconds: float, ping: bool = False
+def measure(d: DaemonProcess, clients: int, seconds: float, ping: bool = False,
+            page: int = PAGE, shape: tuple[int, int] = (PREFIX_TOKENS, FRESH_TOKENS)
             ) -> dict[str, float]:
     """ops/s and daemon CPU us per operation for ``clients`` client processes on daemon ``d``
-    (``ping``: 8-byte pings instead of the mixed operations)."""
+    (``ping``: 8-byte pings instead of the mixed operations; ``page``, ``shape``: as
+    :func:`_worker`)."""
     ctx = mp.get_context("spawn")
     ready: mp.Queue = ctx.Queue()
     done: mp.Queue = ctx.Queue()
     go = ctx.Event()
-    procs = [ctx.Process(target=_worker, args=(d.socket, seconds, i, ready, go, done, ping))
+    procs = [ctx.Process(target=_worker, args=(d.socket, seconds, i, ready, go, done, ping,
+                                                       page, shape))
              for i in range(clients)]
     for p in procs:
         p.start()
@@ -111,14 +162,19 @@ def measure(d: DaemonProcess, clients: int, seconds: float, ping: bool = False
 
 
 def run(baseline: str, seconds: float, host_off: bool, rounds: int = 2,
-        client_counts: tuple[int, ...] = (1, 8), floor: bool = True) -> dict[str, float]:
+        client_counts: tuple[int, ...] = (1, 8), floor: bool = True, page_size: int = PAGE,
+        request_tokens: int | None = None) -> dict[str, float]:
     """Each side ``rounds`` times per client count, the order flipping every round (base, this,
     this, base, ...) so that a machine getting busier or quieter does not favour one side; each
     figure is the mean over the rounds. ``floor``: also the ping floor (``*_floor`` keys), once
-    per round on this checkout's daemon, between the two sides."""
-    conf = config(HOST_OFF if host_off else "") + ADMIN_ANY_PORT
+    per round on this checkout's daemon, between the two sides. ``page_size``,
+    ``request_tokens``: the model's page size and the request's shape (:func:`request_shape`),
+    given back as the ``page_size``, ``prefix_tokens`` and ``fresh_tokens`` keys."""
+    shape = request_shape(page_size, request_tokens)
+    conf = config(model_keys(page_size, host_off), page_size) + ADMIN_ANY_PORT
     base_root = export_ref(baseline)
-    out: dict[str, float] = {}
+    out: dict[str, float] = {"page_size": page_size, "prefix_tokens": shape[0],
+                             "fresh_tokens": shape[1]}
     sides = (("base", base_root), ("this", _ROOT))
     try:
         for n in client_counts:
@@ -131,7 +187,7 @@ def run(baseline: str, seconds: float, host_off: bool, rounds: int = 2,
                 for side, root, ping in runs:
                     d = DaemonProcess(conf, root=root)
                     try:
-                        for k, v in measure(d, n, seconds, ping).items():
+                        for k, v in measure(d, n, seconds, ping, page_size, shape).items():
                             key = f"{k}_{n}c_{side}"
                             out[key] = out.get(key, 0.0) + v / rounds
                     finally:
@@ -154,11 +210,25 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                     help="measurements per side and client count, order alternating (default 2)")
     ap.add_argument("--no-floor", action="store_true",
                     help="leave out the ping floor (this daemon answering 8-byte pings)")
+    ap.add_argument("--page-size", type=int, default=PAGE, metavar="P",
+                    help=f"the model's page size, a divisor of {PAGE} (default {PAGE}); the "
+                         "request keeps its shape in tokens")
+    ap.add_argument("--request-tokens", type=int, metavar="N",
+                    help=f"requests of N tokens, 3/4 a cached prefix and 1/4 fresh (a multiple "
+                         f"of 4 * P, at most {MAX_REQUEST_TOKENS}; default "
+                         f"{PREFIX_TOKENS} + {FRESH_TOKENS})")
     ap.add_argument("--json", metavar="PATH", help="write the figures as a flat JSON object")
     args = ap.parse_args(argv)
-    f = run(args.baseline, args.seconds, args.host_off, args.rounds, floor=not args.no_floor)
+    try:
+        prefix, fresh = request_shape(args.page_size, args.request_tokens)
+    except ValueError as e:
+        ap.error(str(e))
+    f = run(args.baseline, args.seconds, args.host_off, args.rounds, floor=not args.no_floor,
+            page_size=args.page_size, request_tokens=args.request_tokens)
     print(f"baseline {args.baseline}, host tier {'off' if args.host_off else 'on'}, "
           f"{args.seconds:g} s per window, mean of {args.rounds} rounds (order alternating)")
+    print(f"page size {args.page_size}, requests of {prefix + fresh} tokens: a cached prefix of "
+          f"{prefix} + {fresh} fresh")
     floor = not args.no_floor
     print(f"{'clients':>7} {'metric':>14} {args.baseline:>12} {'this':>12} {'this/base':>10}"
           + (f" {'ping floor':>12}" if floor else ""))
