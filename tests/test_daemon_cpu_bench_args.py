@@ -60,3 +60,18 @@ def test_the_default_is_rpc_bench_workload_unchanged() -> None:
     assert "host_pages" not in rpc_bench.config()
     assert len(rpc_bench._requests(random.Random(1), rpc_bench._prefixes(random.Random(1)))) \
         == 512
+
+
+def test_fresh_requests_are_new_past_the_prefix_every_time() -> None:
+    rng = random.Random(1)
+    prefixes = rpc_bench._prefixes(rng, 48)
+    reqs = rpc_bench._requests(rng, prefixes, n=4, fresh=16)
+    fresh = dcb.FreshRequests(reqs, 48, seed=3)
+    assert len(fresh) == 4
+    seen = set()
+    for i in range(12):
+        r = fresh[i % len(fresh)]
+        ids, base = list(memoryview(r).cast("i")), list(memoryview(reqs[i % 4]).cast("i"))
+        assert len(ids) == 64 and ids[:48] == base[:48] and ids[49:] == base[49:]
+        assert ids[48] > 100_000 and ids[48] not in seen  # never a drawn id, never repeated
+        seen.add(ids[48])
