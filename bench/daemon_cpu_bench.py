@@ -12,8 +12,22 @@ an 8-byte ``ping`` instead of the mixed operations: what one request costs the d
 reads and writes, the event loop and the kernel's wake-ups, before any operation's own work. On
 a small, shared machine that part is most of the total (``--no-floor`` leaves it out).
 
+``--page-size P`` (default 64) runs both daemons at page size P, a divisor of 64, with the
+request keeping its shape in tokens: a cached shared prefix of 256 tokens plus 128 fresh ones, as
+at 64 (4 and 2 pages). ``--request-tokens N`` (a multiple of 4 * P, at most 8192) makes it a
+request of N tokens instead, 3/4 of them a cached shared prefix and 1/4 fresh. The pools (device
+and host, full and SWA) hold the same tokens at every page size (64/P times the pages), and each
+client has 512 * 128 / fresh distinct requests, so the tree holds about as many tokens whatever
+the shape. Those requests are cycled: once a client has sent each one, its fresh tokens are
+cached and every later request is a full hit (match, an empty alloc, cache_finished inserting
+nothing). ``--fresh`` makes every request's fresh part new to the tree (its first token a number
+the client never sent before), so that each one allocates and inserts its fresh pages; before
+the timed window the clients send such requests until the tree holds 95% of a pool (the SWA
+pool, the smaller), so that every page size is measured in the same regime, the steady state of
+a full cache where allocations evict about what they take.
+
     python bench/daemon_cpu_bench.py [--baseline main] [--seconds 5] [--rounds 2] [--host-off]
-        [--no-floor] [--json PATH]
+        [--no-floor] [--page-size P] [--request-tokens N] [--fresh] [--json PATH]
 """
 
 from __future__ import annotations
@@ -30,6 +44,7 @@ import argparse  # noqa: E402
 import multiprocessing as mp  # noqa: E402
 import random  # noqa: E402
 import shutil  # noqa: E402
+import struct  # noqa: E402
 import time  # noqa: E402
 from array import array  # noqa: E402
 
@@ -37,17 +52,87 @@ from radixd_client import Client  # noqa: E402
 
 from bench._common import DaemonProcess, export_ref, write_json  # noqa: E402
 from bench.rpc_bench import (  # noqa: E402
+    FRESH_TOKENS,
+    MODEL,
     PAGE,
+    PREFIX_TOKENS,
     _cache_prompt,
     _mixed_loop,
+    _prefixes,
     _requests,
     config,
+    pool_pages,
 )
 
 #: appended to rpc_bench's model section for --host-off: no host (L2) tier
 HOST_OFF = "host_pages = 0\nhost_swa_pages = 0\n"
 #: appended last: no fixed admin port, so the two daemons (and other benches) never collide
 ADMIN_ANY_PORT = "[admin]\nport = 0\n"
+#: the model's default host (L2) pool sizes in pages (daemon.config.ModelConfig), which
+#: --page-size scales like the device pools
+HOST_PAGES, HOST_SWA_PAGES = 4096, 1024
+#: --page-size: the divisors of PAGE (the pools scale by PAGE / P, the default shape is whole pages)
+PAGE_SIZES = tuple(p for p in range(1, PAGE + 1) if PAGE % p == 0)
+#: --fresh: the share of a pool the tree holds before the timed window
+FILL = 0.95
+#: --request-tokens: the most, so that 8 clients' prefixes and requests fit the SWA pool (the
+#: smaller one: 1,280,000 tokens) at every page size, 8 * (8 * 6144 + 65536) = 917,504 tokens
+MAX_REQUEST_TOKENS = 8192
+
+
+def request_shape(page_size: int = PAGE, request_tokens: int | None = None) -> tuple[int, int]:
+    """(prefix tokens, fresh tokens) of one request: rpc_bench's 256 + 128 by default, else 3/4
+    and 1/4 of ``request_tokens``. Raises ValueError, naming the option, for a shape that is not
+    whole pages of ``page_size`` or does not fit the pools."""
+    if page_size not in PAGE_SIZES:
+        raise ValueError(f"--page-size: one of {', '.join(map(str, PAGE_SIZES))} (a divisor of "
+                         f"{PAGE}), got {page_size}")
+    if request_tokens is None:
+        return PREFIX_TOKENS, FRESH_TOKENS
+    if (request_tokens <= 0 or request_tokens % (4 * page_size)
+            or request_tokens > MAX_REQUEST_TOKENS):
+        raise ValueError(f"--request-tokens: a multiple of 4 * page size ({4 * page_size}) up "
+                         f"to {MAX_REQUEST_TOKENS}, got {request_tokens}")
+    return request_tokens * 3 // 4, request_tokens // 4
+
+
+def model_keys(page_size: int = PAGE, host_off: bool = False) -> str:
+    """More keys for rpc_bench's model table: no host tier (``host_off``), or at another page size
+    than PAGE the host pools scaled to hold the same tokens as the defaults at PAGE."""
+    if host_off:
+        return HOST_OFF
+    if page_size == PAGE:
+        return ""
+    k = PAGE // page_size
+    return f"host_pages = {HOST_PAGES * k}\nhost_swa_pages = {HOST_SWA_PAGES * k}\n"
+
+
+class FreshRequests:
+    """``reqs`` (prefix + fresh tokens each), every one handed out with the first of its fresh
+    tokens replaced by a number this client never sent before (above the ids rpc_bench draws,
+    distinct per ``seed``), so its fresh pages are never cached. Indexed as rpc_bench's
+    _mixed_loop does (``reqs[i % len(reqs)]``)."""
+
+    def __init__(self, reqs: list[bytes], prefix_tokens: int, seed: int) -> None:
+        self.reqs, self.at = reqs, prefix_tokens * 4
+        self.next = 100_000 + seed * 10**8  # int32 for seeds below 21
+
+    def __len__(self) -> int:
+        return len(self.reqs)
+
+    def __getitem__(self, i: int) -> bytes:
+        r = self.reqs[i]
+        self.next += 1
+        return r[:self.at] + struct.pack("=i", self.next) + r[self.at + 4:]
+
+
+def _filled(c: Client, page: int) -> bool:
+    """Whether the tree holds FILL of either pool (page 0 is never handed out): the SWA pool is
+    the smaller, and once it is full an allocation evicts whole paths, full pages included."""
+    st = c.stats(MODEL).models[MODEL]
+    return any(st[k] >= FILL * (cap - 1)
+               for k, cap in zip(("tree_full_pages", "tree_swa_pages"), pool_pages(page),
+                                 strict=True))
 
 
 def _ping_loop(c: Client, seconds: float) -> tuple[int, float]:
@@ -63,9 +148,13 @@ def _ping_loop(c: Client, seconds: float) -> tuple[int, float]:
 
 
 def _worker(path: str, seconds: float, seed: int, ready: mp.Queue, go: mp.Event,
-            done: mp.Queue, ping: bool = False) -> None:
+            done: mp.Queue, ping: bool = False, page: int = PAGE,
+            shape: tuple[int, int] = (PREFIX_TOKENS, FRESH_TOKENS), fresh: bool = False
+            ) -> None:
     """Caches its prefixes (untimed), says so, waits for ``go``, then runs the timed loop
-    (``ping``: the floor's loop instead)."""
+    (``ping``: the floor's loop instead). ``page``: the model's page size; ``shape``: (prefix
+    tokens, fresh tokens) of a request; ``fresh``: every request's fresh part new
+    (:class:`FreshRequests`), sent until the tree holds FILL of a pool before saying ready)."""
     rng = random.Random(seed)
     with Client(path, client_name=f"cpu-bench-{seed}") as c:
         if ping:
@@ -74,25 +163,32 @@ def _worker(path: str, seconds: float, seed: int, ready: mp.Queue, go: mp.Event,
             go.wait()
             done.put(_ping_loop(c, seconds))
             return
-        prefixes = [[rng.randrange(1, 100_000) for _ in range(4 * PAGE)] for _ in range(8)]
+        prefixes = _prefixes(rng, shape[0])
         for p in prefixes:
-            _cache_prompt(c, array("i", p).tobytes())
-        reqs = _requests(rng, prefixes)
-        _mixed_loop(c, reqs, 0.2)  # warm: first allocations, code paths
+            _cache_prompt(c, array("i", p).tobytes(), page)
+        reqs = _requests(rng, prefixes, fresh=shape[1])
+        if fresh:
+            reqs = FreshRequests(reqs, shape[0], seed)  # type: ignore[assignment]
+        _mixed_loop(c, reqs, 0.2, page)  # warm: first allocations, code paths
+        while fresh and not _filled(c, page):
+            _mixed_loop(c, reqs, 0.2, page)
         ready.put(seed)
         go.wait()
-        done.put(_mixed_loop(c, reqs, seconds))
+        done.put(_mixed_loop(c, reqs, seconds, page))
 
 
-def measure(d: DaemonProcess, clients: int, seconds: float, ping: bool = False
-            ) -> dict[str, float]:
+def measure(d: DaemonProcess, clients: int, seconds: float, ping: bool = False,
+            page: int = PAGE, shape: tuple[int, int] = (PREFIX_TOKENS, FRESH_TOKENS),
+            fresh: bool = False) -> dict[str, float]:
     """ops/s and daemon CPU us per operation for ``clients`` client processes on daemon ``d``
-    (``ping``: 8-byte pings instead of the mixed operations)."""
+    (``ping``: 8-byte pings instead of the mixed operations; ``page``, ``shape``, ``fresh``: as
+    :func:`_worker`)."""
     ctx = mp.get_context("spawn")
     ready: mp.Queue = ctx.Queue()
     done: mp.Queue = ctx.Queue()
     go = ctx.Event()
-    procs = [ctx.Process(target=_worker, args=(d.socket, seconds, i, ready, go, done, ping))
+    procs = [ctx.Process(target=_worker, args=(d.socket, seconds, i, ready, go, done, ping,
+                                               page, shape, fresh))
              for i in range(clients)]
     for p in procs:
         p.start()
@@ -111,14 +207,20 @@ def measure(d: DaemonProcess, clients: int, seconds: float, ping: bool = False
 
 
 def run(baseline: str, seconds: float, host_off: bool, rounds: int = 2,
-        client_counts: tuple[int, ...] = (1, 8), floor: bool = True) -> dict[str, float]:
+        client_counts: tuple[int, ...] = (1, 8), floor: bool = True, page_size: int = PAGE,
+        request_tokens: int | None = None, fresh: bool = False) -> dict[str, float]:
     """Each side ``rounds`` times per client count, the order flipping every round (base, this,
     this, base, ...) so that a machine getting busier or quieter does not favour one side; each
     figure is the mean over the rounds. ``floor``: also the ping floor (``*_floor`` keys), once
-    per round on this checkout's daemon, between the two sides."""
-    conf = config(HOST_OFF if host_off else "") + ADMIN_ANY_PORT
+    per round on this checkout's daemon, between the two sides. ``page_size``,
+    ``request_tokens``: the model's page size and the request's shape (:func:`request_shape`),
+    given back as the ``page_size``, ``prefix_tokens`` and ``fresh_tokens`` keys; ``fresh``:
+    every request's fresh part new (:class:`FreshRequests`), the ``fresh`` key 1."""
+    shape = request_shape(page_size, request_tokens)
+    conf = config(model_keys(page_size, host_off), page_size) + ADMIN_ANY_PORT
     base_root = export_ref(baseline)
-    out: dict[str, float] = {}
+    out: dict[str, float] = {"page_size": page_size, "prefix_tokens": shape[0],
+                             "fresh_tokens": shape[1], "fresh": int(fresh)}
     sides = (("base", base_root), ("this", _ROOT))
     try:
         for n in client_counts:
@@ -131,7 +233,8 @@ def run(baseline: str, seconds: float, host_off: bool, rounds: int = 2,
                 for side, root, ping in runs:
                     d = DaemonProcess(conf, root=root)
                     try:
-                        for k, v in measure(d, n, seconds, ping).items():
+                        for k, v in measure(d, n, seconds, ping, page_size, shape,
+                                                fresh).items():
                             key = f"{k}_{n}c_{side}"
                             out[key] = out.get(key, 0.0) + v / rounds
                     finally:
@@ -154,11 +257,30 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                     help="measurements per side and client count, order alternating (default 2)")
     ap.add_argument("--no-floor", action="store_true",
                     help="leave out the ping floor (this daemon answering 8-byte pings)")
+    ap.add_argument("--page-size", type=int, default=PAGE, metavar="P",
+                    help=f"the model's page size, a divisor of {PAGE} (default {PAGE}); the "
+                         "request keeps its shape in tokens")
+    ap.add_argument("--request-tokens", type=int, metavar="N",
+                    help=f"requests of N tokens, 3/4 a cached prefix and 1/4 fresh (a multiple "
+                         f"of 4 * P, at most {MAX_REQUEST_TOKENS}; default "
+                         f"{PREFIX_TOKENS} + {FRESH_TOKENS})")
+    ap.add_argument("--fresh", action="store_true",
+                    help="every request's fresh tokens new to the tree (each one inserts; the "
+                         "pools fill and allocations evict) instead of cycling 512 * 128 / "
+                         "fresh requests that are cached after their first use")
     ap.add_argument("--json", metavar="PATH", help="write the figures as a flat JSON object")
     args = ap.parse_args(argv)
-    f = run(args.baseline, args.seconds, args.host_off, args.rounds, floor=not args.no_floor)
+    try:
+        prefix, fresh = request_shape(args.page_size, args.request_tokens)
+    except ValueError as e:
+        ap.error(str(e))
+    f = run(args.baseline, args.seconds, args.host_off, args.rounds, floor=not args.no_floor,
+            page_size=args.page_size, request_tokens=args.request_tokens, fresh=args.fresh)
     print(f"baseline {args.baseline}, host tier {'off' if args.host_off else 'on'}, "
           f"{args.seconds:g} s per window, mean of {args.rounds} rounds (order alternating)")
+    print(f"page size {args.page_size}, requests of {prefix + fresh} tokens: a cached prefix of "
+          f"{prefix} + {fresh} fresh"
+          + (", every one new (--fresh)" if args.fresh else ", cycled (cached after first use)"))
     floor = not args.no_floor
     print(f"{'clients':>7} {'metric':>14} {args.baseline:>12} {'this':>12} {'this/base':>10}"
           + (f" {'ping floor':>12}" if floor else ""))

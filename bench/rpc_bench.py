@@ -36,7 +36,17 @@ from radixd_client import Client  # noqa: E402
 from bench._common import DaemonProcess, write_json  # noqa: E402
 
 MODEL = "bench"
+#: the page size of this bench's figures; the helpers take another (daemon_cpu_bench
+#: --page-size), with the pools scaled to hold the same tokens (:func:`config`)
 PAGE = 64
+#: pool sizes in pages at PAGE
+FULL_PAGES = 40000
+SWA_PAGES = 20000
+#: the mixed workload's shape in tokens: cached prefixes of 4 pages of 64, plus 2 fresh pages
+PREFIX_TOKENS = 4 * PAGE
+FRESH_TOKENS = 2 * PAGE
+#: distinct requests per client at FRESH_TOKENS fresh tokens each (see :func:`_requests`)
+REQUESTS = 512
 CONFIG = f"""
 log_level = "warning"
 [server]
@@ -46,7 +56,7 @@ max_inflight = 256
 interval_s = 30.0
 [[models]]
 name = "{MODEL}"
-page_size = {PAGE}
+page_size = {{page_size}}
 sliding_window = 128
 num_full_layers = 1
 num_swa_layers = 1
@@ -54,8 +64,8 @@ num_kv_heads = 1
 head_dim = 8
 dtype = "float16"
 device = "cpu"
-full_pages = 40000
-swa_pages = 20000
+full_pages = {{full_pages}}
+swa_pages = {{swa_pages}}
 {{extra}}"""
 
 
@@ -82,38 +92,61 @@ def _p(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def config(extra: str = "") -> str:
-    """The daemon's configuration; ``extra``: more keys for the model's table."""
-    return CONFIG.replace("{extra}", extra)
+def pool_pages(page_size: int = PAGE) -> tuple[int, int]:
+    """(full_pages, swa_pages) at ``page_size``: as many tokens as FULL_PAGES and SWA_PAGES hold
+    at PAGE (``page_size`` must divide PAGE)."""
+    if page_size < 1 or PAGE % page_size:
+        raise ValueError(f"page_size must divide {PAGE}, got {page_size!r}")
+    return FULL_PAGES * (PAGE // page_size), SWA_PAGES * (PAGE // page_size)
 
 
-def _cache_prompt(c: Client, tokens: bytes) -> None:
-    n = len(tokens) // 4 // PAGE
+def config(extra: str = "", page_size: int = PAGE) -> str:
+    """The daemon's configuration; ``extra``: more keys for the model's table; ``page_size``:
+    the model's page size, the pools holding the same tokens as at PAGE (:func:`pool_pages`)."""
+    full, swa = pool_pages(page_size)
+    return (CONFIG.replace("{page_size}", str(page_size)).replace("{full_pages}", str(full))
+            .replace("{swa_pages}", str(swa)).replace("{extra}", extra))
+
+
+def _prefixes(rng: random.Random, tokens: int = PREFIX_TOKENS, n: int = 8) -> list[list[int]]:
+    """``n`` shared prefixes of ``tokens`` token ids each, to cache before the mixed loop."""
+    return [[rng.randrange(1, 100_000) for _ in range(tokens)] for _ in range(n)]
+
+
+def _cache_prompt(c: Client, tokens: bytes, page: int = PAGE) -> None:
+    n = len(tokens) // 4 // page
     a = c.alloc(MODEL, n)
     c.insert(MODEL, tokens, a.full_pages, a.swa_pages)
 
 
-def _requests(rng: random.Random, prefixes: list[list[int]], n: int = 512) -> list[bytes]:
-    """Request token streams: a shared prefix plus two fresh pages (generated before timing)."""
-    return [_tokens(rng, len(p) + 2 * PAGE, p) for p in (rng.choice(prefixes) for _ in range(n))]
+def _requests(rng: random.Random, prefixes: list[list[int]], n: int | None = None,
+              fresh: int = FRESH_TOKENS) -> list[bytes]:
+    """Request token streams: a shared prefix plus ``fresh`` new tokens (two pages of 64;
+    generated before timing). ``n`` requests; by default REQUESTS * FRESH_TOKENS // ``fresh``
+    (at least 8), so that the tokens they add to the tree stay about the same whatever
+    ``fresh`` is."""
+    if n is None:
+        n = max(8, REQUESTS * FRESH_TOKENS // fresh)
+    return [_tokens(rng, len(p) + fresh, p) for p in (rng.choice(prefixes) for _ in range(n))]
 
 
-def _mixed_ops(c: Client, tokens: bytes) -> int:
+def _mixed_ops(c: Client, tokens: bytes, page: int = PAGE) -> int:
     """One engine request, the short way: match+lock, alloc, cache_finished (3 operations)."""
     m = c.match(MODEL, tokens, lock=True)
-    need = len(tokens) // 4 // PAGE - m.prefix_len // PAGE
+    need = len(tokens) // 4 // page - m.prefix_len // page
     a = c.alloc(MODEL, need)
     c.cache_finished(MODEL, tokens, a.full_pages, a.swa_pages, m.prefix_len, 0, m.receipt)
     return 3
 
 
-def _mixed_loop(c: Client, reqs: list[bytes], seconds: float) -> tuple[int, float]:
+def _mixed_loop(c: Client, reqs: list[bytes], seconds: float, page: int = PAGE
+                ) -> tuple[int, float]:
     """Mixed operations for ``seconds``: (operations done, seconds taken)."""
     ops = i = 0
     t0 = time.perf_counter()
     deadline = t0 + seconds
     while time.perf_counter() < deadline:
-        ops += _mixed_ops(c, reqs[i % len(reqs)])
+        ops += _mixed_ops(c, reqs[i % len(reqs)], page)
         i += 1
     return ops, time.perf_counter() - t0
 
@@ -121,7 +154,7 @@ def _mixed_loop(c: Client, reqs: list[bytes], seconds: float) -> tuple[int, floa
 def _client_worker(path: str, seconds: float, seed: int, q: mp.Queue) -> None:
     rng = random.Random(seed)
     with Client(path, client_name=f"bench-{seed}") as c:
-        prefixes = [[rng.randrange(1, 100_000) for _ in range(4 * PAGE)] for _ in range(8)]
+        prefixes = _prefixes(rng)
         for p in prefixes:
             _cache_prompt(c, array("i", p).tobytes())
         q.put(_mixed_loop(c, _requests(rng, prefixes), seconds)[0])
@@ -186,7 +219,7 @@ def run(quick: bool, pin: bool = True, extra: str = "") -> dict[str, float]:
                     h.result()
 
             b32 = _timed(batch32, n // 20)
-            prefixes = [[rng.randrange(1, 100_000) for _ in range(4 * PAGE)] for _ in range(8)]
+            prefixes = _prefixes(rng)
             for p in prefixes:
                 _cache_prompt(c, array("i", p).tobytes())
             ops, elapsed = _mixed_loop(c, _requests(rng, prefixes), seconds)
