@@ -59,7 +59,7 @@ def reserve_host(mc: ModelCache, ns: Namespace, kind: str, hashes: list[bytes],
         return None
     mc.flush_host_drops()  # dropped by a caller outside the tiers: their slots are held
     pool = host.pool(kind)
-    if any(pool.lookup(h) is not None for h in hashes):
+    if pool.holds_any(hashes):
         return None  # a copy of one of them is in flight (or read by L3): evict nothing for it
     keyed = mc.keyed  # keyed pages share the pool, its eviction order and the quota
     if kind == "full" and quota:

@@ -39,7 +39,9 @@ from __future__ import annotations
 import math
 import os
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from array import array
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -338,6 +340,10 @@ class HostPool:
         """The slot holding ``page_hash``, or None; no reference is taken."""
         return self._slot_of.get(_check_hash(page_hash))
 
+    def holds_any(self, page_hashes: Iterable[bytes]) -> bool:
+        """Whether a slot holds one of these hashes (one set operation in C)."""
+        return not self._slot_of.keys().isdisjoint(page_hashes)
+
     def held(self) -> set[int]:
         """The slots holding a page."""
         return set(self._refs)
@@ -378,30 +384,60 @@ class HostPool:
         this to the tree must keep such slots pending until the copy completes, or a second tree
         could ``acquire`` a slot that is still being written.
         """
-        _check_hash(page_hash)
-        if page_hash in self._slot_of:
-            raise ValueError(
-                f"page_hash {page_hash.hex()[:16]}... is already held in slot "
-                f"{self._slot_of[page_hash]}; acquire it instead"
-            )
-        slot = int(self._alloc.alloc(1, space)[0])
-        self.changes += 1
-        self._slot_of[page_hash] = slot
-        self._hash_of[slot] = page_hash
-        self._refs[slot] = 1
-        return slot
+        return self.store_many((page_hash,), space)[0]
+
+    def store_many(self, page_hashes: Sequence[bytes], space: str = "") -> array:
+        """:meth:`store` of each hash, all or none (nothing changes when one fails). One
+        allocation and index updates in C: at pages of a few tokens a copy stores thousands of
+        pages, and a call per page was most of what a host copy cost the daemon."""
+        if set(map(type, page_hashes)) - {bytes} or set(map(len, page_hashes)) - {HASH_BYTES}:
+            for h in page_hashes:
+                _check_hash(h)
+        if (len(set(page_hashes)) != len(page_hashes)
+                or not self._slot_of.keys().isdisjoint(page_hashes)):
+            seen: set[bytes] = set()
+            for h in page_hashes:
+                if h in self._slot_of or h in seen:
+                    held = (f"held in slot {self._slot_of[h]}" if h in self._slot_of
+                            else "listed twice")
+                    raise ValueError(f"page_hash {h.hex()[:16]}... is already {held}; "
+                                     "acquire it instead")
+                seen.add(h)
+        slots = self._alloc.alloc(len(page_hashes), space)
+        self.changes += len(slots)
+        self._slot_of.update(zip(page_hashes, slots, strict=True))
+        self._hash_of.update(zip(slots, page_hashes, strict=True))
+        self._refs.update(dict.fromkeys(slots, 1))
+        return slots
 
     def release(self, slot: int) -> None:
         """Drop one reference; at 0 the slot is freed and its hash forgotten."""
-        self._check_held(slot)
-        self.changes += 1
-        left = self._refs[slot] - 1
-        if left:
-            self._refs[slot] = left
-            return
-        del self._refs[slot]
-        del self._slot_of[self._hash_of.pop(slot)]
-        self._alloc.free((slot,))
+        self.release_many((slot,))
+
+    def release_many(self, slots: Sequence[int]) -> None:
+        """:meth:`release` of each slot (one listed twice loses two references), all or none:
+        every slot is checked before anything changes. The slots left without a reference are
+        freed in one allocator call."""
+        refs = self._refs
+        for slot in slots:
+            self._check_held(slot)
+        if len(set(slots)) != len(slots):
+            for slot, n in Counter(slots).items():
+                if n > refs[slot]:
+                    raise AllocatorError(f"{self.model} {self.kind} host pool: slot {slot} "
+                                         f"released {n} times, holds {refs[slot]} references")
+        self.changes += len(slots)
+        freed = array("i")
+        for slot in slots:
+            left = refs[slot] - 1
+            if left:
+                refs[slot] = left
+                continue
+            del refs[slot]
+            del self._slot_of[self._hash_of.pop(slot)]
+            freed.append(slot)
+        if freed:
+            self._alloc.free(freed)
 
     def audit_owners(self, slots: Iterable[int], space: str, what: str) -> list[str]:
         """Every slot of ``slots`` lies in a segment namespace ``space`` holds."""

@@ -94,16 +94,8 @@ class HostTier:
         if len(hashes) > free:
             raise OutOfPages(f"{kind} host pool: {len(hashes)} slots wanted, {free} free to "
                              f"namespace {ns!r}", requested=len(hashes), available=free)
-        out = array("i")
-        try:
-            for h in hashes:
-                out.append(pool.store(h, key))
-        except BaseException:
-            # a hash held already (a stale copy), or a segment that could not get fresh
-            # memory: give back what we took
-            for s in out:
-                pool.release(s)
-            raise
+        out = pool.store_many(hashes, key)  # all or none: a hash held already (a stale
+        # copy), or a segment that could not get fresh memory, takes nothing
         self.pending[kind].update(out)
         return out
 
@@ -117,11 +109,8 @@ class HostTier:
         live = [s for s in slots if s]
         if not live:
             return
-        pool = self.pool(kind)
-        pend = self.pending[kind]
-        for s in live:
-            pend.discard(s)
-            pool.release(s)
+        self.pending[kind].difference_update(live)
+        self.pool(kind).release_many(live)
 
     def hold(self, kind: str, slots: Iterable[int]) -> list[int]:
         """One more reference on each slot, so its bytes stay valid after the tree drops it."""
@@ -139,13 +128,13 @@ class HostTier:
         return out
 
     def unhold(self, kind: str, slots: Iterable[int]) -> None:
-        pool = self.pool(kind)
+        slots = list(slots)
         readers = self.readers[kind]
         for s in slots:
             readers[s] -= 1
             if not readers[s]:
                 del readers[s]
-            pool.release(s)
+        self.pool(kind).release_many(slots)
 
     def available(self, kind: str) -> int:
         p = self.full if kind == "full" else self.swa

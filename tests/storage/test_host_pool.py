@@ -147,6 +147,45 @@ def test_out_of_slots() -> None:
         assert host.acquire(h(1)) is not None  # acquiring needs no slot
 
 
+def _pool_state(host: HostPool) -> tuple:
+    return (dict(host.slot_hashes()), dict(host.reference_counts()), host.available,
+            host.allocator.free_set())
+
+
+@pytest.mark.parametrize("fault", ["held already", "listed twice", "short hash", "not a hash",
+                                   "too many"])
+def test_store_many_takes_all_or_nothing(fault: str) -> None:
+    """A batch that fails leaves the pool as it was: no slot taken, no hash indexed."""
+    with HostPool(make_profile(), 12, "full", pin_memory=False) as host:
+        host.store(h(0))
+        before = _pool_state(host)
+        batch: list[Any] = [h(i) for i in range(1, 6)]
+        batch[3] = {"held already": h(0), "listed twice": h(1), "short hash": b"short",
+                    "not a hash": "a string", "too many": h(4)}[fault]
+        if fault == "too many":
+            batch += [h(i) for i in range(100, 110)]
+        with pytest.raises(OutOfPages if fault == "too many" else ValueError):
+            host.store_many(batch)
+        assert _pool_state(host) == before and host.audit() == []
+        slots = host.store_many([h(i) for i in range(1, 6)])
+        assert [host.lookup(h(i)) for i in range(1, 6)] == list(slots)
+        assert all(host.refcount(s) == 1 for s in slots) and host.audit() == []
+
+
+def test_release_many_checks_every_slot_before_it_changes_one() -> None:
+    with HostPool(make_profile(), 12, "full", pin_memory=False) as host:
+        a, b, c = host.store_many([h(1), h(2), h(3)])
+        host.acquire(h(2))  # b holds two references
+        before = _pool_state(host)
+        for bad in ([a, c, 0], [a, 11], [a, a], [b, b, b]):
+            with pytest.raises(AllocatorError):
+                host.release_many(bad)
+            assert _pool_state(host) == before
+        host.release_many([b, a, b])  # b's two references, a's one
+        assert host.lookup(h(1)) is None and host.lookup(h(2)) is None
+        assert host.lookup(h(3)) == c and host.used == 1 and host.audit() == []
+
+
 @pytest.mark.parametrize("plant", ["refs_zero", "index_points_elsewhere", "free_and_held",
                                    "leak", "double_index"])
 def test_audit_finds_planted_corruption(plant: str) -> None:
