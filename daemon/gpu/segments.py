@@ -279,6 +279,8 @@ class SegmentedAllocator:
         k = min(k, len(free))
         got = free[len(free) - k:]
         del free[len(free) - k:]
+        got.reverse()  # in the order k single pops give: a fresh stack hands out ascending
+        # runs, which copies move as one block each
         self._seg_used[seg] += k
         return got
 
