@@ -171,3 +171,20 @@ def test_long_free_lists_get_the_errors_of_the_page_by_page_check(used: list[int
         with pytest.raises(AllocatorError) as e:
             check_allocated("pool", state, array("i", pages))
         assert str(e.value) == want
+
+
+@pytest.mark.parametrize("n", [3, VECTOR_MIN + 20])
+def test_misplaced_names_the_segments_of_another_namespace_in_short_and_long_lists(n: int
+                                                                                    ) -> None:
+    a = SegmentedAllocator(CAP, 50)
+    mine = a.alloc(n, "a")
+    theirs = a.alloc(5, "b")
+    bad: set[int] = set()
+    a.misplaced(mine, "a", bad)
+    assert bad == set()
+    mixed = array("i", list(mine[:-1]) + [theirs[2]])
+    a.misplaced(mixed, "a", bad)
+    assert bad == {theirs[2] // 50}
+    bad.clear()
+    a.misplaced(list(mixed), "a", bad)  # a list takes the other path
+    assert bad == {theirs[2] // 50}

@@ -445,7 +445,12 @@ class SegmentedAllocator:
         isolation rule)."""
         sp = self.segment_pages
         owner = self.owner
-        bad.update(p // sp for p in pages if owner[p // sp] != namespace)
+        if isinstance(pages, array) and len(pages) >= VECTOR_MIN:  # a node's pages, at page
+            # size 1 thousands of them in a few segments
+            segs: Iterable[int] = np.unique(page_ids(pages) // sp).tolist()
+        else:
+            segs = {p // sp for p in pages}
+        bad.update(s for s in segs if owner[s] != namespace)
 
     def audit_owners(self, namespace: str, what: str, bad: set[int]) -> list[str]:
         """The report of :meth:`misplaced`'s findings."""

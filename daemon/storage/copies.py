@@ -90,8 +90,8 @@ def _ids(values: Sequence[int] | torch.Tensor, limit: int, what: str) -> torch.T
 
 def _prepare(
     pool: Pool, page_ids: Any, host: HostPool, slots: Any
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[tuple[int, int]]]:
-    """Validate; return (device rows, device row matrix, host row matrix, slot runs).
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[tuple[int, int, int]], torch.Tensor]:
+    """Validate; return (device rows, device row matrix, host row matrix, slot runs, slots).
 
     Device rows are listed in batch order, each page's ``layers x 2`` rows together (that is
     page-first). A slot run ``(i, k, h)`` covers batch positions ``i..k-1``, whose slots are
@@ -117,7 +117,7 @@ def _prepare(
             (i, k, int(slot_ids[i]) * per_page)
             for i, k in zip(bounds[:-1], bounds[1:], strict=True)
         ]
-    return rows, device_rows, host_rows, runs
+    return rows, device_rows, host_rows, runs, slot_ids
 
 
 # -- copies -----------------------------------------------------------------------------------
@@ -158,7 +158,7 @@ def _rows_on(device: torch.device, rows: torch.Tensor) -> torch.Tensor:
 def plan_device_to_host(pool: Pool, page_ids: Any, host: HostPool, slots: Any) -> CopyPlan:
     """Validate a copy of device pages ``page_ids`` into host ``slots`` (same length,
     positionally) and lay it out; raises CopyError now, never when the plan runs."""
-    rows, device_rows, host_rows, runs = _prepare(pool, page_ids, host, slots)
+    rows, device_rows, host_rows, runs, slot_ids = _prepare(pool, page_ids, host, slots)
     if not runs:
         return CopyPlan(pool.device, _noop)
     per_page = pool.num_layers * 2
@@ -172,6 +172,16 @@ def plan_device_to_host(pool: Pool, page_ids: Any, host: HostPool, slots: Any) -
                 )
 
         return CopyPlan(pool.device, run_cuda)
+    if len(runs) > _FEW_RUNS:  # scattered slots (a pool that has seen churn): one gather and
+        # one scatter, not a torch call per run of a page or two
+        dst = host_rows.view(torch.uint8).numpy()
+        slot_rows = (slot_ids[:, None] * per_page
+                     + torch.arange(per_page, dtype=torch.int64)).reshape(-1).numpy()
+
+        def run_scattered() -> None:
+            dst[slot_rows] = device_rows.index_select(0, rows).view(torch.uint8).numpy()
+
+        return CopyPlan(pool.device, run_scattered)
     parts = [(rows[i * per_page : j * per_page], host_rows[h : h + (j - i) * per_page])
              for i, j, h in runs]
 
@@ -180,6 +190,10 @@ def plan_device_to_host(pool: Pool, page_ids: Any, host: HostPool, slots: Any) -
             torch.index_select(device_rows, 0, src_rows, out=out)
 
     return CopyPlan(pool.device, run_cpu)
+
+
+#: slot runs above which a CPU copy gathers and scatters all rows at once
+_FEW_RUNS = 16
 
 
 def run_plans(*plans: CopyPlan) -> None:
@@ -201,7 +215,7 @@ def host_to_device(host: HostPool, slots: Any, pool: Pool, page_ids: Any) -> Non
 
     On CUDA the copy is only *enqueued* on the current stream; see :func:`run_copy`.
     """
-    rows, device_rows, host_rows, runs = _prepare(pool, page_ids, host, slots)
+    rows, device_rows, host_rows, runs, _ = _prepare(pool, page_ids, host, slots)
     if not runs:
         return
     per_page = pool.num_layers * 2

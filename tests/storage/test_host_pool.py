@@ -229,6 +229,27 @@ def test_page_bytes_zero_copy_and_write() -> None:
 # -- copies -------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("runs", [3, 40])
+def test_a_copy_into_scattered_slots_lands_each_page_in_its_slot(runs: int) -> None:
+    """Up to a few runs of slots a CPU copy goes run by run; past them (a host pool that has
+    seen churn) it gathers and scatters all rows at once. Either way each slot gets its page."""
+    p = make_profile(full_pages=128)
+    with KVPools(p) as kv:
+        pool = kv.pool("full")
+        fill_random(pool, 3)
+        with HostPool(p, 200, "full", pin_memory=False) as host:
+            taken = list(host.store_many([h(i) for i in range(160)]))
+            slots = taken[::4][:runs] if runs > 16 else taken[:runs * 2]  # 40 runs, or 1
+            pages = list(range(1, len(slots) + 1))[::-1]
+            device_to_host(pool, pages, host, slots)
+            for pg, slot in zip(pages, slots, strict=True):
+                whole = b"".join(as_bytes(pool.buffer[layer, kv_, pg])
+                                 for layer in range(pool.num_layers) for kv_ in range(2))
+                assert bytes(host.page_bytes(slot)) == whole
+            untouched = set(taken) - set(slots)
+            assert all(not any(host.page_bytes(s)) for s in untouched)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 def test_round_trip_device_host_device_byte_exact(dtype: str, page_size: int) -> None:
