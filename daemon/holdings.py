@@ -2,7 +2,8 @@
 lock receipts.
 
 Per pool, one table over all its pages says which session holds each page (a session number, 0
-for none) and for which namespace it was allocated (whose segment it lies in). Handing out,
+for none); each session's holding keeps its count and the namespaces it allocated for (whose
+segments its pages lie in: in practice one, its tenant's). Handing out,
 checking and giving back the pages of a request are then a few numpy operations over its page
 ids. At page size 1 a request names thousands of pages, and a Python step per page (a dict or
 set entry each) was most of what an insert cost the daemon. A page can have one holder only, by
@@ -25,25 +26,14 @@ SCAN_STEP = 1 << 16
 
 
 class PageTable:
-    """Holder and namespace number of every page of one pool (0: not held): int32 arrays, read
-    one id at a time from Python for a short list of pages and through their numpy views
-    (``*_np``) for a long one."""
+    """The holder of every page of one pool (0: not held): an int32 array, read one id at a
+    time from Python for a short list of pages and through its numpy view (``holder_np``) for a
+    long one."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self.holder = array("i", bytes(4 * capacity))
-        self.space = array("i", bytes(4 * capacity))
         self.holder_np = np.frombuffer(self.holder, dtype=np.int32)
-        self.space_np = np.frombuffer(self.space, dtype=np.int32)
-        self.spaces: dict[str, int] = {}
-        self.space_names: list[str] = [""]  # number -> namespace; 0 is never a namespace's
-
-    def space_number(self, namespace: str) -> int:
-        n = self.spaces.get(namespace)
-        if n is None:
-            n = self.spaces[namespace] = len(self.space_names)
-            self.space_names.append(namespace)
-        return n
 
     def held_in(self, number: int, start: int, stop: int) -> np.ndarray:
         """The page ids in [start, stop) that session ``number`` holds."""
@@ -53,12 +43,13 @@ class PageTable:
 class HeldPages:
     """One session's pages of one pool: a view of the pool's table, plus its count."""
 
-    __slots__ = ("table", "number", "count")
+    __slots__ = ("table", "number", "count", "spaces")
 
     def __init__(self, table: PageTable, number: int) -> None:
         self.table = table
         self.number = number
         self.count = 0
+        self.spaces: dict[str, None] = {}  # the namespaces it allocated for, in order
 
     def __len__(self) -> int:
         return self.count
@@ -75,17 +66,15 @@ class HeldPages:
     def add(self, namespace: str, pages: Iterable[int]) -> None:
         """Pages newly allocated for ``namespace``, none held by anyone."""
         pages = as_page_array(pages)
-        t = self.table
-        sn = t.space_number(namespace)
-        if len(pages) < VECTOR_MIN:
-            holder, space, n = t.holder, t.space, self.number
+        if not len(pages):
+            return
+        self.spaces[namespace] = None
+        if len(pages) < VECTOR_MIN // 4:  # one numpy call beats this loop sooner than a check
+            holder, n = self.table.holder, self.number
             for p in pages:
                 holder[p] = n
-                space[p] = sn
         else:
-            ids = page_ids(pages)
-            t.holder_np[ids] = self.number
-            t.space_np[ids] = sn
+            self.table.holder_np[page_ids(pages)] = self.number
         self.count += len(pages)
 
     def covers(self, pages: array) -> bool:
@@ -115,15 +104,13 @@ class HeldPages:
             self.table.holder_np[page_ids(pages)] = 0
         self.count -= len(pages)
 
-    def items_steps(self, out: list[tuple[str, np.ndarray]]) -> Iterator[None]:
-        """(namespace, page ids) pairs of its pages into ``out``, a table chunk a step."""
+    def ids_steps(self, out: list[np.ndarray]) -> Iterator[None]:
+        """Its page ids into ``out``, a table chunk a step."""
         t = self.table
         for start in range(0, t.capacity, SCAN_STEP):
             ids = t.held_in(self.number, start, start + SCAN_STEP)
             if len(ids):
-                spaces = t.space_np[ids]
-                for n in np.unique(spaces).tolist():
-                    out.append((t.space_names[n], ids[spaces == n]))
+                out.append(ids)
             yield
 
 

@@ -460,3 +460,24 @@ def test_id_list_checks_agree_with_the_per_id_reference(data):
     if got != "ok":
         assert snapshot(cache) == before
     assert check_tree(cache.tree) == []
+
+
+def test_check_finds_a_held_page_in_another_namespaces_segment():
+    """Isolated pools: a session's pages lie in the segments of the namespace it allocated for.
+    A page moved (by a bookkeeping bug) from one session to another of another namespace keeps
+    every count right; only the segment check sees it."""
+    profile = ModelProfile(
+        name="m", page_size=P, num_full_layers=1, num_kv_heads=1, head_dim=1, full_pages=64,
+        sliding_window=2 * P, num_swa_layers=1, swa_pages=64, dtype="float32", device="cpu")
+    cache = ModelCache(profile, segment_pages=8)
+    cache.alloc(1, 3, "a")
+    f2, _ = cache.alloc(2, 3, "b")
+    assert cache.check() == []
+    h1, h2 = cache.holdings[1], cache.holdings[2]
+    cache.holders.full.holder[f2[0]] = h1.full.number
+    h1.full.count += 1
+    h2.full.count -= 1
+    v = cache.check()
+    seg = f2[0] // 8
+    assert any("full pages of namespace 'a' lie in segments" in s and f"[{seg}]" in s
+               for s in v), v

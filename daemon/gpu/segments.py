@@ -508,10 +508,11 @@ class PairedSegmentAllocator:
 
 def audit_model_segments_steps(cache: Any, v: list[str]) -> Iterator[None]:
     """Segment ownership of one model cache (``daemon.model_cache.ModelCache``, duck-typed: this
-    package sits below it): every device page of a namespace's tree and every page a session
-    holds lies in a segment of that namespace. That a free segment holds no live page is the
-    allocators' own audit (:meth:`SegmentedAllocator.audit`, run with the page conservation
-    check). Pages in flight (a load's) count with their holder's namespace."""
+    package sits below it): every device page of a namespace's tree lies in a segment of that
+    namespace, every page a session holds in a segment of a namespace it allocated for (in
+    practice one: its tenant's). That a free segment holds no live page is the allocators' own
+    audit (:meth:`SegmentedAllocator.audit`, run with the page conservation check). Pages in
+    flight (a load's) count with their holder's namespace."""
     alloc = cache.alloc_state
     pools = dict(alloc.allocators())
     bad: dict[tuple[str, str], set[int]] = {}
@@ -531,13 +532,16 @@ def audit_model_segments_steps(cache: Any, v: list[str]) -> Iterator[None]:
             a = pools.get(kind)
             if a is None or not len(held):
                 continue
-            parts: list[tuple[str, Any]] = []
-            yield from held.items_steps(parts)
-            for namespace, ids in parts:
-                key = cache.space(namespace)
+            keys = {cache.space(ns) for ns in held.spaces}
+            key = min(keys)  # the namespace a finding is reported under
+            parts: list[Any] = []
+            yield from held.ids_steps(parts)
+            for ids in parts:
                 for start in range(0, len(ids), AUDIT_STEP_PAGES):
-                    a.misplaced(ids[start:start + AUDIT_STEP_PAGES].tolist(), key,
-                                bad.setdefault((kind, key), set()))
+                    found: set[int] = set()
+                    a.misplaced(ids[start:start + AUDIT_STEP_PAGES].tolist(), key, found)
+                    bad.setdefault((kind, key), set()).update(
+                        s for s in found if a.owner[s] not in keys)
                     yield
     for (kind, key), segs in bad.items():
         v += pools[kind].audit_owners(key, f"{kind} pages", segs)
