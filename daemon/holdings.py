@@ -104,16 +104,6 @@ class HeldPages:
             self.table.holder_np[page_ids(pages)] = 0
         self.count -= len(pages)
 
-    def ids_steps(self, out: list[np.ndarray]) -> Iterator[None]:
-        """Its page ids into ``out``, a table chunk a step."""
-        t = self.table
-        for start in range(0, t.capacity, SCAN_STEP):
-            ids = t.held_in(self.number, start, start + SCAN_STEP)
-            if len(ids):
-                out.append(ids)
-            yield
-
-
 @dataclass
 class Holding:
     """One session's share of one model."""

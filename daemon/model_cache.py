@@ -367,12 +367,13 @@ class ModelCache:
         if h is None:
             return array("i"), array("i")
         if (known is not None and len(known[0]) == len(h.full) and len(known[1]) == len(h.swa)
+                and not has_duplicates(known[0]) and not has_duplicates(known[1])
                 and h.full.covers(known[0]) and h.swa.covers(known[1])):
             full, swa = known
-            h.full.remove(full)
-            h.swa.remove(swa)
         else:
-            full, swa = array("i", h.full), array("i", h.swa)
+            full, swa = array("i", h.full), array("i", h.swa)  # a scan of the tables
+        h.full.remove(full)
+        h.swa.remove(swa)
         self.holders.drop(owner)
         return full, swa
 
@@ -411,8 +412,7 @@ class ModelCache:
         )
 
     def free(self, owner: Owner, full: Iterable[int] = (), swa: Iterable[int] = ()) -> None:
-        full = array("i", full)
-        swa = array("i", swa)
+        full, swa = _ids(full), _ids(swa)
         self._check_ids(full, swa)
         self._check_held(owner, full, swa, swa_zeros=False)
         self._release_pages(owner, full, swa)
@@ -531,11 +531,12 @@ class ModelCache:
         h = self.holdings.get(owner)
         if h is None:
             return (0, 0, 0)
+        receipts = len(h.receipts)
         for rid in sorted(h.receipts):
             _, r = self._receipts.pop(rid)
+            h.receipts.discard(rid)
             self.tree.unlock(r)
             self.settle()
-        receipts = len(h.receipts)
         full, swa = self.disown(owner)
         if full:
             self.alloc_state.free_full(full)
@@ -661,10 +662,15 @@ def _conserved(name: str, alloc: Any, free: bytearray, in_tree: PageMarks, holde
 
 
 def _ids(pages: Iterable[int] | bytes) -> array:
-    if isinstance(pages, array):
+    """Page ids as an int32 array: what the checks and the page tables read."""
+    if isinstance(pages, array) and pages.typecode == "i":
         return pages
+    out = array("i")
     if isinstance(pages, (bytes, bytearray, memoryview)):
-        out = array("i")
         out.frombytes(pages)
         return out
-    return array("i", pages)
+    try:
+        out.extend(iter(pages))  # (extend() of another array wants the same typecode)
+    except OverflowError:
+        raise BadArgument("page ids must be 32-bit integers") from None
+    return out

@@ -66,10 +66,6 @@ def test_holdings_agree_with_a_dict_of_page_holders(data: st.DataObject) -> None
             assert (sorted(held.full) if held else []) == want
             assert (len(held.full) if held else 0) == len(want)
             if held:
-                parts: list = []
-                for _ in held.full.ids_steps(parts):
-                    pass
-                assert [p for ids in parts for p in ids.tolist()] == want
                 assert {ref[p][1] for p in want} <= set(held.full.spaces)
                 assert all((p in held.full) == (p in want) for p in (0, -1, CAP, *want[:3]))
 

@@ -481,3 +481,31 @@ def test_check_finds_a_held_page_in_another_namespaces_segment():
     seg = f2[0] // 8
     assert any("full pages of namespace 'a' lie in segments" in s and f"[{seg}]" in s
                for s in v), v
+
+
+def test_disown_of_a_known_list_with_a_page_twice_scans_and_leaves_nothing_behind():
+    """disown(known=...) skips the table scan only for a list that is exactly what the owner
+    holds: a list with a page twice is as long as the holding yet misses a page."""
+    cache = make_cache()
+    f, w = cache.alloc(1, 2)
+    full, swa = cache.disown(1, (array("i", [f[0], f[0]]), array("i", [w[0], w[0]])))
+    assert sorted(full) == sorted(f) and sorted(swa) == sorted(w)
+    assert 1 not in cache.holdings and not cache.holders.full.holder_np.any()
+    cache.alloc_state.free_full(full)
+    cache.alloc_state.free_swa(swa)
+    cache.alloc(7, 1)  # takes the number the dropped holding had
+    assert cache.check() == [] and len(cache.holdings[7].full) == 1
+
+
+def test_page_ids_of_another_int_type_are_read_as_int32():
+    """In process a caller may pass array('q') or lists: the checks read int32 ids."""
+    cache = make_cache(full=400, swa=400, window_pages=None)
+    f, _ = cache.alloc(1, 200)
+    tokens = as_token_bytes(list(range(1, 200 * P + 1)))
+    res, _ = cache.insert(1, NS, tokens, array("q", f), array("q"))
+    assert res.inserted_len == 200 * P and cache.check() == []
+    g, _ = cache.alloc(1, 1)
+    with pytest.raises(BadArgument, match="32-bit"):
+        cache.free(1, array("q", [2**40]))
+    cache.free(1, list(g))
+    assert cache.check() == []

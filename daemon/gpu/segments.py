@@ -526,22 +526,37 @@ def audit_model_segments_steps(cache: Any, v: list[str]) -> Iterator[None]:
             a = pools.get(kind)
             if pages and a is not None:
                 a.misplaced(pages, key, bad.setdefault((kind, key), set()))
-    for h in list(cache.holdings.values()):
-        yield
-        for kind, held in (("full", h.full), ("swa", h.swa)):
-            a = pools.get(kind)
-            if a is None or not len(held):
-                continue
-            keys = {cache.space(ns) for ns in held.spaces}
-            key = min(keys)  # the namespace a finding is reported under
-            parts: list[Any] = []
-            yield from held.ids_steps(parts)
-            for ids in parts:
-                for start in range(0, len(ids), AUDIT_STEP_PAGES):
-                    found: set[int] = set()
-                    a.misplaced(ids[start:start + AUDIT_STEP_PAGES].tolist(), key, found)
-                    bad.setdefault((kind, key), set()).update(
-                        s for s in found if a.owner[s] not in keys)
-                    yield
+    for kind, table in (("full", cache.holders.full), ("swa", cache.holders.swa)):
+        a = pools.get(kind)
+        if a is None:
+            continue
+        keys = {getattr(h, kind).number: {cache.space(ns) for ns in getattr(h, kind).spaces}
+                for h in cache.holdings.values()}
+        yield from _held_misplaced_steps(a, table.holder_np, keys, kind, bad)
     for (kind, key), segs in bad.items():
         v += pools[kind].audit_owners(key, f"{kind} pages", segs)
+
+
+#: page table entries one step of the held-page segment check reads
+HELD_SCAN_STEP = 1 << 16
+
+
+def _held_misplaced_steps(a: SegmentedAllocator, holder: Any, keys: dict[int, set[str]],
+                          kind: str, bad: dict[tuple[str, str], set[int]]) -> Iterator[None]:
+    """Held pages outside the segments of the namespaces their holder allocated for, into
+    ``bad``: one pass over the pool's page table (``holder``: session number per page), each
+    chunk reduced in numpy to its distinct (holder, segment) pairs, so the cost is the table's
+    size whatever the number of sessions. A number no holding has is the conservation check's
+    to report."""
+    sp = a.segment_pages
+    for start in range(0, len(holder), HELD_SCAN_STEP):
+        chunk = holder[start:start + HELD_SCAN_STEP]
+        idx = np.flatnonzero(chunk)
+        if len(idx):
+            pairs = np.unique(chunk[idx].astype(np.int64) * a.num_segments + (idx + start) // sp)
+            for pair in pairs.tolist():
+                n, seg = divmod(pair, a.num_segments)
+                spaces = keys.get(n)
+                if spaces and a.owner[seg] not in spaces:
+                    bad.setdefault((kind, min(spaces)), set()).add(seg)
+        yield

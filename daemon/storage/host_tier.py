@@ -109,8 +109,8 @@ class HostTier:
         live = [s for s in slots if s]
         if not live:
             return
+        self.pool(kind).release_many(live)  # checks every slot before anything changes
         self.pending[kind].difference_update(live)
-        self.pool(kind).release_many(live)
 
     def hold(self, kind: str, slots: Iterable[int]) -> list[int]:
         """One more reference on each slot, so its bytes stay valid after the tree drops it."""
@@ -129,12 +129,12 @@ class HostTier:
 
     def unhold(self, kind: str, slots: Iterable[int]) -> None:
         slots = list(slots)
+        self.pool(kind).release_many(slots)  # checks every slot before anything changes
         readers = self.readers[kind]
         for s in slots:
             readers[s] -= 1
             if not readers[s]:
                 del readers[s]
-        self.pool(kind).release_many(slots)
 
     def available(self, kind: str) -> int:
         p = self.full if kind == "full" else self.swa

@@ -572,3 +572,19 @@ def test_the_host_tier_reports_a_tree_slot_in_another_namespaces_segment() -> No
         assert "tree full host slots of namespace 'a'" in audit(theirs[0])[0]
     finally:
         host.close()
+
+
+def test_the_host_tier_drops_nothing_when_one_slot_of_a_drop_is_bad() -> None:
+    from daemon.storage.host_tier import HostTier
+
+    tier = HostTier(make_profile(), 8, 4, pin_memory=False)
+    try:
+        slots = tier.take("full", [h(1), h(2)], "ns")
+        with pytest.raises(AllocatorError):
+            tier.drop("full", [slots[0], 7])  # 7: a slot nobody holds
+        assert tier.pending["full"] == set(slots)
+        assert [tier.full.lookup(h(i)) for i in (1, 2)] == list(slots)
+        tier.drop("full", slots)
+        assert not tier.pending["full"] and tier.full.used == 0 and tier.full.audit() == []
+    finally:
+        tier.close()
