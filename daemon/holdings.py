@@ -3,11 +3,11 @@ lock receipts.
 
 Per pool, one table over all its pages says which session holds each page (a session number, 0
 for none); each session's holding keeps its count and the namespaces it allocated for (whose
-segments its pages lie in: in practice one, its tenant's). Handing out,
-checking and giving back the pages of a request are then a few numpy operations over its page
-ids. At page size 1 a request names thousands of pages, and a Python step per page (a dict or
-set entry each) was most of what an insert cost the daemon. A page can have one holder only, by
-construction; the page conservation check reads the table in chunks.
+segments its pages lie in: in practice one, its tenant's). Handing out, checking and giving back
+the pages of a request are then a few numpy operations over its page ids. At page size 1 a
+request names thousands of pages, and a Python step per page (a dict or set entry each) was most
+of what an insert cost the daemon. A page can have one holder only, by construction; the page
+conservation check reads the tables in chunks.
 """
 
 from __future__ import annotations

@@ -617,7 +617,11 @@ def _conserved(name: str, alloc: Any, free: bytearray, in_tree: PageMarks, holde
     outside: list[int] = []
     held_numbers = np.zeros(1, dtype=np.int64)
     for start in range(0, len(holder), SCAN_STEP):
-        c = np.bincount(holder[start:start + SCAN_STEP])
+        chunk = holder[start:start + SCAN_STEP]
+        if chunk.min() < 0:  # never written so: a corrupted table, reported, not counted
+            v.append(f"{name} pool: negative session numbers in the page table from {start}")
+            chunk = np.maximum(chunk, 0)
+        c = np.bincount(chunk)
         if len(c) > len(held_numbers):
             c[:len(held_numbers)] += held_numbers
             held_numbers = c

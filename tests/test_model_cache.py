@@ -251,6 +251,9 @@ def test_check_catches_a_holding_miscounted():
     cache.holdings[1].full.count -= 1
     cache.holders.full.holder[0] = 1
     assert any("padding page 0 is held" in s for s in cache.check())
+    cache.holders.full.holder[0] = 0
+    cache.holders.full.holder[5] = -3
+    assert any("negative session numbers in the page table" in s for s in cache.check())
 
 
 def test_model_without_swa():
