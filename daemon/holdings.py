@@ -21,9 +21,6 @@ import numpy as np
 
 from .gpu.allocator import VECTOR_MIN, as_page_array, nonzero_ids, page_ids
 
-#: table entries a checker step reads at once (a few tens of microseconds of numpy)
-SCAN_STEP = 1 << 16
-
 
 class PageTable:
     """The holder of every page of one pool (0: not held): an int32 array, read one id at a

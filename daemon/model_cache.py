@@ -15,9 +15,16 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .gpu.allocator import AllocatorError, OutOfPages, has_duplicates, nonzero_ids
+from .gpu.allocator import (
+    TABLE_SCAN_STEP,
+    AllocatorError,
+    OutOfPages,
+    as_page_array,
+    has_duplicates,
+    nonzero_ids,
+)
 from .gpu.segments import PairedSegmentAllocator, audit_model_segments_steps
-from .holdings import SCAN_STEP, Holders, Holding
+from .holdings import Holders, Holding
 from .tree import (
     DEFAULT_POLICY,
     HASH_BLOCK_TOKENS,
@@ -616,17 +623,15 @@ def _conserved(name: str, alloc: Any, free: bytearray, in_tree: PageMarks, holde
     cap = alloc.capacity
     outside: list[int] = []
     held_numbers = np.zeros(1, dtype=np.int64)
-    for start in range(0, len(holder), SCAN_STEP):
-        chunk = holder[start:start + SCAN_STEP]
+    for start in range(0, len(holder), TABLE_SCAN_STEP):
+        chunk = holder[start:start + TABLE_SCAN_STEP]
         if chunk.min() < 0:  # never written so: a corrupted table, reported, not counted
             v.append(f"{name} pool: negative session numbers in the page table from {start}")
             chunk = np.maximum(chunk, 0)
         c = np.bincount(chunk)
         if len(c) > len(held_numbers):
-            c[:len(held_numbers)] += held_numbers
-            held_numbers = c
-        else:
-            held_numbers[:len(c)] += c
+            held_numbers = np.pad(held_numbers, (0, len(c) - len(held_numbers)))
+        held_numbers[:len(c)] += c
         yield
     if holder[0]:
         v.append(f"{name} pool: the padding page 0 is held by session number {holder[0]}")
@@ -667,14 +672,11 @@ def _conserved(name: str, alloc: Any, free: bytearray, in_tree: PageMarks, holde
 
 def _ids(pages: Iterable[int] | bytes) -> array:
     """Page ids as an int32 array: what the checks and the page tables read."""
-    if isinstance(pages, array) and pages.typecode == "i":
-        return pages
-    out = array("i")
     if isinstance(pages, (bytes, bytearray, memoryview)):
+        out = array("i")
         out.frombytes(pages)
         return out
     try:
-        out.extend(iter(pages))  # (extend() of another array wants the same typecode)
+        return as_page_array(pages)
     except OverflowError:
         raise BadArgument("page ids must be 32-bit integers") from None
-    return out

@@ -73,9 +73,18 @@ def marked_free(name: str, state: bytearray, marks: bytearray, v: list[str]
         yield
 
 
+#: entries of a page table (one int per page of a pool) a checker step reads at once with numpy
+#: (tens of microseconds)
+TABLE_SCAN_STEP = 1 << 16
+
 #: page ids from which one numpy call beats a Python step per id (numpy costs a few
 #: microseconds a call whatever the length; a Python step about 50 ns)
 VECTOR_MIN = 128
+
+
+def as_page_array(pages: Iterable[int]) -> array:
+    """``pages`` as an int32 array (itself when it is one)."""
+    return pages if isinstance(pages, array) and pages.typecode == "i" else array("i", pages)
 
 
 def page_ids(pages: array) -> np.ndarray:
@@ -240,8 +249,3 @@ class PairedAllocator:
                 raise AllocatorError("this model has no SWA pool")
             return
         self.swa.free(pages)
-
-
-def as_page_array(pages: Iterable[int]) -> array:
-    """``pages`` as an int32 array (itself when it is one)."""
-    return pages if isinstance(pages, array) and pages.typecode == "i" else array("i", pages)

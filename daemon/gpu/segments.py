@@ -33,6 +33,7 @@ from radixd_client.segments import check_segment_alignment
 
 from daemon.gpu.allocator import (
     AUDIT_STEP_PAGES,
+    TABLE_SCAN_STEP,
     VECTOR_MIN,
     AllocatorError,
     OutOfPages,
@@ -537,10 +538,6 @@ def audit_model_segments_steps(cache: Any, v: list[str]) -> Iterator[None]:
         v += pools[kind].audit_owners(key, f"{kind} pages", segs)
 
 
-#: page table entries one step of the held-page segment check reads
-HELD_SCAN_STEP = 1 << 16
-
-
 def _held_misplaced_steps(a: SegmentedAllocator, holder: Any, keys: dict[int, set[str]],
                           kind: str, bad: dict[tuple[str, str], set[int]]) -> Iterator[None]:
     """Held pages outside the segments of the namespaces their holder allocated for, into
@@ -549,8 +546,8 @@ def _held_misplaced_steps(a: SegmentedAllocator, holder: Any, keys: dict[int, se
     size whatever the number of sessions. A number no holding has is the conservation check's
     to report."""
     sp = a.segment_pages
-    for start in range(0, len(holder), HELD_SCAN_STEP):
-        chunk = holder[start:start + HELD_SCAN_STEP]
+    for start in range(0, len(holder), TABLE_SCAN_STEP):
+        chunk = holder[start:start + TABLE_SCAN_STEP]
         idx = np.flatnonzero(chunk)
         if len(idx):
             pairs = np.unique(chunk[idx].astype(np.int64) * a.num_segments + (idx + start) // sp)

@@ -155,6 +155,10 @@ def _rows_on(device: torch.device, rows: torch.Tensor) -> torch.Tensor:
     return rows.pin_memory().to(device, non_blocking=True)
 
 
+#: slot runs above which a CPU copy gathers and scatters all rows at once
+_FEW_RUNS = 16
+
+
 def plan_device_to_host(pool: Pool, page_ids: Any, host: HostPool, slots: Any) -> CopyPlan:
     """Validate a copy of device pages ``page_ids`` into host ``slots`` (same length,
     positionally) and lay it out; raises CopyError now, never when the plan runs."""
@@ -190,10 +194,6 @@ def plan_device_to_host(pool: Pool, page_ids: Any, host: HostPool, slots: Any) -
             torch.index_select(device_rows, 0, src_rows, out=out)
 
     return CopyPlan(pool.device, run_cpu)
-
-
-#: slot runs above which a CPU copy gathers and scatters all rows at once
-_FEW_RUNS = 16
 
 
 def run_plans(*plans: CopyPlan) -> None:
