@@ -268,11 +268,12 @@ def _heap_families(reg: _Families, trimmer: HeapTrimmer) -> None:
 
 #: L3 client events, as RedisTier.stats names them: (key, family, help)
 _L3_COUNTERS = (
-    ("gets", "radixd_l3_get_pages_total", "Pages asked of Redis."),
-    ("hits", "radixd_l3_hit_pages_total", "Pages Redis returned and that verified."),
-    ("sets", "radixd_l3_set_pages_total", "Pages written to Redis."),
+    ("gets", "radixd_l3_get_pages_total",
+     "Values asked of Redis (a page, or a run of a hash block's pages when pages are small)."),
+    ("hits", "radixd_l3_hit_pages_total", "Values Redis returned and that verified."),
+    ("sets", "radixd_l3_set_pages_total", "Values written to Redis."),
     ("set_failures", "radixd_l3_set_failures_total",
-     "Page writes dropped (Redis down, slow, full, or the breaker open)."),
+     "Value writes dropped (Redis down, slow, full, or the breaker open)."),
     ("corrupt", "radixd_l3_corrupt_pages_total",
      "Values that failed verification (checksum, layout, tokens): deleted, served as misses."),
     ("timeouts", "radixd_l3_timeouts_total", "Redis calls that ran past l3.op_timeout_ms."),

@@ -1,20 +1,27 @@
-"""The byte format of one page stored outside the daemon (the L3 value).
+"""The byte format of a run of pages stored outside the daemon (the L3 value).
 
-One value is one page of one pool (full or SWA), all layers, page-first, preceded by a fixed
-header so that a reader can prove the bytes are what it asked for before using them::
+One value is one or more consecutive whole pages of one pool (full or SWA), all layers, page by
+page, preceded by a fixed header so that a reader can prove the bytes are what it asked for before
+using them::
 
     offset size  field
     0      4     magic b"RXP1"
     4      2     format version (u16, currently 1)
     6      1     pool kind (0 = full, 1 = swa)
     7      1     flags (0: a tree page; 1 = KEYED: a keyed page, see below; others refused)
-    8      4     page_size: tokens in the page (u32); KEYED: the key's length in bytes
+    8      4     tokens: the value's token count, n * page_size for n pages (u32); KEYED: the
+                 key's length in bytes
     12     8     payload length in bytes (u64)
     20     32    layout fingerprint (ModelProfile.layout_fingerprint())
-    52     32    page hash (the chain hash that names this prefix position)
+    52     32    page hash (the chain hash that names the prefix ending with the last page)
     84     4     checksum (u32, CRC-32 of bytes 0..84, the tokens and the payload)
-    88     4*page_size   the page's token ids, int32 little-endian
-    ...    payload length  the payload (one page of all layers, page-first)
+    88     4*tokens   the token ids, int32 little-endian
+    ...    payload length  the payload (n pages, each all layers, page-first)
+
+The daemon stores a full-pool value as a run of the pages of one hash block (the tiers' L3 runs),
+so that a value holds at least 64 tokens when the pages are smaller; with pages of 64 tokens or
+more a run is one page. The codec itself does not care how many pages a value holds: the caller
+knows its page size and checks the payload length against it.
 
 A **keyed page** (the key-addressed store, daemon/keyed_tier.py) has flag KEYED: its header
 carries the engine's key (1..128 bytes) where a tree page carries its tokens, the page hash field
@@ -46,7 +53,7 @@ import sys
 import time
 import zlib
 from array import array
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 MAGIC = b"RXP1"
@@ -65,6 +72,8 @@ _POOL_NAMES = {code: name for name, code in _POOL_CODES.items()}
 _PRE = struct.Struct("<4sHBBIQ32s32s")
 _CRC = struct.Struct("<I")
 HEADER_BYTES = _PRE.size + _CRC.size  # 88
+#: What ``encode_page`` takes as a page's bytes (any C-contiguous buffer does: a numpy array too).
+PagePayload = bytes | bytearray | memoryview
 
 if sys.byteorder != "little":  # pragma: no cover - every supported host is little-endian
     raise ImportError("radixd stores token ids as little-endian int32: it needs a "
@@ -119,14 +128,16 @@ def encode_page(
     page_hash: bytes,
     fingerprint: bytes,
     tokens: bytes | bytearray | memoryview | Iterable[int] = b"",
-    payload: bytes | bytearray | memoryview,
+    payload: PagePayload | Sequence[PagePayload],
     key: bytes | None = None,
 ) -> bytes:
     """One stored value: header + tokens + payload, the payload copied once (by the join).
 
-    ``tokens`` is the page's token ids, either already encoded as int32 little-endian bytes (how
-    the tree keeps them) or a sequence of ints; ``page_size`` is their count. ``payload`` is any
-    C-contiguous buffer (bytes, a memoryview, a numpy array of a host page).
+    ``tokens`` is the value's token ids, either already encoded as int32 little-endian bytes (how
+    the tree keeps them) or a sequence of ints; the header's token count is their number (one
+    page's, or a run of whole pages'). ``payload`` is any C-contiguous buffer (bytes, a
+    memoryview, a numpy array of a host page), or a list of them: the pages of a run, joined in
+    order without an intermediate copy.
     """
     code = pool_code(pool)
     if len(page_hash) != HASH_BYTES:
@@ -142,15 +153,23 @@ def encode_page(
         if len(tok) % 4:
             raise ValueError("token bytes must be a whole number of int32")
         flags, count = 0, len(tok) // 4
+    views = [_byte_view(p) for p in (payload if isinstance(payload, (list, tuple))
+                                     else (payload,))]
+    pre = _PRE.pack(MAGIC, FORMAT_VERSION, code, flags, count, sum(v.nbytes for v in views),
+                    bytes(fingerprint), bytes(page_hash))
+    crc = zlib.crc32(tok, zlib.crc32(pre))
+    for v in views:
+        crc = zlib.crc32(v, crc)
+    return b"".join((pre, _CRC.pack(crc), tok, *views))
+
+
+def _byte_view(payload: PagePayload) -> memoryview:
     view = memoryview(payload)
     if not view.c_contiguous:
         raise ValueError("payload must be C-contiguous")
     if view.format != "B" or view.ndim != 1:
         view = view.cast("B")
-    pre = _PRE.pack(MAGIC, FORMAT_VERSION, code, flags, count, view.nbytes,
-                    bytes(fingerprint), bytes(page_hash))
-    crc = zlib.crc32(view, zlib.crc32(tok, zlib.crc32(pre)))
-    return b"".join((pre, _CRC.pack(crc), tok, view))
+    return view
 
 
 def peek_header(value: bytes | memoryview) -> tuple[str, bytes]:

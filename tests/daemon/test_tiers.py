@@ -27,6 +27,7 @@ from .conftest import SMALL_MODEL, Raw
 
 P = SMALL_MODEL["page_size"]
 WINDOW_PAGES = SMALL_MODEL["sliding_window"] // P
+BLOCK_PAGES = max(1, -(-64 // P))  # pages of a hash block, and the most pages one value holds
 
 
 @pytest.fixture
@@ -67,10 +68,11 @@ class Engine:
         fp, sp = int32_list(a.full_pages), int32_list(a.swa_pages)
         for i, (f, s) in enumerate(zip(fp, sp, strict=True)):
             key = page_key(tokens, i)
-            self.pools.full[:, :, f] = self._rand(self.pools.full[:, :, f])
-            self.pools.swa[:, :, s] = self._rand(self.pools.swa[:, :, s])
-            self.full[key] = self.pools.full[:, :, f].clone()
-            self.swa[key] = self.pools.swa[:, :, s].clone()
+            if key not in self.full:  # the same tokens compute the same KV, as in a model
+                self.full[key] = self._rand(self.pools.full[:, :, f])
+                self.swa[key] = self._rand(self.pools.swa[:, :, s])
+            self.pools.full[:, :, f] = self.full[key]
+            self.pools.swa[:, :, s] = self.swa[key]
         self.c.insert("m", tokens, fp, sp)
 
     def verify(self, tokens: list[int], result: Any, expect: dict | None = None) -> int:
@@ -93,6 +95,11 @@ class Engine:
 
 def page_key(tokens: list[int], i: int) -> bytes:
     return bytes(str(tokens[: (i + 1) * P]), "ascii")
+
+
+def value_of_page(e: Engine, tokens: list[int], i: int) -> bytes:
+    """The bytes L3 stores for page ``i`` of ``tokens`` (its full-pool KV, page-first)."""
+    return e.full[page_key(tokens, i)].contiguous().numpy().tobytes()
 
 
 def wait_for(fn: Any, what: str, timeout: float = 10.0) -> Any:
@@ -133,6 +140,13 @@ def l3_pages(prefix: str, port: int = 6379) -> int:
         return sum(1 for _ in raw.scan_iter(match=prefix + ":*", count=1000))
     finally:
         raw.close()
+
+
+def l3_values(pages: int) -> int:
+    """The Redis values of a sequence of ``pages`` pages cached as one node: a full-pool run per
+    hash block (protocol.md 9.3: blocks of BLOCK_PAGES pages, the last one cut at the node's
+    end) and a SWA value per page of the trailing window."""
+    return -(-pages // BLOCK_PAGES) + min(pages, WINDOW_PAGES)
 
 
 def tier_stats(d: Any) -> dict[str, int]:
@@ -291,7 +305,7 @@ def test_round_trip_through_redis(make_daemon, prefix: str) -> None:
     try:
         toks = seq(10)
         e.cache(toks)
-        wait_for(lambda: l3_pages(prefix) >= 10 + WINDOW_PAGES, "the L3 write")
+        wait_for(lambda: l3_pages(prefix) >= l3_values(10), "the L3 write")
         ev = e.c.evict("m", full_pages=1000, swa_pages=1000, host_pages=1000)
         assert (ev.full_pages, ev.host_pages) == (10, 10)
         assert e.c.match("m", toks).host_hit_len == 0
@@ -331,30 +345,93 @@ def documented_page_ids(fp: bytes, ns: str, model: str, tokens: list[int]) -> li
 
 
 def test_l3_keys_follow_the_documented_formula(make_daemon, prefix: str) -> None:
-    """Pages of 4 tokens: blocks of 16 pages, so page keys inside a block and at its end both
-    occur; every page the daemon wrote is where the formula says, holding its own tokens."""
+    """Pages of 4 tokens: blocks of 16 pages. Each whole block is one value at its last page's
+    documented key, the trailing part block one value at the node's last page; no other page
+    key holds a full-pool value; each value holds its run's tokens and pages."""
     d = make_daemon(l3_config(SHARED_URL, prefix, full_pages=96, swa_pages=64))
     e = Engine(d.socket)
     try:
         n = 40  # two whole blocks and half of a third
         toks = seq(n, base=7)
         e.cache(toks)
-        wait_for(lambda: l3_pages(prefix) >= n + WINDOW_PAGES, "the L3 write")
+        wait_for(lambda: l3_pages(prefix) >= l3_values(n), "the L3 write")
         fp = bytes.fromhex(e.pools.infos["full"].description["layout_fingerprint"])
         ids = documented_page_ids(fp, "default", "m", toks)
         raw = redis_sync.Redis.from_url(SHARED_URL)
         try:
+            runs = {15: 0, 31: 16, 39: 32}  # last page -> first page of each run
+            page_bytes = len(value_of_page(e, toks, 0))
             for j, i in enumerate(ids):
                 value = raw.get(f"{prefix}:{i}")
+                if j not in runs:
+                    assert value is None, f"page {j}: a value inside a run"
+                    continue
                 assert value is not None, f"page {j}: no value at its documented key"
+                first = runs[j]
+                count = (j + 1 - first) * P
                 assert value[52:84] == bytes.fromhex(i)
-                want = b"".join(t.to_bytes(4, "little") for t in toks[j * P : (j + 1) * P])
-                assert value[88 : 88 + 4 * P] == want, j
+                assert int.from_bytes(value[8:12], "little") == count
+                want = b"".join(t.to_bytes(4, "little") for t in toks[first * P : (j + 1) * P])
+                assert value[88 : 88 + 4 * count] == want, j
+                payload = value[88 + 4 * count :]
+                assert payload == b"".join(value_of_page(e, toks, k)
+                                           for k in range(first, j + 1)), j
+                assert len(payload) == (j + 1 - first) * page_bytes
             assert all(raw.exists(f"{prefix}:{i}:swa") for i in ids[-WINDOW_PAGES:])
         finally:
             raw.close()
     finally:
         e.close()
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_runs_span_nodes_and_a_prefix_may_end_inside_a_block(make_daemon, prefix: str,
+                                                             policy: str) -> None:
+    """Two nodes, pages 0-9 and 10-19: the block of pages 0-15 is one value whose first ten
+    pages come from the parent node's host copy (under write_back, a parent dropped in the same
+    host eviction). Another daemon fetches all 20 pages; a prefix of 12 pages finds the run
+    the parent's end wrote (pages 0-9) and stops there."""
+    cfg = l3_config(SHARED_URL, prefix, full_pages=96, swa_pages=64)
+    cfg["l3"]["write_policy"] = policy
+    a = make_daemon(cfg, name="a")
+    ea = Engine(a.socket, seed=1)
+    raw = redis_sync.Redis.from_url(SHARED_URL)
+    try:
+        ea.cache(seq(10))
+        ea.cache(seq(20))
+        wait_for(lambda: tier_stats(a)["tree_host_pages"] == 20, "the host copies")
+        if policy == "write_back":
+            ea.c.evict("m", full_pages=100, swa_pages=100, host_pages=100)
+        # runs [0-9], [0-15], [16-19]; SWA pages 8, 9, 18, 19
+        wait_for(lambda: l3_pages(prefix) >= 7, "the L3 writes")
+        fp = bytes.fromhex(ea.pools.infos["full"].description["layout_fingerprint"])
+        ids = documented_page_ids(fp, "default", "m", seq(20))
+        assert [j for j, i in enumerate(ids) if raw.exists(f"{prefix}:{i}")] == [9, 15, 19]
+        spanning = raw.get(f"{prefix}:{ids[15]}")
+        assert spanning[88 + 16 * 4 * P :] == b"".join(value_of_page(ea, seq(20), k)
+                                                       for k in range(16))
+        b = make_daemon(l3_config(SHARED_URL, prefix, full_pages=96, swa_pages=64), name="b")
+        eb = Engine(b.socket, seed=2)
+        try:
+            pr = eb.c.prefetch("m", seq(20), policy="wait_complete")
+            assert (pr.l3_hit_len, pr.fetched_len) == (20 * P, 20 * P)
+            r = eb.c.load("m", seq(20))
+            assert r.prefix_len == 20 * P
+            assert eb.verify(seq(20), r, expect=(ea.full, ea.swa)) == 20 + WINDOW_PAGES
+            eb.c.evict("m", full_pages=100, swa_pages=100, host_pages=100)
+            pr = eb.c.prefetch("m", seq(12), policy="wait_complete")
+            assert (pr.l3_hit_len, pr.fetched_len) == (10 * P, 10 * P)
+            r = eb.c.load("m", seq(12))
+            assert r.prefix_len == 10 * P
+            eb.verify(seq(12), r, expect=(ea.full, ea.swa))
+            assert admin_stats(b)["models"]["m"]["tiers"]["l3_hit_pages"] == 30
+            b.check()
+        finally:
+            eb.close()
+        a.check()
+    finally:
+        ea.close()
+        raw.close()
 
 
 def test_l3_write_back_on_host_eviction(make_daemon, prefix: str) -> None:
@@ -368,7 +445,7 @@ def test_l3_write_back_on_host_eviction(make_daemon, prefix: str) -> None:
         time.sleep(0.1)
         assert l3_pages(prefix) == 0  # write_back: nothing in Redis yet
         e.c.evict("m", full_pages=100, swa_pages=100, host_pages=100)
-        wait_for(lambda: l3_pages(prefix) >= 6, "the write-back")
+        wait_for(lambda: l3_pages(prefix) >= l3_values(6), "the write-back")
         pr = e.c.prefetch("m", toks, policy="wait_complete")
         assert pr.fetched_len == 6 * P
         r = e.c.load("m", toks)
@@ -384,7 +461,7 @@ def test_two_daemons_share_redis(make_daemon, prefix: str) -> None:
     try:
         toks = seq(8)
         ea.cache(toks)
-        wait_for(lambda: l3_pages(prefix) >= 8 + WINDOW_PAGES, "the L3 write")
+        wait_for(lambda: l3_pages(prefix) >= l3_values(8), "the L3 write")
         assert eb.c.match("m", toks).prefix_len == 0
         for policy in ("best_effort", "timeout"):
             pr = eb.c.prefetch("m", toks, policy=policy, timeout_ms=2000)
@@ -405,9 +482,9 @@ def test_a_corrupt_value_is_a_counted_miss(make_daemon, prefix: str) -> None:
     try:
         toks = seq(8)
         ea.cache(toks)
-        wait_for(lambda: l3_pages(prefix) >= 8 + WINDOW_PAGES, "the L3 write")
+        wait_for(lambda: l3_pages(prefix) >= l3_values(8), "the L3 write")
         keys = sorted(k for k in raw.scan_iter(match=prefix + ":*") if not k.endswith(b":swa"))
-        # the value of page 5 (find it by its tokens) gets one payload byte flipped
+        # the run holding page 5 (find it by its tokens) gets one payload byte flipped
         bad = next(k for k in keys if raw.get(k).find(
             bytes(memoryview(__import__("array").array("i", toks[5 * P: 6 * P])))) >= 0)
         value = raw.get(bad)
@@ -416,8 +493,7 @@ def test_a_corrupt_value_is_a_counted_miss(make_daemon, prefix: str) -> None:
         eb = Engine(b.socket)
         try:
             pr = eb.c.prefetch("m", toks, policy="wait_complete")
-            # exists() saw 8 pages; the read stopped at the bad one, and pages 0-4 alone end
-            # without a stored SWA window (L3 keeps the trailing window only): nothing usable
+            # exists() saw the run of 8 pages; its read failed verification: nothing usable
             assert pr.l3_hit_len == 8 * P and pr.fetched_len == 0
             assert not raw.exists(bad)  # deleted, never served
             assert l3_stats(b)["corrupt"] == 1
@@ -446,7 +522,7 @@ def test_redis_dies_and_returns(make_daemon, tmp_path) -> None:
         e = Engine(d.socket)
         try:
             e.cache(seq(4))
-            wait_for(lambda: l3_stats(d)["sets"] >= 4, "the first L3 write")
+            wait_for(lambda: l3_stats(d)["sets"] >= l3_values(4), "the first L3 write")
             srv.kill()
             # everything keeps working, L3 is a miss; the breaker opens
             for i in range(4):
@@ -462,7 +538,8 @@ def test_redis_dies_and_returns(make_daemon, tmp_path) -> None:
             time.sleep(0.6)  # breaker_open_s: the next call is the half-open probe
             e.cache(seq(4, 9000))
             wait_for(lambda: l3_stats(d)["breaker_state"] == "closed", "the breaker to close")
-            wait_for(lambda: l3_pages("died", port=srv.port) >= 4, "writes after recovery")
+            wait_for(lambda: l3_pages("died", port=srv.port) >= l3_values(4),
+                     "writes after recovery")
         finally:
             e.close()
     finally:
@@ -473,19 +550,19 @@ def test_cluster_round_trip(make_daemon, tmp_path) -> None:
     servers, ports = start_cluster(tmp_path)
     try:
         url = f"redis+cluster://127.0.0.1:{ports[0]}"
-        a = make_daemon(l3_config(url, "clu"), name="a")
+        a = make_daemon(l3_config(url, "clu", full_pages=96, swa_pages=64), name="a")
         ea = Engine(a.socket)
         try:
-            toks = seq(12)
+            toks = seq(40)  # three runs of full pages and two SWA pages: five keys
             ea.cache(toks)
             per_node = lambda: [redis_sync.Redis(port=p).dbsize() for p in ports]  # noqa: E731
-            wait_for(lambda: sum(per_node()) >= 12 + WINDOW_PAGES, "the L3 write")
+            wait_for(lambda: sum(per_node()) >= l3_values(40), "the L3 write")
             assert sum(1 for n in per_node() if n) >= 2  # the pages spread over the nodes
             ea.c.evict("m", full_pages=100, swa_pages=100, host_pages=100)
             pr = ea.c.prefetch("m", toks, policy="wait_complete")
-            assert pr.fetched_len == 12 * P
+            assert pr.fetched_len == 40 * P
             r = ea.c.load("m", toks)
-            assert r.prefix_len == 12 * P
+            assert r.prefix_len == 40 * P
             ea.verify(toks, r)
         finally:
             ea.close()
@@ -504,7 +581,7 @@ def test_models_of_one_layout_do_not_share_l3_pages(make_daemon, prefix: str) ->
     try:
         toks = seq(6)
         e.cache(toks)
-        wait_for(lambda: l3_pages(prefix) >= 6 + WINDOW_PAGES, "the L3 write")
+        wait_for(lambda: l3_pages(prefix) >= l3_values(6), "the L3 write")
         pr = e.c.prefetch("tuned", toks, policy="wait_complete")
         assert (pr.l3_hit_len, pr.fetched_len) == (0, 0)
         e.c.evict("m", full_pages=100, swa_pages=100, host_pages=100)

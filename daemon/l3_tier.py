@@ -1,0 +1,387 @@
+"""L3 (Redis) of one model at run time: the writer that sends host pages to Redis and the
+prefetch that brings pages only Redis holds back into host.
+
+:class:`daemon.tiers.TierManager` composes one (``TierManager.l3tier``) beside its host copies:
+it queues a node here once the node's pages are on host (``write_through``) or as host drops them
+(``write_back``). Full-pool pages travel as runs of a hash block (:mod:`daemon.l3_runs`), SWA
+pages one value each. Everything that touches Redis is fail-soft: a miss, never an error to the
+engine (the :class:`RedisTier` bounds every call and trips a breaker).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+from array import array
+from collections.abc import Sequence
+from typing import Any
+
+from radixd_client import protocol as P
+
+from .config import L3Config
+from .l3_runs import block_ends, node_runs, run_pages, tail_candidates
+from .model_cache import ModelCache
+from .storage.codec import encode_page
+from .storage.host_tier import HostTier
+from .storage.l3_ledger import L3Ledger
+from .storage.redis_tier import RedisTier
+from .tier_jobs import FetchJob, begin_fetch, finish_fetch, reserve_host
+from .tree import Node
+
+log = logging.getLogger("radixd.tiers")
+
+#: (pool kind, namespace, held host slots (none once encoded), L3 id, tokens, encoded value)
+L3Write = tuple[str, str, tuple[int, ...], bytes, bytes, "bytes | None"]
+
+#: Most pages one L3 write batch carries (bounds the bytes encoded at once); a run of a block's
+#: pages is never split, so a batch holds at least one value.
+L3_WRITE_BATCH = 256
+#: How often the L3 writer looks for host pages the tree dropped without the tiers being told
+#: (an evict of host pages from outside the tiers); every reuse of a host slot looks first anyway.
+HOST_DROPS_POLL_S = 0.05
+#: Most pages waiting for Redis. Each holds its host slot, so a slow Redis must not pin the
+#: whole host pool: past it the oldest values are dropped (counted as L3 write failures).
+MAX_L3_QUEUE = 16384
+
+
+class L3Tier:
+    """The Redis side of one model's tiers. ``counters`` and ``inflight`` are the
+    TierManager's: one set of figures per model, and one set of tasks its drain waits for."""
+
+    def __init__(self, cache: ModelCache, host: HostTier, model_name: str, l3: RedisTier | None,
+                 cfg: L3Config, host_quotas: dict[str, int], quotas: dict[str, int],
+                 counters: dict[str, int], inflight: set[asyncio.Task]) -> None:
+        self.cache = cache
+        self.host = host
+        self.l3 = l3
+        self.cfg = cfg
+        self.fingerprint = cache.profile.layout_fingerprint()
+        # The tree's page hashes name a page by namespace, layout and tokens, not by the weights
+        # that computed it: two models of one layout (a base model and its fine-tune) would share
+        # Redis keys. Keys and stored headers use the hash salted with the model's name, which
+        # operators keep equal across daemons for the same weights only.
+        self.salt = hashlib.sha256(b"radixd-l3-model\x00" + model_name.encode()).digest()
+        self.host_quotas = host_quotas
+        self.quotas = quotas
+        # L3 byte quota: per namespace, the values this daemon wrote (oldest first) and their sum
+        self.ledger = L3Ledger()
+        self.counters = counters
+        self._inflight = inflight
+        self.pending: list[L3Write] = []
+        self.queued_pages = 0  # the pages of the values in pending
+        self.wake: asyncio.Event | None = None
+
+    def start(self) -> asyncio.Task:
+        """Start the writer (on the running loop); the caller owns the task."""
+        assert self.l3 is not None
+        self.wake = asyncio.Event()
+        self.l3.start_probe()  # logs whether Redis answers at start (once per daemon)
+        return asyncio.create_task(self.writer(), name="radixd-l3-writer")
+
+    def id_of(self, page_hash: bytes) -> bytes:
+        """The page's name in L3: its page key salted with the model's identity."""
+        return hashlib.sha256(self.salt + page_hash).digest()
+
+    def queue(self, node: Node, full_slots: array, swa_slots: Sequence[int],
+                  snapshot: bool = False) -> None:
+        """Queue a node's host pages for Redis: its full pages as runs (l3_runs), its SWA pages
+        one value each, holding the slots until they are encoded (or, with ``snapshot``,
+        encoding them now: slots about to be freed must free at once, or the eviction that
+        freed them would not make room)."""
+        ns = node.ns.name
+        pb = self.cache.tree.page_bytes
+        runs, missed = node_runs(self.cache.tree, node, full_slots)
+        self.counters["l3_write_runs_skipped"] += missed
+        keys: dict[int, bytes] = {}
+
+        def key(i: int) -> bytes:  # the host pool indexes tree pages by their page key
+            if i not in keys:
+                h = self.host.full.hash_of(full_slots[i])
+                keys[i] = h if h is not None else self.cache.tree.page_keys([node])[i]
+            return keys[i]
+
+        items = [("full", r.slots, key(r.last), r.tokens) for r in runs]
+        items += [("swa", (ss,), key(j), node.tokens[j * pb : (j + 1) * pb])
+                  for j, ss in enumerate(swa_slots) if ss]
+        for kind, slots, page_key, toks in items:
+            l3_id = self.id_of(page_key)
+            if snapshot:  # the slots are being freed: take their bytes now
+                pool = self.host.pool(kind)
+                value = encode_page(pool=kind, page_hash=l3_id, fingerprint=self.fingerprint,
+                                    tokens=toks, payload=[pool.page_bytes(s) for s in slots])
+                self.pending.append((kind, ns, (), l3_id, toks, value))
+                self.queued_pages += len(toks) // pb
+                continue
+            held = self.host.hold(kind, slots)
+            if len(held) < len(slots):  # a slot not readable (being filled): not written
+                if held:
+                    self.host.unhold(kind, held)
+                self.counters["l3_write_runs_skipped"] += 1
+                continue
+            self.pending.append((kind, ns, slots, l3_id, toks, None))
+            self.queued_pages += len(toks) // pb
+        while self.queued_pages > MAX_L3_QUEUE and len(self.pending) > 1:
+            kind, _, slots, _, toks, _ = self.pending.pop(0)
+            if slots:
+                self.host.unhold(kind, slots)
+            self.queued_pages -= len(toks) // pb
+            self.counters["l3_write_failures"] += 1
+        if self.wake is not None:
+            self.wake.set()
+
+    def host_dropped(self, nodes: list[Node]) -> None:
+        """L3 write_back: host-only pages left host (their slots are free, not yet reused); send
+        them to Redis first."""
+        for node in nodes:
+            swa = node.host_swa if node.host_swa is not None else \
+                array("i", bytes(4 * len(node.host)))  # type: ignore[arg-type]
+            self.queue(node, node.host, swa, snapshot=True)  # type: ignore[arg-type]
+
+    async def writer(self) -> None:
+        assert self.wake is not None and self.l3 is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            # host pages dropped outside the tiers (an admin evict) are noticed here too
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.wake.wait(), HOST_DROPS_POLL_S)
+            self.wake.clear()
+            self.cache.flush_host_drops()
+            while self.pending:
+                batch = self._next_batch()
+                task = asyncio.current_task()
+                if task is not None:
+                    self._inflight.add(task)
+                try:
+                    values = await loop.run_in_executor(None, self._encode, batch)
+                finally:
+                    for kind, _, slots, _, _, _ in batch:
+                        if slots:
+                            self.host.unhold(kind, slots)
+                try:
+                    await self._store(batch, values)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    log.exception("L3 write failed")
+                finally:
+                    if task is not None:
+                        self._inflight.discard(task)
+
+    def _next_batch(self) -> list[L3Write]:
+        """The oldest queued values, up to L3_WRITE_BATCH pages (at least one value)."""
+        pb = self.cache.tree.page_bytes
+        pages = 0
+        n = 0
+        for *_, toks, _ in self.pending:
+            if n and pages + len(toks) // pb > L3_WRITE_BATCH:
+                break
+            pages += len(toks) // pb
+            n += 1
+        batch = self.pending[:n]
+        del self.pending[:n]
+        self.queued_pages -= pages
+        return batch
+
+    def _encode(self, batch: list[L3Write]) -> list[bytes]:
+        """Runs in a worker thread: the slots are held, so their bytes cannot change."""
+        return [value if value is not None else
+                encode_page(pool=kind, page_hash=h, fingerprint=self.fingerprint, tokens=toks,
+                            payload=[self.host.pool(kind).page_bytes(s) for s in slots])
+                for kind, _, slots, h, toks, value in batch]
+
+    async def _store(self, batch: list[L3Write], values: list[bytes]) -> None:
+        assert self.l3 is not None
+        before = self.l3.stats["set_failures"]
+        written = await self.l3.set_pages(values)
+        self.counters["l3_write_values"] += written
+        self.counters["l3_write_failures"] += self.l3.stats["set_failures"] - before
+        if written < len(values):
+            return  # which ones failed is unknown: count none rather than delete early
+        self.counters["l3_write_pages"] += sum(len(t) for *_, t, _ in batch) \
+            // self.cache.tree.page_bytes
+        await self.charge([(ns, h, kind, len(v)) for (kind, ns, _, h, _, _), v
+                              in zip(batch, values, strict=True)])
+
+    async def charge(self, values: list[tuple[str, bytes, str, int]]) -> int:
+        """Count values just written to Redis, ``(namespace, Redis page id, pool, bytes)``,
+        against their namespace's ``quota_l3_bytes``; over it, delete the namespace's least
+        recently written values and count them. One ledger per namespace for the tree's pages
+        and the keyed store's (which calls this too), so a tenant's quota bounds both together.
+        Returns how many values were deleted."""
+        assert self.l3 is not None
+        over: dict[str, list[bytes]] = {"full": [], "swa": []}
+        for ns, h, kind, nbytes in values:
+            for old, old_kind in self.ledger.charge(ns, h, kind, nbytes,
+                                                       self.quotas.get(ns, 0)):
+                over[old_kind].append(old)
+        for kind, hashes in over.items():
+            self.counters["l3_quota_deleted_pages"] += len(hashes)
+            if hashes:
+                await self.l3.delete(hashes, kind)
+        return sum(map(len, over.values()))
+
+    # ------------------------------------------------------------------ prefetch (L3 -> L2)
+
+    async def prefetch(self, namespace: str, tokens: bytes, policy: str, timeout_s: float
+                       ) -> P.PrefetchResult:
+        if self.l3 is None:
+            return P.PrefetchResult(status="unavailable", l3_hit_len=0, fetched_len=0)
+        self.counters["prefetches"] += 1
+        job = begin_fetch(self.cache, namespace, tokens)
+        if job.start >= len(job.hashes):
+            finish_fetch(self.cache, namespace, tokens, job, job.start)
+            return P.PrefetchResult(status="none", l3_hit_len=0, fetched_len=0)
+        known: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        task = asyncio.create_task(self._fetch(namespace, tokens, job, known))
+        self._inflight.add(task)
+        task.add_done_callback(self._inflight.discard)
+        P_ = self.cache.profile.page_size
+        if policy == "best_effort":
+            hit = await asyncio.shield(known)
+            return P.PrefetchResult(status="started" if hit else "none", l3_hit_len=hit * P_,
+                                    fetched_len=0)
+        try:
+            if policy == "wait_complete":
+                got = await asyncio.shield(task)
+            else:
+                got = await asyncio.wait_for(asyncio.shield(task), timeout_s)
+        except asyncio.TimeoutError:
+            self.counters["prefetch_timeouts"] += 1
+            hit = known.result() if known.done() else 0
+            return P.PrefetchResult(status="timeout", l3_hit_len=hit * P_, fetched_len=0)
+        hit = known.result() if known.done() else 0
+        return P.PrefetchResult(status="complete" if hit else "none", l3_hit_len=hit * P_,
+                                fetched_len=got * P_)
+
+    async def _fetch(self, namespace: str, tokens: bytes, job: FetchJob,
+                     known: asyncio.Future[int]) -> int:
+        """The whole fetch; sets ``known`` to the pages L3 holds once that is known. Returns
+        pages attached to the tree. Every path ends in finish_fetch (unpin, slots back)."""
+        end = job.start
+        try:
+            end = await self._fetch_pages(namespace, tokens, job, known)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("L3 fetch failed")
+            for kind, slots in (("full", job.full_slots), ("swa", job.swa_slots)):
+                self.host.drop(kind, slots.values())
+                slots.clear()
+            end = job.start
+        finally:
+            if not known.done():
+                known.set_result(0)
+        got = finish_fetch(self.cache, namespace, tokens, job, end)
+        self.counters["prefetch_pages"] += got
+        return got
+
+    def _window_end(self, start: int, end: int, swa_present: list[bool]) -> int:
+        """The largest end <= ``end`` whose SWA window (within [start, end)) L3 holds whole."""
+        if not self.cache.tree.swa_enabled:
+            return end
+        wp = self.cache.tree.window_pages
+        for e in range(end, start, -1):
+            lo = max(start, e - wp)
+            if all(swa_present[i - start] for i in range(lo, e)):
+                return e
+        return start
+
+    async def _runs_present(self, hashes: list[bytes], start: int) -> list[int]:
+        """The last pages of the runs L3 holds from page ``start`` on, in order and contiguous:
+        whole blocks by one EXISTS each, then the longest shorter run of the next block."""
+        l3 = self.l3
+        assert l3 is not None
+        B = self.cache.tree.block_pages
+        ends = block_ends(start, len(hashes), B)
+        have = await l3.exists_prefix([self.id_of(hashes[j]) for j in ends], "full")
+        lasts = ends[:have]
+        tail = tail_candidates(lasts[-1] + 1 if lasts else start // B * B, start, len(hashes), B)
+        if tail:
+            there = await l3.exists_each([self.id_of(hashes[j]) for j in tail], "full")
+            lasts += [j for j, ok in zip(tail, there, strict=True) if ok][-1:]
+        return lasts
+
+    async def _fetch_pages(self, namespace: str, tokens: bytes, job: FetchJob,
+                           known: asyncio.Future[int]) -> int:
+        l3 = self.l3
+        assert l3 is not None
+        tree = self.cache.tree
+        start = job.start
+        hashes = job.hashes
+        lasts = await self._runs_present(hashes, start)
+        end = lasts[-1] + 1 if lasts else start
+        present: list[bool] = []
+        if end > start and tree.swa_enabled:
+            present = await l3.exists_each([self.id_of(h) for h in hashes[start:end]], "swa")
+            end = self._window_end(start, end, present)
+        known.set_result(end - start)
+        if end <= start:
+            return start
+        ns = tree.namespace(namespace)
+        wp = tree.window_pages
+        swa_lo = max(start, end - wp) if tree.swa_enabled else end
+        quota = self.host_quotas.get(namespace, 0)
+        full_slots = reserve_host(self.cache, ns, "full", hashes[start:end], quota)
+        if full_slots is None:  # what the host pool can take, if it still ends on a window
+            room = min(end - 1, start + self.host.available_to("full", namespace))
+            fit = self._window_end(start, room, present) if tree.swa_enabled else room
+            if fit <= start:
+                self.counters["prefetch_no_room"] += 1
+                return start
+            end = fit
+            swa_lo = max(start, end - wp) if tree.swa_enabled else end
+            full_slots = reserve_host(self.cache, ns, "full", hashes[start:end], quota)
+            if full_slots is None:
+                self.counters["prefetch_no_room"] += 1
+                return start
+        job.full_slots = {start + i: s for i, s in enumerate(full_slots)}
+        if swa_lo < end:
+            swa_slots = reserve_host(self.cache, ns, "swa", hashes[swa_lo:end])
+            if swa_slots is None:
+                return start
+            job.swa_slots = {swa_lo + i: s for i, s in enumerate(swa_slots)}
+        pb = tree.page_bytes
+        B = tree.block_pages
+        lasts = [j for j in lasts if j // B * B < end]  # the runs that reach below end
+        full_vals = await l3.get_pages([self.id_of(hashes[j]) for j in lasts], "full",
+                                       self.fingerprint)
+        swa_vals = (await l3.get_pages([self.id_of(h) for h in hashes[swa_lo:end]], "swa",
+                                       self.fingerprint) if swa_lo < end else [])
+        pages: dict[int, memoryview] = {}  # page index -> its bytes in a verified run
+        for last, v in zip(lasts, full_vals, strict=True):
+            first = last // B * B
+            got = None if v is None else run_pages(tokens, v.payload, v.tokens, first, last, pb,
+                                                   self.host.full.page_nbytes)
+            if got is None:
+                break
+            pages.update((first + i, page) for i, page in enumerate(got) if first + i >= start)
+        good = start
+        while good < end and good in pages:
+            good += 1
+        swa_ok = [v is not None and v.tokens == tokens[(swa_lo + i) * pb : (swa_lo + i + 1) * pb]
+                  for i, v in enumerate(swa_vals)]
+        present = [False] * (swa_lo - start) + swa_ok  # below swa_lo: not fetched
+        good = self._window_end(start, good, present[: good - start])
+        writes: list[tuple[Any, int, memoryview]] = []
+        for i in range(start, end):
+            if i < good:
+                writes.append((self.host.full, job.full_slots[i], pages[i]))
+            else:
+                self.host.drop("full", (job.full_slots.pop(i),))
+        for i in range(swa_lo, end):
+            if i < good and swa_ok[i - swa_lo]:
+                writes.append((self.host.swa, job.swa_slots[i], swa_vals[i - swa_lo].payload))
+            elif i in job.swa_slots:
+                self.host.drop("swa", (job.swa_slots.pop(i),))
+        if writes:
+            await asyncio.get_running_loop().run_in_executor(None, _write_slots, writes)
+        self.counters["l3_hit_pages"] += good - start
+        return good
+
+
+
+def _write_slots(writes: list[tuple[Any, int, memoryview]]) -> None:
+    for pool, slot, payload in writes:
+        pool.write_page_bytes(slot, payload)
