@@ -85,7 +85,7 @@ class L3Tier:
         return hashlib.sha256(self.salt + page_hash).digest()
 
     def queue(self, node: Node, full_slots: array, swa_slots: Sequence[int],
-                  snapshot: bool = False) -> None:
+              snapshot: bool = False) -> None:
         """Queue a node's host pages for Redis: its full pages as runs (l3_runs), its SWA pages
         one value each, holding the slots until they are encoded (or, with ``snapshot``,
         encoding them now: slots about to be freed must free at once, or the eviction that
@@ -94,13 +94,14 @@ class L3Tier:
         pb = self.cache.tree.page_bytes
         runs, missed = node_runs(self.cache.tree, node, full_slots)
         self.counters["l3_write_runs_skipped"] += missed
-        keys: dict[int, bytes] = {}
+        derived: list[bytes] = []
 
         def key(i: int) -> bytes:  # the host pool indexes tree pages by their page key
-            if i not in keys:
-                h = self.host.full.hash_of(full_slots[i])
-                keys[i] = h if h is not None else self.cache.tree.page_keys([node])[i]
-            return keys[i]
+            h = self.host.full.hash_of(full_slots[i])
+            if h is None:  # pragma: no cover - a tree host copy is always indexed
+                derived[:] = derived or self.cache.tree.page_keys([node])
+                h = derived[i]
+            return h
 
         items = [("full", r.slots, key(r.last), r.tokens) for r in runs]
         items += [("swa", (ss,), key(j), node.tokens[j * pb : (j + 1) * pb])
