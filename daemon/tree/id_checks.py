@@ -3,8 +3,8 @@
 At a page of one token an insert carries thousands of ids, and the plain checks (``min()``,
 ``len(set(ids))``) make a Python int of every id and hash it into a set: for a 4k-token insert
 that was more than the rest of the insert. On an ``array('i')`` these checks read the ids as
-bytes instead, in C (byte scans, ``bytes.translate``, slice comparisons), with a Python step per
-*run* of ids rather than per id.
+bytes instead, in C (byte scans, strided slices, comparisons of byte strings), with a few Python
+steps per *run* of ids rather than one per id.
 
 Why runs: allocators hand out pages in runs of consecutive ids (a free stack pops neighbours, and
 pages freed together go back together), so a request's ids are, in practice, a few runs of
@@ -123,9 +123,9 @@ def id_spans(ids: Any) -> list[tuple[int, int]] | None:
     (they change at most once in 65,536 ids). A stretch that is not a run in its upper bytes
     (its low 16 bits happen to continue the run before it) gives None, never a wrong
     interval."""
-    raw = int32_bytes(ids)
     n = len(ids)
-    if raw is None or n < RUNS_MIN:
+    raw = int32_bytes(ids) if n >= RUNS_MIN else None
+    if raw is None:
         return None
     p0 = raw[0::4]
     upper: tuple[bytes, bytes, bytes] | None = None  # planes 1 to 3, read at the first run
