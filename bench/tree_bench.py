@@ -392,6 +392,22 @@ def bench_evict(page_size: int, sz: Sizes, tree_cls: type = RadixTree) -> dict[s
     return {"evict_page_p50_us": _pct(per_page, 50)}
 
 
+def held_bytes(tree: RadixTree, alloc: PairedAllocator) -> dict[str, int]:
+    """The payload bytes the tree and its allocators keep, by kind (what bytes per cached token
+    is made of before object headers and slack): token ids, block hashes, page ids of each pool
+    in the nodes, and the allocators' state bytes and free lists."""
+    nodes = list(tree.nodes.values())
+    pools = [a for a in (alloc.full, alloc.swa) if a is not None]
+    return {
+        "token ids": sum(len(n.tokens) for n in nodes),
+        "hashes": sum(len(n.hashes) for n in nodes),
+        "full ids": 4 * sum(len(n.full) for n in nodes if n.full is not None),
+        "SWA ids": 4 * sum(len(n.swa) for n in nodes if n.swa is not None),
+        "allocator states": sum(a.capacity for a in pools),
+        "allocator free lists": 4 * sum(a.available for a in pools),
+    }
+
+
 def bench_memory(page_size: int, tokens: int, tree_cls: type = RadixTree) -> dict[str, float]:
     """bytes_per_cached_token: tracemalloc snapshot difference around building tree+allocators.
 
@@ -428,6 +444,11 @@ def bench_memory(page_size: int, tokens: int, tree_cls: type = RadixTree) -> dic
     print(f"  p{P} memory: {total / 1e6:.1f} MB for {n_tok} cached tokens, {len(tree.nodes)} "
           "nodes; by allocating file: "
           + ", ".join(f"{k} {v / n_tok:.2f}" for k, v in top) + " B/token", file=sys.stderr)
+    held = held_bytes(tree, alloc)
+    print(f"  p{P} memory: what is held: "
+          + ", ".join(f"{k} {v / n_tok:.2f}" for k, v in held.items())
+          + f", the rest (objects, headers, slack) {(total - sum(held.values())) / n_tok:.2f} "
+          "B/token", file=sys.stderr)
     del tree, alloc
     return {"bytes_per_cached_token": total / n_tok, "bytes_per_cached_token_ntokens": n_tok}
 

@@ -8,41 +8,9 @@ from typing import Any
 
 from .errors import BadArgument, ReceiptError
 from .hashing import HASH_BYTES, block_hashes
+from .id_checks import all_zero, distinct_ids, distinct_nonzero, page_id_verdict
 from .node import Node, Receipt
 from .results import InsertResult, concat_pages
-
-_ZERO_ID = bytes(4)
-
-
-def _int32_bytes(ids: Any) -> bytes | None:
-    """The raw int32 words of ``ids`` when it is an ``array('i')``, else None."""
-    if isinstance(ids, array) and ids.typecode == "i" and ids.itemsize == 4:
-        return ids.tobytes()
-    return None
-
-
-def all_page_ids(ids: Any) -> bool:
-    """Whether every id is > 0 (``min(ids) > 0``): on an ``array('i')`` a scan of its bytes in
-    C, since min() makes a Python int of each of the thousands of ids of a page-1 request."""
-    raw = _int32_bytes(ids)
-    if raw is None:
-        return min(ids) > 0
-    if not raw[3::4].isascii():  # a sign bit is set: a negative id
-        return False
-    i = raw.find(_ZERO_ID)
-    while i >= 0:  # a zero id is four zero bytes at a word boundary
-        if not i % 4:
-            return False
-        i = raw.find(_ZERO_ID, i + 1)
-    return True
-
-
-def all_zero(ids: Any) -> bool:
-    """Whether every id is 0 (``min(ids) == max(ids) == 0``), in C on an ``array('i')``."""
-    raw = _int32_bytes(ids)
-    if raw is None:
-        return min(ids) == 0 == max(ids)
-    return raw.count(0) == len(raw)
 
 
 class Insertion:
@@ -208,22 +176,25 @@ class Insertion:
                 raise BadArgument(f"swa_pages has {got} ids; pages [{prev}, {n}) need {want}")
             if trusted:
                 return prev, f
-            # whole-list checks run in C (byte scans, set): at a page of one token a request
-            # carries thousands of ids, and a Python loop over them was most of an insert
+            # whole-list checks read the ids as bytes (daemon.tree.id_checks): at a page of one
+            # token a request carries thousands of ids, and a Python step per id (a set, min())
+            # was most of an insert
             k = max(0, min(f - prev, want))  # the caller's pages below the SWA frontier
             if k and not all_zero(swa_pages[:k]):
                 j = next(j for j in range(k) if swa_pages[j] != 0)
                 raise BadArgument(f"swa_pages[{j}] must be 0: page {prev + j} is below "
                                   f"swa_evicted_len={swa_evicted_len}")
-            if k < want and not all_page_ids(swa_pages[k:]):
-                j = next(j for j in range(k, want) if swa_pages[j] <= 0)
-                raise BadArgument(f"swa_pages[{j}] must be a page id: page {prev + j} is at or "
-                                  f"after swa_evicted_len={swa_evicted_len}")
-            if want - k > 1 and len(set(swa_pages[k:])) != want - k:
-                raise BadArgument("swa_pages must be distinct page ids")
+            if k < want:
+                positive, distinct = page_id_verdict(swa_pages[k:])
+                if not positive:
+                    j = next(j for j in range(k, want) if swa_pages[j] <= 0)
+                    raise BadArgument(f"swa_pages[{j}] must be a page id: page {prev + j} is at "
+                                      f"or after swa_evicted_len={swa_evicted_len}")
+                if not distinct:
+                    raise BadArgument("swa_pages must be distinct page ids")
         elif swa_pages:
             raise BadArgument("this model has no sliding-window layers: swa_pages must be empty")
-        if want and not trusted and (not all_page_ids(full_pages) or len(set(full_pages)) != want):
+        if want and not trusted and page_id_verdict(full_pages) != (True, True):
             raise BadArgument("full_pages must be distinct page ids > 0")
         return prev, f
 
@@ -403,10 +374,8 @@ class Insertion:
         if tf and min(tf) <= 0:
             raise BadArgument("full_pages must be page ids > 0")
         # the tail is split off before insert() checks its range: check the whole lists here
-        if len(full_pages) > 1 and len(set(full_pages)) != len(full_pages):
+        if len(full_pages) > 1 and not distinct_ids(full_pages):
             raise BadArgument("full_pages must be distinct page ids")
-        if self.swa_enabled and len(swa_pages) > 1:
-            live = [p for p in swa_pages if p]
-            if len(set(live)) != len(live):
-                raise BadArgument("swa_pages must be distinct page ids")
+        if self.swa_enabled and len(swa_pages) > 1 and not distinct_nonzero(swa_pages):
+            raise BadArgument("swa_pages must be distinct page ids")
         return n, full_pages[:k], cs, array("i", tf), array("i", ts_)

@@ -1,6 +1,7 @@
 """The insert path's fast paths agree with the plain code they replace: the byte scans of page ids
-with min()/max(), block_hashes with the per-block chain written out, a trusted insert with a
-checked one, and no insert result shares an array with the tree."""
+with min()/max(), the run scan of long id lists with min() and a set, block_hashes with the
+per-block chain written out, a trusted insert with a checked one, and no insert result shares an
+array with the tree."""
 
 from __future__ import annotations
 
@@ -12,7 +13,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from daemon.tree import BadArgument, block_hashes, check_tree
-from daemon.tree.insertion import all_page_ids, all_zero
+from daemon.tree.id_checks import (
+    RUNS_MIN,
+    all_page_ids,
+    all_zero,
+    distinct_ids,
+    distinct_nonzero,
+    id_spans,
+    page_id_verdict,
+)
 
 from .helpers import NS, Ids, make_tree, seq
 
@@ -33,6 +42,79 @@ def test_all_page_ids_is_min_above_zero(ids: list[int]) -> None:
 def test_all_zero_is_min_and_max_zero(ids: list[int]) -> None:
     assert all_zero(array("i", ids)) == (min(ids) == 0 == max(ids))
     assert all_zero(ids) == (min(ids) == 0 == max(ids))
+
+
+def _int32(v: int) -> int:
+    return (v + 2**31) % 2**32 - 2**31
+
+
+# starts of runs next to where a byte of the ids carries into the next (and around 0 and the
+# sign bit), where a run's upper bytes change
+EDGES = st.sampled_from([1, 256, 512, 65536, 131072, 2**24, 2**24 + 65536, 2**31 - 1, 2**32 - 1])
+
+
+@st.composite
+def id_lists(draw: st.DrawFn) -> list[int]:
+    """Long lists of ids made the way allocators hand them out (runs, ascending or descending,
+    some single ids), then maybe spoiled: an id repeated, moved on by one byte's carry, or made
+    0 or negative."""
+    ids: list[int] = []
+    for _ in range(draw(st.integers(1, 4))):
+        start = draw(st.one_of(EDGES.flatmap(lambda e: st.integers(e - 300, e + 300)),
+                               st.integers(1, 2**31 - 1), INT32))
+        length = draw(st.sampled_from([1000, 3000, 600, 300, 17, 16, 15, 2, 1]))
+        step = draw(st.sampled_from([1, -1]))
+        ids += [_int32(start + step * t) for t in range(length)]
+    for _ in range(draw(st.sampled_from([0, 1, 2]))):
+        i = draw(st.integers(0, len(ids) - 1))
+        how = draw(st.sampled_from(["repeat", "carry", "zero", "negative"]))
+        if how == "repeat":
+            ids[i] = ids[draw(st.integers(0, len(ids) - 1))]
+        elif how == "carry":
+            ids[i] = _int32(ids[i] + draw(st.sampled_from([256, -256, 65536, 2**24])))
+        else:
+            ids[i] = 0 if how == "zero" else -draw(st.integers(1, 2**31))
+    return ids
+
+
+def _plain_verdict(ids: list[int]) -> tuple[bool, bool]:
+    positive = min(ids) > 0
+    return positive, positive and len(set(ids)) == len(ids)
+
+
+@settings(max_examples=500, deadline=None)
+@given(id_lists())
+def test_run_scan_gives_the_plain_verdicts(ids: list[int]) -> None:
+    arr = array("i", ids)
+    assert page_id_verdict(arr) == _plain_verdict(ids) == page_id_verdict(ids)
+    assert distinct_ids(arr) == (len(set(ids)) == len(ids)) == distinct_ids(ids)
+    live = [p for p in ids if p]
+    assert distinct_nonzero(arr) == (len(set(live)) == len(live)) == distinct_nonzero(ids)
+    spans = id_spans(arr)
+    if spans is not None:  # the intervals hold exactly the ids (as unsigned 32-bit words)
+        assert len(ids) >= RUNS_MIN
+        assert sorted(v for lo, hi in spans for v in range(lo, hi + 1)) == sorted(
+            p % 2**32 for p in ids)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(0, 700), id_lists())
+def test_distinct_nonzero_with_leading_zeros(zeros: int, ids: list[int]) -> None:
+    arr = array("i", [0] * zeros + ids)
+    live = [p for p in ids if p]
+    assert distinct_nonzero(arr) == (len(set(live)) == len(live))
+
+
+def test_run_scan_reads_allocator_runs() -> None:
+    """The lists allocators hand out take the run scan, not the plain checks."""
+    runs = [range(70_000, 71_500), range(5_000, 3_000, -1), range(2**31 - 600, 2**31)]
+    ids = array("i", [p for r in runs for p in r])
+    assert id_spans(ids) == sorted((min(r), max(r)) for r in runs)
+    assert page_id_verdict(ids) == (True, True)
+    ids[2000] = ids[10]
+    assert page_id_verdict(ids) == (True, False)
+    ids[2000] = 0
+    assert page_id_verdict(ids) == (False, False)
 
 
 def _chain(prev: bytes, carry: bytes, tokens: bytes, block_bytes: int) -> bytes:
@@ -107,4 +189,33 @@ def test_checked_insert_still_refuses_bad_ids(P: int, bad: int) -> None:
     with pytest.raises(BadArgument, match=r"swa_pages\[1\] must be 0"):
         tree.insert(NS, toks, array("i", [1, 2, 3, 4]), array("i", [0, 5, 6, 7]),
                     swa_evicted_len=2 * P)
+    assert check_tree(tree) == []
+
+
+@pytest.mark.parametrize("P", [1, 4])
+def test_long_id_lists_are_refused_with_the_same_messages(P: int) -> None:
+    """Lists long enough for the run scan: a repeated or a bad id is refused as before."""
+    tree, _ = make_tree(P)
+    n = 2 * RUNS_MIN
+    toks = seq(P, list(range(1, n + 1)))
+    good = array("i", range(n, 0, -1))
+    dup = array("i", good)
+    dup[n - 1] = dup[0]
+    bad = array("i", good)
+    bad[7] = -bad[7]
+    with pytest.raises(BadArgument, match="full_pages must be distinct page ids > 0"):
+        tree.insert(NS, toks, dup, good)
+    with pytest.raises(BadArgument, match="full_pages must be distinct page ids > 0"):
+        tree.insert(NS, toks, bad, good)
+    with pytest.raises(BadArgument, match="swa_pages must be distinct page ids"):
+        tree.insert(NS, toks, good, dup)
+    with pytest.raises(BadArgument, match=r"swa_pages\[7\] must be a page id"):
+        tree.insert(NS, toks, good, bad)
+    with pytest.raises(BadArgument, match="^full_pages must be distinct page ids$"):
+        tree.cache_finished(NS, toks, dup, good, 0, 0, None)
+    with pytest.raises(BadArgument, match="swa_pages must be distinct page ids"):
+        tree.cache_finished(NS, toks, good, dup, 0, 0, None)
+    assert check_tree(tree) == []
+    res = tree.insert(NS, toks, good, array("i", good))
+    assert res.inserted_len == n * P
     assert check_tree(tree) == []
