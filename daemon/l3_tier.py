@@ -41,8 +41,10 @@ L3_WRITE_BATCH = 256
 #: How often the L3 writer looks for host pages the tree dropped without the tiers being told
 #: (an evict of host pages from outside the tiers); every reuse of a host slot looks first anyway.
 HOST_DROPS_POLL_S = 0.05
-#: Most pages waiting for Redis. Each holds its host slot, so a slow Redis must not pin the
-#: whole host pool: past it the oldest values are dropped (counted as L3 write failures).
+#: Most pages waiting for Redis, at least: each holds its host slot, so a slow Redis must not pin
+#: the whole host pool; past the bound the oldest values are dropped (counted as L3 write
+#: failures). The bound is this or a quarter of the host pool, whichever is more: at small pages
+#: a burst of inserts is many pages, and the host pool holds many more of them.
 MAX_L3_QUEUE = 16384
 
 
@@ -71,6 +73,7 @@ class L3Tier:
         self._inflight = inflight
         self.pending: list[L3Write] = []
         self.queued_pages = 0  # the pages of the values in pending
+        self.max_queued_pages = max(MAX_L3_QUEUE, host.full.usable // 4)
         self.wake: asyncio.Event | None = None
 
     def start(self) -> asyncio.Task:
@@ -123,7 +126,7 @@ class L3Tier:
                 continue
             self.pending.append((kind, ns, slots, l3_id, toks, None))
             self.queued_pages += len(toks) // pb
-        while self.queued_pages > MAX_L3_QUEUE and len(self.pending) > 1:
+        while self.queued_pages > self.max_queued_pages and len(self.pending) > 1:
             kind, _, slots, _, toks, _ = self.pending.pop(0)
             if slots:
                 self.host.unhold(kind, slots)
