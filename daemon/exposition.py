@@ -276,6 +276,8 @@ _L3_COUNTERS = (
      "Value writes dropped (Redis down, slow, full, or the breaker open)."),
     ("corrupt", "radixd_l3_corrupt_pages_total",
      "Values that failed verification (checksum, layout, tokens): deleted, served as misses."),
+    ("stale", "radixd_l3_stale_values_total",
+     "Values that verified but were not the run their key names (an older format): deleted."),
     ("timeouts", "radixd_l3_timeouts_total", "Redis calls that ran past l3.op_timeout_ms."),
     ("errors", "radixd_l3_errors_total", "Redis calls or replies that failed otherwise."),
     ("breaker_rejects", "radixd_l3_breaker_rejects_total",

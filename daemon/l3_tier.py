@@ -20,7 +20,6 @@ from typing import Any
 
 from radixd_client import protocol as P
 
-from .config import L3Config
 from .l3_runs import block_ends, node_runs, run_pages, tail_candidates
 from .model_cache import ModelCache
 from .storage.codec import encode_page
@@ -53,12 +52,11 @@ class L3Tier:
     TierManager's: one set of figures per model, and one set of tasks its drain waits for."""
 
     def __init__(self, cache: ModelCache, host: HostTier, model_name: str, l3: RedisTier | None,
-                 cfg: L3Config, host_quotas: dict[str, int], quotas: dict[str, int],
+                 host_quotas: dict[str, int], quotas: dict[str, int],
                  counters: dict[str, int], inflight: set[asyncio.Task]) -> None:
         self.cache = cache
         self.host = host
         self.l3 = l3
-        self.cfg = cfg
         self.fingerprint = cache.profile.layout_fingerprint()
         # The tree's page hashes name a page by namespace, layout and tokens, not by the weights
         # that computed it: two models of one layout (a base model and its fine-tune) would share
@@ -87,16 +85,16 @@ class L3Tier:
         """The page's name in L3: its page key salted with the model's identity."""
         return hashlib.sha256(self.salt + page_hash).digest()
 
-    def queue(self, node: Node, full_slots: array, swa_slots: Sequence[int],
+    def queue(self, node: Node, full_slots: array, swa_slots: Sequence[int] | None,
               snapshot: bool = False) -> None:
         """Queue a node's host pages for Redis: its full pages as runs (l3_runs), its SWA pages
-        one value each, holding the slots until they are encoded (or, with ``snapshot``,
-        encoding them now: slots about to be freed must free at once, or the eviction that
-        freed them would not make room)."""
+        (``swa_slots``, 0 or None for none) one value each, holding the slots until they are
+        encoded (or, with ``snapshot``, encoding them now: slots about to be freed must free at
+        once, or the eviction that freed them would not make room)."""
         ns = node.ns.name
         pb = self.cache.tree.page_bytes
         runs, missed = node_runs(self.cache.tree, node, full_slots)
-        self.counters["l3_write_runs_skipped"] += missed
+        self.counters["l3_write_skipped"] += missed
         derived: list[bytes] = []
 
         def key(i: int) -> bytes:  # the host pool indexes tree pages by their page key
@@ -108,7 +106,7 @@ class L3Tier:
 
         items = [("full", r.slots, key(r.last), r.tokens) for r in runs]
         items += [("swa", (ss,), key(j), node.tokens[j * pb : (j + 1) * pb])
-                  for j, ss in enumerate(swa_slots) if ss]
+                  for j, ss in enumerate(swa_slots or ()) if ss]
         for kind, slots, page_key, toks in items:
             l3_id = self.id_of(page_key)
             if snapshot:  # the slots are being freed: take their bytes now
@@ -122,7 +120,7 @@ class L3Tier:
             if len(held) < len(slots):  # a slot not readable (being filled): not written
                 if held:
                     self.host.unhold(kind, held)
-                self.counters["l3_write_runs_skipped"] += 1
+                self.counters["l3_write_skipped"] += 1
                 continue
             self.pending.append((kind, ns, slots, l3_id, toks, None))
             self.queued_pages += len(toks) // pb
@@ -139,9 +137,7 @@ class L3Tier:
         """L3 write_back: host-only pages left host (their slots are free, not yet reused); send
         them to Redis first."""
         for node in nodes:
-            swa = node.host_swa if node.host_swa is not None else \
-                array("i", bytes(4 * len(node.host)))  # type: ignore[arg-type]
-            self.queue(node, node.host, swa, snapshot=True)  # type: ignore[arg-type]
+            self.queue(node, node.host, node.host_swa, snapshot=True)  # type: ignore[arg-type]
 
     async def writer(self) -> None:
         assert self.wake is not None and self.l3 is not None
@@ -153,7 +149,7 @@ class L3Tier:
             self.wake.clear()
             self.cache.flush_host_drops()
             while self.pending:
-                batch = self._next_batch()
+                batch = self.take_batch()
                 task = asyncio.current_task()
                 if task is not None:
                     self._inflight.add(task)
@@ -173,7 +169,7 @@ class L3Tier:
                     if task is not None:
                         self._inflight.discard(task)
 
-    def _next_batch(self) -> list[L3Write]:
+    def take_batch(self) -> list[L3Write]:
         """The oldest queued values, up to L3_WRITE_BATCH pages (at least one value)."""
         pb = self.cache.tree.page_bytes
         pages = 0
@@ -359,6 +355,8 @@ class L3Tier:
             got = None if v is None else run_pages(tokens, v.payload, v.tokens, first, last, pb,
                                                    self.host.full.page_nbytes)
             if got is None:
+                if v is not None:  # verified, named right, yet not this run: never usable
+                    await l3.delete_stale([self.id_of(hashes[last])], "full")
                 break
             pages.update((first + i, page) for i, page in enumerate(got) if first + i >= start)
         good = start
@@ -383,7 +381,6 @@ class L3Tier:
             await asyncio.get_running_loop().run_in_executor(None, _write_slots, writes)
         self.counters["l3_hit_pages"] += good - start
         return good
-
 
 
 def _write_slots(writes: list[tuple[Any, int, memoryview]]) -> None:

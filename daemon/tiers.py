@@ -129,11 +129,11 @@ class TierManager:
             "loads", "loaded_tokens", "load_pages", "load_failures",
             "prefetches", "prefetch_pages", "prefetch_timeouts", "prefetch_no_room",
             "l3_hit_pages", "l3_write_pages", "l3_write_values", "l3_write_failures",
-            "l3_write_runs_skipped", "l3_quota_deleted_pages",
+            "l3_write_skipped", "l3_quota_deleted_pages",
             "copy_errors"), 0)
         self.copy_seconds = {"to_host": 0.0, "to_device": 0.0}
         self.copy_bytes = {"to_host": 0, "to_device": 0}
-        self.l3tier = L3Tier(cache, host, mc.name, l3, l3cfg, host_quotas, l3_quotas,
+        self.l3tier = L3Tier(cache, host, mc.name, l3, host_quotas, l3_quotas,
                              self.counters, self._inflight)
         self.l3_ledger = self.l3tier.ledger
         self.charge_l3 = self.l3tier.charge
@@ -183,9 +183,7 @@ class TierManager:
                 if node is None:
                     pending = False
                 elif node.host is not None and self.cache.tree.nodes.get(node.id) is node:
-                    swa = node.host_swa if node.host_swa is not None else \
-                        array("i", bytes(4 * len(node.host)))
-                    l3.queue(node, node.host, swa)
+                    l3.queue(node, node.host, node.host_swa)
             for ev in (self._wake_backup, l3.wake):
                 if ev is not None:
                     ev.set()

@@ -93,10 +93,10 @@ class PageValue:
     """A verified page read back from a tier. ``payload`` is a view into the stored value."""
 
     pool: str
-    page_size: int
+    token_count: int  # the header's count: n * page_size for a run of n pages (keyed: key bytes)
     fingerprint: bytes
     page_hash: bytes
-    tokens: bytes  # int32 little-endian, page_size of them (a keyed page: its key)
+    tokens: bytes  # int32 little-endian, token_count of them (a keyed page: its key)
     payload: memoryview
     keyed: bool = False
 
@@ -203,7 +203,7 @@ def decode_page(
     n = mv.nbytes
     if n < HEADER_BYTES:
         raise CorruptPage("truncated")
-    magic, version, code, flags, page_size, plen, fingerprint, page_hash = _PRE.unpack_from(mv, 0)
+    magic, version, code, flags, count, plen, fingerprint, page_hash = _PRE.unpack_from(mv, 0)
     if magic != MAGIC:
         raise CorruptPage("bad magic")
     if version != FORMAT_VERSION:
@@ -214,7 +214,7 @@ def decode_page(
         raise CorruptPage("wrong page kind (a keyed page and a tree page are not each other)")
     if code != expect_code:
         raise CorruptPage(f"wrong pool (stored code {code}, expected {expect_pool})")
-    tok_end = HEADER_BYTES + (page_size if flags & FLAG_KEYED else 4 * page_size)
+    tok_end = HEADER_BYTES + (count if flags & FLAG_KEYED else 4 * count)
     if n != tok_end + plen:
         kind = "truncated" if n < tok_end + plen else "length mismatch"
         raise CorruptPage(f"{kind} (value {n} bytes, header says {tok_end + plen})")
@@ -232,7 +232,7 @@ def decode_page(
         raise CorruptPage("wrong key")
     return PageValue(
         pool=expect_pool,
-        page_size=page_size,
+        token_count=count,
         fingerprint=fingerprint,
         page_hash=page_hash,
         tokens=tokens.tobytes(),

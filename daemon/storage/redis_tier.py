@@ -245,7 +245,8 @@ class RedisTier:
         self.breaker = CircuitBreaker(breaker_threshold, breaker_open_seconds, name=self.url)
         self._start_probe: asyncio.Task[None] | None = None
         self._stats = dict.fromkeys(
-            ("gets", "hits", "misses", "sets", "set_failures", "corrupt", "timeouts", "errors",
+            ("gets", "hits", "misses", "sets", "set_failures", "corrupt", "stale", "timeouts",
+             "errors",
              "breaker_rejects", "exists_calls", "deletes", "bytes_read", "bytes_written"), 0)
         if client is not None:
             self._client = client
@@ -532,6 +533,13 @@ class RedisTier:
         if not keys:
             return 0
         return await self._guarded(lambda: self._delete_keys(keys), lambda: 0)
+
+    async def delete_stale(self, hashes: Sequence[bytes], pool: str = "full") -> int:
+        """Remove values that verified but are not what a reader above the codec expects under
+        their key (a run of another length, a value of an older layout of values): counted in
+        ``stale``, so that they are not read, and refused, on every fetch until overwritten."""
+        self._stats["stale"] += len(hashes)
+        return await self.delete(hashes, pool)
 
     async def _delete_keys(self, keys: list[str]) -> int:
         removed = 0

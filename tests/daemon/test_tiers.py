@@ -21,6 +21,7 @@ from radixd_client import Client
 from radixd_client.errors import RadixdError
 from radixd_client.protocol import Code, Load, Prefetch, int32_list
 
+from daemon.storage.codec import encode_page
 from tests.redis_procs import SHARED_URL, Server, free_port, start_cluster
 
 from .conftest import SMALL_MODEL, Raw
@@ -431,6 +432,35 @@ def test_runs_span_nodes_and_a_prefix_may_end_inside_a_block(make_daemon, prefix
         a.check()
     finally:
         ea.close()
+        raw.close()
+
+
+def test_a_one_page_value_at_a_run_key_is_stale(make_daemon, prefix: str) -> None:
+    """A value from before runs: one page, verified (key, layout, checksum) at the key of a
+    block's last page, where a run of the whole block belongs. It is a miss, counted as stale
+    and deleted, so that later fetches do not read it again."""
+    d = make_daemon(l3_config(SHARED_URL, prefix))
+    e = Engine(d.socket)
+    raw = redis_sync.Redis.from_url(SHARED_URL)
+    try:
+        toks = seq(BLOCK_PAGES)
+        fp = bytes.fromhex(e.pools.infos["full"].description["layout_fingerprint"])
+        ids = documented_page_ids(fp, "default", "m", toks)
+        key = f"{prefix}:{ids[-1]}"
+        raw.set(key, encode_page(pool="full", page_hash=bytes.fromhex(ids[-1]), fingerprint=fp,
+                                 tokens=toks[-P:], payload=bytes(64)))
+        for j in range(BLOCK_PAGES - WINDOW_PAGES, BLOCK_PAGES):  # the window, as it was written
+            raw.set(f"{prefix}:{ids[j]}:swa", encode_page(
+                pool="swa", page_hash=bytes.fromhex(ids[j]), fingerprint=fp,
+                tokens=toks[j * P : (j + 1) * P], payload=bytes(64)))
+        pr = e.c.prefetch("m", toks, policy="wait_complete")
+        assert (pr.l3_hit_len, pr.fetched_len) == (BLOCK_PAGES * P, 0)
+        assert not raw.exists(key)
+        assert (l3_stats(d)["stale"], l3_stats(d)["corrupt"]) == (1, 0)
+        assert e.c.prefetch("m", toks, policy="wait_complete").status == "none"
+        d.check()
+    finally:
+        e.close()
         raw.close()
 
 

@@ -30,7 +30,7 @@ def test_round_trip_byte_exact(pool: str, page_size: int) -> None:
     value, tokens, payload = _value(pool, page_size, payload_len=page_size * 512 + 3)
     assert len(value) == HEADER_BYTES + 4 * page_size + len(payload)
     page = decode_page(value, H, FP, pool)
-    assert page.pool == pool and page.page_size == page_size
+    assert page.pool == pool and page.token_count == page_size
     assert page.page_hash == H and page.fingerprint == FP
     assert page.token_ids() == tokens
     assert page.tokens == np.asarray(tokens, dtype="<i4").tobytes()

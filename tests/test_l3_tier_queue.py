@@ -1,0 +1,86 @@
+"""The L3 writer's queue (daemon.l3_tier.L3Tier) over a real tree and a real host tier: every
+slot it holds is given back exactly once (when a batch is taken, when the queue overflows, when
+a run cannot be held whole), and its page count returns to 0 when it empties."""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Iterator
+
+import pytest
+
+from daemon.l3_tier import L3_WRITE_BATCH, L3Tier
+from daemon.model_cache import ModelCache
+from daemon.storage.host_tier import HostTier
+from daemon.tree import Node, as_token_bytes
+from tests.tree.helpers import make_cache
+
+NS = "ns"
+P = 4  # blocks of 16 pages
+
+
+@pytest.fixture
+def tiers() -> Iterator[tuple[ModelCache, HostTier, L3Tier]]:
+    mc = make_cache(P=P, window_pages=2, full=512, swa=512)
+    host = HostTier(mc.profile, 512, 512, pin_memory=False)
+    mc.tree.host_sink = host
+    counters = {"l3_write_skipped": 0, "l3_write_failures": 0}
+    try:
+        yield mc, host, L3Tier(mc, host, "m", None, {}, {}, counters, set())
+    finally:
+        host.close()
+
+
+def cached_on_host(mc: ModelCache, host: HostTier, base: int, pages: int) -> Node:
+    """A sequence of ``pages`` pages inserted as one node, with a filled host copy."""
+    toks = as_token_bytes(list(range(base, base + pages * P)))
+    first = base % 400  # page ids inside the pools, distinct for the bases used here
+    full = array("i", range(first + 1, first + pages + 1))
+    mc.tree.insert(NS, toks, full, array("i", (p + 50 for p in full)), 0, 0)
+    node = mc.tree.nodes[mc.tree.match(NS, toks).node_id]
+    slots = host.take("full", mc.tree.page_keys([node]), NS)
+    host.filled("full", slots)
+    mc.tree.set_host(node.id, slots)
+    return node
+
+
+def readers(host: HostTier) -> int:
+    return sum(host.readers["full"].values())
+
+
+def test_runs_hold_their_slots_until_taken_and_the_count_returns_to_zero(tiers) -> None:
+    mc, host, l3 = tiers
+    node = cached_on_host(mc, host, 1000, 40)  # runs of 16, 16 and 8 pages
+    l3.queue(node, node.host, None)
+    assert [len(slots) for _, _, slots, *_ in l3.pending] == [16, 16, 8]
+    assert l3.queued_pages == 40 and readers(host) == 40
+    taken = []
+    while l3.pending:
+        batch = l3.take_batch()  # what the writer takes, without Redis
+        assert sum(len(s) for _, _, s, *_ in batch) <= max(L3_WRITE_BATCH, 16)
+        for kind, _, slots, *_ in batch:
+            host.unhold(kind, slots)
+        taken += batch
+    assert len(taken) == 3 and l3.queued_pages == 0 and readers(host) == 0
+    assert host.full.audit() == []
+
+
+def test_an_overflowing_queue_gives_back_the_oldest_values_slots(tiers) -> None:
+    mc, host, l3 = tiers
+    l3.max_queued_pages = 20
+    a = cached_on_host(mc, host, 1000, 16)
+    b = cached_on_host(mc, host, 50_000, 16)
+    l3.queue(a, a.host, None)
+    l3.queue(b, b.host, None)  # 32 pages > 20: a's run is dropped, its slots unheld
+    assert [slots for _, _, slots, *_ in l3.pending] == [tuple(b.host)]
+    assert l3.queued_pages == 16 and readers(host) == 16
+    assert l3.counters["l3_write_failures"] == 1
+
+
+def test_a_run_with_a_slot_being_filled_is_skipped_and_holds_nothing(tiers) -> None:
+    mc, host, l3 = tiers
+    node = cached_on_host(mc, host, 1000, 20)  # runs of pages 0-15 and 16-19
+    host.pending["full"].add(node.host[3])  # as if a copy were still filling it
+    l3.queue(node, node.host, None)
+    assert [len(slots) for _, _, slots, *_ in l3.pending] == [4]
+    assert l3.counters["l3_write_skipped"] == 1 and readers(host) == 4
