@@ -312,9 +312,22 @@ class L3Tier:
         hashes = job.hashes
         lasts = await self._runs_present(hashes, start)
         end = lasts[-1] + 1 if lasts else start
-        present: list[bool] = []
+        present: list[bool] = []  # SWA values L3 holds, from page start (False: not asked)
+        asked = end  # present is known from page asked up to end
+
+        async def ask_swa(lo: int) -> None:
+            nonlocal present, asked
+            if lo < asked:
+                ids = [self.id_of(h) for h in hashes[lo:asked]]
+                present[lo - start : asked - start] = await l3.exists_each(ids, "swa")
+                asked = lo
+
         if end > start and tree.swa_enabled:
-            present = await l3.exists_each([self.id_of(h) for h in hashes[start:end]], "swa")
+            present = [False] * (end - start)
+            # the window at the runs' end first: one window's keys, not one per page fetched
+            await ask_swa(max(start, end - tree.window_pages))
+            if not all(present[asked - start :]):
+                await ask_swa(start)
             end = self._window_end(start, end, present)
         known.set_result(end - start)
         if end <= start:
@@ -326,6 +339,8 @@ class L3Tier:
         full_slots = reserve_host(self.cache, ns, "full", hashes[start:end], quota)
         if full_slots is None:  # what the host pool can take, if it still ends on a window
             room = min(end - 1, start + self.host.available_to("full", namespace))
+            if tree.swa_enabled:
+                await ask_swa(start)
             fit = self._window_end(start, room, present) if tree.swa_enabled else room
             if fit <= start:
                 self.counters["prefetch_no_room"] += 1

@@ -391,7 +391,8 @@ def test_runs_span_nodes_and_a_prefix_may_end_inside_a_block(make_daemon, prefix
     """Two nodes, pages 0-9 and 10-19: the block of pages 0-15 is one value whose first ten
     pages come from the parent node's host copy (under write_back, a parent dropped in the same
     host eviction). Another daemon fetches all 20 pages; a prefix of 12 pages finds the run
-    the parent's end wrote (pages 0-9) and stops there."""
+    the parent's end wrote (pages 0-9) and stops there; so does the whole sequence once the
+    child's SWA window is gone from Redis."""
     cfg = l3_config(SHARED_URL, prefix, full_pages=96, swa_pages=64)
     cfg["l3"]["write_policy"] = policy
     a = make_daemon(cfg, name="a")
@@ -426,6 +427,12 @@ def test_runs_span_nodes_and_a_prefix_may_end_inside_a_block(make_daemon, prefix
             assert r.prefix_len == 10 * P
             eb.verify(seq(12), r, expect=(ea.full, ea.swa))
             assert admin_stats(b)["models"]["m"]["tiers"]["l3_hit_pages"] == 30
+            # without the window at page 20 (SWA of pages 18-19), the parent's end is usable
+            raw.delete(*(f"{prefix}:{ids[j]}:swa" for j in (18, 19)))
+            eb.c.evict("m", full_pages=100, swa_pages=100, host_pages=100)
+            pr = eb.c.prefetch("m", seq(20), policy="wait_complete")
+            assert (pr.l3_hit_len, pr.fetched_len) == (10 * P, 10 * P)
+            assert eb.c.load("m", seq(20)).prefix_len == 10 * P
             b.check()
         finally:
             eb.close()
