@@ -316,7 +316,7 @@ class L3Tier:
         asked = end  # present is known from page asked up to end
 
         async def ask_swa(lo: int) -> None:
-            nonlocal present, asked
+            nonlocal asked
             if lo < asked:
                 ids = [self.id_of(h) for h in hashes[lo:asked]]
                 present[lo - start : asked - start] = await l3.exists_each(ids, "swa")
