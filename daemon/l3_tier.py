@@ -15,7 +15,7 @@ import contextlib
 import hashlib
 import logging
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from radixd_client import protocol as P
@@ -288,18 +288,20 @@ class L3Tier:
                 return e
         return start
 
-    async def _runs_present(self, hashes: list[bytes], start: int) -> list[int]:
-        """The last pages of the runs L3 holds from page ``start`` on, in order and contiguous:
-        whole blocks by one EXISTS each, then the longest shorter run of the next block."""
+    async def _runs_present(self, ids: Callable[[Iterable[int]], list[bytes]], pages: int,
+                            start: int) -> list[int]:
+        """The last pages of the runs L3 holds from page ``start`` on (of ``pages``, named by
+        ``ids``), in order and contiguous: whole blocks by one EXISTS each, then the longest
+        shorter run of the next block."""
         l3 = self.l3
         assert l3 is not None
         B = self.cache.tree.block_pages
-        ends = block_ends(start, len(hashes), B)
-        have = await l3.exists_prefix([self.id_of(hashes[j]) for j in ends], "full")
+        ends = block_ends(start, pages, B)
+        have = await l3.exists_prefix(ids(ends), "full")
         lasts = ends[:have]
-        tail = tail_candidates(lasts[-1] + 1 if lasts else start // B * B, start, len(hashes), B)
+        tail = tail_candidates(lasts[-1] + 1 if lasts else start // B * B, start, pages, B)
         if tail:
-            there = await l3.exists_each([self.id_of(hashes[j]) for j in tail], "full")
+            there = await l3.exists_each(ids(tail), "full")
             lasts += [j for j, ok in zip(tail, there, strict=True) if ok][-1:]
         return lasts
 
@@ -310,7 +312,17 @@ class L3Tier:
         tree = self.cache.tree
         start = job.start
         hashes = job.hashes
-        lasts = await self._runs_present(hashes, start)
+        named: dict[int, bytes] = {}  # page index -> its L3 id (full and SWA keys share it)
+
+        def ids(pages: Iterable[int]) -> list[bytes]:
+            out = []
+            for j in pages:
+                if j not in named:
+                    named[j] = self.id_of(hashes[j])
+                out.append(named[j])
+            return out
+
+        lasts = await self._runs_present(ids, len(hashes), start)
         end = lasts[-1] + 1 if lasts else start
         present: list[bool] = []  # SWA values L3 holds, from page start (False: not asked)
         asked = end  # present is known from page asked up to end
@@ -318,8 +330,8 @@ class L3Tier:
         async def ask_swa(lo: int) -> None:
             nonlocal asked
             if lo < asked:
-                ids = [self.id_of(h) for h in hashes[lo:asked]]
-                present[lo - start : asked - start] = await l3.exists_each(ids, "swa")
+                present[lo - start : asked - start] = await l3.exists_each(
+                    ids(range(lo, asked)), "swa")
                 asked = lo
 
         if end > start and tree.swa_enabled:
@@ -360,10 +372,9 @@ class L3Tier:
         pb = tree.page_bytes
         B = tree.block_pages
         lasts = [j for j in lasts if j // B * B < end]  # the runs that reach below end
-        full_vals = await l3.get_pages([self.id_of(hashes[j]) for j in lasts], "full",
-                                       self.fingerprint)
-        swa_vals = (await l3.get_pages([self.id_of(h) for h in hashes[swa_lo:end]], "swa",
-                                       self.fingerprint) if swa_lo < end else [])
+        full_vals = await l3.get_pages(ids(lasts), "full", self.fingerprint)
+        swa_vals = (await l3.get_pages(ids(range(swa_lo, end)), "swa", self.fingerprint)
+                    if swa_lo < end else [])
         pages: dict[int, memoryview] = {}  # page index -> its bytes in a verified run
         for last, v in zip(lasts, full_vals, strict=True):
             first = last // B * B
@@ -371,7 +382,7 @@ class L3Tier:
                                                    self.host.full.page_nbytes)
             if got is None:
                 if v is not None:  # verified, named right, yet not this run: never usable
-                    await l3.delete_stale([self.id_of(hashes[last])], "full")
+                    await l3.delete_stale(ids((last,)), "full")
                 break
             pages.update((first + i, page) for i, page in enumerate(got) if first + i >= start)
         good = start

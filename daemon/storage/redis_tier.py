@@ -246,8 +246,8 @@ class RedisTier:
         self._start_probe: asyncio.Task[None] | None = None
         self._stats = dict.fromkeys(
             ("gets", "hits", "misses", "sets", "set_failures", "corrupt", "stale", "timeouts",
-             "errors",
-             "breaker_rejects", "exists_calls", "deletes", "bytes_read", "bytes_written"), 0)
+             "errors", "breaker_rejects", "exists_calls", "deletes", "bytes_read",
+             "bytes_written"), 0)
         if client is not None:
             self._client = client
             return
