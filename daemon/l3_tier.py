@@ -95,18 +95,12 @@ class L3Tier:
         pb = self.cache.tree.page_bytes
         runs, missed = node_runs(self.cache.tree, node, full_slots)
         self.counters["l3_write_skipped"] += missed
-        derived: list[bytes] = []
-
-        def key(i: int) -> bytes:  # the host pool indexes tree pages by their page key
-            h = self.host.full.hash_of(full_slots[i])
-            if h is None:  # pragma: no cover - a tree host copy is always indexed
-                derived[:] = derived or self.cache.tree.page_keys([node])
-                h = derived[i]
-            return h
-
-        items = [("full", r.slots, key(r.last), r.tokens) for r in runs]
-        items += [("swa", (ss,), key(j), node.tokens[j * pb : (j + 1) * pb])
-                  for j, ss in enumerate(swa_slots or ()) if ss]
+        swa = [(j, ss) for j, ss in enumerate(swa_slots or ()) if ss]
+        named = sorted({r.last for r in runs}.union(j for j, _ in swa))
+        # from the node's tokens: a digest for each value's key, not one for every page
+        key = dict(zip(named, self.cache.tree.page_keys([node], named), strict=True))
+        items = [("full", r.slots, key[r.last], r.tokens) for r in runs]
+        items += [("swa", (ss,), key[j], node.tokens[j * pb : (j + 1) * pb]) for j, ss in swa]
         for kind, slots, page_key, toks in items:
             l3_id = self.id_of(page_key)
             if snapshot:  # the slots are being freed: take their bytes now
@@ -230,7 +224,7 @@ class L3Tier:
             return P.PrefetchResult(status="unavailable", l3_hit_len=0, fetched_len=0)
         self.counters["prefetches"] += 1
         job = begin_fetch(self.cache, namespace, tokens)
-        if job.start >= len(job.hashes):
+        if job.start >= job.pages:
             finish_fetch(self.cache, namespace, tokens, job, job.start)
             return P.PrefetchResult(status="none", l3_hit_len=0, fetched_len=0)
         known: asyncio.Future[int] = asyncio.get_running_loop().create_future()
@@ -311,18 +305,16 @@ class L3Tier:
         assert l3 is not None
         tree = self.cache.tree
         start = job.start
-        hashes = job.hashes
         named: dict[int, bytes] = {}  # page index -> its L3 id (full and SWA keys share it)
 
         def ids(pages: Iterable[int]) -> list[bytes]:
-            out = []
-            for j in pages:
-                if j not in named:
-                    named[j] = self.id_of(hashes[j])
-                out.append(named[j])
-            return out
+            pages = list(pages)
+            new = sorted({j for j in pages if j not in named})
+            if new:
+                named.update(zip(new, map(self.id_of, job.page_keys(new)), strict=True))
+            return [named[j] for j in pages]
 
-        lasts = await self._runs_present(ids, len(hashes), start)
+        lasts = await self._runs_present(ids, job.pages, start)
         end = lasts[-1] + 1 if lasts else start
         present: list[bool] = []  # SWA values L3 holds, from page start (False: not asked)
         asked = end  # present is known from page asked up to end
@@ -348,7 +340,7 @@ class L3Tier:
         wp = tree.window_pages
         swa_lo = max(start, end - wp) if tree.swa_enabled else end
         quota = self.host_quotas.get(namespace, 0)
-        full_slots = reserve_host(self.cache, ns, "full", hashes[start:end], quota)
+        full_slots = reserve_host(self.cache, ns, "full", end - start, quota)
         if full_slots is None:  # what the host pool can take, if it still ends on a window
             room = min(end - 1, start + self.host.available_to("full", namespace))
             if tree.swa_enabled:
@@ -359,13 +351,13 @@ class L3Tier:
                 return start
             end = fit
             swa_lo = max(start, end - wp) if tree.swa_enabled else end
-            full_slots = reserve_host(self.cache, ns, "full", hashes[start:end], quota)
+            full_slots = reserve_host(self.cache, ns, "full", end - start, quota)
             if full_slots is None:
                 self.counters["prefetch_no_room"] += 1
                 return start
         job.full_slots = {start + i: s for i, s in enumerate(full_slots)}
         if swa_lo < end:
-            swa_slots = reserve_host(self.cache, ns, "swa", hashes[swa_lo:end])
+            swa_slots = reserve_host(self.cache, ns, "swa", end - swa_lo)
             if swa_slots is None:
                 return start
             job.swa_slots = {swa_lo + i: s for i, s in enumerate(swa_slots)}

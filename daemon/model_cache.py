@@ -596,7 +596,7 @@ class ModelCache:
         if self.host is not None:
             yield from self.host.audit_steps({"full": audit.host_slots,
                                               "swa": audit.host_swa_slots}, v)
-            yield from self.host.audit_tree_steps(self.tree, v, deep=deep)
+            yield from self.host.audit_tree_owners_steps(self.tree.iter_nodes(), v)
         elif audit.host_slots or audit.host_swa_slots:
             v.append("host slots in the tree of a model without a host tier")
         listed = {rid: o for o, h in self.holdings.items() for rid in h.receipts}

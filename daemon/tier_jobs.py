@@ -48,19 +48,15 @@ class BackupJob:
     finished: bool = False  # finish_backup ran (an eviction may finish a running job early)
 
 
-def reserve_host(mc: ModelCache, ns: Namespace, kind: str, hashes: list[bytes],
+def reserve_host(mc: ModelCache, ns: Namespace, kind: str, want: int,
                  quota: int = 0) -> array | None:
-    """Pending host slots for ``hashes`` in namespace ``ns``: first within the tenant's
-    host quota (its own cold host pages go first), then within the pool (the coldest host-only
-    pages go). None when they cannot be had: the copy is skipped, never forced."""
+    """``want`` pending host slots in namespace ``ns``: first within the tenant's host quota
+    (its own cold host pages go first), then within the pool (the coldest host-only pages go).
+    None when they cannot be had: the copy is skipped, never forced."""
     host = mc.host
-    want = len(hashes)
     if host is None or not want or (kind == "swa" and host.swa is None):
         return None
     mc.flush_host_drops()  # dropped by a caller outside the tiers: their slots are held
-    pool = host.pool(kind)
-    if pool.holds_any(hashes):
-        return None  # a copy of one of them is in flight (or read by L3): evict nothing for it
     keyed = mc.keyed  # keyed pages share the pool, its eviction order and the quota
     if kind == "full" and quota:
         if keyed is not None:
@@ -83,7 +79,7 @@ def reserve_host(mc: ModelCache, ns: Namespace, kind: str, hashes: list[bytes],
                     mc.evict_host(short if kind == "full" else 0, namespace=victims,
                                   swa_slots=short if kind == "swa" else 0)
     try:
-        return host.take(kind, hashes, ns.name)
+        return host.take(kind, want, ns.name)
     except (OutOfPages, ValueError):
         return None
 
@@ -107,11 +103,11 @@ def plan_backup(mc: ModelCache, node: Node, exclude: set[int], quota: int = 0,
     chain = _chain(node, exclude)
     if not chain or any(n.full is None for n in chain):
         return None
-    hashes = tree.page_keys(chain)
-    full_slots = reserve_host(mc, node.ns, "full", hashes, quota)
+    pb = tree.page_bytes
+    full_slots = reserve_host(mc, node.ns, "full", sum(len(n.tokens) for n in chain) // pb,
+                              quota)
     if full_slots is None:
         return None
-    pb = tree.page_bytes
     wp = tree.window_pages
     swa_pos: list[int] = []  # page positions in the chain that get an SWA copy
     dev_swa = array("i")
@@ -125,8 +121,7 @@ def plan_backup(mc: ModelCache, node: Node, exclude: set[int], quota: int = 0,
         off += k
     swa_slots = array("i", bytes(4 * off))
     swa_read = array("i", bytes(4 * off))
-    got_swa = (reserve_host(mc, node.ns, "swa", [hashes[i] for i in swa_pos]) if swa_pos
-               else None)
+    got_swa = reserve_host(mc, node.ns, "swa", len(swa_pos)) if swa_pos else None
     if got_swa is not None:
         for i, s, d in zip(swa_pos, got_swa, dev_swa, strict=True):
             swa_slots[i] = s
@@ -276,10 +271,19 @@ class FetchJob:
     """Pages [start, ...) of ``tokens`` that L3 may hold, under a pinned host prefix."""
 
     start: int
-    hashes: list[bytes]  # the page key of every page of tokens, from the root
+    pages: int  # whole pages of tokens
     pin: Pin | None
+    seed: bytes  # the namespace's chain seed
+    tokens: bytes
+    page_bytes: int
+    block_bytes: int
     full_slots: dict[int, int] = field(default_factory=dict)  # page index -> pending slot
     swa_slots: dict[int, int] = field(default_factory=dict)
+
+    def page_keys(self, pages: list[int]) -> list[bytes]:
+        """The page keys of these pages of ``tokens`` (ascending), derived only when asked: a
+        fetch names runs' ends and a window's pages, not every page."""
+        return page_keys(self.seed, b"", self.tokens, self.page_bytes, self.block_bytes, pages)
 
 
 def begin_fetch(mc: ModelCache, namespace: str, tokens: bytes) -> FetchJob:
@@ -287,11 +291,10 @@ def begin_fetch(mc: ModelCache, namespace: str, tokens: bytes) -> FetchJob:
     start, last = tree.host_prefix(namespace, tokens)
     pb = tree.page_bytes
     n = len(tokens) // pb
-    seed = tree.namespace(namespace).seed
-    hl = page_keys(seed, b"", tokens[: n * pb], pb, tree.block_bytes)[0]
     # host_only: the prefix keeps its host copies; its device pages stay evictable (a node with
     # a host copy is demoted, not deleted), so a Redis round trip never makes an alloc fail
-    return FetchJob(start, hl, tree.pin(last, host_only=True) if last is not None else None)
+    return FetchJob(start, n, tree.pin(last, host_only=True) if last is not None else None,
+                    tree.namespace(namespace).seed, tokens[: n * pb], pb, tree.block_bytes)
 
 
 def finish_fetch(mc: ModelCache, namespace: str, tokens: bytes, job: FetchJob, end: int

@@ -11,9 +11,10 @@ before the save makes for every device-only node (``TierManager.drain(back_up_de
 At start (:func:`restore_host_state`, before serving): a model whose layout fingerprint or page
 size changed restores nothing (one log line says why); each page is verified against its
 checksum and a page that fails is dropped with everything below it in the tree, never served.
-Kept pages get new slots in the fresh pools (content index, allocator, reference counts and the
-tree's host-page counts, the per-namespace quotas included, all follow from the ordinary
-operations: ``HostPool.store``, ``RadixTree.adopt_host``, ``KeyedPages.add_stored``).
+Kept pages get new slots in the fresh pools (allocator, reference counts, the keyed pages'
+content index and the tree's host-page counts, the per-namespace quotas included, all follow from
+the ordinary operations: ``HostPool.store_unnamed`` and ``RadixTree.adopt_host`` for the tree's
+pages, ``HostPool.store`` and ``KeyedPages.add_stored`` for keyed pages).
 
 Two places keep the state between the stop and the start, with one restore for both
 (:func:`_restore`): ``[server] state_dir`` (the held pages copied into files) and, under systemd
@@ -62,7 +63,7 @@ from .storage.host_snapshot import (
     write_pool,
 )
 from .storage.keyed_pages import keyed_hash
-from .tree import Node, page_keys
+from .tree import Node
 
 log = logging.getLogger("radixd.warm_restart")
 
@@ -233,9 +234,10 @@ class _Restorer:
         self.kept = 0
         self.dropped = 0
 
-    def _copy(self, kind: str, old: int, h: bytes, ns: str) -> int | None:
-        """The verified page saved in ``old`` stored under hash ``h`` in a new slot of
-        namespace ``ns``'s segments, or None."""
+    def _copy(self, kind: str, old: int, h: bytes | None, ns: str) -> int | None:
+        """The verified page saved in ``old`` in a new slot of namespace ``ns``'s segments,
+        indexed under hash ``h`` (a keyed page; None: a tree page, which the tree indexes), or
+        None."""
         if not old:
             return None
         src = self.sources.get(kind)
@@ -244,9 +246,9 @@ class _Restorer:
             return None
         pool = self.host.pool(kind)
         key = self.host.space(ns)
-        if pool.available_to(key) == 0 or pool.lookup(h) is not None:
+        if pool.available_to(key) == 0 or (h is not None and pool.lookup(h) is not None):
             return None
-        slot = pool.store(h, key)
+        slot = pool.store(h, key) if h is not None else pool.store_unnamed(1, key)[0]
         pool.write_page_bytes(slot, data)
         return slot
 
@@ -259,9 +261,8 @@ class _Restorer:
         tree = self.tree
         pb = tree.page_bytes
         swa_pool = self.host.swa is not None
-        # per record index: (tokens from the root, the hash chain's state at its end) when
-        # restored, else None
-        paths: list[tuple[bytes, bytes, bytes] | None] = []
+        # per record index: the tokens from the root when restored, else None
+        paths: list[bytes | None] = []
         for rec in self.img.tree:
             host = as_slots(rec.host)
             hswa = as_slots(rec.host_swa) if rec.host_swa else array("i", bytes(4 * len(host)))
@@ -273,16 +274,14 @@ class _Restorer:
                 paths.append(None)
                 self.dropped += len(host) + sum(1 for s in hswa if s)
                 continue
-            ns = tree.namespace(rec.ns)
-            prefix, prev, carry = parent if parent is not None else (b"", ns.seed, b"")
-            hs, prev, carry = page_keys(prev, carry, rec.tokens, pb, tree.block_bytes)
-            full = [self._copy("full", host[j], hs[j], rec.ns) for j in range(npages)]
+            prefix = parent if parent is not None else b""
+            full = [self._copy("full", host[j], None, rec.ns) for j in range(npages)]
             if any(s is None for s in full):
                 self._give_back("full", full)
                 paths.append(None)
                 self.dropped += npages + sum(1 for s in hswa if s)
                 continue
-            swa = [self._copy("swa", hswa[j], hs[j], rec.ns) if swa_pool else None
+            swa = [self._copy("swa", hswa[j], None, rec.ns) if swa_pool else None
                    for j in range(npages)]
             self.dropped += sum(1 for j in range(npages) if hswa[j] and swa[j] is None)
             start = len(prefix) // pb
@@ -298,7 +297,7 @@ class _Restorer:
                 self.dropped += npages
                 continue
             self.kept += got + got_swa
-            paths.append((tokens, prev, carry))
+            paths.append(tokens)
 
     def keyed_pages(self) -> None:
         keyed = self.entry.keyed

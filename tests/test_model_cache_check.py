@@ -45,10 +45,10 @@ def test_checker_sees_a_receipt_no_holding_lists() -> None:
     assert c.check() != []
 
 
-def test_the_deep_check_finds_a_host_slot_indexed_under_another_pages_key() -> None:
-    """The L3 writer names a host page by the key its slot is indexed under: the deep check
-    re-derives every tree host page's key from the tokens and compares. Pages of 4 tokens make
-    blocks of 16 pages, so these keys are the ones derived inside a block (protocol.md 9.3)."""
+def test_the_trees_host_copies_carry_no_hash_and_the_check_keeps_it_so() -> None:
+    """The tree is the index of its host copies: a background copy takes slots without a
+    per-page hash (at pages of 4 tokens a key inside a block would cost a SHA-256 a page), and
+    the check reports a tree host slot that is indexed under a hash, as only keyed pages are."""
     import asyncio
     import os
     import time
@@ -82,9 +82,17 @@ def test_the_deep_check_finds_a_host_slot_indexed_under_another_pages_key() -> N
         asyncio.run(fill())
         node = next(n for n in tree.iter_nodes() if n.host is not None and len(n.host) > 1)
         assert svc.check() == []
-        node.host[0], node.host[1] = node.host[1], node.host[0]  # each under the other's key
-        found = [x for x in svc.check() if "indexed under another key" in x]
-        assert len(found) == 1 and f"node {node.id}:" in found[0]
-        assert not [x for x in svc.check(deep=False) if "indexed under another key" in x]
+        pool = svc.models["m"].cache.host.full
+        assert [pool.hash_of(s) for s in node.host] == [None] * len(node.host)
+        keyed = svc.models["m"].cache.host.keyed["full"]
+        keyed_slot = pool.store(bytes(32))  # a keyed page's slot, adopted by the tree
+        keyed.add(keyed_slot)
+        node.host[0], lost = keyed_slot, node.host[0]
+        found = svc.check()
+        assert any("in the tree and indexed under a hash" in x for x in found)
+        node.host[0] = lost
+        keyed.discard(keyed_slot)
+        pool.release(keyed_slot)
+        assert svc.check() == []
     finally:
         svc.close()

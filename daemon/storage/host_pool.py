@@ -20,15 +20,17 @@ an emptied segment back on the free list, and a segment that changes namespace g
 zeroed memfd (:meth:`renew_segment`), so ``kv_attach`` can hand a tenant the memfds of its own
 segments and nothing else. Without it there is one memfd and one segment every namespace shares.
 
-Slot 0 is reserved (never handed out, zeroed). Slots are content-addressed: an index maps a 32-byte
-page hash to the slot holding that content, with a reference count, so a page stored twice (by the
-tree and a reader, or two copies of one namespace's path) is held once. Page hashes are seeded per
-namespace (tree chains and keyed pages alike), so a hash never names another namespace's slot:
+Slot 0 is reserved (never handed out, zeroed). Every held slot has a reference count. Keyed
+pages (daemon/keyed_tier.py) are also content-addressed: an index maps a 32-byte hash to the slot
+holding that content. Keyed hashes are seeded per namespace, so a hash never names another
+namespace's slot. The tree's host copies are not indexed: the tree itself records which node
+holds which slot, and a per-page hash would cost a SHA-256 per page at small pages:
 
-* :meth:`acquire` -- the slot already holding ``hash`` (reference + 1), or None;
+* :meth:`lookup` -- the slot holding ``hash``, or None;
 * :meth:`store` -- a new slot for ``hash`` in a namespace's segments (reference 1); the caller
-  then fills it;
-* :meth:`release` -- reference - 1; the slot is freed and its hash forgotten at 0.
+  then fills it; :meth:`store_unnamed` -- new slots with no hash (the tree's copies);
+* :meth:`hold` -- one more reference on a held slot, named or not;
+* :meth:`release` -- reference - 1; the slot is freed (and its hash forgotten) at 0.
 
 This module is bookkeeping plus memory; the copies between device pools and a host pool are in
 :mod:`daemon.storage.copies`. Not thread-safe: the daemon calls it from its event loop only.
@@ -203,7 +205,7 @@ class HostPool:
         self._slot_of: dict[bytes, int] = {}  # page hash -> slot
         self._hash_of: dict[int, bytes] = {}  # slot -> page hash
         self._refs: dict[int, int] = {}  # slot -> reference count (>= 1)
-        #: bumped by every change of the slots' bookkeeping (store, acquire, release): part of
+        #: bumped by every change of the slots' bookkeeping (store, hold, release): part of
         #: the checker's state version, so that a stepped audit spanning a change is given up
         self.changes = 0
 
@@ -340,10 +342,6 @@ class HostPool:
         """The slot holding ``page_hash``, or None; no reference is taken."""
         return self._slot_of.get(_check_hash(page_hash))
 
-    def holds_any(self, page_hashes: Iterable[bytes]) -> bool:
-        """Whether a slot holds one of these hashes (one set operation in C)."""
-        return not self._slot_of.keys().isdisjoint(page_hashes)
-
     def held(self) -> set[int]:
         """The slots holding a page."""
         return set(self._refs)
@@ -365,24 +363,16 @@ class HostPool:
     def hash_of(self, slot: int) -> bytes | None:
         return self._hash_of.get(self._check_slot(slot))
 
-    def acquire(self, page_hash: bytes) -> int | None:
-        """The slot already holding ``page_hash`` with one more reference, or None."""
-        slot = self._slot_of.get(_check_hash(page_hash))
-        if slot is not None:
-            self._refs[slot] += 1
-            self.changes += 1
-        return slot
-
     def store(self, page_hash: bytes, space: str = "") -> int:
         """A new slot for ``page_hash`` with one reference, in the segments of namespace
         ``space`` ("" when the pool is shared); the caller fills it.
 
         Raises :class:`OutOfPages` when no slot is free and ``ValueError`` when the hash is
-        already held (use :meth:`acquire`: content is stored once).
+        already held (content is stored once: :meth:`lookup` and :meth:`hold` it).
 
         The hash is indexed at once, before the caller's copy has filled the slot: whoever wires
-        this to the tree must keep such slots pending until the copy completes, or a second tree
-        could ``acquire`` a slot that is still being written.
+        this to a reader must keep such slots pending until the copy completes, or a reader
+        could find a slot that is still being written.
         """
         return self.store_many((page_hash,), space)[0]
 
@@ -401,7 +391,7 @@ class HostPool:
                     held = (f"held in slot {self._slot_of[h]}" if h in self._slot_of
                             else "listed twice")
                     raise ValueError(f"page_hash {h.hex()[:16]}... is already {held}; "
-                                     "acquire it instead")
+                                     "hold it instead")
                 seen.add(h)
         slots = self._alloc.alloc(len(page_hashes), space)
         self.changes += len(slots)
@@ -409,6 +399,20 @@ class HostPool:
         self._hash_of.update(zip(slots, page_hashes, strict=True))
         self._refs.update(dict.fromkeys(slots, 1))
         return slots
+
+    def store_unnamed(self, count: int, space: str = "") -> array:
+        """``count`` new slots with one reference each and no hash, in the segments of
+        namespace ``space``, all or none (:class:`OutOfPages`): pages whose index is the caller's
+        (the tree's host copies), which nobody looks up by content."""
+        slots = self._alloc.alloc(count, space)
+        self.changes += len(slots)
+        self._refs.update(dict.fromkeys(slots, 1))
+        return slots
+
+    def hold(self, slot: int) -> None:
+        """One more reference on a held slot (a reader that must outlive its owner's)."""
+        self._refs[self._check_held(slot)] += 1
+        self.changes += 1
 
     def release(self, slot: int) -> None:
         """Drop one reference; at 0 the slot is freed and its hash forgotten."""
@@ -428,13 +432,16 @@ class HostPool:
                                          f"released {n} times, holds {refs[slot]} references")
         self.changes += len(slots)
         freed = array("i")
+        hash_of = self._hash_of
         for slot in slots:
             left = refs[slot] - 1
             if left:
                 refs[slot] = left
                 continue
             del refs[slot]
-            del self._slot_of[self._hash_of.pop(slot)]
+            page_hash = hash_of.pop(slot, None)
+            if page_hash is not None:
+                del self._slot_of[page_hash]
             freed.append(slot)
         if freed:
             self._alloc.free(freed)
@@ -479,19 +486,22 @@ class HostPool:
         # disagreement makes it worth counting (a rare path, in one step)
         if not agree and len(set(self._slot_of.values())) != len(self._slot_of):
             v.append(f"{name}: a slot is indexed under two hashes")
+        refs = self._refs
+        unheld: list[int] = []  # a hash recorded for a slot nobody holds
         for chunk in chunked(self._hash_of.items(), AUDIT_STEP_SLOTS):
             for slot, page_hash in chunk:
                 if self._slot_of.get(page_hash) != slot:
                     v.append(f"{name}: slot {slot} records a hash the index does not map to it")
+                if slot not in refs:
+                    unheld.append(slot)
             yield
-        hashed = self._hash_of
-        unhashed = False  # a slot with references but no hash
+        if unheld:
+            v.append(f"{name}: slots {sorted(unheld)[:10]} record a hash but are not held")
         low: list[int] = []  # reference count below 1
         outside: list[int] = []
         both: list[int] = []  # free and held
         for chunk in chunked(self._refs.items(), AUDIT_STEP_SLOTS):
             for slot, n in chunk:
-                unhashed |= slot not in hashed
                 if not isinstance(n, int) or n < 1:
                     low.append(slot)
                 if isinstance(slot, int) and 0 < slot < cap:
@@ -501,9 +511,6 @@ class HostPool:
                 else:
                     outside.append(slot)
             yield
-        if unhashed or len(self._refs) != len(hashed):  # the report: a rare path, in one step
-            v.append(f"{name}: reference counts and held slots disagree on "
-                     f"{sorted(set(self._refs) ^ set(hashed))[:10]}")
         if low:
             v.append(f"{name}: slots {sorted(low)[:10]} have a reference count below 1")
         if outside:
@@ -520,7 +527,7 @@ class HostPool:
                 i = flags.find(1, i + 1)
             yield
         if lost:
-            v.append(f"{name}: slots {lost} are allocated but held by no hash (leak)")
+            v.append(f"{name}: slots {lost} are allocated but hold no reference (leak)")
 
     # -- lifetime ---------------------------------------------------------------------------
 

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 from array import array
 from collections import Counter
-from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from typing import Any
 
-from daemon.gpu.allocator import AUDIT_STEP_SLOTS, AllocatorError, OutOfPages
+from daemon.gpu.allocator import AUDIT_STEP_SLOTS, OutOfPages
 from daemon.gpu.profile import ModelProfile
-from daemon.tree import chunked, page_keys
+from daemon.tree import chunked
 
 from .host_pool import MARK_HELD, HostPool
 
@@ -85,17 +85,17 @@ class HostTier:
 
     # -- slots ----------------------------------------------------------------------------------
 
-    def take(self, kind: str, hashes: Sequence[bytes], ns: str) -> array:
-        """New pending slots for these page hashes of namespace ``ns``, all or none
-        (OutOfPages)."""
+    def take(self, kind: str, count: int, ns: str) -> array:
+        """``count`` new pending slots of namespace ``ns`` for the tree's copies, all or none
+        (OutOfPages). They carry no hash: the tree is their index."""
         pool = self.pool(kind)
         key = self.space(ns)
         free = pool.available_to(key)
-        if len(hashes) > free:
-            raise OutOfPages(f"{kind} host pool: {len(hashes)} slots wanted, {free} free to "
-                             f"namespace {ns!r}", requested=len(hashes), available=free)
-        out = pool.store_many(hashes, key)  # all or none: a hash held already (a stale
-        # copy), or a segment that could not get fresh memory, takes nothing
+        if count > free:
+            raise OutOfPages(f"{kind} host pool: {count} slots wanted, {free} free to "
+                             f"namespace {ns!r}", requested=count, available=free)
+        out = pool.store_unnamed(count, key)  # all or none: a segment that could not get
+        # fresh memory takes nothing
         self.pending[kind].update(out)
         return out
 
@@ -120,9 +120,8 @@ class HostTier:
         pool = self.pool(kind)
         out = []
         for s in live:
-            h = pool.hash_of(s)
-            if h is not None and s not in self.pending[kind]:
-                pool.acquire(h)
+            if pool.refcount(s) and s not in self.pending[kind]:
+                pool.hold(s)
                 self.readers[kind][s] += 1
                 out.append(s)
         return out
@@ -175,19 +174,26 @@ class HostTier:
             pend = self.pending[kind]
             readers = self.readers[kind]
             keyed = self.keyed[kind]
+            named = pool.slot_hashes()
             wrong: tuple[int, int, int] | None = None  # the first miscounted slot
             tree_held = 0  # held slots in the tree
+            tree_named: list[int] = []  # tree copies are the tree's to index, never hashed
             stray = False  # a held slot nothing accounts for
             for chunk in chunked(pool.reference_counts().items(), AUDIT_STEP_SLOTS):
                 for s, n in chunk:
                     t = s in tree
                     tree_held += t
+                    if t and s in named:
+                        tree_named.append(s)
                     want = t + (s in pend) + readers.get(s, 0) + (s in keyed)
                     if wrong is None and n != want:
                         wrong = (s, n, want)
                     if not want and s not in readers:  # (only readers count below 0)
                         stray = True
                 yield
+            if tree_named:
+                v.append(f"{kind} host slots {sorted(tree_named)[:10]} are in the tree and "
+                         "indexed under a hash (only keyed pages are)")
             if wrong is not None:
                 s, n, want = wrong
                 v.append(f"{kind} host slot {s}: {n} references, the tree, copies and readers "
@@ -243,41 +249,6 @@ class HostTier:
                                                         bad.setdefault((kind, n.ns.name), set()))
         for (kind, ns), segs in bad.items():
             v += self.pool(kind).allocator.audit_owners(ns, f"tree {kind} host slots", segs)
-
-    def audit_tree_steps(self, tree: Any, v: list[str], *, deep: bool) -> Iterator[None]:
-        """The host copies of ``tree`` (a ``daemon.tree.RadixTree``): where they lie
-        (:meth:`audit_tree_owners_steps`) and, ``deep``, their keys
-        (:meth:`audit_tree_keys_steps`)."""
-        yield from self.audit_tree_owners_steps(tree.iter_nodes(), v)
-        if deep:
-            yield from self.audit_tree_keys_steps(tree, v)
-
-    def audit_tree_keys_steps(self, tree: Any, v: list[str]) -> Iterator[None]:
-        """Every host slot of a tree node is indexed under its page's key, re-derived from the
-        tokens. That key is the one the L3 writer publishes the page under, so a wrong one
-        would name another prefix's page."""
-        pb, bb = tree.page_bytes, tree.block_bytes
-        for n in list(tree.iter_nodes()):
-            if n.host is None or n.parent is None:
-                continue
-            prev, carry = tree.chain_state(n.parent)
-            for a in range(0, len(n.tokens) // pb, 64):  # 64 pages re-hashed a step
-                keys, prev, carry = page_keys(prev, carry, n.tokens[a * pb:(a + 64) * pb], pb,
-                                              bb)
-                for kind, slots in (("full", n.host), ("swa", n.host_swa)):
-                    if slots is None or (kind == "swa" and self.swa is None):
-                        continue
-                    pool = self.pool(kind)
-                    for j, key in enumerate(keys, a):
-                        try:
-                            wrong = slots[j] and pool.hash_of(slots[j]) != key
-                        except (AllocatorError, IndexError):
-                            continue  # not a slot of this pool: the tree's audit says so
-                        if wrong:
-                            v.append(f"node {n.id}: {kind} host slot {slots[j]} (page {j}) is "
-                                     "indexed under another key than its page's")
-                            break
-                yield
 
     def describe(self) -> dict[str, Any]:
         out = {"full": self.full.describe()}

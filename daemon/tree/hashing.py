@@ -6,11 +6,12 @@ little-endian), seeded per namespace and model layout, so one 32-byte value name
 and two namespaces never share a key. The tree stores one hash per block, not per page: at a page
 of one token a per-page chain would cost a SHA-256 and 32 bytes per token on every insert.
 
-The host and Redis tiers still name each page, by its *page key*: SHA-256 of the previous block's
-hash and the tokens from the block's start to the page's end. The key of a block's last page is
-the block hash itself, so with pages of 64 tokens or more (one page a block) page keys and block
-hashes are the same chain. A page key names exactly the prefix up to its page's end, like the
-block hash, and is derived only where a tier needs it.
+The Redis tier names values by a page's *page key*: SHA-256 of the previous block's hash and the
+tokens from the block's start to the page's end. The key of a block's last page is the block hash
+itself, so with pages of 64 tokens or more (one page a block) page keys and block hashes are the
+same chain. A page key names exactly the prefix up to its page's end, like the block hash, and is
+derived only for the pages a tier names (a run's last page, an SWA page); the host tier names
+none, since the tree indexes its host copies.
 
 Only the daemon computes these (other systems broke on engines computing them differently).
 """
@@ -65,39 +66,51 @@ def block_hashes(prev: bytes, carry: bytes, tokens: bytes, block_bytes: int) -> 
     return b"".join(out)
 
 
-def page_keys(prev: bytes, carry: bytes, tokens: bytes, page_bytes: int, block_bytes: int
-              ) -> tuple[list[bytes], bytes, bytes]:
-    """The page key of every whole page of ``tokens``, and the chain state after them.
+def page_keys(prev: bytes, carry: bytes, tokens: bytes, page_bytes: int, block_bytes: int,
+              pages: Iterable[int] | None = None) -> list[bytes]:
+    """The page keys of the whole pages of ``tokens`` (``pages``: of those page indices only,
+    ascending; the keys come back in that order).
 
     ``prev`` and ``carry`` are the chain state where ``tokens`` starts, as for
-    :func:`block_hashes`; the result's last two items are the state where the pages end.
+    :func:`block_hashes`. The tokens are hashed once; what each key asked for adds is one
+    digest, so asking only for the keys a tier publishes (a block's end, a window's pages) is
+    what keeps small pages cheap.
     """
-    keys: list[bytes] = []
     sha = hashlib.sha256
-    end = len(tokens) - len(tokens) % page_bytes
-    if block_bytes == page_bytes and not carry:
+    count = len(tokens) // page_bytes
+    if pages is None and block_bytes == page_bytes and not carry:
+        keys: list[bytes] = []
         h = prev
-        for off in range(0, end, page_bytes):
+        for off in range(0, count * page_bytes, page_bytes):
             h = sha(h + tokens[off : off + page_bytes]).digest()
             keys.append(h)
-        return keys, h, b""
+        return keys
+    want = range(count) if pages is None else pages
+    keys = []
     run = sha(prev + carry)
-    filled = len(carry)
-    start = 0  # where the current block's bytes in ``tokens`` begin
-    for off in range(0, end, page_bytes):
-        run.update(tokens[off : off + page_bytes])
-        filled += page_bytes
-        if filled == block_bytes:
+    filled = len(carry)  # bytes of the current block hashed into ``run``
+    pos = 0  # bytes of ``tokens`` hashed
+    for j in want:
+        if not 0 <= j < count:
+            raise IndexError(f"page {j} is not a whole page of {count}")
+        end = (j + 1) * page_bytes
+        if end < pos or (end == pos and filled):
+            raise ValueError("pages must be ascending and distinct")
+        while filled + end - pos >= block_bytes:  # the blocks that end up to this page's end
+            step = block_bytes - filled
+            run.update(tokens[pos : pos + step])
+            pos += step
             prev = run.digest()
-            keys.append(prev)
             run = sha(prev)
             filled = 0
-            start = off + page_bytes
-        else:
+        if end > pos:
+            run.update(tokens[pos:end])
+            filled += end - pos
+            pos = end
             keys.append(run.copy().digest())
-    if filled == 0:
-        return keys, prev, b""
-    return keys, prev, (carry + tokens[:end] if start == 0 else tokens[start:end])
+        else:  # the page ends its block
+            keys.append(prev)
+    return keys
 
 
 def as_token_bytes(tokens: bytes | bytearray | memoryview | Iterable[int]) -> bytes:

@@ -202,19 +202,21 @@ class RadixTree(Matching, Insertion, Locking, Eviction, Tiering):
         bt = self.block_tokens
         return node.depth // bt - (node.depth - len(node.tokens) // 4) // bt
 
-    def page_keys(self, nodes: list[Node]) -> list[bytes]:
-        """The page keys (daemon.tree.hashing) of every page of ``nodes``, a path downward in
-        which each node is the previous one's child: what the host and Redis tiers name pages
-        by. Below a page of ``HASH_BLOCK_TOKENS`` tokens this is one SHA-256 per page, so only
-        the tiers ask, and only for what they copy."""
+    def page_keys(self, nodes: list[Node], pages: Iterable[int] | None = None) -> list[bytes]:
+        """The page keys (daemon.tree.hashing) of the pages of ``nodes``, a path downward in
+        which each node is the previous one's child (``pages``: only those page indices into
+        the path, ascending): what the Redis tier names values by. Below a page of
+        ``HASH_BLOCK_TOKENS`` tokens each key not at a block's end costs a digest, so the tier
+        asks only for the pages it publishes."""
         if not nodes:
             return []
         if self.block_pages == 1:  # one page a block: the page keys are the stored hashes
             h = nodes[0].hashes if len(nodes) == 1 else b"".join(n.hashes for n in nodes)
-            return [h[i : i + HASH_BYTES] for i in range(0, len(h), HASH_BYTES)]
+            return [h[i * HASH_BYTES : (i + 1) * HASH_BYTES]
+                    for i in (range(len(h) // HASH_BYTES) if pages is None else pages)]
         prev, carry = self.chain_state(nodes[0].parent)
         tokens = nodes[0].tokens if len(nodes) == 1 else b"".join(n.tokens for n in nodes)
-        return page_keys(prev, carry, tokens, self.page_bytes, self.block_bytes)[0]
+        return page_keys(prev, carry, tokens, self.page_bytes, self.block_bytes, pages)
 
     # ------------------------------------------------------------------ queue bookkeeping
 

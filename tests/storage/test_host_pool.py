@@ -108,14 +108,15 @@ def test_close_is_idempotent_and_blocks_access() -> None:
         host.page_bytes(slot)
 
 
-# -- content-addressed slots -------------------------------------------------------------------
+# -- slots: keyed by hash, or unnamed ------------------------------------------------------------
 
 
-def test_dedup_by_hash_with_refcounts() -> None:
+def test_slots_by_hash_with_refcounts() -> None:
     with HostPool(make_profile(), 4, "full", pin_memory=False) as host:
-        assert host.acquire(h(1)) is None
-        a = host.store(h(1))  # tree A stores the page
-        assert host.acquire(h(1)) == a  # tree B finds the same content
+        assert host.lookup(h(1)) is None
+        a = host.store(h(1))  # a keyed page is stored
+        host.hold(a)  # a reader holds it too
+        assert host.lookup(h(1)) == a
         assert host.refcount(a) == 2 and host.used == 1 and host.available == 2
         with pytest.raises(ValueError, match="already held"):
             host.store(h(1))
@@ -128,6 +129,8 @@ def test_dedup_by_hash_with_refcounts() -> None:
         assert host.available == 2 and host.used == 1
         with pytest.raises(AllocatorError, match="not held"):
             host.release(a)
+        with pytest.raises(AllocatorError, match="not held"):
+            host.hold(a)
         with pytest.raises(AllocatorError):
             host.release(0)
         with pytest.raises(ValueError, match="32 bytes"):
@@ -137,6 +140,26 @@ def test_dedup_by_hash_with_refcounts() -> None:
         assert host.used == 0 and host.available == 3 and host.audit() == []
 
 
+def test_unnamed_slots_are_counted_but_never_indexed() -> None:
+    """The tree's host copies: slots with references and no hash, freed at their last
+    release, all or none when the pool is short."""
+    with HostPool(make_profile(), 6, "full", pin_memory=False) as host:
+        keyed = host.store(h(1))
+        slots = host.store_unnamed(3)
+        assert len(set(slots)) == 3 and keyed not in slots
+        assert [host.hash_of(s) for s in slots] == [None] * 3
+        assert dict(host.slot_hashes()) == {keyed: h(1)}
+        assert host.used == 4 and host.audit() == []
+        with pytest.raises(OutOfPages):
+            host.store_unnamed(2)  # one slot is left: nothing is taken
+        assert host.used == 4 and host.available == 1
+        host.hold(slots[0])
+        host.release_many(slots)
+        assert host.refcount(slots[0]) == 1 and host.used == 2 and host.audit() == []
+        host.release(slots[0])
+        assert host.used == 1 and host.lookup(h(1)) == keyed and host.audit() == []
+
+
 def test_out_of_slots() -> None:
     with HostPool(make_profile(), 3, "full", pin_memory=False) as host:
         host.store(h(1))
@@ -144,7 +167,7 @@ def test_out_of_slots() -> None:
         with pytest.raises(OutOfPages):
             host.store(h(3))
         assert host.lookup(h(3)) is None and host.audit() == []
-        assert host.acquire(h(1)) is not None  # acquiring needs no slot
+        host.hold(host.lookup(h(1)))  # holding needs no slot
 
 
 def _pool_state(host: HostPool) -> tuple:
@@ -175,7 +198,7 @@ def test_store_many_takes_all_or_nothing(fault: str) -> None:
 def test_release_many_checks_every_slot_before_it_changes_one() -> None:
     with HostPool(make_profile(), 12, "full", pin_memory=False) as host:
         a, b, c = host.store_many([h(1), h(2), h(3)])
-        host.acquire(h(2))  # b holds two references
+        host.hold(b)  # b holds two references
         before = _pool_state(host)
         for bad in ([a, c, 0], [a, 11], [a, a], [b, b, b]):
             with pytest.raises(AllocatorError):
@@ -557,7 +580,7 @@ def test_the_host_tier_reports_a_tree_slot_in_another_namespaces_segment() -> No
 
     host = HostTier(make_profile(**SEG_PROFILE), 9, 0, pin_memory=False, segment_pages=2)
     try:
-        mine, theirs = host.take("full", [h(1)], "a"), host.take("full", [h(2)], "b")
+        mine, theirs = host.take("full", 1, "a"), host.take("full", 1, "b")
         host.filled("full", [*mine, *theirs])
 
         def audit(slot: int) -> list[str]:
@@ -579,11 +602,11 @@ def test_the_host_tier_drops_nothing_when_one_slot_of_a_drop_is_bad() -> None:
 
     tier = HostTier(make_profile(), 8, 4, pin_memory=False)
     try:
-        slots = tier.take("full", [h(1), h(2)], "ns")
+        slots = tier.take("full", 2, "ns")
         with pytest.raises(AllocatorError):
             tier.drop("full", [slots[0], 7])  # 7: a slot nobody holds
         assert tier.pending["full"] == set(slots)
-        assert [tier.full.lookup(h(i)) for i in (1, 2)] == list(slots)
+        assert [tier.full.refcount(s) for s in slots] == [1, 1]
         tier.drop("full", slots)
         assert not tier.pending["full"] and tier.full.used == 0 and tier.full.audit() == []
     finally:

@@ -11,6 +11,8 @@ import hashlib
 from array import array
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from daemon.tree import (
     BadArgument,
@@ -24,7 +26,7 @@ from daemon.tree import (
     check_tree,
     namespace_seed,
 )
-from daemon.tree.hashing import HASH_BYTES
+from daemon.tree.hashing import HASH_BYTES, page_keys
 
 PAGE_SIZES = [1, 16, 64]
 NS = "ns"
@@ -279,6 +281,40 @@ def test_hashes_chain_over_blocks_from_the_namespace_seed(P):
     nd = h.path(a)[-1]  # and the checker finds a block hash tampered with
     nd.hashes = bytes(HASH_BYTES) + nd.hashes[HASH_BYTES:]
     assert any("do not chain" in x for x in check_tree(h.tree))
+
+
+@settings(max_examples=60, deadline=None)
+@given(P=st.sampled_from([1, 2, 3, 16, 48, 64, 128]), n=st.integers(1, 200),
+       data=st.data())
+def test_page_keys_asked_for_some_pages_are_those_of_the_formula(P, n, data):
+    """A tier asks only for the keys it publishes (a run's end, a window's pages): those are
+    the formula's keys of exactly those pages, from the root or from a chain state inside a
+    block, through the tree's path or the plain function."""
+    tokens = array("i", range(7, 7 + n * P)).tobytes()
+    seed = namespace_seed(NS, b"fp")
+    keys = reference_page_keys(seed, tokens, P)
+    want = sorted(data.draw(st.sets(st.integers(0, n - 1))))
+    assert page_keys(seed, b"", tokens, 4 * P, 4 * P * block_pages(P), want) == \
+        [keys[j] for j in want]
+    h = Harness(P, fingerprint=b"fp")
+    h.insert(tokens)
+    cut = data.draw(st.integers(1, n))  # a node that ends anywhere, inside a block or not
+    h.insert(tokens[: cut * 4 * P])
+    h.ok()
+    nodes = h.path(tokens)
+    assert h.tree.page_keys(nodes, want) == [keys[j] for j in want]
+    low = nodes[-1]
+    first = (n * 4 * P - len(low.tokens)) // (4 * P)
+    mine = [j - first for j in want if j >= first]
+    assert h.tree.page_keys([low], mine) == [keys[j + first] for j in mine]
+
+
+def test_page_keys_refuse_pages_out_of_order_or_range():
+    tokens = array("i", range(1, 9)).tobytes()
+    for bad, exc in (([2, 1], ValueError), ([1, 1], ValueError), ([8], IndexError),
+                     ([-1], IndexError)):
+        with pytest.raises(exc):
+            page_keys(bytes(32), b"", tokens, 4, 256, bad)
 
 
 @pytest.mark.parametrize("P", PAGE_SIZES)
