@@ -9,8 +9,12 @@ value per page meant one Redis key, one round trip slot and one header per token
 
 A node's runs may start in its ancestors (its first block began above it): their pages come from
 the ancestors' host copies, which exist whenever the node has one (a host copy hangs from the root
-through host copies). SWA values stay one page each: only a window's pages keep SWA, so a block's
-SWA pages are rarely all there.
+through host copies).
+
+An SWA value is a node's **window**: the pages of the node's trailing window that have an SWA host
+copy, up to its last page, named by that last page's key (``:swa``). Only a node's end can end a
+usable hit (the SWA window rule), so that is the one place a window is looked up; a node shorter
+than the window continues in its parent's window value, ending where the node begins.
 """
 
 from __future__ import annotations
@@ -20,13 +24,15 @@ from dataclasses import dataclass
 
 from .tree import Node, RadixTree
 
-__all__ = ["L3Run", "block_ends", "node_runs", "run_pages", "tail_candidates"]
+__all__ = ["L3Run", "block_ends", "node_runs", "node_window", "run_pages", "tail_candidates",
+           "window_pages"]
 
 
 @dataclass(frozen=True, slots=True)
 class L3Run:
-    """One full-pool value to write: host ``slots`` of its pages in order, their ``tokens``,
-    and ``last``, the index in the node of its last page (whose page key names the value)."""
+    """One value to write (a full-pool run, or an SWA window): host ``slots`` of its pages in
+    order, their ``tokens``, and ``last``, the index in the node of its last page (whose page
+    key names the value)."""
 
     last: int
     slots: tuple[int, ...]
@@ -82,6 +88,19 @@ def node_runs(tree: RadixTree, node: Node, slots: Sequence[int]) -> tuple[list[L
     return runs, missed
 
 
+def node_window(node: Node, swa_slots: Sequence[int] | None, page_bytes: int) -> L3Run | None:
+    """The SWA value of ``node``: its last pages that have an SWA host copy (``swa_slots``, 0
+    for none), up to its last page; None when its last page has none (no hit can use it)."""
+    slots = swa_slots or ()
+    n = len(slots)
+    if not n or not slots[n - 1]:
+        return None
+    lo = n - 1
+    while lo and slots[lo - 1]:
+        lo -= 1
+    return L3Run(n - 1, tuple(slots[lo:]), node.tokens[lo * page_bytes : n * page_bytes])
+
+
 def block_ends(start: int, pages: int, block_pages: int) -> list[int]:
     """The last page of every whole block that ends in [start, pages): the runs to look up
     first when fetching pages from ``start`` of a sequence of ``pages`` pages."""
@@ -104,3 +123,15 @@ def run_pages(tokens: bytes, payload: memoryview, run_tokens: bytes, first: int,
             payload.nbytes != count * page_nbytes:
         return None
     return [payload[i * page_nbytes : (i + 1) * page_nbytes] for i in range(count)]
+
+
+def window_pages(tokens: bytes, payload: memoryview, value_tokens: bytes, end: int,
+                 page_bytes: int, page_nbytes: int) -> tuple[int, list[memoryview]] | None:
+    """An SWA window value read under the key of page ``end - 1`` of ``tokens``: its first page
+    and its pages; None when it does not hold whole pages of ``tokens`` that end there."""
+    count = len(value_tokens) // page_bytes
+    first = end - count
+    if not count or first < 0:
+        return None
+    pages = run_pages(tokens, payload, value_tokens, first, end - 1, page_bytes, page_nbytes)
+    return None if pages is None else (first, pages)

@@ -20,7 +20,14 @@ from typing import Any
 
 from radixd_client import protocol as P
 
-from .l3_runs import block_ends, node_runs, run_pages, tail_candidates
+from .l3_runs import (
+    block_ends,
+    node_runs,
+    node_window,
+    run_pages,
+    tail_candidates,
+    window_pages,
+)
 from .model_cache import ModelCache
 from .storage.codec import encode_page
 from .storage.host_tier import HostTier
@@ -87,22 +94,24 @@ class L3Tier:
 
     def queue(self, node: Node, full_slots: array, swa_slots: Sequence[int] | None,
               snapshot: bool = False) -> None:
-        """Queue a node's host pages for Redis: its full pages as runs (l3_runs), its SWA pages
-        (``swa_slots``, 0 or None for none) one value each, holding the slots until they are
-        encoded (or, with ``snapshot``, encoding them now: slots about to be freed must free at
+        """Queue a node's host pages for Redis: its full pages as runs and its SWA window
+        (``swa_slots``, 0 or None for none) as one value (l3_runs), holding the slots until they
+        are encoded (or, with ``snapshot``, encoding them now: slots about to be freed must free at
         once, or the eviction that freed them would not make room)."""
         ns = node.ns.name
         pb = self.cache.tree.page_bytes
         runs, missed = node_runs(self.cache.tree, node, full_slots)
         self.counters["l3_write_skipped"] += missed
-        swa = [(j, ss) for j, ss in enumerate(swa_slots or ()) if ss]
-        named = sorted({r.last for r in runs}.union(j for j, _ in swa))
+        items = [("full", r) for r in runs]
+        window = node_window(node, swa_slots, pb)
+        if window is not None:
+            items.append(("swa", window))
+        named = sorted({r.last for _, r in items})
         # from the node's tokens: a digest for each value's key, not one for every page
         key = dict(zip(named, self.cache.tree.page_keys([node], named), strict=True))
-        items = [("full", r.slots, key[r.last], r.tokens) for r in runs]
-        items += [("swa", (ss,), key[j], node.tokens[j * pb : (j + 1) * pb]) for j, ss in swa]
-        for kind, slots, page_key, toks in items:
-            l3_id = self.id_of(page_key)
+        for kind, run in items:
+            slots, toks = run.slots, run.tokens
+            l3_id = self.id_of(key[run.last])
             if snapshot:  # the slots are being freed: take their bytes now
                 pool = self.host.pool(kind)
                 value = encode_page(pool=kind, page_hash=l3_id, fingerprint=self.fingerprint,
@@ -271,17 +280,6 @@ class L3Tier:
         self.counters["prefetch_pages"] += got
         return got
 
-    def _window_end(self, start: int, end: int, swa_present: list[bool]) -> int:
-        """The largest end <= ``end`` whose SWA window (within [start, end)) L3 holds whole."""
-        if not self.cache.tree.swa_enabled:
-            return end
-        wp = self.cache.tree.window_pages
-        for e in range(end, start, -1):
-            lo = max(start, e - wp)
-            if all(swa_present[i - start] for i in range(lo, e)):
-                return e
-        return start
-
     async def _runs_present(self, ids: Callable[[Iterable[int]], list[bytes]], pages: int,
                             start: int) -> list[int]:
         """The last pages of the runs L3 holds from page ``start`` on (of ``pages``, named by
@@ -299,6 +297,43 @@ class L3Tier:
             lasts += [j for j, ok in zip(tail, there, strict=True) if ok][-1:]
         return lasts
 
+    async def _window_ends(self, ids: Callable[[Iterable[int]], list[bytes]], start: int,
+                           end: int, lasts: list[int]) -> list[int]:
+        """Where a fetched prefix may end, descending: after a run's last page that an SWA
+        window value also ends at (a cached node's end); when none does, after any page from
+        ``start`` that one ends at (a node that ended inside a block L3 holds whole)."""
+        l3 = self.l3
+        assert l3 is not None
+        for cands in (lasts, list(range(start, end))):
+            there = await l3.exists_each(ids(cands), "swa")
+            found = [j + 1 for j, ok in zip(cands, there, strict=True) if ok]
+            if found:
+                return found[::-1]
+        return []
+
+    async def _read_window(self, ids: Callable[[Iterable[int]], list[bytes]], tokens: bytes,
+                           lo: int, end: int) -> list[memoryview] | None:
+        """The SWA pages [lo, end) from the window values that end at ``end`` and, where a node
+        was shorter than the window, at its parent's end below; None when one is missing or is
+        not the window its key names (that one is deleted as stale)."""
+        l3 = self.l3
+        assert l3 is not None and self.host.swa is not None
+        pb = self.cache.tree.page_bytes
+        out: list[memoryview] = []
+        at = end
+        while at > lo:
+            (v,) = await l3.get_pages(ids((at - 1,)), "swa", self.fingerprint)
+            got = None if v is None else window_pages(tokens, v.payload, v.tokens, at, pb,
+                                                      self.host.swa.page_nbytes)
+            if got is None:
+                if v is not None:
+                    await l3.delete_stale(ids((at - 1,)), "swa")
+                return None
+            first, pages = got
+            out[:0] = pages[max(lo, first) - first :]
+            at = first
+        return out
+
     async def _fetch_pages(self, namespace: str, tokens: bytes, job: FetchJob,
                            known: asyncio.Future[int]) -> int:
         l3 = self.l3
@@ -307,66 +342,40 @@ class L3Tier:
         start = job.start
         named: dict[int, bytes] = {}  # page index -> its L3 id (full and SWA keys share it)
 
-        def ids(pages: Iterable[int]) -> list[bytes]:
-            pages = list(pages)
-            new = sorted({j for j in pages if j not in named})
+        def ids(which: Iterable[int]) -> list[bytes]:
+            which = list(which)
+            new = sorted({j for j in which if j not in named})
             if new:
                 named.update(zip(new, map(self.id_of, job.page_keys(new)), strict=True))
-            return [named[j] for j in pages]
+            return [named[j] for j in which]
 
         lasts = await self._runs_present(ids, job.pages, start)
         end = lasts[-1] + 1 if lasts else start
-        present: list[bool] = []  # SWA values L3 holds, from page start (False: not asked)
-        asked = end  # present is known from page asked up to end
-
-        async def ask_swa(lo: int) -> None:
-            nonlocal asked
-            if lo < asked:
-                present[lo - start : asked - start] = await l3.exists_each(
-                    ids(range(lo, asked)), "swa")
-                asked = lo
-
-        if end > start and tree.swa_enabled:
-            present = [False] * (end - start)
-            # the window at the runs' end first: one window's keys, not one per page fetched
-            await ask_swa(max(start, end - tree.window_pages))
-            if not all(present[asked - start :]):
-                await ask_swa(start)
-            end = self._window_end(start, end, present)
+        swa = tree.swa_enabled
+        ends = [end]  # where the prefix may end, descending: with SWA, where a window ends
+        if swa:
+            ends = (await self._window_ends(ids, start, end, lasts)
+                    if end > start and self.host.swa is not None else [])
+            end = ends[0] if ends else start
         known.set_result(end - start)
         if end <= start:
             return start
         ns = tree.namespace(namespace)
-        wp = tree.window_pages
-        swa_lo = max(start, end - wp) if tree.swa_enabled else end
         quota = self.host_quotas.get(namespace, 0)
         full_slots = reserve_host(self.cache, ns, "full", end - start, quota)
         if full_slots is None:  # what the host pool can take, if it still ends on a window
             room = min(end - 1, start + self.host.available_to("full", namespace))
-            if tree.swa_enabled:
-                await ask_swa(start)
-            fit = self._window_end(start, room, present) if tree.swa_enabled else room
-            if fit <= start:
-                self.counters["prefetch_no_room"] += 1
-                return start
-            end = fit
-            swa_lo = max(start, end - wp) if tree.swa_enabled else end
-            full_slots = reserve_host(self.cache, ns, "full", end - start, quota)
+            end = max((e for e in ends if e <= room), default=start) if swa else room
+            full_slots = (reserve_host(self.cache, ns, "full", end - start, quota)
+                          if end > start else None)
             if full_slots is None:
                 self.counters["prefetch_no_room"] += 1
                 return start
         job.full_slots = {start + i: s for i, s in enumerate(full_slots)}
-        if swa_lo < end:
-            swa_slots = reserve_host(self.cache, ns, "swa", end - swa_lo)
-            if swa_slots is None:
-                return start
-            job.swa_slots = {swa_lo + i: s for i, s in enumerate(swa_slots)}
         pb = tree.page_bytes
         B = tree.block_pages
         lasts = [j for j in lasts if j // B * B < end]  # the runs that reach below end
         full_vals = await l3.get_pages(ids(lasts), "full", self.fingerprint)
-        swa_vals = (await l3.get_pages(ids(range(swa_lo, end)), "swa", self.fingerprint)
-                    if swa_lo < end else [])
         pages: dict[int, memoryview] = {}  # page index -> its bytes in a verified run
         for last, v in zip(lasts, full_vals, strict=True):
             first = last // B * B
@@ -380,21 +389,31 @@ class L3Tier:
         good = start
         while good < end and good in pages:
             good += 1
-        swa_ok = [v is not None and v.tokens == tokens[(swa_lo + i) * pb : (swa_lo + i + 1) * pb]
-                  for i, v in enumerate(swa_vals)]
-        present = [False] * (swa_lo - start) + swa_ok  # below swa_lo: not fetched
-        good = self._window_end(start, good, present[: good - start])
+        window: list[memoryview] = []
+        swa_lo = good
+        if swa:  # the largest end the full pages reach whose window can be read whole
+            wp = tree.window_pages
+            for e in (e for e in ends if start < e <= good):
+                got_window = await self._read_window(ids, tokens, max(start, e - wp), e)
+                if got_window is not None:
+                    window, swa_lo = got_window, e - len(got_window)
+                    break
+            else:
+                swa_lo = start
+            good = swa_lo + len(window)
+        if swa_lo < good:
+            swa_slots = reserve_host(self.cache, ns, "swa", good - swa_lo)
+            if swa_slots is None:
+                return start
+            job.swa_slots = {swa_lo + i: s for i, s in enumerate(swa_slots)}
         writes: list[tuple[Any, int, memoryview]] = []
         for i in range(start, end):
             if i < good:
                 writes.append((self.host.full, job.full_slots[i], pages[i]))
             else:
                 self.host.drop("full", (job.full_slots.pop(i),))
-        for i in range(swa_lo, end):
-            if i < good and swa_ok[i - swa_lo]:
-                writes.append((self.host.swa, job.swa_slots[i], swa_vals[i - swa_lo].payload))
-            elif i in job.swa_slots:
-                self.host.drop("swa", (job.swa_slots.pop(i),))
+        writes += ((self.host.swa, job.swa_slots[swa_lo + i], page)
+                   for i, page in enumerate(window))
         if writes:
             await asyncio.get_running_loop().run_in_executor(None, _write_slots, writes)
         self.counters["l3_hit_pages"] += good - start

@@ -9,7 +9,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from daemon.l3_runs import block_ends, node_runs, run_pages, tail_candidates
+from daemon.l3_runs import (
+    block_ends,
+    node_runs,
+    node_window,
+    run_pages,
+    tail_candidates,
+    window_pages,
+)
 from daemon.tree import CollectingSink, Node, RadixTree, as_token_bytes
 
 NS = "ns"
@@ -107,3 +114,37 @@ def test_run_pages_checks_tokens_and_length(run_toks: str, payload_len: int, ok:
         return
     assert got is not None and [bytes(p) for p in got] == [bytes(range(i * 8, i * 8 + 8))
                                                              for i in range(3)]
+
+
+@settings(max_examples=80, deadline=None)
+@given(slots=st.lists(st.integers(0, 3), min_size=0, max_size=12))
+def test_a_nodes_window_is_its_last_pages_with_an_swa_copy(slots: list[int]) -> None:
+    """The SWA value of a node: the longest stretch of pages with an SWA host slot (non-zero)
+    that ends at the node's last page, with their tokens; none when the last page has none."""
+    P = 2
+    tree, (node,), toks = chain(P, [max(1, len(slots))])
+    got = node_window(node, array("i", slots), 4 * P)
+    if not slots or not slots[-1]:
+        assert got is None
+        return
+    lo = len(slots)
+    while lo and slots[lo - 1]:
+        lo -= 1
+    assert got is not None
+    assert (got.last, got.slots) == (len(slots) - 1, tuple(slots[lo:]))
+    assert got.tokens == toks[lo * 4 * P : len(slots) * 4 * P]
+    assert node_window(node, None, 4 * P) is None
+
+
+def test_window_pages_reads_a_window_ending_at_its_key() -> None:
+    P, page_nbytes = 2, 8
+    tokens = as_token_bytes(list(range(100, 110)))  # five pages
+    payload = memoryview(bytes(range(16)))
+    first, pages = window_pages(tokens, payload, tokens[3 * 4 * P : 5 * 4 * P], 5, 4 * P,
+                                page_nbytes)
+    assert first == 3 and [bytes(p) for p in pages] == [bytes(range(8)), bytes(range(8, 16))]
+    # another window's tokens, more pages than lie below its end, none, or too few bytes
+    assert window_pages(tokens, payload, tokens[2 * 4 * P : 4 * 4 * P], 5, 4 * P, 8) is None
+    assert window_pages(tokens, payload, tokens, 4, 4 * P, 8) is None
+    assert window_pages(tokens, payload, b"", 5, 4 * P, 8) is None
+    assert window_pages(tokens, payload[:8], tokens[3 * 4 * P : 5 * 4 * P], 5, 4 * P, 8) is None

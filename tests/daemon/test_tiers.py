@@ -98,9 +98,10 @@ def page_key(tokens: list[int], i: int) -> bytes:
     return bytes(str(tokens[: (i + 1) * P]), "ascii")
 
 
-def value_of_page(e: Engine, tokens: list[int], i: int) -> bytes:
-    """The bytes L3 stores for page ``i`` of ``tokens`` (its full-pool KV, page-first)."""
-    return e.full[page_key(tokens, i)].contiguous().numpy().tobytes()
+def value_of_page(e: Engine, tokens: list[int], i: int, pool: str = "full") -> bytes:
+    """The bytes L3 stores for page ``i`` of ``tokens`` (its KV of ``pool``, page-first)."""
+    kv = e.full if pool == "full" else e.swa
+    return kv[page_key(tokens, i)].contiguous().numpy().tobytes()
 
 
 def wait_for(fn: Any, what: str, timeout: float = 10.0) -> Any:
@@ -146,8 +147,8 @@ def l3_pages(prefix: str, port: int = 6379) -> int:
 def l3_values(pages: int) -> int:
     """The Redis values of a sequence of ``pages`` pages cached as one node: a full-pool run per
     hash block (protocol.md 9.3: blocks of BLOCK_PAGES pages, the last one cut at the node's
-    end) and a SWA value per page of the trailing window."""
-    return -(-pages // BLOCK_PAGES) + min(pages, WINDOW_PAGES)
+    end) and one SWA value, the trailing window."""
+    return -(-pages // BLOCK_PAGES) + 1
 
 
 def tier_stats(d: Any) -> dict[str, int]:
@@ -378,7 +379,15 @@ def test_l3_keys_follow_the_documented_formula(make_daemon, prefix: str) -> None
                 assert payload == b"".join(value_of_page(e, toks, k)
                                            for k in range(first, j + 1)), j
                 assert len(payload) == (j + 1 - first) * page_bytes
-            assert all(raw.exists(f"{prefix}:{i}:swa") for i in ids[-WINDOW_PAGES:])
+            # one SWA value, the window, under the last page's key: its tokens and pages
+            assert [j for j, i in enumerate(ids) if raw.exists(f"{prefix}:{i}:swa")] == [n - 1]
+            window = raw.get(f"{prefix}:{ids[-1]}:swa")
+            count = WINDOW_PAGES * P
+            assert int.from_bytes(window[8:12], "little") == count
+            assert window[88 : 88 + 4 * count] == b"".join(
+                t.to_bytes(4, "little") for t in toks[(n - WINDOW_PAGES) * P :])
+            assert window[88 + 4 * count :] == b"".join(
+                value_of_page(e, toks, k, "swa") for k in range(n - WINDOW_PAGES, n))
         finally:
             raw.close()
     finally:
@@ -404,8 +413,8 @@ def test_runs_span_nodes_and_a_prefix_may_end_inside_a_block(make_daemon, prefix
         wait_for(lambda: tier_stats(a)["tree_host_pages"] == 20, "the host copies")
         if policy == "write_back":
             ea.c.evict("m", full_pages=100, swa_pages=100, host_pages=100)
-        # runs [0-9], [0-15], [16-19]; SWA pages 8, 9, 18, 19
-        wait_for(lambda: l3_pages(prefix) >= 7, "the L3 writes")
+        # runs [0-9], [0-15], [16-19]; SWA windows [8-9], [18-19]
+        wait_for(lambda: l3_pages(prefix) >= 5, "the L3 writes")
         fp = bytes.fromhex(ea.pools.infos["full"].description["layout_fingerprint"])
         ids = documented_page_ids(fp, "default", "m", seq(20))
         assert [j for j, i in enumerate(ids) if raw.exists(f"{prefix}:{i}")] == [9, 15, 19]
@@ -428,7 +437,7 @@ def test_runs_span_nodes_and_a_prefix_may_end_inside_a_block(make_daemon, prefix
             eb.verify(seq(12), r, expect=(ea.full, ea.swa))
             assert admin_stats(b)["models"]["m"]["tiers"]["l3_hit_pages"] == 30
             # without the window at page 20 (SWA of pages 18-19), the parent's end is usable
-            raw.delete(*(f"{prefix}:{ids[j]}:swa" for j in (18, 19)))
+            raw.delete(f"{prefix}:{ids[19]}:swa")
             eb.c.evict("m", full_pages=100, swa_pages=100, host_pages=100)
             pr = eb.c.prefetch("m", seq(20), policy="wait_complete")
             assert (pr.l3_hit_len, pr.fetched_len) == (10 * P, 10 * P)
@@ -436,6 +445,49 @@ def test_runs_span_nodes_and_a_prefix_may_end_inside_a_block(make_daemon, prefix
             b.check()
         finally:
             eb.close()
+        a.check()
+    finally:
+        ea.close()
+        raw.close()
+
+
+def test_a_window_shorter_than_w_continues_in_the_parents_window(make_daemon,
+                                                                  prefix: str) -> None:
+    """A node of one page holds one page of SWA window: its value is that page alone, and a
+    reader gets the rest of the window from the value at its parent's end (protocol.md 9.3)."""
+    a = make_daemon(l3_config(SHARED_URL, prefix, full_pages=96, swa_pages=64), name="a")
+    ea = Engine(a.socket, seed=1)
+    raw = redis_sync.Redis.from_url(SHARED_URL)
+    try:
+        ea.cache(seq(10))
+        ea.cache(seq(11))
+        # runs [0-9], [0-10]; SWA windows [8-9] and [10]
+        wait_for(lambda: l3_pages(prefix) >= 4, "the L3 writes")
+        fp = bytes.fromhex(ea.pools.infos["full"].description["layout_fingerprint"])
+        ids = documented_page_ids(fp, "default", "m", seq(11))
+        assert [j for j, i in enumerate(ids) if raw.exists(f"{prefix}:{i}:swa")] == [9, 10]
+        assert int.from_bytes(raw.get(f"{prefix}:{ids[10]}:swa")[8:12], "little") == P
+        b = make_daemon(l3_config(SHARED_URL, prefix, full_pages=96, swa_pages=64), name="b")
+        eb = Engine(b.socket, seed=2)
+        try:
+            pr = eb.c.prefetch("m", seq(11), policy="wait_complete")
+            assert (pr.l3_hit_len, pr.fetched_len) == (11 * P, 11 * P)
+            r = eb.c.load("m", seq(11))
+            assert r.prefix_len == 11 * P
+            assert eb.verify(seq(11), r, expect=(ea.full, ea.swa)) == 11 + WINDOW_PAGES
+            b.check()
+        finally:
+            eb.close()
+        raw.delete(f"{prefix}:{ids[9]}:swa")  # the parent's window is gone: no usable end
+        c = make_daemon(l3_config(SHARED_URL, prefix, full_pages=96, swa_pages=64), name="c")
+        ec = Engine(c.socket, seed=3)
+        try:
+            pr = ec.c.prefetch("m", seq(11), policy="wait_complete")
+            assert (pr.l3_hit_len, pr.fetched_len) == (11 * P, 0)
+            assert ec.c.match("m", seq(11)).host_hit_len == 0
+            c.check()
+        finally:
+            ec.close()
         a.check()
     finally:
         ea.close()
