@@ -297,20 +297,6 @@ class L3Tier:
             lasts += [j for j, ok in zip(tail, there, strict=True) if ok][-1:]
         return lasts
 
-    async def _window_ends(self, ids: Callable[[Iterable[int]], list[bytes]], start: int,
-                           end: int, lasts: list[int]) -> list[int]:
-        """Where a fetched prefix may end, descending: after a run's last page that an SWA
-        window value also ends at (a cached node's end); when none does, after any page from
-        ``start`` that one ends at (a node that ended inside a block L3 holds whole)."""
-        l3 = self.l3
-        assert l3 is not None
-        for cands in (lasts, list(range(start, end))):
-            there = await l3.exists_each(ids(cands), "swa")
-            found = [j + 1 for j, ok in zip(cands, there, strict=True) if ok]
-            if found:
-                return found[::-1]
-        return []
-
     async def _read_window(self, ids: Callable[[Iterable[int]], list[bytes]], tokens: bytes,
                            lo: int, end: int) -> list[memoryview] | None:
         """The SWA pages [lo, end) from the window values that end at ``end`` and, where a node
@@ -352,11 +338,26 @@ class L3Tier:
         lasts = await self._runs_present(ids, job.pages, start)
         end = lasts[-1] + 1 if lasts else start
         swa = tree.swa_enabled
-        ends = [end]  # where the prefix may end, descending: with SWA, where a window ends
+        # With SWA a prefix may end only where a window value ends (a cached node's end). The
+        # candidates are asked for in widening rings, each only when the last found none below
+        # the limit: the last run's end, every run's end, then every page (a node may have
+        # ended inside a block L3 holds whole).
+        rings = iter(([lasts[-1]] if lasts else [], lasts, range(start, end)))
+        probed: dict[int, bool] = {}  # page -> whether a window value ends with it
+
+        async def window_ends(limit: int) -> list[int]:  # the ends <= limit, descending
+            while True:
+                found = [j + 1 for j in sorted(probed, reverse=True) if probed[j] and j < limit]
+                ring = next(rings, None) if not found else None
+                if ring is None:
+                    return found
+                ask = [j for j in ring if j < limit and j not in probed]
+                if ask:
+                    probed.update(zip(ask, await l3.exists_each(ids(ask), "swa"), strict=True))
+
         if swa:
-            ends = (await self._window_ends(ids, start, end, lasts)
-                    if end > start and self.host.swa is not None else [])
-            end = ends[0] if ends else start
+            found = await window_ends(end) if self.host.swa is not None else []
+            end = found[0] if found else start
         known.set_result(end - start)
         if end <= start:
             return start
@@ -365,7 +366,7 @@ class L3Tier:
         full_slots = reserve_host(self.cache, ns, "full", end - start, quota)
         if full_slots is None:  # what the host pool can take, if it still ends on a window
             room = min(end - 1, start + self.host.available_to("full", namespace))
-            end = max((e for e in ends if e <= room), default=start) if swa else room
+            end = (await window_ends(room) or [start])[0] if swa else room
             full_slots = (reserve_host(self.cache, ns, "full", end - start, quota)
                           if end > start else None)
             if full_slots is None:
@@ -393,13 +394,14 @@ class L3Tier:
         swa_lo = good
         if swa:  # the largest end the full pages reach whose window can be read whole
             wp = tree.window_pages
-            for e in (e for e in ends if start < e <= good):
+            limit, swa_lo = good, start
+            while (cands := await window_ends(limit)) and cands[0] > start:
+                e = cands[0]
                 got_window = await self._read_window(ids, tokens, max(start, e - wp), e)
                 if got_window is not None:
                     window, swa_lo = got_window, e - len(got_window)
                     break
-            else:
-                swa_lo = start
+                limit = e - 1
             good = swa_lo + len(window)
         if swa_lo < good:
             swa_slots = reserve_host(self.cache, ns, "swa", good - swa_lo)
