@@ -1,14 +1,15 @@
-"""What L3 runs buy: Redis keys, bytes and daemon CPU of this checkout's daemon against a
-baseline git ref's (default c249a41, one Redis value per page), in the same run.
+"""What L3 runs and windows buy: Redis keys, bytes and daemon CPU of this checkout's daemon
+against a baseline git ref's (default c249a41, one Redis value per page), in the same run.
 
 Since 34c4f43 a full-pool Redis value is a *run*: the pages of one hash block (``ceil(64/P)``
-pages, at least 64 tokens) from the block's start to its end or to a node's end (protocol.md 9.3;
-SWA values stay one page each). For each page size P of ``--page-sizes``, each side (the
-baseline ref, exported with ``git archive``, and this checkout) and each of ``--rounds`` rounds
-(the order flipping every round: base, this, this, base, ...) a daemon of its own is started
-(CPU device; one full and one SWA layer, 1 KV head of 128 dims in float16, i.e. 512 bytes per
-token per layer; a window of 128 tokens; device and host pools that hold every request;
-``[l3]`` write_through under a key prefix unique to the side and page size). Then:
+pages, at least 64 tokens) from the block's start to its end or to a node's end (protocol.md 9.3).
+Since 7c7dce1 a node's SWA pages are one value too, its *window* (before, one value per page of
+the window; ``--baseline 7cccc2d`` compares with that). For each page size P of ``--page-sizes``,
+each side (the baseline ref, exported with ``git archive``, and this checkout) and each of
+``--rounds`` rounds (the order flipping every round: base, this, this, base, ...) a daemon of its
+own is started (CPU device; one full and one SWA layer, 1 KV head of 128 dims in float16, i.e.
+512 bytes per token per layer; a window of 128 tokens; device and host pools that hold every
+request; ``[l3]`` write_through under a key prefix unique to the side and page size). Then:
 
 * **write**: one client caches ``--requests`` distinct random sequences of ``--request-tokens``
   tokens, each as one alloc + insert, with random KV written into its pages of the mapped pools;
