@@ -1,4 +1,4 @@
-"""Which pages one Redis value holds: the L3 runs of the full pool (pure planning, no I/O).
+"""Which pages one Redis value holds: full-pool runs and SWA windows (pure planning, no I/O).
 
 A full-pool L3 value is a **run**: the whole pages of one hash block from the block's first page
 to one of its pages, named by that last page's key (protocol.md 9.3). A run ends at a block's last

@@ -338,26 +338,33 @@ class L3Tier:
         lasts = await self._runs_present(ids, job.pages, start)
         end = lasts[-1] + 1 if lasts else start
         swa = tree.swa_enabled
+        wp = tree.window_pages
         # With SWA a prefix may end only where a window value ends (a cached node's end). The
-        # candidates are asked for in widening rings, each only when the last found none below
-        # the limit: the last run's end, every run's end, then every page (a node may have
-        # ended inside a block L3 holds whole).
-        rings = iter(([lasts[-1]] if lasts else [], lasts, range(start, end)))
+        # last run's end is asked first, and every page only when it has none (a node may have
+        # ended anywhere, also inside a block L3 holds whole), or when a window read fails.
+        rings = iter(([lasts[-1]] if lasts else [], range(start, end)))
         probed: dict[int, bool] = {}  # page -> whether a window value ends with it
 
-        async def window_ends(limit: int) -> list[int]:  # the ends <= limit, descending
+        async def window_below(limit: int) -> tuple[int, list[memoryview]]:
+            """The largest end <= limit whose window L3 holds whole, and the window's pages
+            (from ``start`` at the lowest); (start, []) when there is none."""
             while True:
-                found = [j + 1 for j in sorted(probed, reverse=True) if probed[j] and j < limit]
-                ring = next(rings, None) if not found else None
+                ends = [j + 1 for j in sorted(probed, reverse=True) if probed[j] and j < limit]
+                for e in ends:
+                    got = await self._read_window(ids, tokens, max(start, e - wp), e)
+                    if got is not None:
+                        return e, got
+                    limit = e - 1
+                ring = next(rings, None)
                 if ring is None:
-                    return found
+                    return start, []
                 ask = [j for j in ring if j < limit and j not in probed]
                 if ask:
                     probed.update(zip(ask, await l3.exists_each(ids(ask), "swa"), strict=True))
 
+        window: list[memoryview] = []
         if swa:
-            found = await window_ends(end) if self.host.swa is not None else []
-            end = found[0] if found else start
+            end, window = await window_below(end) if self.host.swa is not None else (start, [])
         known.set_result(end - start)
         if end <= start:
             return start
@@ -366,7 +373,7 @@ class L3Tier:
         full_slots = reserve_host(self.cache, ns, "full", end - start, quota)
         if full_slots is None:  # what the host pool can take, if it still ends on a window
             room = min(end - 1, start + self.host.available_to("full", namespace))
-            end = (await window_ends(room) or [start])[0] if swa else room
+            end, window = await window_below(room) if swa else (room, [])
             full_slots = (reserve_host(self.cache, ns, "full", end - start, quota)
                           if end > start else None)
             if full_slots is None:
@@ -390,21 +397,11 @@ class L3Tier:
         good = start
         while good < end and good in pages:
             good += 1
-        window: list[memoryview] = []
-        swa_lo = good
-        if swa:  # the largest end the full pages reach whose window can be read whole
-            wp = tree.window_pages
-            limit, swa_lo = good, start
-            while (cands := await window_ends(limit)) and cands[0] > start:
-                e = cands[0]
-                got_window = await self._read_window(ids, tokens, max(start, e - wp), e)
-                if got_window is not None:
-                    window, swa_lo = got_window, e - len(got_window)
-                    break
-                limit = e - 1
-            good = swa_lo + len(window)
-        if swa_lo < good:
-            swa_slots = reserve_host(self.cache, ns, "swa", good - swa_lo)
+        if swa and good < end:  # a run failed: the largest end below it with a whole window
+            good, window = await window_below(good)
+        swa_lo = good - len(window)
+        if window:
+            swa_slots = reserve_host(self.cache, ns, "swa", len(window))
             if swa_slots is None:
                 return start
             job.swa_slots = {swa_lo + i: s for i, s in enumerate(swa_slots)}

@@ -1,4 +1,4 @@
-"""The host tier (L2): a page-first pool of host memory, content-addressed by page hash.
+"""The host tier (L2): a page-first pool of host memory; keyed pages indexed by their hash.
 
 One ``HostPool`` holds the pages of one pool kind (``full`` or ``swa``) of one model layout. Its
 memory is a single tensor shaped ``[pages, layers, 2, page_size, kv_heads, head_dim]``: the
@@ -311,7 +311,7 @@ class HostPool:
         start = slot * self.page_nbytes
         self._bytes[start : start + self.page_nbytes] = view
 
-    # -- content-addressed slots ---------------------------------------------------------------
+    # -- slots: references, and the hash index of keyed pages ----------------------------------
 
     @property
     def used(self) -> int:
@@ -347,8 +347,9 @@ class HostPool:
         return set(self._refs)
 
     def slot_hashes(self) -> Mapping[int, bytes]:
-        """Slot -> page hash of every held slot, a read-only live view: an audit looks up many
-        slots without :meth:`hash_of`'s per-call validation."""
+        """Slot -> hash of every slot indexed by hash (keyed pages; the tree's copies are not), a
+        read-only live view: an audit looks up many slots without :meth:`hash_of`'s per-call
+        validation."""
         return MappingProxyType(self._hash_of)
 
     def reference_counts(self) -> Mapping[int, int]:

@@ -1,9 +1,9 @@
 """L3: pages in Redis (standalone or Cluster) through redis-py's asyncio client.
 
-One key per page per pool: ``prefix + page_hash.hex()`` for a full-attention page and the same key
-with ``:swa`` appended for its SWA twin (docs/design.md, the L3 tier). The value is one
-self-verifying blob (daemon/storage/codec.py), so there is no metadata key that can outlive or race
-its payload.
+One key per value: ``prefix + page_id.hex()`` for a full-attention value (a run of pages, named by
+its last page) and the same form with ``:swa`` appended for an SWA value (a node's window), which
+daemon/l3_runs.py plans (docs/protocol.md 9.3). The value is one self-verifying blob
+(daemon/storage/codec.py), so there is no metadata key that can outlive or race its payload.
 
 Failure model: Redis being down, slow, flushed or full is a *miss*, never an exception to the
 caller. Every pipeline runs under ``asyncio.wait_for(op_timeout)`` on top of the socket timeouts;

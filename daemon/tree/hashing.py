@@ -90,12 +90,14 @@ def page_keys(prev: bytes, carry: bytes, tokens: bytes, page_bytes: int, block_b
     run = sha(prev + carry)
     filled = len(carry)  # bytes of the current block hashed into ``run``
     pos = 0  # bytes of ``tokens`` hashed
+    last = -1
     for j in want:
         if not 0 <= j < count:
             raise IndexError(f"page {j} is not a whole page of {count}")
-        end = (j + 1) * page_bytes
-        if end < pos or (end == pos and filled):
+        if j <= last:
             raise ValueError("pages must be ascending and distinct")
+        last = j
+        end = (j + 1) * page_bytes
         while filled + end - pos >= block_bytes:  # the blocks that end up to this page's end
             step = block_bytes - filled
             run.update(tokens[pos : pos + step])

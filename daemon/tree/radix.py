@@ -212,8 +212,13 @@ class RadixTree(Matching, Insertion, Locking, Eviction, Tiering):
             return []
         if self.block_pages == 1:  # one page a block: the page keys are the stored hashes
             h = nodes[0].hashes if len(nodes) == 1 else b"".join(n.hashes for n in nodes)
-            return [h[i * HASH_BYTES : (i + 1) * HASH_BYTES]
-                    for i in (range(len(h) // HASH_BYTES) if pages is None else pages)]
+            count = len(h) // HASH_BYTES
+            if pages is None:
+                return [h[i * HASH_BYTES : (i + 1) * HASH_BYTES] for i in range(count)]
+            pages = list(pages)
+            if any(not 0 <= i < count for i in pages):
+                raise IndexError(f"pages {pages} are not all pages of the {count} of the path")
+            return [h[i * HASH_BYTES : (i + 1) * HASH_BYTES] for i in pages]
         prev, carry = self.chain_state(nodes[0].parent)
         tokens = nodes[0].tokens if len(nodes) == 1 else b"".join(n.tokens for n in nodes)
         return page_keys(prev, carry, tokens, self.page_bytes, self.block_bytes, pages)

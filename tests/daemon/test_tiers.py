@@ -483,11 +483,47 @@ def test_a_window_shorter_than_w_continues_in_the_parents_window(make_daemon,
         ec = Engine(c.socket, seed=3)
         try:
             pr = ec.c.prefetch("m", seq(11), policy="wait_complete")
-            assert (pr.l3_hit_len, pr.fetched_len) == (11 * P, 0)
+            assert (pr.l3_hit_len, pr.fetched_len) == (0, 0)  # the hit is what reads whole
             assert ec.c.match("m", seq(11)).host_hit_len == 0
             c.check()
         finally:
             ec.close()
+        a.check()
+    finally:
+        ea.close()
+        raw.close()
+
+
+def test_the_fetch_ends_at_the_largest_node_end_whose_window_reads(make_daemon,
+                                                                   prefix: str) -> None:
+    """Nodes of pages [0, 16), [16, 20) and [20, 24): the runs L3 holds end at pages 15 (a whole
+    block) and 23. Without the last node's window, the fetch looks at every page and ends at 20,
+    not at the block's end (16); without the windows at 20 and 24 too, at 16."""
+    a = make_daemon(l3_config(SHARED_URL, prefix, full_pages=96, swa_pages=64), name="a")
+    ea = Engine(a.socket, seed=1)
+    raw = redis_sync.Redis.from_url(SHARED_URL)
+    try:
+        for n in (16, 20, 24):
+            ea.cache(seq(n))
+        wait_for(lambda: tier_stats(a)["tree_host_pages"] == 24, "the host copies")
+        fp = bytes.fromhex(ea.pools.infos["full"].description["layout_fingerprint"])
+        ids = documented_page_ids(fp, "default", "m", seq(24))
+        wait_for(lambda: all(raw.exists(f"{prefix}:{ids[j]}:swa") for j in (15, 19, 23)),
+                 "the windows in Redis")
+        for gone, want in (((23,), 20), ((19,), 16)):
+            raw.delete(*(f"{prefix}:{ids[j]}:swa" for j in gone))
+            b = make_daemon(l3_config(SHARED_URL, prefix, full_pages=96, swa_pages=64),
+                            name=f"b{want}")
+            eb = Engine(b.socket, seed=2)
+            try:
+                pr = eb.c.prefetch("m", seq(24), policy="wait_complete")
+                assert (pr.l3_hit_len, pr.fetched_len) == (want * P, want * P)
+                r = eb.c.load("m", seq(24))
+                assert r.prefix_len == want * P
+                eb.verify(seq(want), r, expect=(ea.full, ea.swa))
+                b.check()
+            finally:
+                eb.close()
         a.check()
     finally:
         ea.close()
@@ -508,10 +544,11 @@ def test_a_one_page_value_at_a_run_key_is_stale(make_daemon, prefix: str) -> Non
         key = f"{prefix}:{ids[-1]}"
         raw.set(key, encode_page(pool="full", page_hash=bytes.fromhex(ids[-1]), fingerprint=fp,
                                  tokens=toks[-P:], payload=bytes(64)))
+        swa_page = 2 * P * SMALL_MODEL["head_dim"] * 4  # one layer of float32 K and V
         for j in range(BLOCK_PAGES - WINDOW_PAGES, BLOCK_PAGES):  # the window, as it was written
-            raw.set(f"{prefix}:{ids[j]}:swa", encode_page(
+            raw.set(f"{prefix}:{ids[j]}:swa", encode_page(   # before windows: a value a page
                 pool="swa", page_hash=bytes.fromhex(ids[j]), fingerprint=fp,
-                tokens=toks[j * P : (j + 1) * P], payload=bytes(64)))
+                tokens=toks[j * P : (j + 1) * P], payload=bytes(swa_page)))
         pr = e.c.prefetch("m", toks, policy="wait_complete")
         assert (pr.l3_hit_len, pr.fetched_len) == (BLOCK_PAGES * P, 0)
         assert not raw.exists(key)

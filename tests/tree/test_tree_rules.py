@@ -311,10 +311,17 @@ def test_page_keys_asked_for_some_pages_are_those_of_the_formula(P, n, data):
 
 def test_page_keys_refuse_pages_out_of_order_or_range():
     tokens = array("i", range(1, 9)).tobytes()
-    for bad, exc in (([2, 1], ValueError), ([1, 1], ValueError), ([8], IndexError),
-                     ([-1], IndexError)):
+    for bad, block, exc in (([2, 1], 256, ValueError), ([1, 1], 256, ValueError),
+                            ([3, 3], 16, ValueError), ([8], 256, IndexError),
+                            ([-1], 256, IndexError)):  # [3, 3]: a page that ends its block
         with pytest.raises(exc):
-            page_keys(bytes(32), b"", tokens, 4, 256, bad)
+            page_keys(bytes(32), b"", tokens, 4, block, bad)
+    h = Harness(64)  # one page a block: the tree's stored hashes, checked the same way
+    h.insert(seq(64, [1, 2, 3]))
+    nodes = h.path(seq(64, [1, 2, 3]))
+    assert len(h.tree.page_keys(nodes, [0, 2])) == 2
+    with pytest.raises(IndexError):
+        h.tree.page_keys(nodes, [3])
 
 
 @pytest.mark.parametrize("P", PAGE_SIZES)
