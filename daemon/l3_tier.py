@@ -78,6 +78,8 @@ class L3Tier:
         self._inflight = inflight
         self.pending: list[L3Write] = []
         self.queued_pages = 0  # the pages of the values in pending
+        # fetches in flight by (namespace, tokens up to the end of the first page they bring)
+        self.fetching: dict[tuple[str, bytes], asyncio.Task] = {}
         self.max_queued_pages = max(MAX_L3_QUEUE, host.full.usable // 4)
         self.wake: asyncio.Event | None = None
 
@@ -261,18 +263,39 @@ class L3Tier:
     async def _fetch(self, namespace: str, tokens: bytes, job: FetchJob,
                      known: asyncio.Future[int]) -> int:
         """The whole fetch; sets ``known`` to the pages L3 holds once that is known. Returns
-        pages attached to the tree. Every path ends in finish_fetch (unpin, slots back)."""
-        end = job.start
+        pages attached to the tree. Every path ends in finish_fetch (unpin, slots back).
+
+        A fetch whose first page another fetch in flight brings too (engines asking for one
+        shared prefix at once) waits for that one, then fetches what is still missing past the
+        longer host prefix: the pages are read from Redis, and room made for them, once."""
+        me = asyncio.current_task()
+        pb = self.cache.tree.page_bytes
+        key = (namespace, tokens[: (job.start + 1) * pb])
         try:
-            end = await self._fetch_pages(namespace, tokens, job, known)
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            log.exception("L3 fetch failed")
-            for kind, slots in (("full", job.full_slots), ("swa", job.swa_slots)):
-                self.host.drop(kind, slots.values())
-                slots.clear()
+            while (ahead := self.fetching.get(key)) not in (None, me):
+                finish_fetch(self.cache, namespace, tokens, job, job.start)  # unpinned
+                await asyncio.wait((ahead,))
+                job = begin_fetch(self.cache, namespace, tokens)
+                if job.start >= job.pages:
+                    finish_fetch(self.cache, namespace, tokens, job, job.start)
+                    return 0
+                key = (namespace, tokens[: (job.start + 1) * pb])
+            if me is not None:
+                self.fetching[key] = me
             end = job.start
+            try:
+                end = await self._fetch_pages(namespace, tokens, job, known)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("L3 fetch failed")
+                for kind, slots in (("full", job.full_slots), ("swa", job.swa_slots)):
+                    self.host.drop(kind, slots.values())
+                    slots.clear()
+                end = job.start
+            finally:
+                if self.fetching.get(key) is me:
+                    del self.fetching[key]
         finally:
             if not known.done():
                 known.set_result(0)

@@ -8,10 +8,12 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import signal
 import time
 import urllib.request
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -638,6 +640,49 @@ def test_a_corrupt_value_is_a_counted_miss(make_daemon, prefix: str) -> None:
     finally:
         ea.close()
         raw.close()
+
+
+def test_a_prefetch_of_pages_on_their_way_waits_for_them(make_daemon, tmp_path) -> None:
+    """Two engines prefetch one sequence at once: the second waits for the first's fetch
+    (Redis is stopped meanwhile, so both are surely in flight) instead of reading the same
+    values and taking host slots for them again; it then finds them on host."""
+    srv = Server(free_port(), tmp_path)
+    srv.start()
+    try:
+        cfg = l3_config(srv.url, "twice", full_pages=96, swa_pages=64)
+        cfg["l3"]["op_timeout_ms"] = 10000
+        a = make_daemon(cfg, name="a")
+        ea = Engine(a.socket, seed=1)
+        try:
+            ea.cache(seq(20))
+            wait_for(lambda: l3_pages("twice", port=srv.port) >= l3_values(20), "the L3 writes")
+        finally:
+            ea.close()
+        b = make_daemon(cfg, name="b")
+        c1, c2 = Client(b.socket, timeout=30), Client(b.socket, timeout=30)
+        try:
+            assert srv.proc is not None
+            srv.proc.send_signal(signal.SIGSTOP)
+            try:
+                with ThreadPoolExecutor(2) as pool:
+                    first = pool.submit(c1.prefetch, "m", seq(20), policy="wait_complete")
+                    time.sleep(0.3)
+                    second = pool.submit(c2.prefetch, "m", seq(20), policy="wait_complete")
+                    time.sleep(0.3)
+                    srv.proc.send_signal(signal.SIGCONT)
+                    r1, r2 = first.result(timeout=20), second.result(timeout=20)
+            finally:
+                srv.proc.send_signal(signal.SIGCONT)
+            assert (r1.status, r1.l3_hit_len, r1.fetched_len) == ("complete", 20 * P, 20 * P)
+            assert (r2.status, r2.fetched_len) == ("none", 0)  # on host already
+            assert l3_stats(b)["gets"] == l3_values(20)  # each value read once
+            assert c2.load("m", seq(20)).prefix_len == 20 * P
+            b.check()
+        finally:
+            c1.close()
+            c2.close()
+    finally:
+        srv.kill()
 
 
 def test_redis_dies_and_returns(make_daemon, tmp_path) -> None:
