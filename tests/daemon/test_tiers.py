@@ -106,6 +106,16 @@ def value_of_page(e: Engine, tokens: list[int], i: int, pool: str = "full") -> b
     return kv[page_key(tokens, i)].contiguous().numpy().tobytes()
 
 
+def fetched_whole(eb: Engine, tokens: list[int], pages: int, expect: Engine) -> int:
+    """Prefetch ``tokens`` expecting ``pages`` pages from Redis, load them, and check their KV
+    against what ``expect`` wrote; returns the pages checked."""
+    pr = eb.c.prefetch("m", tokens, policy="wait_complete")
+    assert (pr.l3_hit_len, pr.fetched_len) == (pages * P, pages * P)
+    r = eb.c.load("m", tokens)
+    assert r.prefix_len == pages * P
+    return eb.verify(tokens, r, expect=(expect.full, expect.swa))
+
+
 def wait_for(fn: Any, what: str, timeout: float = 10.0) -> Any:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -426,11 +436,7 @@ def test_runs_span_nodes_and_a_prefix_may_end_inside_a_block(make_daemon, prefix
         b = make_daemon(l3_config(SHARED_URL, prefix, full_pages=96, swa_pages=64), name="b")
         eb = Engine(b.socket, seed=2)
         try:
-            pr = eb.c.prefetch("m", seq(20), policy="wait_complete")
-            assert (pr.l3_hit_len, pr.fetched_len) == (20 * P, 20 * P)
-            r = eb.c.load("m", seq(20))
-            assert r.prefix_len == 20 * P
-            assert eb.verify(seq(20), r, expect=(ea.full, ea.swa)) == 20 + WINDOW_PAGES
+            assert fetched_whole(eb, seq(20), 20, ea) == 20 + WINDOW_PAGES
             eb.c.evict("m", full_pages=100, swa_pages=100, host_pages=100)
             pr = eb.c.prefetch("m", seq(12), policy="wait_complete")
             assert (pr.l3_hit_len, pr.fetched_len) == (10 * P, 10 * P)
@@ -441,9 +447,7 @@ def test_runs_span_nodes_and_a_prefix_may_end_inside_a_block(make_daemon, prefix
             # without the window at page 20 (SWA of pages 18-19), the parent's end is usable
             raw.delete(f"{prefix}:{ids[19]}:swa")
             eb.c.evict("m", full_pages=100, swa_pages=100, host_pages=100)
-            pr = eb.c.prefetch("m", seq(20), policy="wait_complete")
-            assert (pr.l3_hit_len, pr.fetched_len) == (10 * P, 10 * P)
-            assert eb.c.load("m", seq(20)).prefix_len == 10 * P
+            assert fetched_whole(eb, seq(20), 10, ea) == 10 + WINDOW_PAGES
             b.check()
         finally:
             eb.close()
@@ -472,11 +476,7 @@ def test_a_window_shorter_than_w_continues_in_the_parents_window(make_daemon,
         b = make_daemon(l3_config(SHARED_URL, prefix, full_pages=96, swa_pages=64), name="b")
         eb = Engine(b.socket, seed=2)
         try:
-            pr = eb.c.prefetch("m", seq(11), policy="wait_complete")
-            assert (pr.l3_hit_len, pr.fetched_len) == (11 * P, 11 * P)
-            r = eb.c.load("m", seq(11))
-            assert r.prefix_len == 11 * P
-            assert eb.verify(seq(11), r, expect=(ea.full, ea.swa)) == 11 + WINDOW_PAGES
+            assert fetched_whole(eb, seq(11), 11, ea) == 11 + WINDOW_PAGES
             b.check()
         finally:
             eb.close()
@@ -518,11 +518,7 @@ def test_the_fetch_ends_at_the_largest_node_end_whose_window_reads(make_daemon,
                             name=f"b{want}")
             eb = Engine(b.socket, seed=2)
             try:
-                pr = eb.c.prefetch("m", seq(24), policy="wait_complete")
-                assert (pr.l3_hit_len, pr.fetched_len) == (want * P, want * P)
-                r = eb.c.load("m", seq(24))
-                assert r.prefix_len == want * P
-                eb.verify(seq(want), r, expect=(ea.full, ea.swa))
+                assert fetched_whole(eb, seq(24), want, ea) == want + WINDOW_PAGES
                 b.check()
             finally:
                 eb.close()
