@@ -267,24 +267,38 @@ class L3Tier:
 
         A fetch whose first page another fetch in flight brings too (engines asking for one
         shared prefix at once) waits for that one, then fetches what is still missing past the
-        longer host prefix: the pages are read from Redis, and room made for them, once."""
+        longer host prefix: the pages are read from Redis, and room made for them, once. The
+        pages the one ahead attached count as this fetch's, in ``known`` and in what it
+        returns."""
         me = asyncio.current_task()
         pb = self.cache.tree.page_bytes
         key = (namespace, tokens[: (job.start + 1) * pb])
+        brought = 0  # pages the fetches this one waited for attached, from its start
+        own = known  # what this fetch finds itself
         try:
             while (ahead := self.fetching.get(key)) not in (None, me):
                 finish_fetch(self.cache, namespace, tokens, job, job.start)  # unpinned
                 await asyncio.wait((ahead,))
+                if not ahead.cancelled() and ahead.exception() is None:
+                    brought += ahead.result()
                 job = begin_fetch(self.cache, namespace, tokens)
                 if job.start >= job.pages:
                     finish_fetch(self.cache, namespace, tokens, job, job.start)
-                    return 0
+                    return brought
                 key = (namespace, tokens[: (job.start + 1) * pb])
             if me is not None:
                 self.fetching[key] = me
+            if brought:  # what this fetch finds is past what was brought for it
+                own = asyncio.get_running_loop().create_future()
+
+                def add_brought(f: asyncio.Future[int]) -> None:
+                    if not known.done():
+                        known.set_result(brought + f.result())
+
+                own.add_done_callback(add_brought)
             end = job.start
             try:
-                end = await self._fetch_pages(namespace, tokens, job, known)
+                end = await self._fetch_pages(namespace, tokens, job, own)
             except asyncio.CancelledError:
                 raise
             except Exception:
@@ -297,11 +311,12 @@ class L3Tier:
                 if self.fetching.get(key) is me:
                     del self.fetching[key]
         finally:
-            if not known.done():
-                known.set_result(0)
+            if not known.done():  # (own's callback may not have run yet)
+                found = own.result() if own is not known and own.done() else 0
+                known.set_result(brought + found)
         got = finish_fetch(self.cache, namespace, tokens, job, end)
         self.counters["prefetch_pages"] += got
-        return got
+        return brought + got
 
     async def _runs_present(self, ids: Callable[[Iterable[int]], list[bytes]], pages: int,
                             start: int) -> list[int]:
