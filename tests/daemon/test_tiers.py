@@ -558,6 +558,34 @@ def test_a_one_page_value_at_a_run_key_is_stale(make_daemon, prefix: str) -> Non
         raw.close()
 
 
+def test_a_window_value_of_other_tokens_is_stale(make_daemon, prefix: str) -> None:
+    """A verified SWA value under a node end's key that holds another prefix's tokens: that end
+    is not usable (nothing is fetched, the hit is 0), the value is counted stale and deleted."""
+    d = make_daemon(l3_config(SHARED_URL, prefix))
+    e = Engine(d.socket)
+    raw = redis_sync.Redis.from_url(SHARED_URL)
+    try:
+        toks = seq(BLOCK_PAGES)
+        fp = bytes.fromhex(e.pools.infos["full"].description["layout_fingerprint"])
+        ids = documented_page_ids(fp, "default", "m", toks)
+        raw.set(f"{prefix}:{ids[-1]}", encode_page(
+            pool="full", page_hash=bytes.fromhex(ids[-1]), fingerprint=fp, tokens=toks,
+            payload=bytes(BLOCK_PAGES * 2 * P * SMALL_MODEL["head_dim"] * 4)))
+        swa = f"{prefix}:{ids[-1]}:swa"
+        other = seq(WINDOW_PAGES, base=90000)  # right length, wrong tokens
+        raw.set(swa, encode_page(pool="swa", page_hash=bytes.fromhex(ids[-1]), fingerprint=fp,
+                                 tokens=other,
+                                 payload=bytes(WINDOW_PAGES * 2 * P * SMALL_MODEL["head_dim"] * 4)))
+        pr = e.c.prefetch("m", toks, policy="wait_complete")
+        assert (pr.l3_hit_len, pr.fetched_len) == (0, 0)
+        assert not raw.exists(swa) and raw.exists(f"{prefix}:{ids[-1]}")
+        assert (l3_stats(d)["stale"], l3_stats(d)["corrupt"]) == (1, 0)
+        d.check()
+    finally:
+        e.close()
+        raw.close()
+
+
 def test_l3_write_back_on_host_eviction(make_daemon, prefix: str) -> None:
     d = make_daemon({**l3_config(SHARED_URL, prefix),
                      "l3": {**l3_config(SHARED_URL, prefix)["l3"], "write_policy": "write_back"}})
