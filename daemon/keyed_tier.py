@@ -41,6 +41,7 @@ from radixd_client import protocol as P
 from .gpu.allocator import AUDIT_STEP_SLOTS
 from .model_cache import ModelCache
 from .storage.codec import encode_page
+from .storage.copies import in_thread
 from .storage.host_pool import HostPool
 from .storage.host_tier import HostTier
 from .storage.keyed_pages import KeyedPage, KeyedPages, KvPin, keyed_hash
@@ -384,7 +385,6 @@ class KeyedTier:
 
     async def _writer(self) -> None:
         assert self._wake is not None and self.l3 is not None
-        loop = asyncio.get_running_loop()
         while True:
             await self._wake.wait()
             self._wake.clear()
@@ -394,7 +394,7 @@ class KeyedTier:
                 self._writing = True
                 try:
                     try:
-                        values = await loop.run_in_executor(None, self._encode, batch)
+                        values = await in_thread(self._encode, batch)
                     finally:
                         for kind, slot, *_ in batch:
                             if slot:

@@ -30,6 +30,7 @@ from .l3_runs import (
 )
 from .model_cache import ModelCache
 from .storage.codec import encode_page
+from .storage.copies import in_thread
 from .storage.host_tier import HostTier
 from .storage.l3_ledger import L3Ledger
 from .storage.redis_tier import RedisTier
@@ -146,7 +147,6 @@ class L3Tier:
 
     async def writer(self) -> None:
         assert self.wake is not None and self.l3 is not None
-        loop = asyncio.get_running_loop()
         while True:
             # host pages dropped outside the tiers (an admin evict) are noticed here too
             with contextlib.suppress(asyncio.TimeoutError):
@@ -159,7 +159,7 @@ class L3Tier:
                 if task is not None:
                     self._inflight.add(task)
                 try:
-                    values = await loop.run_in_executor(None, self._encode, batch)
+                    values = await in_thread(self._encode, batch)
                 finally:
                     for kind, _, slots, _, _, _ in batch:
                         if slots:
@@ -299,7 +299,8 @@ class L3Tier:
             end = job.start
             try:
                 end = await self._fetch_pages(namespace, tokens, job, own)
-            except asyncio.CancelledError:
+            except asyncio.CancelledError:  # shutdown: unpin, and the slots go back
+                finish_fetch(self.cache, namespace, tokens, job, job.start)
                 raise
             except Exception:
                 log.exception("L3 fetch failed")
@@ -452,7 +453,7 @@ class L3Tier:
         writes += ((self.host.swa, job.swa_slots[swa_lo + i], page)
                    for i, page in enumerate(window))
         if writes:
-            await asyncio.get_running_loop().run_in_executor(None, _write_slots, writes)
+            await in_thread(_write_slots, writes)
         self.counters["l3_hit_pages"] += good - start
         return good
 

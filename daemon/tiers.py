@@ -35,7 +35,14 @@ from .config import L3Config, ModelConfig
 from .gpu.allocator import OutOfPages
 from .l3_tier import L3_WRITE_BATCH, L3Tier
 from .model_cache import ModelCache
-from .storage.copies import CopyInFlight, CopyPlan, host_to_device, plan_device_to_host, run_plans
+from .storage.copies import (
+    CopyInFlight,
+    CopyPlan,
+    host_to_device,
+    plan_device_to_host,
+    run_plans,
+    to_the_end,
+)
 from .storage.host_tier import HostTier
 from .storage.redis_tier import RedisTier
 from .tier_jobs import (
@@ -65,17 +72,6 @@ INLINE_COPY_BYTES = 256 << 10
 #: Most nodes waiting for a host copy: past it the oldest requests are dropped (counted as
 #: skipped); a backlog that long means the copies cannot keep up and older ones matter least.
 MAX_BACKUP_BACKLOG = 65536
-
-async def _copy(copy: CopyInFlight) -> None:
-    """Await a copy so that a cancellation cannot abandon it halfway: the pages it writes must
-    not be reused (or the pools closed) while a thread or a stream still writes them."""
-    fut = asyncio.ensure_future(copy.done())
-    try:
-        await asyncio.shield(fut)
-    except asyncio.CancelledError:
-        await asyncio.wait([fut])
-        raise
-
 
 def _plan_out(dev_full: Any, dev_swa: Any, host: HostTier, job: BackupJob) -> list[CopyPlan]:
     """The copies of a backup job, validated and laid out on the calling thread (the loop)."""
@@ -191,9 +187,13 @@ class TierManager:
         return self.cache.tree.host_pages - host_before
 
     async def aclose(self) -> None:
-        for t in self._tasks:
+        """Stop the workers and the copies and fetches still in flight (shutdown, after the
+        drain): each waits for the thread work it started, then gives its pins and slots back,
+        before the pools are closed and the host state is saved."""
+        tasks = list(dict.fromkeys([*self._tasks, *self._inflight]))
+        for t in tasks:
             t.cancel()
-        for t in self._tasks:
+        for t in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         self._tasks.clear()
@@ -275,7 +275,11 @@ class TierManager:
             copy = CopyInFlight(run_plans, *_plan_out(self.pools.full, self.pools.swa,
                                                       self.host, job))
             self._running = (job, copy)
-            await _copy(copy)
+            await to_the_end(copy.done())
+        except asyncio.CancelledError:  # shutdown: the copy has ended, its slots go back
+            if not job.finished:
+                self._finish_backup(job, False)
+            raise
         except Exception:
             ok = False
             self.counters["copy_errors"] += 1
@@ -384,8 +388,12 @@ class TierManager:
         t0 = time.perf_counter()
         self.copying += 1
         try:
-            await _copy(CopyInFlight(_copy_in, self.pools.full, self.pools.swa, self.host,
-                                     job.host_full, job.full_pages, job.host_swa, job.swa_pages))
+            await to_the_end(CopyInFlight(_copy_in, self.pools.full, self.pools.swa, self.host,
+                                          job.host_full, job.full_pages, job.host_swa,
+                                          job.swa_pages).done())
+        except asyncio.CancelledError:  # shutdown: the copy has ended, its pages go back
+            finish_load(cache, namespace, tokens, job, False)
+            raise
         except Exception:
             ok = False
             self.counters["load_failures"] += 1

@@ -79,3 +79,72 @@ def test_the_stops_back_up_keeps_tree_pages_and_the_keyed_pages_it_evicts(tmp_pa
     assert host_pages == 8  # every device-only page of the tree went to host at the stop
     assert present == [1, 1, 1, 1]  # the keyed pages it displaced came back through Redis
     assert violations == []
+
+
+def _l3_service(prefix: str) -> Service:
+    """A model whose tree is written through to host and Redis (the state saved nowhere)."""
+    model = {"name": "m", "page_size": PAGE, "sliding_window": 8, "num_full_layers": 1,
+             "num_swa_layers": 1, "num_kv_heads": 1, "head_dim": 64, "dtype": "float32",
+             "device": "cpu", "full_pages": 64, "swa_pages": 32, "host_pages": 32,
+             "host_swa_pages": 16, "host_segment_pages": 4, "write_policy": "write_through"}
+    return build_service(Config(models=[model], tenants=[{"name": "a", "token": "ta",
+                                                          "namespace": "ns-a"}],
+                                l3={"url": REDIS_URL, "write_policy": "write_through",
+                                    "key_prefix": prefix}), create_pools=True)
+
+
+def test_a_prefetch_cut_off_by_the_stop_gives_its_pins_and_slots_back(tmp_path: Path) -> None:
+    """A prefetch whose Redis reads never answer outlives the stop's drain: the stop cancels it,
+    and it hands back the host slots it reserved and the path it pinned before the pools close
+    (and before a warm restart would save the host state)."""
+    prefix = f"radixd-test-{uuid.uuid4().hex[:12]}"
+    tokens = array("i", range(1, 8 * PAGE + 1)).tobytes()
+
+    async def run() -> tuple[int, list[str], int, int, int, bool]:
+        first = _l3_service(prefix)
+        first.start_tiers()
+        sa = _session(first, "ta")
+        a = first.alloc(sa, P.Alloc(model="m", n=8))
+        first.insert(sa, P.Insert(model="m", tokens=tokens, full_pages=a.full_pages,
+                                  swa_pages=a.swa_pages))
+        await first.stop_tiers(time.monotonic() + 5)  # host, then Redis
+        written = first.models["m"].tiers.counters["l3_write_pages"]
+        first.close()
+
+        svc = _l3_service(prefix)
+        svc.start_tiers()
+        reading = asyncio.Event()
+        get_pages = svc.l3.get_pages
+
+        async def full_reads_hang(hashes, pool, *args, **kwargs):  # a Redis that stops answering
+            if pool == "swa":  # (the window is read before the full pages' slots are taken)
+                return await get_pages(hashes, pool, *args, **kwargs)
+            reading.set()
+            await asyncio.Event().wait()
+
+        svc.l3.get_pages = full_reads_hang
+        host = svc.models["m"].tiers.host
+        prefetch = asyncio.create_task(svc.prefetch(_session(svc, "ta"), P.Prefetch(
+            model="m", tokens=tokens, policy="wait_complete")))
+        await asyncio.wait_for(reading.wait(), 5)
+        taken = host.full.used
+        await svc.stop_tiers(time.monotonic() + 0.2)
+        await asyncio.wait((prefetch,), timeout=1)
+        tree = svc.models["m"].cache.tree
+        out = (written, svc.check(), taken, host.full.used + host.swa.used, len(tree.pins),
+               prefetch.done())
+        svc.close()
+        return out
+
+    try:
+        written, violations, taken, used_after, pins_after, ended = asyncio.run(run())
+    finally:
+        raw = redis_sync.Redis.from_url(REDIS_URL)
+        found = list(raw.scan_iter(match=prefix + ":*", count=1000))
+        if found:
+            raw.delete(*found)
+        raw.close()
+    assert written == 8 + 2  # the full pages, and the SWA window (8 tokens: 2 pages)
+    assert taken == 8  # the fetch had reserved a slot per page when Redis stopped answering
+    assert ended and used_after == 0 and pins_after == 0
+    assert violations == []

@@ -31,10 +31,11 @@ on the loop) and the moving of bytes (a :class:`CopyPlan`, handed to the copy th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import math
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -44,7 +45,7 @@ from daemon.gpu.pools import Pool
 from daemon.storage.host_pool import HostPool
 
 __all__ = ["CopyError", "CopyInFlight", "CopyPlan", "device_to_host", "host_to_device",
-           "plan_device_to_host", "run_copy", "run_plans"]
+           "plan_device_to_host", "run_copy", "run_plans", "in_thread", "to_the_end"]
 
 T = TypeVar("T")
 
@@ -355,6 +356,27 @@ class CopyInFlight:
         return await asyncio.wrap_future(self._future)
 
 
+async def to_the_end(aw: Awaitable[T]) -> T:
+    """Await ``aw`` so that a cancellation cannot abandon it: a copy, encode or write still
+    running on a thread or a stream may be reading or writing host slots and device pages that
+    the caller frees as soon as its await ends (a shutdown cancels every tier task). A
+    cancellation therefore waits for ``aw`` to finish, then propagates."""
+    fut = asyncio.ensure_future(aw)
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        while not fut.done():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait((fut,))
+        raise
+
+
+async def in_thread(fn: Callable[..., T], *args: Any) -> T:
+    """Run ``fn(*args)`` on the loop's default thread pool, :func:`to_the_end` (``fn`` reads or
+    writes slots the caller holds until this returns)."""
+    return await to_the_end(asyncio.get_running_loop().run_in_executor(None, fn, *args))
+
+
 async def run_copy(fn: Callable[..., T], *args: Any) -> T:
     """Run ``fn(*args)`` (a copy of this module) without blocking the event loop.
 
@@ -362,4 +384,4 @@ async def run_copy(fn: Callable[..., T], *args: Any) -> T:
     CUDA: enqueued on a dedicated copy stream (after the work already on the current stream),
     then an event recorded behind it is polled with ``event.query()`` until the copy is done.
     """
-    return await CopyInFlight(fn, *args)  # type: ignore[no-any-return]
+    return await to_the_end(CopyInFlight(fn, *args).done())  # type: ignore[no-any-return]

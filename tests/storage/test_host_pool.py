@@ -22,6 +22,7 @@ from daemon.storage.copies import (
     CopyInFlight,
     device_to_host,
     host_to_device,
+    in_thread,
     plan_device_to_host,
     run_copy,
     run_plans,
@@ -419,6 +420,33 @@ async def test_copies_run_off_the_event_loop() -> None:
         # and run_copy of the module's own copies returns their result
         assert await run_copy(device_to_host, pool, pages[:4], host, slots[:4]) is None
         assert as_bytes(host.page(slots[0])) == as_bytes(pool.page(1))
+
+
+@pytest.mark.asyncio
+async def test_a_cancelled_wait_for_thread_work_ends_only_after_the_work() -> None:
+    """A stop cancels tier tasks that wait for an encode or a slot write on a thread; the slots
+    they hold go back when the wait ends, so it must not end before the thread is done with
+    them, however many times it is cancelled."""
+    started, release = threading.Event(), threading.Event()
+    done: list[int] = []
+
+    def work() -> int:
+        started.set()
+        release.wait(10)
+        done.append(1)
+        return 7
+
+    task = asyncio.create_task(in_thread(work))
+    assert await asyncio.to_thread(started.wait, 10)
+    for _ in range(2):
+        task.cancel()
+        await asyncio.sleep(0.05)
+        assert not task.done() and done == []  # still waiting for the thread
+    release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert done == [1]
+    assert await in_thread(lambda: 8) == 8  # uncancelled: the result
 
 
 # -- CUDA ---------------------------------------------------------------------------------------
