@@ -42,7 +42,7 @@ import math
 import os
 import weakref
 from array import array
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
@@ -423,17 +423,28 @@ class HostPool:
         """:meth:`release` of each slot (one listed twice loses two references), all or none:
         every slot is checked before anything changes. The slots left without a reference are
         freed in one allocator call."""
+        if not slots:
+            return
         refs = self._refs
-        for slot in slots:
-            self._check_held(slot)
-        if len(set(slots)) != len(slots):
+        hash_of = self._hash_of
+        distinct = set(slots)
+        # the checks and the common case (the tree's copies: one reference each, no hash) in C,
+        # over the whole list: evicting host copies at page 1 releases thousands of slots
+        if not (refs.keys() >= distinct and set(map(type, distinct)) == {int}):
+            for slot in slots:
+                self._check_held(slot)
+        if len(distinct) != len(slots):
             for slot, n in Counter(slots).items():
                 if n > refs[slot]:
                     raise AllocatorError(f"{self.model} {self.kind} host pool: slot {slot} "
                                          f"released {n} times, holds {refs[slot]} references")
         self.changes += len(slots)
+        if (len(distinct) == len(slots) and max(map(refs.__getitem__, slots)) == 1
+                and not any(map(hash_of.__contains__, slots))):
+            deque(map(refs.__delitem__, slots), maxlen=0)
+            self._alloc.free(array("i", slots))
+            return
         freed = array("i")
-        hash_of = self._hash_of
         for slot in slots:
             left = refs[slot] - 1
             if left:

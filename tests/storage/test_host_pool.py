@@ -210,6 +210,57 @@ def test_release_many_checks_every_slot_before_it_changes_one() -> None:
         assert host.lookup(h(3)) == c and host.used == 1 and host.audit() == []
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["store", "unnamed", "hold", "hold", "release",
+                                           "release"]),
+                          st.lists(st.integers(0, 15), max_size=6), st.booleans()),
+                max_size=25))
+def test_release_many_agrees_with_a_reference_count_model(steps: list) -> None:
+    """Any mix of keyed and unnamed slots, extra references, repeated and foreign slots, and a
+    bool among the slots: release_many frees exactly the slots whose last reference it drops,
+    forgets their hashes, and refuses a bad list whole."""
+    with HostPool(make_profile(), 16, "full", pin_memory=False) as host:
+        refs: dict[int, int] = {}
+        hashes: dict[int, bytes] = {}
+        n = 0
+        for op, picks, flag in steps:
+            held = sorted(refs)
+            if op == "store":
+                n += 1
+                if host.available:
+                    hashes[host.store(h(n))] = h(n)
+                    refs[host.lookup(h(n))] = 1
+            elif op == "unnamed":
+                if host.available >= len(picks):
+                    refs.update(dict.fromkeys(host.store_unnamed(len(picks)), 1))
+            elif op == "hold" and held:
+                s = held[picks[0] % len(held)] if picks else held[0]
+                host.hold(s)
+                refs[s] += 1
+            elif op == "release":
+                slots: list[Any] = [held[i % len(held)] if held and not flag else i
+                                    for i in picks]
+                if flag and slots and refs.get(1):
+                    slots[0] = True  # a bool is no slot, even where slot 1 is held
+                counts = {s: slots.count(s) for s in slots}
+                ok = all(type(s) is int and refs.get(s, 0) >= k for s, k in counts.items())
+                before = _pool_state(host)
+                if not ok:
+                    with pytest.raises(AllocatorError):
+                        host.release_many(slots)
+                    assert _pool_state(host) == before
+                    continue
+                host.release_many(slots)
+                for s in slots:
+                    refs[s] -= 1
+                    if not refs[s]:
+                        del refs[s]
+                        hashes.pop(s, None)
+            assert dict(host.reference_counts()) == refs
+            assert dict(host.slot_hashes()) == hashes
+            assert host.used == len(refs) and host.audit() == []
+
+
 @pytest.mark.parametrize("plant", ["refs_zero", "index_points_elsewhere", "free_and_held",
                                    "leak", "double_index"])
 def test_audit_finds_planted_corruption(plant: str) -> None:
