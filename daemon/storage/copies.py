@@ -35,6 +35,7 @@ import contextlib
 import functools
 import math
 import threading
+from array import array
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -78,13 +79,19 @@ def _check_pair(pool: Pool, host: HostPool) -> None:
 
 def _ids(values: Sequence[int] | torch.Tensor, limit: int, what: str) -> torch.Tensor:
     """``values`` as an int64 CPU tensor, checked to be distinct and within 1..limit-1."""
-    ids = torch.as_tensor(values, dtype=torch.int64, device="cpu").reshape(-1)
+    if isinstance(values, array) and values.typecode == "i" and len(values):
+        # the ids' bytes as they are (as_tensor reads an array item by item: a fifth of a
+        # millisecond for a copy of a thousand pages)
+        ids = torch.frombuffer(values, dtype=torch.int32).to(torch.int64)
+    else:
+        ids = torch.as_tensor(values, dtype=torch.int64, device="cpu").reshape(-1)
     if ids.numel():
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 1 or hi >= limit:
             bad = lo if lo < 1 else hi
             raise CopyError(f"{what}: {bad} is out of range 1..{limit - 1}")
-        if torch.unique(ids).numel() != ids.numel():
+        ranked = ids.sort().values
+        if bool((ranked[1:] == ranked[:-1]).any()):
             raise CopyError(f"{what}: an id is listed twice")
     return ids
 

@@ -7,6 +7,7 @@ import hashlib
 import os
 import threading
 import time
+from array import array
 from typing import Any
 
 import hypothesis.strategies as st
@@ -382,23 +383,29 @@ def test_copies_with_scattered_slots_and_empty_batches() -> None:
         assert len(slots) == 9
 
 
-def test_a_copy_plan_checks_now_and_copies_when_run() -> None:
+@pytest.mark.parametrize("ids", [list, lambda v: array("i", v)], ids=["list", "array"])
+def test_a_copy_plan_checks_now_and_copies_when_run(ids: Any) -> None:
     """A plan (made on the loop, run on the copy thread) raises a bad request at once, and moves
-    the bytes the device pages hold when it runs, not when it was made."""
+    the bytes the device pages hold when it runs, not when it was made. Ids come as lists or
+    as the int32 arrays the tiers hand it (read as bytes)."""
     p = make_profile()
     with KVPools(p) as kv, HostPool(p, 10, "full", pin_memory=False) as host:
         pool = kv.full
-        slots = [host.store(h(i)) for i in range(3)]
+        slots = ids([host.store(h(i)) for i in range(3)])
         with pytest.raises(CopyError, match="out of range"):
-            plan_device_to_host(pool, [1, 2, pool.num_pages], host, slots)
+            plan_device_to_host(pool, ids([1, 2, pool.num_pages]), host, slots)
+        with pytest.raises(CopyError, match="out of range"):
+            plan_device_to_host(pool, ids([1, -2, 3]), host, slots)
         with pytest.raises(CopyError, match="twice"):
-            plan_device_to_host(pool, [1, 1, 2], host, slots)
-        plan = plan_device_to_host(pool, [5, 6, 7], host, slots)
+            plan_device_to_host(pool, ids([1, 1, 2]), host, slots)
+        with pytest.raises(CopyError, match="twice"):
+            plan_device_to_host(pool, ids([1, 2, 3]), host, ids([slots[0], slots[1], slots[0]]))
+        plan = plan_device_to_host(pool, ids([5, 6, 7]), host, slots)
         fill_random(pool, 4)  # after the plan was made
         run_plans(plan)
         for pg, slot in zip([5, 6, 7], slots, strict=True):
             assert as_bytes(host.page(slot)) == as_bytes(pool.page(pg))
-        run_plans(plan_device_to_host(pool, [], host, []))  # nothing to copy: a no-op
+        run_plans(plan_device_to_host(pool, ids([]), host, ids([])))  # nothing to copy: a no-op
 
 
 def test_copy_rejects_mismatches() -> None:
@@ -652,7 +659,6 @@ def test_the_host_tier_reports_a_tree_slot_in_another_namespaces_segment() -> No
     """The checker's host ownership audit: a node's host copy in a segment of its own namespace
     passes, one in another namespace's segment is reported (nodes are duck-typed: storage sits
     below the tree)."""
-    from array import array
     from types import SimpleNamespace
 
     from daemon.storage.host_tier import HostTier
