@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import logging
 from array import array
@@ -174,6 +175,15 @@ class L3Tier:
                     if task is not None:
                         self._inflight.discard(task)
 
+    def drop_pending(self) -> None:
+        """Give back the slots of the values still queued, unwritten (a stop, once the writer
+        has ended)."""
+        for kind, _, slots, *_ in self.pending:
+            if slots:
+                self.host.unhold(kind, slots)
+        self.pending.clear()
+        self.queued_pages = 0
+
     def take_batch(self) -> list[L3Write]:
         """The oldest queued values, up to L3_WRITE_BATCH pages (at least one value)."""
         pb = self.cache.tree.page_bytes
@@ -242,6 +252,7 @@ class L3Tier:
         task = asyncio.create_task(self._fetch(namespace, tokens, job, known))
         self._inflight.add(task)
         task.add_done_callback(self._inflight.discard)
+        task.add_done_callback(functools.partial(self._unstarted, namespace, tokens, job, known))
         P_ = self.cache.profile.page_size
         if policy == "best_effort":
             hit = await asyncio.shield(known)
@@ -260,10 +271,20 @@ class L3Tier:
         return P.PrefetchResult(status="complete" if hit else "none", l3_hit_len=hit * P_,
                                 fetched_len=got * P_)
 
+    def _unstarted(self, namespace: str, tokens: bytes, job: FetchJob,
+                   known: asyncio.Future[int], task: asyncio.Task) -> None:
+        """A fetch cancelled (by a stop) before its first step never ran a line of its own, so
+        neither its cleanup: unpin here, and answer the prefetch waiting on ``known``. (Once
+        started, a fetch sets ``known`` whatever way it ends.)"""
+        if task.cancelled() and not known.done():
+            finish_fetch(self.cache, namespace, tokens, job, job.start)
+            known.set_result(0)
+
     async def _fetch(self, namespace: str, tokens: bytes, job: FetchJob,
                      known: asyncio.Future[int]) -> int:
         """The whole fetch; sets ``known`` to the pages L3 holds once that is known. Returns
-        pages attached to the tree. Every path ends in finish_fetch (unpin, slots back).
+        pages attached to the tree. Every path ends in finish_fetch (unpin, slots back; for a
+        fetch cancelled before it started, :meth:`_unstarted` does it).
 
         A fetch whose first page another fetch in flight brings too (engines asking for one
         shared prefix at once) waits for that one, then fetches what is still missing past the

@@ -604,10 +604,10 @@ class Service(ServiceQueries, ServiceChecks):
         for s in list(self.sessions.values()):
             self.close_session(s)
         for entry in self.models.values():
-            if entry.tiers is not None and entry.tiers.copying:
+            if entry.tiers is not None and (entry.tiers.copying or entry.tiers.stuck):
                 # a copy outlived the drain: leave the memory mapped, the process is ending
                 log.warning("%s: %d copies still running at shutdown; pools left mapped",
-                            entry.name, entry.tiers.copying)
+                            entry.name, max(entry.tiers.copying, entry.tiers.stuck))
                 continue
             if entry.tiers is not None:
                 entry.tiers.host.close()

@@ -3,7 +3,8 @@
 
 It composes the model's :class:`ModelCache` with its :class:`HostTier` and the daemon's shared
 :class:`RedisTier`, and runs the copies off the event loop (a copy thread on CPU, a copy stream on
-CUDA, :func:`daemon.storage.copies.run_copy`). The synchronous halves of each copy (which pages,
+CUDA: :class:`daemon.storage.copies.CopyInFlight`, awaited with
+:func:`~daemon.storage.copies.to_the_end`). The synchronous halves of each copy (which pages,
 which slots, how the result lands in the tree) are in :mod:`daemon.tier_jobs`.
 
 Write policies (``[[models]] write_policy``):
@@ -24,7 +25,6 @@ host tier drops them (``write_back``).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from array import array
@@ -72,6 +72,10 @@ INLINE_COPY_BYTES = 256 << 10
 #: Most nodes waiting for a host copy: past it the oldest requests are dropped (counted as
 #: skipped); a backlog that long means the copies cannot keep up and older ones matter least.
 MAX_BACKUP_BACKLOG = 65536
+#: How long a stop waits for the copies and fetches it cancelled to let go of the memory their
+#: threads or streams write: one that is hung past it (a stuck device) is left running, and
+#: the pools stay mapped until the process ends (Service.close)
+CANCEL_WAIT_S = 5.0
 
 def _plan_out(dev_full: Any, dev_swa: Any, host: HostTier, job: BackupJob) -> list[CopyPlan]:
     """The copies of a backup job, validated and laid out on the calling thread (the loop)."""
@@ -119,6 +123,7 @@ class TierManager:
         self._wake_backup: asyncio.Event | None = None
         self._inflight: set[asyncio.Task] = set()
         self.copying = 0  # copies running in a thread or on a stream (the pools must stay open)
+        self.stuck = 0  # tasks a stop cancelled that had not ended CANCEL_WAIT_S later
         self._running: tuple[BackupJob, CopyInFlight] | None = None  # the background copy
         self.counters = dict.fromkeys((
             "backups", "backup_pages", "backup_skipped", "demoted_sync_pages", "evictions_waited",
@@ -193,10 +198,17 @@ class TierManager:
         tasks = list(dict.fromkeys([*self._tasks, *self._inflight]))
         for t in tasks:
             t.cancel()
+        if tasks:
+            _, stuck = await asyncio.wait(tasks, timeout=CANCEL_WAIT_S)
+            self.stuck = len(stuck)
+            if stuck:
+                log.warning("%d tier tasks still running %.0f s after the stop cancelled them",
+                            len(stuck), CANCEL_WAIT_S)
         for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+            if t.done() and not t.cancelled():
+                t.exception()  # retrieved: the drain logged what mattered
         self._tasks.clear()
+        self.l3tier.drop_pending()
 
     # ------------------------------------------------------------------ write policies
 

@@ -84,3 +84,13 @@ def test_a_run_with_a_slot_being_filled_is_skipped_and_holds_nothing(tiers) -> N
     l3.queue(node, node.host, None)
     assert [len(slots) for _, _, slots, *_ in l3.pending] == [4]
     assert l3.counters["l3_write_skipped"] == 1 and readers(host) == 4
+
+
+def test_values_left_queued_at_a_stop_give_their_slots_back(tiers) -> None:
+    mc, host, l3 = tiers
+    node = cached_on_host(mc, host, 1000, 40)
+    l3.queue(node, node.host, None)
+    assert readers(host) == 40
+    l3.drop_pending()  # the stop, once the writer has ended
+    assert l3.pending == [] and l3.queued_pages == 0 and readers(host) == 0
+    assert host.full.refcount(node.host[0]) == 1 and host.full.audit() == []

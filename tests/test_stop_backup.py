@@ -41,6 +41,14 @@ def _session(svc: Service, token: str) -> object:
     return svc.open_session(svc.authenticate(token, Peer(0, os.getuid(), os.getgid())), Peer())
 
 
+def _delete_keys(prefix: str) -> None:
+    raw = redis_sync.Redis.from_url(REDIS_URL)
+    found = list(raw.scan_iter(match=prefix + ":*", count=1000))
+    if found:
+        raw.delete(*found)
+    raw.close()
+
+
 def test_the_stops_back_up_keeps_tree_pages_and_the_keyed_pages_it_evicts(tmp_path: Path) -> None:
     prefix = f"radixd-test-{uuid.uuid4().hex[:12]}"
     keys = [b"b%d" % i for i in range(4)]
@@ -71,11 +79,7 @@ def test_the_stops_back_up_keeps_tree_pages_and_the_keyed_pages_it_evicts(tmp_pa
     try:
         host_pages, present, violations = asyncio.run(run())
     finally:
-        raw = redis_sync.Redis.from_url(REDIS_URL)
-        found = list(raw.scan_iter(match=prefix + ":*", count=1000))
-        if found:
-            raw.delete(*found)
-        raw.close()
+        _delete_keys(prefix)
     assert host_pages == 8  # every device-only page of the tree went to host at the stop
     assert present == [1, 1, 1, 1]  # the keyed pages it displaced came back through Redis
     assert violations == []
@@ -93,6 +97,21 @@ def _l3_service(prefix: str) -> Service:
                                     "key_prefix": prefix}), create_pools=True)
 
 
+async def _written_through(prefix: str, tokens: bytes) -> int:
+    """``tokens`` inserted by a first daemon, which stops once they are in Redis; returns the
+    pages it wrote."""
+    first = _l3_service(prefix)
+    first.start_tiers()
+    sa = _session(first, "ta")
+    a = first.alloc(sa, P.Alloc(model="m", n=len(tokens) // 4 // PAGE))
+    first.insert(sa, P.Insert(model="m", tokens=tokens, full_pages=a.full_pages,
+                              swa_pages=a.swa_pages))
+    await first.stop_tiers(time.monotonic() + 5)  # host, then Redis
+    written = first.models["m"].tiers.counters["l3_write_pages"]
+    first.close()
+    return written
+
+
 def test_a_prefetch_cut_off_by_the_stop_gives_its_pins_and_slots_back(tmp_path: Path) -> None:
     """A prefetch whose Redis reads never answer outlives the stop's drain: the stop cancels it,
     and it hands back the host slots it reserved and the path it pinned before the pools close
@@ -101,16 +120,7 @@ def test_a_prefetch_cut_off_by_the_stop_gives_its_pins_and_slots_back(tmp_path: 
     tokens = array("i", range(1, 8 * PAGE + 1)).tobytes()
 
     async def run() -> tuple[int, list[str], int, int, int, bool]:
-        first = _l3_service(prefix)
-        first.start_tiers()
-        sa = _session(first, "ta")
-        a = first.alloc(sa, P.Alloc(model="m", n=8))
-        first.insert(sa, P.Insert(model="m", tokens=tokens, full_pages=a.full_pages,
-                                  swa_pages=a.swa_pages))
-        await first.stop_tiers(time.monotonic() + 5)  # host, then Redis
-        written = first.models["m"].tiers.counters["l3_write_pages"]
-        first.close()
-
+        written = await _written_through(prefix, tokens)
         svc = _l3_service(prefix)
         svc.start_tiers()
         reading = asyncio.Event()
@@ -139,12 +149,46 @@ def test_a_prefetch_cut_off_by_the_stop_gives_its_pins_and_slots_back(tmp_path: 
     try:
         written, violations, taken, used_after, pins_after, ended = asyncio.run(run())
     finally:
-        raw = redis_sync.Redis.from_url(REDIS_URL)
-        found = list(raw.scan_iter(match=prefix + ":*", count=1000))
-        if found:
-            raw.delete(*found)
-        raw.close()
+        _delete_keys(prefix)
     assert written == 8 + 2  # the full pages, and the SWA window (8 tokens: 2 pages)
     assert taken == 8  # the fetch had reserved a slot per page when Redis stopped answering
     assert ended and used_after == 0 and pins_after == 0
     assert violations == []
+
+
+def test_a_fetch_cancelled_before_its_first_step_unpins_and_answers(tmp_path: Path) -> None:
+    """The stop cancels a fetch task created in the same turn of the loop, before it ran a line:
+    the host prefix its prefetch pinned is unpinned, and a best_effort prefetch answers (no pages
+    started) instead of waiting forever."""
+    prefix = f"radixd-test-{uuid.uuid4().hex[:12]}"
+    tokens = array("i", range(1, 8 * PAGE + 1)).tobytes()
+
+    async def run() -> tuple[int, str, int, list[str]]:
+        await _written_through(prefix, tokens)
+        svc = _l3_service(prefix)
+        svc.start_tiers()
+        s = _session(svc, "ta")
+        half = tokens[: len(tokens) // 2]  # a host prefix for the fetch to pin
+        b = svc.alloc(s, P.Alloc(model="m", n=4))
+        svc.insert(s, P.Insert(model="m", tokens=half, full_pages=b.full_pages,
+                               swa_pages=b.swa_pages))
+        tree = svc.models["m"].cache.tree
+        deadline = time.monotonic() + 5
+        while tree.host_pages < 4 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        prefetch = asyncio.create_task(svc.prefetch(s, P.Prefetch(
+            model="m", tokens=tokens, policy="best_effort")))
+        # the stop's cancel reaches the fetch task right after the prefetch created it
+        stop = asyncio.create_task(svc.models["m"].tiers.aclose())
+        await stop
+        got = await asyncio.wait_for(prefetch, 5)
+        out = (tree.host_pages, got.status, len(tree.pins), svc.check())
+        svc.close()
+        return out
+
+    try:
+        host_pages, status, pins, violations = asyncio.run(run())
+    finally:
+        _delete_keys(prefix)
+    assert host_pages == 4  # the prefix was on host, so the fetch had pinned it
+    assert status == "none" and pins == 0 and violations == []

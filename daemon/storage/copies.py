@@ -378,6 +378,8 @@ async def to_the_end(aw: Awaitable[T]) -> T:
         while not fut.done():
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.wait((fut,))
+        if not fut.cancelled():
+            fut.exception()  # retrieved: the cancellation is what the caller is told
         raise
 
 

@@ -423,14 +423,15 @@ class HostPool:
         """:meth:`release` of each slot (one listed twice loses two references), all or none:
         every slot is checked before anything changes. The slots left without a reference are
         freed in one allocator call."""
-        if not slots:
+        if not len(slots):
             return
         refs = self._refs
         hash_of = self._hash_of
         distinct = set(slots)
         # the checks and the common case (the tree's copies: one reference each, no hash) in C,
-        # over the whole list: evicting host copies at page 1 releases thousands of slots
-        if not (refs.keys() >= distinct and set(map(type, distinct)) == {int}):
+        # over the whole list: evicting host copies at page 1 releases thousands of slots. The
+        # types are those of every entry: a set keeps one of equal values (1 and True)
+        if not (refs.keys() >= distinct and set(map(type, slots)) == {int}):
             for slot in slots:
                 self._check_held(slot)
         if len(distinct) != len(slots):

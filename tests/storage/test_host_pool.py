@@ -201,8 +201,11 @@ def test_release_many_checks_every_slot_before_it_changes_one() -> None:
     with HostPool(make_profile(), 12, "full", pin_memory=False) as host:
         a, b, c = host.store_many([h(1), h(2), h(3)])
         host.hold(b)  # b holds two references
+        assert a == 1  # so that True stands for a held slot below
         before = _pool_state(host)
-        for bad in ([a, c, 0], [a, 11], [a, a], [b, b, b]):
+        # (a float or a bool equal to a held slot is no slot, wherever it stands in the list)
+        for bad in ([a, c, 0], [a, 11], [a, a], [b, b, b], [b, float(b)], [a, True],
+                    [True, a]):
             with pytest.raises(AllocatorError):
                 host.release_many(bad)
             assert _pool_state(host) == before
@@ -242,7 +245,7 @@ def test_release_many_agrees_with_a_reference_count_model(steps: list) -> None:
                 slots: list[Any] = [held[i % len(held)] if held and not flag else i
                                     for i in picks]
                 if flag and slots and refs.get(1):
-                    slots[0] = True  # a bool is no slot, even where slot 1 is held
+                    slots[picks[-1] % len(slots)] = True  # no slot, even where 1 is held
                 counts = {s: slots.count(s) for s in slots}
                 ok = all(type(s) is int and refs.get(s, 0) >= k for s, k in counts.items())
                 before = _pool_state(host)
