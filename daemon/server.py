@@ -561,6 +561,8 @@ class Server:
             log.warning("%d failed hellos not logged before the stop", self._auth_suppressed)
             self._auth_suppressed = 0
         violations = self.service.check(deep=False)
+        if all(op.done() for op in self.async_ops):  # (else a load may still hold its pages)
+            violations += self.service.check_at_rest()
         if violations:
             log.error("invariant violations at shutdown: %s", violations)
         self.service.close()

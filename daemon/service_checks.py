@@ -101,6 +101,30 @@ class ServiceChecks:
                 out += entry.keyed.counters.values()
         return tuple(out)
 
+    def check_at_rest(self) -> list[str]:
+        """What must all be gone once no session is open and every tier job has ended (the
+        stop, after its drain): a lock, pin, holding, reserved or read host slot left then
+        belongs to nobody and would never have been given back while serving (a leak that
+        evictions cannot reach)."""
+        v: list[str] = []
+        for name, entry in self.models.items():
+            if entry.tiers is not None and (entry.tiers.stuck or entry.tiers.copying):
+                continue  # a copy the stop could not end still uses what it holds
+            c = entry.cache
+            t = c.tree
+            left = {"tree locks": len(t.receipts), "tree pins": len(t.pins),
+                    "nodes awaiting a host copy": len(t.awaiting_copy),
+                    "owners holding pages": len(c.holdings)}
+            if c.host is not None:
+                for kind in ("full", "swa"):
+                    left[f"{kind} host slots reserved, never filled"] = len(c.host.pending[kind])
+                    left[f"{kind} host slot readers"] = sum(c.host.readers[kind].values())
+            if entry.keyed is not None:
+                left["keyed pins"] = len(entry.keyed.pages.pins)
+            v += [f"{name}: {n} {what} left with no session or job" for what, n in left.items()
+                  if n]
+        return v
+
     def quick_check(self) -> list[str]:
         """O(1) counter check for busy periods: free + tree + held = capacity, per pool."""
         v: list[str] = []

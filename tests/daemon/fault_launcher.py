@@ -3,11 +3,15 @@
 Used as a ``launcher`` of tests/daemon/conftest.py's ``Daemon``: its argv is
 ``fault_launcher.py PYTHON -m daemon.cli serve --config PATH``. SIGUSR2 adds one lock to a cached
 leaf of model ``m`` that no receipt accounts for (what a lost unlock would leave): only the full
-check sees it (the counter check and the checker's state version do not move).
+check sees it (the counter check and the checker's state version do not move). With
+``FAULT_KIND=pin`` in its environment, SIGUSR2 instead pins that leaf for a tier job that never
+ends (what a fetch or copy that skipped its cleanup would leave): only the stop's check at rest
+sees it.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from pathlib import Path
@@ -28,6 +32,10 @@ def _capture(self: checker.Checker, target: checker.Checkable, config: object) -
 def _plant(*_: object) -> None:
     tree = _targets[0].models["m"].cache.tree
     leaf = next(n for n in tree.iter_nodes() if n.parent is not None and not n.children)
+    if os.environ.get("FAULT_KIND") == "pin":
+        tree.pin(leaf)
+        print(f"fault planted: node {leaf.id} pinned by no job", flush=True)
+        return
     leaf.full_lock += 1
     print(f"fault planted: node {leaf.id} locked without a receipt", flush=True)
 

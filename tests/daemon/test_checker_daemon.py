@@ -42,6 +42,30 @@ def test_a_violation_planted_in_a_serving_daemon_is_found_in_steps_and_stops_it(
         d.stop()
 
 
+def test_a_pin_left_by_no_job_is_reported_by_the_stops_check_at_rest(tmp_path: Path) -> None:
+    """A pin that no tier job will ever take back (planted: tests/daemon/fault_launcher.py) keeps
+    its pages from eviction for good, and no check while serving can tell it from a fetch's:
+    the stop, once every session and job has ended, reports it."""
+    d = conf.Daemon(tmp_path, {}, launcher=LAUNCHER, env={"FAULT_KIND": "pin"})
+    try:
+        with Client(d.socket, client_name="t") as c:
+            t = array("i", range(1, 3 * 4 + 1)).tobytes()
+            a = c.alloc("m", 3)
+            c.insert("m", t, a.full_pages, a.swa_pages)
+        d.check()  # a pin is no violation while serving
+        d.proc.send_signal(signal.SIGUSR2)
+        deadline = time.monotonic() + 10
+        while "fault planted" not in d.log() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        d.check()
+    finally:
+        d.stop()
+    log = d.log()
+    assert "pinned by no job" in log
+    assert "invariant violations at shutdown" in log, log[-3000:]
+    assert "m: 1 tree pins left with no session or job" in log, log[-3000:]
+
+
 def test_requests_flow_while_stepped_passes_run(make_daemon) -> None:
     """Passes back to back (interval 1 ms) while a client inserts and matches: every request is
     answered, no pass reports anything, and the teardown's complete check is clean."""
