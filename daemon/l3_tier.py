@@ -295,7 +295,6 @@ class L3Tier:
         pb = self.cache.tree.page_bytes
         key = (namespace, tokens[: (job.start + 1) * pb])
         brought = 0  # pages the fetches this one waited for attached, from its start
-        own = known  # what this fetch finds itself
         try:
             while (ahead := self.fetching.get(key)) not in (None, me):
                 finish_fetch(self.cache, namespace, tokens, job, job.start)  # unpinned
@@ -309,17 +308,9 @@ class L3Tier:
                 key = (namespace, tokens[: (job.start + 1) * pb])
             if me is not None:
                 self.fetching[key] = me
-            if brought:  # what this fetch finds is past what was brought for it
-                own = asyncio.get_running_loop().create_future()
-
-                def add_brought(f: asyncio.Future[int]) -> None:
-                    if not known.done():
-                        known.set_result(brought + f.result())
-
-                own.add_done_callback(add_brought)
             end = job.start
             try:
-                end = await self._fetch_pages(namespace, tokens, job, own)
+                end = await self._fetch_pages(namespace, tokens, job, known, brought)
             except asyncio.CancelledError:  # shutdown: unpin, and the slots go back
                 finish_fetch(self.cache, namespace, tokens, job, job.start)
                 raise
@@ -333,9 +324,8 @@ class L3Tier:
                 if self.fetching.get(key) is me:
                     del self.fetching[key]
         finally:
-            if not known.done():  # (own's callback may not have run yet)
-                found = own.result() if own is not known and own.done() else 0
-                known.set_result(brought + found)
+            if not known.done():
+                known.set_result(brought)
         got = finish_fetch(self.cache, namespace, tokens, job, end)
         self.counters["prefetch_pages"] += got
         return brought + got
@@ -381,7 +371,10 @@ class L3Tier:
         return out
 
     async def _fetch_pages(self, namespace: str, tokens: bytes, job: FetchJob,
-                           known: asyncio.Future[int]) -> int:
+                           known: asyncio.Future[int], brought: int = 0) -> int:
+        """Fetch from page ``job.start`` on; sets ``known`` to ``brought`` (the pages fetches
+        this one waited for attached) plus what L3 holds past it, once that is known. Returns
+        the end of what was written to host slots."""
         l3 = self.l3
         assert l3 is not None
         tree = self.cache.tree
@@ -425,7 +418,7 @@ class L3Tier:
         window: list[memoryview] = []
         if swa:
             end, window = await window_below(end) if self.host.swa is not None else (start, [])
-        known.set_result(end - start)
+        known.set_result(brought + end - start)
         if end <= start:
             return start
         ns = tree.namespace(namespace)

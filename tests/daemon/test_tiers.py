@@ -528,6 +528,14 @@ def test_the_fetch_ends_at_the_largest_node_end_whose_window_reads(make_daemon,
         raw.close()
 
 
+def block_to_plant(e: Engine) -> tuple[bytes, bytes, list[str]]:
+    """A block's tokens, the layout fingerprint and the block's documented page ids: what a
+    test needs to plant values in Redis by hand."""
+    toks = seq(BLOCK_PAGES)
+    fp = bytes.fromhex(e.pools.infos["full"].description["layout_fingerprint"])
+    return toks, fp, documented_page_ids(fp, "default", "m", toks)
+
+
 def test_a_one_page_value_at_a_run_key_is_stale(make_daemon, prefix: str) -> None:
     """A value from before runs: one page, verified (key, layout, checksum) at the key of a
     block's last page, where a run of the whole block belongs. It is a miss, counted as stale
@@ -536,9 +544,7 @@ def test_a_one_page_value_at_a_run_key_is_stale(make_daemon, prefix: str) -> Non
     e = Engine(d.socket)
     raw = redis_sync.Redis.from_url(SHARED_URL)
     try:
-        toks = seq(BLOCK_PAGES)
-        fp = bytes.fromhex(e.pools.infos["full"].description["layout_fingerprint"])
-        ids = documented_page_ids(fp, "default", "m", toks)
+        toks, fp, ids = block_to_plant(e)
         key = f"{prefix}:{ids[-1]}"
         raw.set(key, encode_page(pool="full", page_hash=bytes.fromhex(ids[-1]), fingerprint=fp,
                                  tokens=toks[-P:], payload=bytes(64)))
@@ -565,9 +571,7 @@ def test_a_window_value_of_other_tokens_is_stale(make_daemon, prefix: str) -> No
     e = Engine(d.socket)
     raw = redis_sync.Redis.from_url(SHARED_URL)
     try:
-        toks = seq(BLOCK_PAGES)
-        fp = bytes.fromhex(e.pools.infos["full"].description["layout_fingerprint"])
-        ids = documented_page_ids(fp, "default", "m", toks)
+        toks, fp, ids = block_to_plant(e)
         raw.set(f"{prefix}:{ids[-1]}", encode_page(
             pool="full", page_hash=bytes.fromhex(ids[-1]), fingerprint=fp, tokens=toks,
             payload=bytes(BLOCK_PAGES * 2 * P * SMALL_MODEL["head_dim"] * 4)))
