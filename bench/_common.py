@@ -62,9 +62,12 @@ class DaemonProcess:
 
     def cpu_s(self) -> float:
         """The daemon's user+system CPU seconds so far (all its threads)."""
-        with open(f"/proc/{self.proc.pid}/stat") as fh:
-            fields = fh.read().rpartition(")")[2].split()
-        return (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime (fields 14, 15)
+        return _stat_cpu_s(f"/proc/{self.proc.pid}/stat")
+
+    def loop_cpu_s(self) -> float:
+        """The CPU seconds of the daemon's main thread, the one its event loop runs on: the
+        rest of :meth:`cpu_s` is its other threads' (copies, Redis, torch's worker pools)."""
+        return _stat_cpu_s(f"/proc/{self.proc.pid}/task/{self.proc.pid}/stat")
 
     def rss_mb(self) -> float:
         with open(f"/proc/{self.proc.pid}/status") as fh:
@@ -105,6 +108,13 @@ class DaemonProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _stat_cpu_s(path: str) -> float:
+    """utime + stime of a /proc stat file (a process's or one thread's), in seconds."""
+    with open(path) as fh:
+        fields = fh.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime (fields 14, 15)
 
 
 def export_ref(ref: str) -> str:

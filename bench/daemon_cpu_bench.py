@@ -4,7 +4,10 @@ The workload is rpc_bench's mixed engine request (match+lock, alloc, cache_finis
 client processes. For each side the figures are ops/s and the daemon's own CPU time per operation:
 utime+stime of the daemon process from /proc/<pid>/stat, read just before the clients start their
 timed loop and just after the last one finishes, divided by the operations the clients completed
-in that window (each one is exactly one request the daemon handled). The baseline ref is exported
+in that window (each one is exactly one request the daemon handled). ``loop_cpu_us_per_op`` is
+the part of it spent on the daemon's main thread, where its event loop runs (from
+/proc/<pid>/task/<pid>/stat): the difference is its other threads' (tier copies, torch's worker
+pools), which on a many-core host can grow without the loop doing more. The baseline ref is exported
 with ``git archive`` into a temporary directory and its daemon runs from there.
 
 The floor, measured in the same run on this checkout's daemon with the same client counts, is
@@ -194,15 +197,16 @@ def measure(d: DaemonProcess, clients: int, seconds: float, ping: bool = False,
         p.start()
     for _ in procs:
         ready.get(timeout=180)
-    cpu0, t0 = d.cpu_s(), time.perf_counter()
+    cpu0, loop0, t0 = d.cpu_s(), d.loop_cpu_s(), time.perf_counter()
     go.set()
     results = [done.get(timeout=seconds + 180) for _ in procs]
-    cpu1, wall = d.cpu_s(), time.perf_counter() - t0
+    cpu1, loop1, wall = d.cpu_s(), d.loop_cpu_s(), time.perf_counter() - t0
     for p in procs:
         p.join()
     ops = sum(r[0] for r in results)
     return {"ops_per_s": ops / max(r[1] for r in results),
             "cpu_us_per_op": (cpu1 - cpu0) * 1e6 / ops,
+            "loop_cpu_us_per_op": (loop1 - loop0) * 1e6 / ops,
             "daemon_cpu_share": (cpu1 - cpu0) / wall}
 
 
@@ -241,8 +245,8 @@ def run(baseline: str, seconds: float, host_off: bool, rounds: int = 2,
                         d.stop()
             out[f"ops_per_s_{n}c_ratio"] = out[f"ops_per_s_{n}c_this"] / \
                 out[f"ops_per_s_{n}c_base"]
-            out[f"cpu_us_per_op_{n}c_ratio"] = out[f"cpu_us_per_op_{n}c_this"] / \
-                out[f"cpu_us_per_op_{n}c_base"]
+            for k in ("cpu_us_per_op", "loop_cpu_us_per_op"):
+                out[f"{k}_{n}c_ratio"] = out[f"{k}_{n}c_this"] / out[f"{k}_{n}c_base"]
     finally:
         shutil.rmtree(base_root, ignore_errors=True)
     return out
@@ -282,12 +286,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
           f"{prefix} + {fresh} fresh"
           + (", every one new (--fresh)" if args.fresh else ", cycled (cached after first use)"))
     floor = not args.no_floor
-    print(f"{'clients':>7} {'metric':>14} {args.baseline:>12} {'this':>12} {'this/base':>10}"
+    print(f"{'clients':>7} {'metric':>18} {args.baseline:>12} {'this':>12} {'this/base':>10}"
           + (f" {'ping floor':>12}" if floor else ""))
     for n in (1, 8):
-        for k, fmt in (("ops_per_s", "{:12.0f}"), ("cpu_us_per_op", "{:12.2f}")):
+        for k, fmt in (("ops_per_s", "{:12.0f}"), ("cpu_us_per_op", "{:12.2f}"),
+                       ("loop_cpu_us_per_op", "{:12.2f}")):
             base, this = f[f"{k}_{n}c_base"], f[f"{k}_{n}c_this"]
-            line = (f"{n:>7} {k:>14} {fmt.format(base)} {fmt.format(this)} "
+            line = (f"{n:>7} {k:>18} {fmt.format(base)} {fmt.format(this)} "
                     f"{f[f'{k}_{n}c_ratio']:>10.3f}")
             if floor:
                 line += f" {fmt.format(f[f'{k}_{n}c_floor'])}"

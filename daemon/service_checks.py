@@ -118,7 +118,10 @@ class ServiceChecks:
             if c.host is not None:
                 for kind in ("full", "swa"):
                     left[f"{kind} host slots reserved, never filled"] = len(c.host.pending[kind])
-                    left[f"{kind} host slot readers"] = sum(c.host.readers[kind].values())
+                    # counted per slot: a negative count (one release too many) must not
+                    # hide another slot's leaked reader
+                    left[f"{kind} host slot readers"] = sum(
+                        1 for n in c.host.readers[kind].values() if n)
             if entry.keyed is not None:
                 left["keyed pins"] = len(entry.keyed.pages.pins)
             v += [f"{name}: {n} {what} left with no session or job" for what, n in left.items()

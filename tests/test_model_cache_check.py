@@ -96,3 +96,30 @@ def test_the_trees_host_copies_carry_no_hash_and_the_check_keeps_it_so() -> None
         assert svc.check() == []
     finally:
         svc.close()
+
+
+def test_the_check_at_rest_counts_host_readers_per_slot() -> None:
+    """A reader count left on a host slot at the stop is a leak, and one release too many on
+    another slot (a negative count) must not hide it: readers are counted per slot, not summed."""
+    import os
+
+    from daemon.app import build_service
+    from daemon.config import Config
+    from daemon.entities import Peer
+
+    model = {"name": "m", "page_size": 4, "sliding_window": 8, "num_full_layers": 1,
+             "num_swa_layers": 1, "num_kv_heads": 1, "head_dim": 8, "dtype": "float32",
+             "device": "cpu", "full_pages": 64, "swa_pages": 32, "host_pages": 32}
+    svc = build_service(Config(models=[model]), create_pools=True)
+    try:
+        s = svc.open_session(svc.authenticate(None, Peer(0, os.getuid(), os.getgid())), Peer())
+        svc.close_session(s)
+        assert svc.check_at_rest() == []
+        readers = svc.models["m"].cache.host.readers["full"]
+        readers[3] += 1  # a reader that never let go
+        readers[5] -= 1  # a slot released once too often
+        assert svc.check_at_rest() == ["m: 2 full host slot readers left with no session or job"]
+        del readers[3], readers[5]
+        assert svc.check_at_rest() == [] and svc.check() == []
+    finally:
+        svc.close()

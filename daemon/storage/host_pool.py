@@ -431,7 +431,11 @@ class HostPool:
         # the checks and the common case (the tree's copies: one reference each, no hash) in C,
         # over the whole list: evicting host copies at page 1 releases thousands of slots. The
         # types are those of every entry: a set keeps one of equal values (1 and True)
-        if not (refs.keys() >= distinct and set(map(type, slots)) == {int}):
+        if (isinstance(slots, (bytes, bytearray))  # ints item by item, but array() reads bytes
+                or not (refs.keys() >= distinct and set(map(type, slots)) == {int})):
+            if isinstance(slots, (bytes, bytearray)):
+                raise AllocatorError(f"{self.model} {self.kind} host pool: slots must be a "
+                                     f"sequence of ints, not {type(slots).__name__}")
             for slot in slots:
                 self._check_held(slot)
         if len(distinct) != len(slots):

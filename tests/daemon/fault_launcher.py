@@ -6,7 +6,9 @@ leaf of model ``m`` that no receipt accounts for (what a lost unlock would leave
 check sees it (the counter check and the checker's state version do not move). With
 ``FAULT_KIND=pin`` in its environment, SIGUSR2 instead pins that leaf for a tier job that never
 ends (what a fetch or copy that skipped its cleanup would leave): only the stop's check at rest
-sees it.
+sees it. ``FAULT_STOP`` breaks the stop itself: ``drain`` makes the tiers' drain raise after
+it planted such a pin (a job the failed drain left running), ``check`` makes the check at rest
+raise.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from daemon import checker, cli  # noqa: E402
+from daemon import checker, cli, service  # noqa: E402
 
 _targets: list = []
 _init = checker.Checker.__init__
@@ -40,7 +42,21 @@ def _plant(*_: object) -> None:
     print(f"fault planted: node {leaf.id} locked without a receipt", flush=True)
 
 
+async def _failed_drain(self: service.Service, deadline: float) -> None:
+    _plant()
+    raise RuntimeError("fault planted: the drain failed")
+
+
+def _failed_check(self: service.Service) -> list[str]:
+    raise RuntimeError("fault planted: the check at rest failed")
+
+
 if __name__ == "__main__":
     checker.Checker.__init__ = _capture  # type: ignore[method-assign]
+    stop_fault = os.environ.get("FAULT_STOP")
+    if stop_fault == "drain":
+        service.Service.stop_tiers = _failed_drain  # type: ignore[method-assign,assignment]
+    elif stop_fault == "check":
+        service.Service.check_at_rest = _failed_check  # type: ignore[method-assign]
     signal.signal(signal.SIGUSR2, _plant)
     sys.exit(cli.main(sys.argv[sys.argv.index("daemon.cli") + 1:]))

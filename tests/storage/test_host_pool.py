@@ -214,6 +214,20 @@ def test_release_many_checks_every_slot_before_it_changes_one() -> None:
         assert host.lookup(h(3)) == c and host.used == 1 and host.audit() == []
 
 
+def test_release_many_refuses_bytes_before_it_changes_a_slot() -> None:
+    """Bytes iterate as ints, so each would pass for a slot, but the fast path's array() reads
+    them as int32 values: a bytes or bytearray list is refused whole, nothing released."""
+    with HostPool(make_profile(), 16, "full", pin_memory=False) as host:
+        slots = host.store_unnamed(4)
+        before = _pool_state(host)
+        for bad in (bytes(slots), bytearray(slots), bytearray(slots[:1])):
+            with pytest.raises(AllocatorError, match="sequence of ints"):
+                host.release_many(bad)
+            assert _pool_state(host) == before and host.audit() == []
+        host.release_many(list(slots))
+        assert host.used == 0 and host.audit() == []
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["store", "unnamed", "hold", "hold", "release",
                                            "release"]),
