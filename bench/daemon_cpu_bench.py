@@ -23,8 +23,10 @@ and host, full and SWA) hold the same tokens at every page size (64/P times the 
 client has 512 * 128 / fresh distinct requests, so the tree holds about as many tokens whatever
 the shape. Those requests are cycled: once a client has sent each one, its fresh tokens are
 cached and every later request is a full hit (match, an empty alloc, cache_finished inserting
-nothing). ``--fresh`` makes every request's fresh part new to the tree (its first token a number
-the client never sent before), so that each one allocates and inserts its fresh pages; before
+nothing); each client sends every one of them once before the timed window (before 2026-11-26 a
+0.2 s warm-up did not, so a window began with some inserts and their host-tier copies).
+``--fresh`` makes every request's fresh part new to the tree (its first token a number the
+client never sent before), so that each one allocates and inserts its fresh pages; before
 the timed window the clients send such requests until the tree holds 95% of a pool (the SWA
 pool, the smaller), so that every page size is measured in the same regime, the steady state of
 a full cache where allocations evict about what they take.
@@ -61,6 +63,7 @@ from bench.rpc_bench import (  # noqa: E402
     PREFIX_TOKENS,
     _cache_prompt,
     _mixed_loop,
+    _mixed_ops,
     _prefixes,
     _requests,
     config,
@@ -172,6 +175,9 @@ def _worker(path: str, seconds: float, seed: int, ready: mp.Queue, go: mp.Event,
         reqs = _requests(rng, prefixes, fresh=shape[1])
         if fresh:
             reqs = FreshRequests(reqs, shape[0], seed)  # type: ignore[assignment]
+        if not fresh:  # each request once, so that the window is all full hits
+            for r in reqs:
+                _mixed_ops(c, r, page)
         _mixed_loop(c, reqs, 0.2, page)  # warm: first allocations, code paths
         while fresh and not _filled(c, page):
             _mixed_loop(c, reqs, 0.2, page)

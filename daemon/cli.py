@@ -172,7 +172,17 @@ def _load(args: argparse.Namespace):
         return None
 
 
+def _quiet_openmp() -> None:
+    """Have torch's OpenMP workers sleep as soon as a parallel region ends, unless the operator
+    chose otherwise: by default they spin for about 3 ms each first (GOMP_SPINCOUNT 300,000)
+    whenever cores are idle, so on a many-core host every small CPU copy on the daemon's loop
+    kept a core per worker busy doing nothing. OpenMP reads this once, when torch loads it: this
+    runs before anything of the daemon imports torch."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
 def _serve(args: argparse.Namespace) -> int:
+    _quiet_openmp()
     config = _load(args)
     if config is None:
         return EXIT_USAGE

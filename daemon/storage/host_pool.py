@@ -425,17 +425,17 @@ class HostPool:
         freed in one allocator call."""
         if not len(slots):
             return
+        if isinstance(slots, (bytes, bytearray)):  # their items are ints, but array() below
+            # would read their bytes as int32 values
+            raise AllocatorError(f"{self.model} {self.kind} host pool: slots must be a sequence "
+                                 f"of ints, not {type(slots).__name__}")
         refs = self._refs
         hash_of = self._hash_of
         distinct = set(slots)
         # the checks and the common case (the tree's copies: one reference each, no hash) in C,
         # over the whole list: evicting host copies at page 1 releases thousands of slots. The
         # types are those of every entry: a set keeps one of equal values (1 and True)
-        if (isinstance(slots, (bytes, bytearray))  # ints item by item, but array() reads bytes
-                or not (refs.keys() >= distinct and set(map(type, slots)) == {int})):
-            if isinstance(slots, (bytes, bytearray)):
-                raise AllocatorError(f"{self.model} {self.kind} host pool: slots must be a "
-                                     f"sequence of ints, not {type(slots).__name__}")
+        if not (refs.keys() >= distinct and set(map(type, slots)) == {int}):
             for slot in slots:
                 self._check_held(slot)
         if len(distinct) != len(slots):

@@ -80,3 +80,30 @@ def test_attach_hold_has_no_read_backpressure(daemon) -> None:
     c.close()
     assert sent < 64 << 20 and grown_mib < 64, (
         f"the daemon read {sent >> 20} MiB it cannot process yet; its RSS grew {grown_mib:.0f} MiB")
+
+
+@pytest.mark.parametrize("preset", [None, "ACTIVE"])
+def test_served_openmp_workers_sleep_after_a_region_unless_the_operator_chose(
+        tmp_path, monkeypatch, preset) -> None:
+    """`radixd serve` has torch's OpenMP workers sleep as soon as a parallel region ends (a spin
+    count of 0; libgomp's default is 300,000, about 3 ms per worker after every small copy):
+    OpenMP reports what it read when torch loaded it (OMP_DISPLAY_ENV). An operator's own
+    OMP_WAIT_POLICY is kept."""
+    import re
+
+    from .conftest import Daemon
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    env = {"OMP_DISPLAY_ENV": "VERBOSE"}
+    if preset is not None:
+        env["OMP_WAIT_POLICY"] = preset
+    d = Daemon(tmp_path, {}, env=env)
+    try:
+        d.check()
+    finally:
+        code = d.stop()
+    log = d.log()
+    assert code == 0, log[-3000:]
+    spin = re.search(r"GOMP_SPINCOUNT = '(\d+)'", log)
+    assert spin is not None, log[-3000:]
+    assert (int(spin.group(1)) == 0) == (preset is None), spin.group(0)
