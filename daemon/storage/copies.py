@@ -15,7 +15,9 @@ Listing the rows slot-major makes the layer-first -> page-first permute part of 
   (``out=``), and ``host_to_device`` one scatter of the host run's rows (a numpy fancy assignment
   on byte views: torch's CPU ``index_copy_`` measured at half of memcpy speed for these rows): one
   pass over the bytes, no staging copy. Non-consecutive slots are handled run by run (a loop
-  over runs, not pages).
+  over runs, not pages). A copy to host of at most 256 KiB (the background copies done on the
+  loop) does the same with numpy instead of torch: no OpenMP parallel region to wake or leave
+  spinning for so little.
 * on CUDA, the device side is gathered (or scattered) with one ``index_select`` / ``index_copy_``
   on the device into a page-first staging tensor, and each slot run is one DMA transfer to or from
   the pinned host pool (``non_blocking``), all on the caller's current stream: :func:`run_copy`
@@ -40,6 +42,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 
 from daemon.gpu.pools import Pool
@@ -168,6 +171,10 @@ def _rows_on(device: torch.device, rows: torch.Tensor) -> torch.Tensor:
 
 #: slot runs above which a CPU copy gathers and scatters all rows at once
 _FEW_RUNS = 16
+#: a CPU copy to host of at most this many bytes is done by numpy on the calling thread:
+#: torch's index_select would open a parallel region, whose OpenMP workers cost more to wake
+#: (or, left spinning, burn a core each for milliseconds) than a copy this small saves
+_SERIAL_BYTES = 256 << 10
 
 
 def plan_device_to_host(pool: Pool, page_ids: Any, host: HostPool, slots: Any) -> CopyPlan:
@@ -187,21 +194,39 @@ def plan_device_to_host(pool: Pool, page_ids: Any, host: HostPool, slots: Any) -
                 )
 
         return CopyPlan(pool.device, run_cuda)
+    serial = rows.numel() * device_rows.shape[1] * device_rows.element_size() <= _SERIAL_BYTES
     if len(runs) > _FEW_RUNS:  # scattered slots (a pool that has seen churn): one gather and
-        # one scatter, not a torch call per run of a page or two
+        # one scatter, not a call per run of a page or two
         dst = host_rows.view(torch.uint8).numpy()
         slot_rows = (slot_ids[:, None] * per_page
                      + torch.arange(per_page, dtype=torch.int64)).reshape(-1).numpy()
+        if serial:
+            src, src_rows = device_rows.view(torch.uint8).numpy(), rows.numpy()
+
+            def run_serial_scattered() -> None:
+                dst[slot_rows] = src[src_rows]
+
+            return CopyPlan(pool.device, run_serial_scattered)
 
         def run_scattered() -> None:
             dst[slot_rows] = device_rows.index_select(0, rows).view(torch.uint8).numpy()
 
         return CopyPlan(pool.device, run_scattered)
-    parts = [(rows[i * per_page : j * per_page], host_rows[h : h + (j - i) * per_page])
-             for i, j, h in runs]
+    spans = [(i * per_page, j * per_page, h) for i, j, h in runs]
+    if serial:  # each run gathered straight into its host rows by numpy
+        src = device_rows.view(torch.uint8).numpy()
+        src_rows, dst = rows.numpy(), host_rows.view(torch.uint8).numpy()
+        parts = [(src_rows[a:b], dst[h : h + b - a]) for a, b, h in spans]
+
+        def run_serial() -> None:
+            for r, out in parts:
+                np.take(src, r, axis=0, out=out)
+
+        return CopyPlan(pool.device, run_serial)
+    torch_parts = [(rows[a:b], host_rows[h : h + b - a]) for a, b, h in spans]
 
     def run_cpu() -> None:
-        for src_rows, out in parts:
+        for src_rows, out in torch_parts:
             torch.index_select(device_rows, 0, src_rows, out=out)
 
     return CopyPlan(pool.device, run_cpu)

@@ -324,11 +324,15 @@ def test_page_bytes_zero_copy_and_write() -> None:
 # -- copies -------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("head_dim", [8, 512])
 @pytest.mark.parametrize("runs", [3, 40])
-def test_a_copy_into_scattered_slots_lands_each_page_in_its_slot(runs: int) -> None:
+def test_a_copy_into_scattered_slots_lands_each_page_in_its_slot(runs: int, head_dim: int
+                                                                  ) -> None:
     """Up to a few runs of slots a CPU copy goes run by run; past them (a host pool that has
-    seen churn) it gathers and scatters all rows at once. Either way each slot gets its page."""
-    p = make_profile(full_pages=128)
+    seen churn) it gathers and scatters all rows at once. A small copy (head_dim 8: a few KiB)
+    does either with numpy alone, opening no OpenMP region; a larger one (head_dim 512: 49 KiB a
+    page, over 256 KiB in all) with torch. Each way, each slot gets its page."""
+    p = make_profile(full_pages=128, head_dim=head_dim)
     with KVPools(p) as kv:
         pool = kv.pool("full")
         fill_random(pool, 3)
