@@ -36,6 +36,7 @@ from .gpu.allocator import OutOfPages
 from .l3_tier import L3_WRITE_BATCH, L3Tier
 from .model_cache import ModelCache
 from .storage.copies import (
+    SERIAL_COPY_BYTES,
     CopyInFlight,
     CopyPlan,
     host_to_device,
@@ -67,8 +68,9 @@ BACKUP_BATCH_NODES = 64
 BACKUP_COALESCE_S = 0.005
 #: On CPU, a job of at most this many bytes is copied on the loop at once: a copy this small
 #: takes less time than handing it to the copy thread and back (two wake-ups and GIL hand-offs
-#: that the requests in flight pay for), and needs no device-page watch.
-INLINE_COPY_BYTES = 256 << 10
+#: that the requests in flight pay for), and needs no device-page watch. The same bound keeps
+#: such a copy serial (no OpenMP region opened on the loop).
+INLINE_COPY_BYTES = SERIAL_COPY_BYTES
 #: Most nodes waiting for a host copy: past it the oldest requests are dropped (counted as
 #: skipped); a backlog that long means the copies cannot keep up and older ones matter least.
 MAX_BACKUP_BACKLOG = 65536

@@ -173,8 +173,9 @@ def _rows_on(device: torch.device, rows: torch.Tensor) -> torch.Tensor:
 _FEW_RUNS = 16
 #: a CPU copy to host of at most this many bytes is done by numpy on the calling thread:
 #: torch's index_select would open a parallel region, whose OpenMP workers cost more to wake
-#: (or, left spinning, burn a core each for milliseconds) than a copy this small saves
-_SERIAL_BYTES = 256 << 10
+#: (or, left spinning, burn a core each for milliseconds) than a copy this small saves (the
+#: tiers copy jobs this small on the event loop: daemon.tiers.INLINE_COPY_BYTES)
+SERIAL_COPY_BYTES = 256 << 10
 
 
 def plan_device_to_host(pool: Pool, page_ids: Any, host: HostPool, slots: Any) -> CopyPlan:
@@ -194,7 +195,7 @@ def plan_device_to_host(pool: Pool, page_ids: Any, host: HostPool, slots: Any) -
                 )
 
         return CopyPlan(pool.device, run_cuda)
-    serial = rows.numel() * device_rows.shape[1] * device_rows.element_size() <= _SERIAL_BYTES
+    serial = rows.numel() * device_rows.shape[1] * device_rows.element_size() <= SERIAL_COPY_BYTES
     if len(runs) > _FEW_RUNS:  # scattered slots (a pool that has seen churn): one gather and
         # one scatter, not a call per run of a page or two
         dst = host_rows.view(torch.uint8).numpy()
