@@ -325,7 +325,10 @@ class SegmentedAllocator:
             owner = self.owner[seg]
             if not free:
                 self._ns_open[owner][seg] = None  # type: ignore[index]
-            free.extend(back)
+            # pushed in reverse, so that _take hands a run freed in ascending order back in
+            # that order: copies move a run of consecutive slots as one block, and a run that
+            # came back reversed would be a block per page
+            free.extend(back[::-1])
             self._seg_used[seg] -= len(back)
             self._ns_free[owner] += len(back)  # type: ignore[index]
             if not self._seg_used[seg]:

@@ -141,3 +141,36 @@ def test_a_segment_that_cannot_get_fresh_memory_stays_free_and_nothing_leaks() -
     assert a.free_segment_count == 5 and a.available_to("b") == 8 and a.segments_of("b") == []
     got = a.alloc(8, "b")  # the pool is whole: the next alloc gets all of it
     assert sorted(got) == list(range(1, 9)) and a.audit() == []
+
+
+def _runs(pages: array) -> int:
+    """Runs of consecutive ascending ids in ``pages``."""
+    return sum(1 for i, p in enumerate(pages) if i == 0 or p != pages[i - 1] + 1)
+
+
+def test_a_run_freed_in_order_comes_back_in_order() -> None:
+    """Copies move a run of consecutive slots as one block: a run that came back reversed after
+    churn (as it did when a free pushed it as given) made every page of a copy its own block."""
+    a = SegmentedAllocator(1000, 1000)
+    first = a.alloc(150, "ns")
+    assert list(first) == list(range(1, 151))
+    a.free(first[:70])
+    a.free(first[70:])
+    # last freed, first handed out again: two ascending runs, not 150 descending steps
+    assert list(a.alloc(80, "ns")) == list(range(71, 151))
+    assert list(a.alloc(70, "ns")) == list(range(1, 71))
+    assert a.audit() == []
+
+
+def test_runs_survive_churn_over_segments() -> None:
+    """The same over segments of 64 pages: whatever order the segments come back in, each
+    one's pages come back as one ascending run."""
+    a = SegmentedAllocator(1000, 64)
+    held = [a.alloc(100, "ns") for _ in range(6)]
+    for pages in held[::2]:
+        a.free(pages)
+    again = a.alloc(300, "ns")
+    assert len(set(again)) == 300
+    # a run per freed block (and the open segment's rest), split at segment edges
+    assert _runs(again) <= 4 + 300 // 64 + 1
+    assert a.audit() == []
