@@ -218,16 +218,20 @@ def measure(d: DaemonProcess, clients: int, seconds: float, ping: bool = False,
 
 def run(baseline: str, seconds: float, host_off: bool, rounds: int = 2,
         client_counts: tuple[int, ...] = (1, 8), floor: bool = True, page_size: int = PAGE,
-        request_tokens: int | None = None, fresh: bool = False) -> dict[str, float]:
+        request_tokens: int | None = None, fresh: bool = False, device: str = "cpu"
+        ) -> dict[str, float]:
     """Each side ``rounds`` times per client count, the order flipping every round (base, this,
     this, base, ...) so that a machine getting busier or quieter does not favour one side; each
     figure is the mean over the rounds. ``floor``: also the ping floor (``*_floor`` keys), once
     per round on this checkout's daemon, between the two sides. ``page_size``,
     ``request_tokens``: the model's page size and the request's shape (:func:`request_shape`),
     given back as the ``page_size``, ``prefix_tokens`` and ``fresh_tokens`` keys; ``fresh``:
-    every request's fresh part new (:class:`FreshRequests`), the ``fresh`` key 1."""
+    every request's fresh part new (:class:`FreshRequests`), the ``fresh`` key 1; ``device``:
+    the model's device (``cuda``: pools on the GPU, the host pool pinned, copies on a CUDA
+    stream enqueued from the event loop)."""
     shape = request_shape(page_size, request_tokens)
-    conf = config(model_keys(page_size, host_off), page_size) + ADMIN_ANY_PORT
+    conf = config(model_keys(page_size, host_off), page_size).replace(
+        'device = "cpu"', f'device = "{device}"') + ADMIN_ANY_PORT
     base_root = export_ref(baseline)
     out: dict[str, float] = {"page_size": page_size, "prefix_tokens": shape[0],
                              "fresh_tokens": shape[1], "fresh": int(fresh)}
@@ -278,15 +282,22 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                     help="every request's fresh tokens new to the tree (each one inserts; the "
                          "pools fill and allocations evict) instead of cycling 512 * 128 / "
                          "fresh requests that are cached after their first use")
+    ap.add_argument("--device", default="cpu",
+                    help="the model's device: cpu (default) or cuda[:N] (pools on the GPU, "
+                         "the host pool pinned; both daemons)")
     ap.add_argument("--json", metavar="PATH", help="write the figures as a flat JSON object")
     args = ap.parse_args(argv)
+    if not (args.device == "cpu" or args.device.startswith("cuda")):
+        ap.error(f"--device: cpu or cuda[:N], got {args.device!r}")
     try:
         prefix, fresh = request_shape(args.page_size, args.request_tokens)
     except ValueError as e:
         ap.error(str(e))
     f = run(args.baseline, args.seconds, args.host_off, args.rounds, floor=not args.no_floor,
-            page_size=args.page_size, request_tokens=args.request_tokens, fresh=args.fresh)
-    print(f"baseline {args.baseline}, host tier {'off' if args.host_off else 'on'}, "
+            page_size=args.page_size, request_tokens=args.request_tokens, fresh=args.fresh,
+            device=args.device)
+    print(f"baseline {args.baseline}, device {args.device}, "
+          f"host tier {'off' if args.host_off else 'on'}, "
           f"{args.seconds:g} s per window, mean of {args.rounds} rounds (order alternating)")
     print(f"page size {args.page_size}, requests of {prefix + fresh} tokens: a cached prefix of "
           f"{prefix} + {fresh} fresh"

@@ -31,6 +31,14 @@ def test_request_tokens_it_cannot_shape_or_fit_are_a_usage_error(argv, capsys) -
     assert "--request-tokens" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("device", ["tpu", "gpu", ""])
+def test_a_device_that_is_not_cpu_or_cuda_is_a_usage_error(device, capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        dcb.main(["--baseline", "HEAD", "--device", device])
+    assert exc.value.code == 2
+    assert "--device" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("page", [1, 16, 64])
 def test_the_request_keeps_its_shape_in_tokens(page) -> None:
     assert dcb.request_shape(page) == (256, 128)  # 4 + 2 pages of 64
