@@ -31,8 +31,13 @@ the timed window the clients send such requests until the tree holds 95% of a po
 pool, the smaller), so that every page size is measured in the same regime, the steady state of
 a full cache where allocations evict about what they take.
 
+``--device cuda`` (or ``cuda:N``) puts both daemons' pools on that GPU: the host pool is
+page-locked and the tier copies are issued from the event loop onto a CUDA stream, so their
+launches count in the loop's CPU.
+
     python bench/daemon_cpu_bench.py [--baseline main] [--seconds 5] [--rounds 2] [--host-off]
-        [--no-floor] [--page-size P] [--request-tokens N] [--fresh] [--json PATH]
+        [--no-floor] [--page-size P] [--request-tokens N] [--fresh] [--device cpu|cuda[:N]]
+        [--json PATH]
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ for _p in (_ROOT, os.path.join(_ROOT, "clients", "python")):
 import argparse  # noqa: E402
 import multiprocessing as mp  # noqa: E402
 import random  # noqa: E402
+import re  # noqa: E402
 import shutil  # noqa: E402
 import struct  # noqa: E402
 import time  # noqa: E402
@@ -230,8 +236,11 @@ def run(baseline: str, seconds: float, host_off: bool, rounds: int = 2,
     the model's device (``cuda``: pools on the GPU, the host pool pinned, copies on a CUDA
     stream enqueued from the event loop)."""
     shape = request_shape(page_size, request_tokens)
-    conf = config(model_keys(page_size, host_off), page_size).replace(
-        'device = "cpu"', f'device = "{device}"') + ADMIN_ANY_PORT
+    conf = config(model_keys(page_size, host_off), page_size)
+    if device != "cpu":
+        assert 'device = "cpu"' in conf, "rpc_bench's model table no longer names its device"
+        conf = conf.replace('device = "cpu"', f'device = "{device}"')
+    conf += ADMIN_ANY_PORT
     base_root = export_ref(baseline)
     out: dict[str, float] = {"page_size": page_size, "prefix_tokens": shape[0],
                              "fresh_tokens": shape[1], "fresh": int(fresh)}
@@ -287,7 +296,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                          "the host pool pinned; both daemons)")
     ap.add_argument("--json", metavar="PATH", help="write the figures as a flat JSON object")
     args = ap.parse_args(argv)
-    if not (args.device == "cpu" or args.device.startswith("cuda")):
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
         ap.error(f"--device: cpu or cuda[:N], got {args.device!r}")
     try:
         prefix, fresh = request_shape(args.page_size, args.request_tokens)

@@ -4,19 +4,20 @@ Usage (from the repository root)::
 
     python bench/host_copy_bench.py [--quick] [--json out.json]
 
-Profile: 32 layers, 8 KV heads, head_dim 128, bfloat16, page size 16 (``--page-size``), so one
-page of all layers is 2 MiB (64 KiB per layer, K and V). A batch of 1,024 tokens (4,096 without
+Profile: 32 layers, 8 KV heads, head_dim 128, bfloat16, page size 16 (``--page-size``), so one page
+of all layers is 2 MiB (64 KiB per layer, K and V). A batch of 1,024 tokens (4,096 without
 ``--quick``) at random device page ids (as a tree's pages are scattered over the pool) is copied
 into consecutive host slots (as a fresh batch gets them from the slot allocator) and back; with
-``--scattered`` into host slots in random order (a host pool that has seen churn: at page 1 a
-copy's slots are then runs of a page or two). ``memcpy_gbps`` is a plain ``dst.copy_(src)`` of
-the same number of bytes between two contiguous tensors of the same memory kind, in the same
-run; the ratios are the tier copy over that. ``*_call_ms`` is the time the copy call itself
-takes on the calling thread (on CUDA it only enqueues the copy: that is the event loop's share
-of a background copy; on CPU it is the whole copy). Each figure is the median of several
-repetitions after a warm-up (which also faults every page in). On a CUDA machine the device
-pool is on the GPU, the host pool pinned, and ``memcpy_gbps`` the pinned<->device copy of the
-same bytes (the mean of both directions is not taken: each ratio uses its own direction).
+``--scattered`` into host slots in random order, every slot a block of its own: the worst case,
+which a churned host pool came close to at page 1 while the allocator handed recycled runs back
+reversed (docs/operations.md, runs that survive churn). ``memcpy_gbps`` is a plain
+``dst.copy_(src)`` of the same number of bytes between two contiguous tensors of the same memory
+kind, in the same run; the ratios are the tier copy over that. ``*_call_ms`` is the time the copy
+call itself takes on the calling thread (on CUDA it only enqueues the copy: that is the event loop's
+share of a background copy; on CPU it is the whole copy). Each figure is the median of several
+repetitions after a warm-up (which also faults every page in). On a CUDA machine the device pool is
+on the GPU, the host pool pinned, and ``memcpy_gbps`` the pinned<->device copy of the same bytes
+(the mean of both directions is not taken: each ratio uses its own direction).
 """
 
 from __future__ import annotations

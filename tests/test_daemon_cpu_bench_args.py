@@ -31,7 +31,7 @@ def test_request_tokens_it_cannot_shape_or_fit_are_a_usage_error(argv, capsys) -
     assert "--request-tokens" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("device", ["tpu", "gpu", ""])
+@pytest.mark.parametrize("device", ["tpu", "gpu", "", "cudax", "cuda:"])
 def test_a_device_that_is_not_cpu_or_cuda_is_a_usage_error(device, capsys) -> None:
     with pytest.raises(SystemExit) as exc:
         dcb.main(["--baseline", "HEAD", "--device", device])

@@ -71,15 +71,19 @@ def test_holdings_agree_with_a_dict_of_page_holders(data: st.DataObject) -> None
 
 
 def _reference_free(a: SegmentedAllocator, pages: array) -> None:
-    """SegmentedAllocator.free as a page-by-page loop (the code the grouped free replaced)."""
+    """SegmentedAllocator.free as a page-by-page loop (the code the grouped free replaced):
+    segments reopen in the order of their first page, and each segment's pages are pushed last
+    first (so that a run freed in order is handed out in order again)."""
     st_ = a._state
     sp = a.segment_pages
     emptied: set[int] = set()
     for p in pages:
-        st_[p] = 0
         seg = p // sp
         if not a._seg_free[seg]:
             a._ns_open[a.owner[seg]][seg] = None
+    for p in reversed(pages):
+        st_[p] = 0
+        seg = p // sp
         a._seg_free[seg].append(p)
         a._seg_used[seg] -= 1
         a._ns_free[a.owner[seg]] += 1

@@ -348,8 +348,7 @@ class SegmentedAllocator:
 
     def _by_segment(self, pages: array) -> list[tuple[int, array]]:
         """``pages`` split by segment, each part in its pages' order, the parts in the order of
-        their first page (a page-by-page loop's order: the free lists, and the order in which
-        segments open, come out the same)."""
+        their first page (the order in which a page-by-page loop opens segments)."""
         if self.num_segments == 1:
             return [(0, pages)] if len(pages) else []
         if len(pages) < VECTOR_MIN:
