@@ -108,6 +108,13 @@ def nonzero_ids(pages: array) -> array:
     return out
 
 
+def ascending(pages: array) -> array:
+    """``pages`` sorted, as a new int32 array (one numpy sort)."""
+    out = array("i")
+    out.frombytes(np.sort(page_ids(pages)).tobytes())
+    return out
+
+
 def has_duplicates(pages: array) -> bool:
     """Whether an id occurs twice."""
     if len(pages) < VECTOR_MIN:

@@ -38,6 +38,7 @@ from daemon.gpu.allocator import (
     AllocatorError,
     OutOfPages,
     as_page_array,
+    ascending,
     check_allocated,
     mark_free,
     marked_free,
@@ -267,6 +268,10 @@ class SegmentedAllocator:
             self._handed_out(out, namespace)
             self.free(out)
             raise
+        if len(out) >= VECTOR_MIN:
+            # sorted, so that pages freed apart but next to each other in the pool (two nodes'
+            # runs, two segments) come back as one run: a copy moves a run as one block
+            out = ascending(out)
         self._handed_out(out, namespace)
         return out
 

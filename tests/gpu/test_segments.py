@@ -174,3 +174,14 @@ def test_runs_survive_churn_over_segments() -> None:
     # a run per freed block (and the open segment's rest), split at segment edges
     assert _runs(again) <= 4 + 300 // 64 + 1
     assert a.audit() == []
+
+
+def test_runs_freed_apart_but_adjacent_come_back_as_one() -> None:
+    """Two nodes' runs, freed by two calls, are next to each other in the pool: an allocation
+    that takes both hands them out as one ascending run (one copy block, not two)."""
+    a = SegmentedAllocator(1000, 1000)
+    first = a.alloc(300, "ns")
+    a.free(first[:150])
+    a.free(first[150:])
+    assert list(a.alloc(300, "ns")) == list(range(1, 301))
+    assert a.audit() == []
