@@ -152,10 +152,10 @@ def test_a_run_freed_in_order_comes_back_in_order() -> None:
     """Copies move a run of consecutive slots as one block: a run that came back reversed after
     churn (as it did when a free pushed it as given) made every page of a copy its own block."""
     a = SegmentedAllocator(1000, 1000)
-    first = a.alloc(150, "ns")
-    assert list(first) == list(range(1, 151))
+    first = a.alloc(200, "ns")
+    assert list(first) == list(range(1, 201))
     a.free(first[:70])
-    a.free(first[70:])
+    a.free(first[70:150])  # 151..200 stay held: the segment is not emptied (it would start over)
     # last freed, first handed out again: two ascending runs, not 150 descending steps
     assert list(a.alloc(80, "ns")) == list(range(71, 151))
     assert list(a.alloc(70, "ns")) == list(range(1, 71))
@@ -180,8 +180,20 @@ def test_runs_freed_apart_but_adjacent_come_back_as_one() -> None:
     """Two nodes' runs, freed by two calls, are next to each other in the pool: an allocation
     that takes both hands them out as one ascending run (one copy block, not two)."""
     a = SegmentedAllocator(1000, 1000)
-    first = a.alloc(300, "ns")
+    first = a.alloc(400, "ns")
     a.free(first[:150])
-    a.free(first[150:])
+    a.free(first[150:300])
     assert list(a.alloc(300, "ns")) == list(range(1, 301))
     assert a.audit() == []
+
+
+def test_an_emptied_segment_starts_over_as_one_run() -> None:
+    """A segment whose last page comes back has its free stack reset: the next namespace to take
+    it gets one ascending run, however the frees scrambled the stack."""
+    a = SegmentedAllocator(129, 64)
+    got = a.alloc(63, "a")  # segment 0: pages 1..63
+    for i in (5, 40, 1, 62, 17):  # freed out of order, page by page
+        a.free([got[i - 1]])
+    a.free([p for p in got if p not in (5, 40, 1, 62, 17)])
+    assert a.free_segment_count == 3 and a.audit() == []
+    assert list(a.alloc(63, "b")) == list(range(1, 64))
