@@ -432,10 +432,11 @@ class HostPool:
         refs = self._refs
         hash_of = self._hash_of
         distinct = set(slots)
+        ids = isinstance(slots, array) and slots.typecode == "i"  # ints, every one
         # the checks and the common case (the tree's copies: one reference each, no hash) in C,
         # over the whole list: evicting host copies at page 1 releases thousands of slots. The
         # types are those of every entry: a set keeps one of equal values (1 and True)
-        if not (refs.keys() >= distinct and set(map(type, slots)) == {int}):
+        if not (refs.keys() >= distinct and (ids or set(map(type, slots)) == {int})):
             for slot in slots:
                 self._check_held(slot)
         if len(distinct) != len(slots):
@@ -445,9 +446,9 @@ class HostPool:
                                          f"released {n} times, holds {refs[slot]} references")
         self.changes += len(slots)
         if (len(distinct) == len(slots) and max(map(refs.__getitem__, slots)) == 1
-                and not any(map(hash_of.__contains__, slots))):
+                and not (hash_of and any(map(hash_of.__contains__, slots)))):
             deque(map(refs.__delitem__, slots), maxlen=0)
-            self._alloc.free(array("i", slots))
+            self._alloc.free(slots if ids else array("i", slots))
             return
         freed = array("i")
         for slot in slots:
