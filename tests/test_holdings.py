@@ -91,8 +91,6 @@ def _reference_free(a: SegmentedAllocator, pages: array) -> None:
             emptied.add(seg)
     a._free_pages += len(pages)
     for seg in sorted(emptied, reverse=True):
-        a._seg_free[seg] = array("i", range(min(CAP, (seg + 1) * sp) - 1, max(1, seg * sp) - 1,
-                                            -1))  # all free: a fresh stack
         ns = a.owner[seg]
         a._ns_segments[ns].remove(seg)
         a._ns_free[ns] -= len(a._seg_free[seg])

@@ -169,7 +169,9 @@ class SegmentedAllocator:
         self._state[0] = _USED  # the padding page is permanently taken
         nseg = self.num_segments
         # per segment: its free pages (a stack, low ids popped first) and its pages in use
-        self._seg_free = [self._fresh_stack(s) for s in range(nseg)]
+        self._seg_free = [array("i", range(min(capacity, (s + 1) * segment_pages) - 1,
+                                           max(1, s * segment_pages) - 1, -1))
+                          for s in range(nseg)]
         self._seg_used = [0] * nseg
         self.owner: list[str | None] = [None] * nseg  # the namespace a segment serves now
         self.last_owner: list[str | None] = [None] * nseg  # ... or served last (None: never)
@@ -338,9 +340,6 @@ class SegmentedAllocator:
                 emptied.add(seg)
         self._free_pages += len(pages)
         for seg in sorted(emptied, reverse=True):
-            # every page of it is free: its stack starts over in fresh order (one run), however
-            # the frees left it, so the next namespace to take it gets runs again
-            self._seg_free[seg] = self._fresh_stack(seg)
             ns = self.owner[seg]
             assert ns is not None
             self._ns_segments[ns].remove(seg)
@@ -351,15 +350,6 @@ class SegmentedAllocator:
             self.owner[seg] = None
             self._free_segments.append(seg)
             self._free_segment_pages += len(self._seg_free[seg])
-
-    def _fresh_stack(self, seg: int) -> array:
-        """The free stack of ``seg`` with every page free, popped low ids first (page 0, the
-        padding page, left out)."""
-        sp = self.segment_pages
-        out = array("i")
-        out.frombytes(np.arange(min(self.capacity, (seg + 1) * sp) - 1, max(1, seg * sp) - 1, -1,
-                                dtype=np.int32).tobytes())
-        return out
 
     def _by_segment(self, pages: array) -> list[tuple[int, array]]:
         """``pages`` split by segment, each part in its pages' order, the parts in the order of
@@ -510,7 +500,13 @@ class PairedSegmentAllocator:
                 f"swa {swa_avail}", requested=n, full_available=full_avail,
                 swa_available=swa_avail)
         full = self.full.alloc(n, namespace)
-        swa = self.swa.alloc(n, namespace) if self.swa is not None else array("i")
+        if self.swa is None:
+            return full, array("i")
+        try:
+            swa = self.swa.alloc(n, namespace)
+        except BaseException:  # a segment could not get fresh memory: all or none
+            self.full.free(full)
+            raise
         return full, swa
 
     def free_full(self, pages: array) -> None:
