@@ -236,11 +236,7 @@ def run(baseline: str, seconds: float, host_off: bool, rounds: int = 2,
     the model's device (``cuda``: pools on the GPU, the host pool pinned, copies on a CUDA
     stream enqueued from the event loop)."""
     shape = request_shape(page_size, request_tokens)
-    conf = config(model_keys(page_size, host_off), page_size)
-    if device != "cpu":
-        assert 'device = "cpu"' in conf, "rpc_bench's model table no longer names its device"
-        conf = conf.replace('device = "cpu"', f'device = "{device}"')
-    conf += ADMIN_ANY_PORT
+    conf = config(model_keys(page_size, host_off), page_size, device) + ADMIN_ANY_PORT
     base_root = export_ref(baseline)
     out: dict[str, float] = {"page_size": page_size, "prefix_tokens": shape[0],
                              "fresh_tokens": shape[1], "fresh": int(fresh)}

@@ -63,7 +63,7 @@ num_swa_layers = 1
 num_kv_heads = 1
 head_dim = 8
 dtype = "float16"
-device = "cpu"
+device = "{{device}}"
 full_pages = {{full_pages}}
 swa_pages = {{swa_pages}}
 {{extra}}"""
@@ -100,12 +100,14 @@ def pool_pages(page_size: int = PAGE) -> tuple[int, int]:
     return FULL_PAGES * (PAGE // page_size), SWA_PAGES * (PAGE // page_size)
 
 
-def config(extra: str = "", page_size: int = PAGE) -> str:
+def config(extra: str = "", page_size: int = PAGE, device: str = "cpu") -> str:
     """The daemon's configuration; ``extra``: more keys for the model's table; ``page_size``:
-    the model's page size, the pools holding the same tokens as at PAGE (:func:`pool_pages`)."""
+    the model's page size, the pools holding the same tokens as at PAGE (:func:`pool_pages`);
+    ``device``: the model's device."""
     full, swa = pool_pages(page_size)
     return (CONFIG.replace("{page_size}", str(page_size)).replace("{full_pages}", str(full))
-            .replace("{swa_pages}", str(swa)).replace("{extra}", extra))
+            .replace("{swa_pages}", str(swa)).replace("{device}", device)
+            .replace("{extra}", extra))
 
 
 def _prefixes(rng: random.Random, tokens: int = PREFIX_TOKENS, n: int = 8) -> list[list[int]]:
