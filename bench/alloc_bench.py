@@ -1,5 +1,5 @@
-"""The page allocator and the host pool's release: this checkout's against a baseline git ref's,
-in one process.
+"""The page allocator and the host pool's slot bookkeeping: this checkout's against a baseline
+git ref's, in one process.
 
     python bench/alloc_bench.py [--baseline main] [--quick] [--json PATH]
 
@@ -16,9 +16,11 @@ machine getting busier or quieter weighs on both alike. Figures, each side and t
   figure.
 - ``alloc_free_us_<n>_<pool>``: one ``alloc`` of ``n`` pages and its ``free``, on a pool whose
   free lists a scattered half-free has scrambled (the median of repeated batches).
-- ``release_us_<n>``: ``HostPool.release_many`` of ``n`` slots just taken by ``store_unnamed``
-  (an int32 array, as the tree hands them back) in a pool of a million slots, 800,000 of them
-  held (``--quick``: 100,000 slots, 80,000 held).
+- ``store_us_<n>``, ``release_us_<n>``: ``HostPool.store_unnamed`` of ``n`` slots (a host copy
+  taking its slots), and ``release_many`` of them (an int32 array, as the tree hands them back),
+  in a pool of a million slots, 800,000 of them held (``--quick``: 100,000 slots, 80,000 held).
+- ``host_bytes_per_held_slot``: what that pool's bookkeeping took (slot references, hash index,
+  allocator; the pages' own memory not included), by ``tracemalloc``, per held slot.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import random  # noqa: E402
 import shutil  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
+import tracemalloc  # noqa: E402
 from array import array  # noqa: E402
 from collections import OrderedDict  # noqa: E402
 from types import ModuleType  # noqa: E402
@@ -162,24 +165,37 @@ def run(baseline: str, quick: bool = False) -> dict[str, float]:
 
     slots = 100_001 if quick else 1_000_001
     host = {}
+    meta = {}
     for side, m in sides.items():
         profile = m["daemon.gpu.profile"].ModelProfile(
             name="bench", device="cpu", full_pages=8, page_size=1, num_full_layers=1,
             num_kv_heads=1, head_dim=8, dtype="float16")
+        tracemalloc.start()
         p = m["daemon.storage.host_pool"].HostPool(profile, slots, "full", pin_memory=False)
         for _ in range(slots * 8 // 10 // 1000):
             p.store_unnamed(1000)
+        meta[side] = tracemalloc.get_traced_memory()[0] / p.used
+        tracemalloc.stop()
         host[side] = p
+    put("host_bytes_per_held_slot", meta)
     for n in (64, 1024, 4096):
+        def store(p: Any, n: int = n) -> float:
+            t = time.perf_counter()
+            taken = p.store_unnamed(n)
+            took = time.perf_counter() - t
+            p.release_many(taken)
+            return took
+
         def release(p: Any, n: int = n) -> float:
             taken = p.store_unnamed(n)
             t = time.perf_counter()
             p.release_many(taken)
             return time.perf_counter() - t
 
-        put(f"release_us_{n}", {k: v * 1e6 for k, v in _in_turns(
-            {side: (lambda p=p: release(p)) for side, p in host.items()},
-            20 if quick else 60).items()})
+        for name, fn in (("store", store), ("release", release)):
+            put(f"{name}_us_{n}", {k: v * 1e6 for k, v in _in_turns(
+                {side: (lambda p=p, fn=fn: fn(p)) for side, p in host.items()},
+                20 if quick else 60).items()})
     for p in host.values():
         p.close()
     return out

@@ -81,21 +81,21 @@ def ref_pool_audit(p: HostPool) -> list[str]:
     for slot, page_hash in p._hash_of.items():
         if p._slot_of.get(page_hash) != slot:
             v.append(f"{name}: slot {slot} records a hash the index does not map to it")
-    unheld = sorted(set(p._hash_of) - set(p._refs))
+    counts = dict(p.reference_counts())
+    unheld = sorted(set(p._hash_of) - set(counts))
     if unheld:
         v.append(f"{name}: slots {unheld[:10]} record a hash but are not held")
-    bad = sorted(s for s, n in p._refs.items() if not isinstance(n, int) or n < 1)
-    if bad:
-        v.append(f"{name}: slots {bad[:10]} have a reference count below 1")
-    out_of_range = sorted(s for s in p._refs if not 0 < s < p.capacity)
-    if out_of_range:
-        v.append(f"{name}: slots {out_of_range[:10]} are outside 1..{p.capacity - 1}")
+    if p._refs[0]:
+        v.append(f"{name}: slot 0 (reserved) has {int(p._refs[0])} references")
+    negative = [s for s in range(p.capacity) if p._refs[s] < 0]
+    if negative:
+        v.append(f"{name}: slots {negative[:10]} have a negative reference count")
     free = p.allocator.free_set()
-    both = sorted(free & set(p._refs))
+    both = sorted(free & set(counts))
     if both:
         v.append(f"{name}: slots {both[:10]} are both free and held")
     allocated = set(range(1, p.capacity)) - free
-    lost = sorted(allocated - set(p._refs))
+    lost = sorted(allocated - set(counts))
     if lost:
         v.append(f"{name}: slots {lost[:10]} are allocated but hold no reference (leak)")
     return v

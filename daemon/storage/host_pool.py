@@ -42,16 +42,22 @@ import math
 import os
 import weakref
 from array import array
-from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
+import numpy as np
 import torch
 from radixd_client.pools import PoolError, tensor_over
 from radixd_client.segments import SegmentedRegion
 
-from daemon.gpu.allocator import AUDIT_STEP_PAGES, AUDIT_STEP_SLOTS, AllocatorError, OutOfPages
+from daemon.gpu.allocator import (
+    AUDIT_STEP_PAGES,
+    AUDIT_STEP_SLOTS,
+    AllocatorError,
+    OutOfPages,
+    page_ids,
+)
 from daemon.gpu.profile import DTYPE_ITEMSIZE, ModelProfile, torch_dtype
 from daemon.gpu.segments import SegmentedAllocator
 from daemon.gpu.shared_memory import (
@@ -63,7 +69,7 @@ from daemon.gpu.shared_memory import (
 from daemon.tree import chunked
 
 __all__ = ["HASH_BYTES", "HOST_POOL_LAYOUT", "MARK_FREE", "MARK_HELD", "AllocatorError",
-           "HostPool", "OutOfPages", "PoolError"]
+           "HostPool", "OutOfPages", "PoolError", "ReferenceCounts"]
 
 #: Axis names of a host pool tensor, outermost first (page-first).
 HOST_POOL_LAYOUT: tuple[str, ...] = ("page", "layer", "kv", "token", "kv_head", "head_dim")
@@ -106,6 +112,42 @@ def _release(fds: list[int], unregister: list[Callable[[], None] | None]) -> Non
         os.close(fd)
     fds.clear()
     unregister.clear()
+
+
+class ReferenceCounts(Mapping[int, int]):
+    """Slot -> reference count of every held slot of a pool, read-only and live over the pool's
+    array of counts. Iteration walks the array a block at a time, so that a stepped audit that
+    takes a chunk of items per step never scans the whole pool in one step."""
+
+    __slots__ = ("_counts",)
+
+    def __init__(self, counts: np.ndarray) -> None:
+        self._counts = counts
+
+    def __getitem__(self, slot: int) -> int:
+        if slot in self:
+            return int(self._counts[slot])
+        raise KeyError(slot)
+
+    def __contains__(self, slot: object) -> bool:
+        return (isinstance(slot, int) and not isinstance(slot, bool)
+                and 0 <= slot < len(self._counts) and self._counts[slot] > 0)
+
+    def __len__(self) -> int:
+        return int(np.count_nonzero(self._counts > 0))
+
+    def __iter__(self) -> Iterator[int]:
+        for slots in self._blocks():
+            yield from slots.tolist()
+
+    def items(self) -> Iterator[tuple[int, int]]:  # type: ignore[override]
+        for slots in self._blocks():
+            yield from zip(slots.tolist(), self._counts[slots].tolist(), strict=True)
+
+    def _blocks(self) -> Iterator[np.ndarray]:
+        step = 64 * AUDIT_STEP_PAGES
+        for start in range(0, len(self._counts), step):
+            yield np.flatnonzero(self._counts[start:start + step] > 0) + start
 
 
 class HostPool:
@@ -204,7 +246,10 @@ class HostPool:
                                          on_assign=self.renew_segment)
         self._slot_of: dict[bytes, int] = {}  # page hash -> slot
         self._hash_of: dict[int, bytes] = {}  # slot -> page hash
-        self._refs: dict[int, int] = {}  # slot -> reference count (>= 1)
+        # slot -> reference count, 0 for a slot holding nothing: 4 bytes a slot, where a dict
+        # of the held ones took about 100, and a copy's thousands of slots (pages of a few
+        # tokens) are counted and released in a few numpy calls
+        self._refs = np.zeros(capacity_pages, dtype=np.int32)
         #: bumped by every change of the slots' bookkeeping (store, hold, release): part of
         #: the checker's state version, so that a stepped audit spanning a change is given up
         self.changes = 0
@@ -278,7 +323,7 @@ class HostPool:
 
     def _check_held(self, slot: int) -> int:
         self._check_slot(slot)
-        if slot not in self._refs:
+        if self._refs[slot] <= 0:
             raise AllocatorError(
                 f"{self.model} {self.kind} host pool: slot {slot} is not held"
             )
@@ -316,7 +361,7 @@ class HostPool:
     @property
     def used(self) -> int:
         """Slots holding a page."""
-        return len(self._refs)
+        return int(np.count_nonzero(self._refs > 0))
 
     @property
     def available(self) -> int:
@@ -344,7 +389,7 @@ class HostPool:
 
     def held(self) -> set[int]:
         """The slots holding a page."""
-        return set(self._refs)
+        return set(np.flatnonzero(self._refs > 0).tolist())
 
     def slot_hashes(self) -> Mapping[int, bytes]:
         """Slot -> hash of every slot indexed by hash (keyed pages; the tree's copies are not), a
@@ -355,11 +400,11 @@ class HostPool:
     def reference_counts(self) -> Mapping[int, int]:
         """Slot -> reference count of every held slot, a read-only live view: a stepped audit
         walks it a chunk at a time rather than copying it all in one step."""
-        return MappingProxyType(self._refs)
+        return ReferenceCounts(self._refs)
 
     def refcount(self, slot: int) -> int:
         """References held on ``slot`` (0 when it is free)."""
-        return self._refs.get(self._check_slot(slot), 0)
+        return max(0, int(self._refs[self._check_slot(slot)]))
 
     def hash_of(self, slot: int) -> bytes | None:
         return self._hash_of.get(self._check_slot(slot))
@@ -398,7 +443,7 @@ class HostPool:
         self.changes += len(slots)
         self._slot_of.update(zip(page_hashes, slots, strict=True))
         self._hash_of.update(zip(slots, page_hashes, strict=True))
-        self._refs.update(dict.fromkeys(slots, 1))
+        self._refs[page_ids(slots)] = 1
         return slots
 
     def store_unnamed(self, count: int, space: str = "") -> array:
@@ -407,7 +452,7 @@ class HostPool:
         (the tree's host copies), which nobody looks up by content."""
         slots = self._alloc.alloc(count, space)
         self.changes += len(slots)
-        self._refs.update(dict.fromkeys(slots, 1))
+        self._refs[page_ids(slots)] = 1
         return slots
 
     def hold(self, slot: int) -> None:
@@ -430,39 +475,49 @@ class HostPool:
             raise AllocatorError(f"{self.model} {self.kind} host pool: slots must be a sequence "
                                  f"of ints, not {type(slots).__name__}")
         refs = self._refs
-        hash_of = self._hash_of
-        distinct = set(slots)
-        ids = isinstance(slots, array) and slots.typecode == "i"  # ints, every one
-        # the checks and the common case (the tree's copies: one reference each, no hash) in C,
-        # over the whole list: evicting host copies at page 1 releases thousands of slots. The
-        # types are those of every entry: a set keeps one of equal values (1 and True)
-        if not (refs.keys() >= distinct and (ids or set(map(type, slots)) == {int})):
+        # the checks and the common case (the tree's copies: one reference each, no hash, as an
+        # int32 array) in numpy over the whole list: evicting host copies at page 1 releases
+        # thousands of slots. Anything else is checked slot by slot, for the error's message
+        ids = None
+        if isinstance(slots, array) and slots.typecode == "i":
+            ids = page_ids(slots)
+        elif set(map(type, slots)) == {int} and -2**31 <= min(slots) and max(slots) < 2**31:
+            ids = np.array(slots, dtype=np.int32)
+        if (ids is None or not (0 < ids.min() and ids.max() < self.capacity)
+                or (refs[ids] <= 0).any()):
             for slot in slots:
                 self._check_held(slot)
-        if len(distinct) != len(slots):
-            for slot, n in Counter(slots).items():
-                if n > refs[slot]:
-                    raise AllocatorError(f"{self.model} {self.kind} host pool: slot {slot} "
-                                         f"released {n} times, holds {refs[slot]} references")
-        self.changes += len(slots)
-        if (len(distinct) == len(slots) and max(map(refs.__getitem__, slots)) == 1
-                and not (hash_of and any(map(hash_of.__contains__, slots)))):
-            deque(map(refs.__delitem__, slots), maxlen=0)
-            self._alloc.free(slots if ids else array("i", slots))
-            return
-        freed = array("i")
-        for slot in slots:
-            left = refs[slot] - 1
-            if left:
-                refs[slot] = left
-                continue
-            del refs[slot]
-            page_hash = hash_of.pop(slot, None)
-            if page_hash is not None:
-                del self._slot_of[page_hash]
-            freed.append(slot)
-        if freed:
-            self._alloc.free(freed)
+        assert ids is not None
+        once = len(ids) < 2 or bool((ids[1:] > ids[:-1]).all())  # ascending: no slot twice
+        if not once:
+            uniq, counts = np.unique(ids, return_counts=True)
+            over = np.flatnonzero(counts > refs[uniq])
+            if len(over):
+                slot = int(uniq[over[0]])
+                raise AllocatorError(f"{self.model} {self.kind} host pool: slot {slot} "
+                                     f"released {int(counts[over[0]])} times, holds "
+                                     f"{int(refs[slot])} references")
+        self.changes += len(ids)
+        if once and int(refs[ids].max()) == 1:  # every slot freed
+            refs[ids] = 0
+            freed = ids
+        else:
+            np.subtract.at(refs, ids, 1)
+            left = refs[ids] == 0
+            if not left.any():
+                return
+            # each slot freed once, in the order of its first mention
+            freed = ids[left][np.sort(np.unique(ids[left], return_index=True)[1])]
+        hash_of = self._hash_of
+        if hash_of:
+            listed = freed.tolist()
+            if not hash_of.keys().isdisjoint(listed):
+                for slot in listed:
+                    page_hash = hash_of.pop(slot, None)
+                    if page_hash is not None:
+                        del self._slot_of[page_hash]
+        self._alloc.free(slots if freed is ids and isinstance(slots, array) and
+                         slots.typecode == "i" else array("i", freed.tobytes()))
 
     def audit_owners(self, slots: Iterable[int], space: str, what: str) -> list[str]:
         """Every slot of ``slots`` lies in a segment namespace ``space`` holds."""
@@ -510,31 +565,29 @@ class HostPool:
             for slot, page_hash in chunk:
                 if self._slot_of.get(page_hash) != slot:
                     v.append(f"{name}: slot {slot} records a hash the index does not map to it")
-                if slot not in refs:
+                if not (isinstance(slot, int) and 0 < slot < cap and refs[slot] > 0):
                     unheld.append(slot)
             yield
         if unheld:
             v.append(f"{name}: slots {sorted(unheld)[:10]} record a hash but are not held")
-        low: list[int] = []  # reference count below 1
-        outside: list[int] = []
+        if refs[0]:
+            v.append(f"{name}: slot 0 (reserved) has {int(refs[0])} references")
+        low: list[int] = []  # released more often than held
         both: list[int] = []  # free and held
-        for chunk in chunked(self._refs.items(), AUDIT_STEP_SLOTS):
-            for slot, n in chunk:
-                if not isinstance(n, int) or n < 1:
-                    low.append(slot)
-                if isinstance(slot, int) and 0 < slot < cap:
-                    if m[slot] & MARK_FREE:
-                        both.append(slot)
-                    m[slot] |= MARK_HELD
-                else:
-                    outside.append(slot)
+        all_marks = np.frombuffer(m, dtype=np.uint8)
+        step = 64 * AUDIT_STEP_PAGES  # compared as arrays, not one by one
+        for start in range(0, cap, step):
+            counts = refs[start:start + step]
+            held = counts > 0
+            marked = all_marks[start:start + step]
+            low += (np.flatnonzero(counts < 0)[:10] + start).tolist()
+            both += (np.flatnonzero(held & ((marked & MARK_FREE) != 0))[:10] + start).tolist()
+            marked[held] |= MARK_HELD
             yield
         if low:
-            v.append(f"{name}: slots {sorted(low)[:10]} have a reference count below 1")
-        if outside:
-            v.append(f"{name}: slots {sorted(outside)[:10]} are outside 1..{cap - 1}")
+            v.append(f"{name}: slots {low[:10]} have a negative reference count")
         if both:
-            v.append(f"{name}: slots {sorted(both)[:10]} are both free and held")
+            v.append(f"{name}: slots {both[:10]} are both free and held")
         lost: list[int] = []  # neither on a free list nor held: allocated to nobody
         step = 64 * AUDIT_STEP_PAGES  # compared as bytes, not one by one
         for start in range(0, cap, step):
