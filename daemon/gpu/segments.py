@@ -39,6 +39,7 @@ from daemon.gpu.allocator import (
     OutOfPages,
     as_page_array,
     ascending,
+    ascends,
     check_allocated,
     mark_free,
     marked_free,
@@ -365,9 +366,23 @@ class SegmentedAllocator:
                     part = parts[p // sp] = array("i")
                 part.append(p)
             return list(parts.items())
-        segs = page_ids(pages) // self.segment_pages
-        if not len(segs) or segs.min() == segs.max():
-            return [(int(segs[0]), pages)] if len(segs) else []
+        ids = page_ids(pages)
+        sp = self.segment_pages
+        first, last = int(ids[0]) // sp, int(ids[-1]) // sp
+        if ascends(ids) and last - first <= len(ids):  # the parts are slices, in order
+            if first == last:
+                return [(first, pages)]
+            out: list[tuple[int, array]] = []
+            a = 0
+            ends = np.searchsorted(ids, np.arange(first + 1, last + 1) * sp).tolist()
+            for seg, b in zip(range(first, last + 1), [*ends, len(ids)], strict=True):
+                if b > a:
+                    out.append((seg, pages[a:b]))
+                    a = b
+            return out
+        segs = ids // sp
+        if segs.min() == segs.max():
+            return [(int(segs[0]), pages)]
         order = np.argsort(segs, kind="stable")
         ranked = segs[order]
         starts = np.flatnonzero(np.diff(ranked)) + 1
