@@ -19,8 +19,9 @@ machine getting busier or quieter weighs on both alike. Figures, each side and t
 - ``store_us_<n>``, ``release_us_<n>``: ``HostPool.store_unnamed`` of ``n`` slots (a host copy
   taking its slots), and ``release_many`` of them (an int32 array, as the tree hands them back),
   in a pool of a million slots, 800,000 of them held (``--quick``: 100,000 slots, 80,000 held).
-- ``host_bytes_per_held_slot``: what that pool's bookkeeping took (slot references, hash index,
-  allocator; the pages' own memory not included), by ``tracemalloc``, per held slot.
+- ``host_bytes_per_held_slot``: what that pool's bookkeeping took, by ``tracemalloc`` from its
+  creation to the end of the fill (arrays of one entry per slot, held or not, included; the
+  pages' own memory, a memfd mapping, not), over the slots held then (80% of them).
 """
 
 from __future__ import annotations

@@ -85,7 +85,7 @@ def ref_pool_audit(p: HostPool) -> list[str]:
     unheld = sorted(set(p._hash_of) - set(counts))
     if unheld:
         v.append(f"{name}: slots {unheld[:10]} record a hash but are not held")
-    if p._refs[0]:
+    if p._refs[0] > 0:
         v.append(f"{name}: slot 0 (reserved) has {int(p._refs[0])} references")
     negative = [s for s in range(p.capacity) if p._refs[s] < 0]
     if negative:

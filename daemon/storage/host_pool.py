@@ -56,6 +56,7 @@ from daemon.gpu.allocator import (
     AUDIT_STEP_SLOTS,
     AllocatorError,
     OutOfPages,
+    ascends,
     page_ids,
 )
 from daemon.gpu.profile import DTYPE_ITEMSIZE, ModelProfile, torch_dtype
@@ -80,6 +81,8 @@ _KINDS = ("full", "swa")
 MARK_FREE = 1
 MARK_HELD = 2
 #: a mark byte -> 1 where the slot is neither free nor held (a leak)
+#: the most references one slot can hold (its count is an int32)
+MAX_REFERENCES = 2**31 - 1
 _LOST = bytes(1 if not b & (MARK_FREE | MARK_HELD) else 0 for b in range(256))
 
 
@@ -135,6 +138,9 @@ class ReferenceCounts(Mapping[int, int]):
 
     def __len__(self) -> int:
         return int(np.count_nonzero(self._counts > 0))
+
+    def __repr__(self) -> str:
+        return f"ReferenceCounts({len(self)} of {len(self._counts)} slots held)"
 
     def __iter__(self) -> Iterator[int]:
         for slots in self._blocks():
@@ -457,7 +463,10 @@ class HostPool:
 
     def hold(self, slot: int) -> None:
         """One more reference on a held slot (a reader that must outlive its owner's)."""
-        self._refs[self._check_held(slot)] += 1
+        if self._refs[self._check_held(slot)] >= MAX_REFERENCES:
+            raise AllocatorError(f"{self.model} {self.kind} host pool: slot {slot} holds "
+                                 f"{MAX_REFERENCES} references, the most a slot can")
+        self._refs[slot] += 1
         self.changes += 1
 
     def release(self, slot: int) -> None:
@@ -478,17 +487,20 @@ class HostPool:
         # the checks and the common case (the tree's copies: one reference each, no hash, as an
         # int32 array) in numpy over the whole list: evicting host copies at page 1 releases
         # thousands of slots. Anything else is checked slot by slot, for the error's message
-        ids = None
         if isinstance(slots, array) and slots.typecode == "i":
-            ids = page_ids(slots)
+            # a copy: a view of the caller's array, kept by the traceback of an error below,
+            # would keep the caller from resizing it
+            ids = page_ids(slots).copy()
         elif set(map(type, slots)) == {int} and -2**31 <= min(slots) and max(slots) < 2**31:
             ids = np.array(slots, dtype=np.int32)
-        if (ids is None or not (0 < ids.min() and ids.max() < self.capacity)
-                or (refs[ids] <= 0).any()):
+        else:  # raises unless every slot is held (int subclasses pass, as ints)
             for slot in slots:
                 self._check_held(slot)
-        assert ids is not None
-        once = len(ids) < 2 or bool((ids[1:] > ids[:-1]).all())  # ascending: no slot twice
+            ids = np.array([int(slot) for slot in slots], dtype=np.int32)
+        if not (0 < ids.min() and ids.max() < self.capacity) or (refs[ids] <= 0).any():
+            for slot in slots:
+                self._check_held(slot)
+        once = ascends(ids)  # no slot twice
         if not once:
             uniq, counts = np.unique(ids, return_counts=True)
             over = np.flatnonzero(counts > refs[uniq])
@@ -506,8 +518,10 @@ class HostPool:
             left = refs[ids] == 0
             if not left.any():
                 return
-            # each slot freed once, in the order of its first mention
-            freed = ids[left][np.sort(np.unique(ids[left], return_index=True)[1])]
+            # each slot freed once, where its last reference goes (its last mention), as
+            # releases one at a time would: the order in which the allocator gets them back
+            back = ids[left][::-1]
+            freed = back[np.sort(np.unique(back, return_index=True)[1])[::-1]]
         hash_of = self._hash_of
         if hash_of:
             listed = freed.tolist()
@@ -570,7 +584,7 @@ class HostPool:
             yield
         if unheld:
             v.append(f"{name}: slots {sorted(unheld)[:10]} record a hash but are not held")
-        if refs[0]:
+        if refs[0] > 0:
             v.append(f"{name}: slot 0 (reserved) has {int(refs[0])} references")
         low: list[int] = []  # released more often than held
         both: list[int] = []  # free and held

@@ -28,7 +28,7 @@ from daemon.storage.copies import (
     run_copy,
     run_plans,
 )
-from daemon.storage.host_pool import HOST_POOL_LAYOUT, HostPool
+from daemon.storage.host_pool import HOST_POOL_LAYOUT, MAX_REFERENCES, HostPool
 
 
 def make_profile(**overrides: Any) -> ModelProfile:
@@ -282,6 +282,76 @@ def test_release_many_agrees_with_a_reference_count_model(steps: list) -> None:
             assert dict(host.reference_counts()) == refs
             assert dict(host.slot_hashes()) == hashes
             assert host.used == len(refs) and host.audit() == []
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.integers(0, 11), min_size=1, max_size=30),
+       st.lists(st.integers(0, 11), max_size=12), st.booleans())
+def test_release_many_frees_slots_in_the_order_their_last_references_go(
+        release: list[int], holds: list[int], typed: bool) -> None:
+    """Slots listed twice included: the slots freed go back to the allocator in the order in
+    which their last references go, as one batch of distinct slots would, so the allocations
+    that follow hand out the same slots in the same order (runs freed in order come back in
+    order). The reference drops the references that free nothing one at a time, then releases
+    the freed slots as one distinct list."""
+    one = HostPool(make_profile(), 13, "full", pin_memory=False)
+    many = HostPool(make_profile(), 13, "full", pin_memory=False)
+    try:
+        for pool in (one, many):
+            slots = pool.store_unnamed(12)
+            for i in holds:
+                pool.hold(slots[i])
+        left = {s: 1 + holds.count(i) for i, s in enumerate(slots)}
+        listed = []
+        for i in release:
+            if left[slots[i]]:
+                left[slots[i]] -= 1
+                listed.append(slots[i])
+        freed = []
+        refs = {s: one.refcount(s) for s in set(listed)}
+        for s in listed:
+            refs[s] -= 1
+            if refs[s]:
+                one.release(s)
+            else:
+                freed.append(s)
+        one.release_many(freed)
+        many.release_many(array("i", listed) if typed else listed)
+        assert dict(many.reference_counts()) == dict(one.reference_counts())
+        assert many.store_unnamed(many.available) == one.store_unnamed(one.available)
+        assert many.audit() == [] and one.audit() == []
+    finally:
+        one.close()
+        many.close()
+
+
+def test_release_many_takes_int_subclasses_as_the_ints_they_are() -> None:
+    class Slot(int):
+        pass
+
+    with HostPool(make_profile(), 8, "full", pin_memory=False) as host:
+        a = host.store_unnamed(3)
+        host.release_many([Slot(a[0]), Slot(a[2])])
+        assert host.used == 1 and host.refcount(a[1]) == 1 and host.audit() == []
+
+
+def test_a_refused_release_leaves_the_callers_array_free_to_grow() -> None:
+    with HostPool(make_profile(), 8, "full", pin_memory=False) as host:
+        a = host.store_unnamed(2)
+        bad = array("i", [a[0], 7])  # 7 is not held
+        with pytest.raises(AllocatorError, match="slot 7 is not held") as refused:
+            host.release_many(bad)
+        bad.append(1)  # a BufferError if the pool's view of it lived on in the traceback
+        assert refused.value is not None and host.refcount(a[0]) == 1 and host.audit() == []
+
+
+def test_a_slot_at_its_reference_limit_refuses_one_more_hold() -> None:
+    with HostPool(make_profile(), 4, "full", pin_memory=False) as host:
+        s = host.store_unnamed(1)[0]
+        host._refs[s] = MAX_REFERENCES  # the fault: a count no test could reach by holding
+        with pytest.raises(AllocatorError, match="the most a slot can"):
+            host.hold(s)
+        assert host.refcount(s) == MAX_REFERENCES
 
 
 @pytest.mark.parametrize("plant", ["refs_zero", "index_points_elsewhere", "free_and_held",
