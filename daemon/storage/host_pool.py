@@ -42,6 +42,7 @@ import math
 import os
 import weakref
 from array import array
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
@@ -54,6 +55,7 @@ from radixd_client.segments import SegmentedRegion
 from daemon.gpu.allocator import (
     AUDIT_STEP_PAGES,
     AUDIT_STEP_SLOTS,
+    VECTOR_MIN,
     AllocatorError,
     OutOfPages,
     ascends,
@@ -483,6 +485,9 @@ class HostPool:
             # would read their bytes as int32 values
             raise AllocatorError(f"{self.model} {self.kind} host pool: slots must be a sequence "
                                  f"of ints, not {type(slots).__name__}")
+        if len(slots) < VECTOR_MIN:  # a few slots: numpy's calls would cost more than a loop
+            self._release_few(slots)
+            return
         refs = self._refs
         # the checks and the common case (the tree's copies: one reference each, no hash, as an
         # int32 array) in numpy over the whole list: evicting host copies at page 1 releases
@@ -532,6 +537,31 @@ class HostPool:
                         del self._slot_of[page_hash]
         self._alloc.free(slots if freed is ids and isinstance(slots, array) and
                          slots.typecode == "i" else array("i", freed.tobytes()))
+
+    def _release_few(self, slots: Sequence[int]) -> None:
+        """:meth:`release_many` a slot at a time."""
+        for slot in slots:
+            self._check_held(slot)
+        refs = self._refs
+        if len(set(slots)) != len(slots):
+            for slot, n in Counter(slots).items():
+                if n > refs[slot]:
+                    raise AllocatorError(f"{self.model} {self.kind} host pool: slot {slot} "
+                                         f"released {n} times, holds {int(refs[slot])} "
+                                         "references")
+        self.changes += len(slots)
+        hash_of = self._hash_of
+        freed = array("i")
+        for slot in slots:
+            left = int(refs[slot]) - 1
+            refs[slot] = left
+            if not left:
+                page_hash = hash_of.pop(slot, None) if hash_of else None
+                if page_hash is not None:
+                    del self._slot_of[page_hash]
+                freed.append(slot)
+        if freed:
+            self._alloc.free(freed)
 
     def audit_owners(self, slots: Iterable[int], space: str, what: str) -> list[str]:
         """Every slot of ``slots`` lies in a segment namespace ``space`` holds."""

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import os
 import threading
 import time
 from array import array
+from collections.abc import Iterator
 from typing import Any
 
 import hypothesis.strategies as st
@@ -15,6 +17,7 @@ import pytest
 import torch
 from hypothesis import example, given, settings
 
+import daemon.storage.host_pool as host_pool_module
 from daemon.gpu.allocator import AllocatorError, OutOfPages
 from daemon.gpu.pools import KVPools, Pool
 from daemon.gpu.profile import ModelProfile
@@ -29,6 +32,18 @@ from daemon.storage.copies import (
     run_plans,
 )
 from daemon.storage.host_pool import HOST_POOL_LAYOUT, MAX_REFERENCES, HostPool
+
+
+@contextlib.contextmanager
+def release_path(vector: bool) -> Iterator[None]:
+    """``HostPool.release_many`` on its numpy path (``vector``) whatever the list's length, or a
+    slot at a time."""
+    was = host_pool_module.VECTOR_MIN
+    host_pool_module.VECTOR_MIN = 1 if vector else 2**40
+    try:
+        yield
+    finally:
+        host_pool_module.VECTOR_MIN = was
 
 
 def make_profile(**overrides: Any) -> ModelProfile:
@@ -232,13 +247,15 @@ def test_release_many_refuses_bytes_before_it_changes_a_slot() -> None:
 @given(st.lists(st.tuples(st.sampled_from(["store", "unnamed", "hold", "hold", "release",
                                            "release"]),
                           st.lists(st.integers(0, 15), max_size=6), st.booleans()),
-                max_size=25))
-@example([("store", [], False), ("hold", [0], False), ("release", [1, 1], True)])  # [1, True]
-def test_release_many_agrees_with_a_reference_count_model(steps: list) -> None:
+                max_size=25), st.booleans())
+@example([("store", [], False), ("hold", [0], False), ("release", [1, 1], True)], False)
+@example([("store", [], False), ("hold", [0], False), ("release", [1, 1], True)], True)
+def test_release_many_agrees_with_a_reference_count_model(steps: list, vector: bool) -> None:
     """Any mix of keyed and unnamed slots, extra references, repeated and foreign slots, and a
     bool among the slots: release_many frees exactly the slots whose last reference it drops,
-    forgets their hashes, and refuses a bad list whole."""
-    with HostPool(make_profile(), 16, "full", pin_memory=False) as host:
+    forgets their hashes, and refuses a bad list whole; on either path (``vector``: numpy's,
+    which lists of ``VECTOR_MIN`` slots or more take)."""
+    with release_path(vector), HostPool(make_profile(), 16, "full", pin_memory=False) as host:
         refs: dict[int, int] = {}
         hashes: dict[int, bytes] = {}
         n = 0
@@ -284,11 +301,11 @@ def test_release_many_agrees_with_a_reference_count_model(steps: list) -> None:
             assert host.used == len(refs) and host.audit() == []
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(st.lists(st.integers(0, 11), min_size=1, max_size=30),
-       st.lists(st.integers(0, 11), max_size=12), st.booleans())
+       st.lists(st.integers(0, 11), max_size=12), st.booleans(), st.booleans())
 def test_release_many_frees_slots_in_the_order_their_last_references_go(
-        release: list[int], holds: list[int], typed: bool) -> None:
+        release: list[int], holds: list[int], typed: bool, vector: bool) -> None:
     """Slots listed twice included: the slots freed go back to the allocator in the order in
     which their last references go, as one batch of distinct slots would, so the allocations
     that follow hand out the same slots in the same order (runs freed in order come back in
@@ -316,7 +333,8 @@ def test_release_many_frees_slots_in_the_order_their_last_references_go(
             else:
                 freed.append(s)
         one.release_many(freed)
-        many.release_many(array("i", listed) if typed else listed)
+        with release_path(vector):
+            many.release_many(array("i", listed) if typed else listed)
         assert dict(many.reference_counts()) == dict(one.reference_counts())
         assert many.store_unnamed(many.available) == one.store_unnamed(one.available)
         assert many.audit() == [] and one.audit() == []
