@@ -179,7 +179,7 @@ def run(baseline: str, quick: bool = False) -> dict[str, float]:
         tracemalloc.stop()
         host[side] = p
     put("host_bytes_per_held_slot", meta)
-    for n in (64, 1024, 4096):
+    for n in (2, 64, 1024, 4096):
         def store(p: Any, n: int = n) -> float:
             t = time.perf_counter()
             taken = p.store_unnamed(n)

@@ -38,12 +38,12 @@ from daemon.storage.host_pool import HOST_POOL_LAYOUT, MAX_REFERENCES, HostPool
 def release_path(vector: bool) -> Iterator[None]:
     """``HostPool.release_many`` on its numpy path (``vector``) whatever the list's length, or a
     slot at a time."""
-    was = host_pool_module.VECTOR_MIN
-    host_pool_module.VECTOR_MIN = 1 if vector else 2**40
+    was = host_pool_module.FEW_SLOTS
+    host_pool_module.FEW_SLOTS = 1 if vector else 2**40
     try:
         yield
     finally:
-        host_pool_module.VECTOR_MIN = was
+        host_pool_module.FEW_SLOTS = was
 
 
 def make_profile(**overrides: Any) -> ModelProfile:
@@ -254,7 +254,7 @@ def test_release_many_agrees_with_a_reference_count_model(steps: list, vector: b
     """Any mix of keyed and unnamed slots, extra references, repeated and foreign slots, and a
     bool among the slots: release_many frees exactly the slots whose last reference it drops,
     forgets their hashes, and refuses a bad list whole; on either path (``vector``: numpy's,
-    which lists of ``VECTOR_MIN`` slots or more take)."""
+    which lists of ``FEW_SLOTS`` slots or more take)."""
     with release_path(vector), HostPool(make_profile(), 16, "full", pin_memory=False) as host:
         refs: dict[int, int] = {}
         hashes: dict[int, bytes] = {}
