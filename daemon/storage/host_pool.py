@@ -68,10 +68,11 @@ from daemon.gpu.shared_memory import (
     create_sealed_memfd,
     renew_segment_memfd,
 )
+from daemon.storage.reference_counts import ReferenceCounts
 from daemon.tree import chunked
 
 __all__ = ["HASH_BYTES", "HOST_POOL_LAYOUT", "MARK_FREE", "MARK_HELD", "AllocatorError",
-           "HostPool", "OutOfPages", "PoolError", "ReferenceCounts"]
+           "HostPool", "OutOfPages", "PoolError"]
 
 #: Axis names of a host pool tensor, outermost first (page-first).
 HOST_POOL_LAYOUT: tuple[str, ...] = ("page", "layer", "kv", "token", "kv_head", "head_dim")
@@ -119,45 +120,6 @@ def _release(fds: list[int], unregister: list[Callable[[], None] | None]) -> Non
         os.close(fd)
     fds.clear()
     unregister.clear()
-
-
-class ReferenceCounts(Mapping[int, int]):
-    """Slot -> reference count of every held slot of a pool, read-only and live over the pool's
-    array of counts. Iteration walks the array a block at a time, so that a stepped audit that
-    takes a chunk of items per step never scans the whole pool in one step."""
-
-    __slots__ = ("_counts",)
-
-    def __init__(self, counts: np.ndarray) -> None:
-        self._counts = counts
-
-    def __getitem__(self, slot: int) -> int:
-        if slot in self:
-            return int(self._counts[slot])
-        raise KeyError(slot)
-
-    def __contains__(self, slot: object) -> bool:
-        return (isinstance(slot, int) and not isinstance(slot, bool)
-                and 0 <= slot < len(self._counts) and self._counts[slot] > 0)
-
-    def __len__(self) -> int:
-        return int(np.count_nonzero(self._counts > 0))
-
-    def __repr__(self) -> str:
-        return f"ReferenceCounts({len(self)} of {len(self._counts)} slots held)"
-
-    def __iter__(self) -> Iterator[int]:
-        for slots in self._blocks():
-            yield from slots.tolist()
-
-    def items(self) -> Iterator[tuple[int, int]]:  # type: ignore[override]
-        for slots in self._blocks():
-            yield from zip(slots.tolist(), self._counts[slots].tolist(), strict=True)
-
-    def _blocks(self) -> Iterator[np.ndarray]:
-        step = 64 * AUDIT_STEP_PAGES
-        for start in range(0, len(self._counts), step):
-            yield np.flatnonzero(self._counts[start:start + step] > 0) + start
 
 
 class HostPool:
@@ -453,7 +415,7 @@ class HostPool:
         self.changes += len(slots)
         self._slot_of.update(zip(page_hashes, slots, strict=True))
         self._hash_of.update(zip(slots, page_hashes, strict=True))
-        self._refs[page_ids(slots)] = 1
+        self._count_new(slots)
         return slots
 
     def store_unnamed(self, count: int, space: str = "") -> array:
@@ -462,8 +424,17 @@ class HostPool:
         (the tree's host copies), which nobody looks up by content."""
         slots = self._alloc.alloc(count, space)
         self.changes += len(slots)
-        self._refs[page_ids(slots)] = 1
+        self._count_new(slots)
         return slots
+
+    def _count_new(self, slots: array) -> None:
+        """One reference on each slot just allocated."""
+        if len(slots) < FEW_SLOTS:
+            refs = self._refs
+            for slot in slots:
+                refs[slot] = 1
+        else:
+            self._refs[page_ids(slots)] = 1
 
     def hold(self, slot: int) -> None:
         """One more reference on a held slot (a reader that must outlive its owner's)."""

@@ -1,0 +1,50 @@
+"""A live, read-only view of a host pool's slot reference counts as a mapping."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+
+import numpy as np
+
+from daemon.gpu.allocator import AUDIT_STEP_PAGES
+
+__all__ = ["ReferenceCounts"]
+
+
+class ReferenceCounts(Mapping[int, int]):
+    """Slot -> reference count of every held slot of a pool, read-only and live over the pool's
+    array of counts. Iteration walks the array a block at a time, so that a stepped audit that
+    takes a chunk of items per step never scans the whole pool in one step."""
+
+    __slots__ = ("_counts",)
+
+    def __init__(self, counts: np.ndarray) -> None:
+        self._counts = counts
+
+    def __getitem__(self, slot: int) -> int:
+        if slot in self:
+            return int(self._counts[slot])
+        raise KeyError(slot)
+
+    def __contains__(self, slot: object) -> bool:
+        return (isinstance(slot, int) and not isinstance(slot, bool)
+                and 0 <= slot < len(self._counts) and self._counts[slot] > 0)
+
+    def __len__(self) -> int:
+        return int(np.count_nonzero(self._counts > 0))
+
+    def __repr__(self) -> str:
+        return f"ReferenceCounts({len(self)} of {len(self._counts)} slots held)"
+
+    def __iter__(self) -> Iterator[int]:
+        for slots in self._blocks():
+            yield from slots.tolist()
+
+    def items(self) -> Iterator[tuple[int, int]]:  # type: ignore[override]
+        for slots in self._blocks():
+            yield from zip(slots.tolist(), self._counts[slots].tolist(), strict=True)
+
+    def _blocks(self) -> Iterator[np.ndarray]:
+        step = 64 * AUDIT_STEP_PAGES
+        for start in range(0, len(self._counts), step):
+            yield np.flatnonzero(self._counts[start:start + step] > 0) + start
