@@ -20,7 +20,12 @@ LENGTHS = st.sampled_from([0, 1, 2, VECTOR_MIN - 1, VECTOR_MIN, VECTOR_MIN + 1, 
 
 
 def _ids(draw: st.DrawFn, pool: list[int], n: int) -> list[int]:
-    return draw(st.permutations(pool))[:n] if pool else []
+    """``n`` distinct ids of ``pool`` (all of them if it has fewer) in a random order. Drawn as
+    a seeded shuffle, not a permutation of the whole pool: a permutation of hundreds of ids made
+    the smallest example so large that newer Hypothesis releases fail the health check."""
+    if not pool or not n:
+        return []
+    return draw(st.randoms(use_true_random=False)).sample(pool, min(n, len(pool)))
 
 
 @settings(max_examples=60, deadline=None)
