@@ -119,8 +119,9 @@ def ascending(pages: array) -> array:
 
 def ascends(ids: np.ndarray) -> bool:
     """Whether the ids rise strictly: then none occurs twice, the first is the least and the
-    last the greatest. Lists an allocation handed out are, so one comparison pass saves the
-    sort that finding duplicates otherwise takes."""
+    last the greatest. An allocation of ``VECTOR_MIN`` pages or more hands them out so (and
+    nodes keep its runs), so one comparison pass saves the sort that finding duplicates
+    otherwise takes."""
     return len(ids) < 2 or bool((ids[1:] > ids[:-1]).all())
 
 

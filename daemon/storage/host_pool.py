@@ -82,12 +82,12 @@ _KINDS = ("full", "swa")
 #: :meth:`HostPool.audit_steps`'s marks: the slot is on a free list / holds a page
 MARK_FREE = 1
 MARK_HELD = 2
-#: a mark byte -> 1 where the slot is neither free nor held (a leak)
-#: releases of fewer slots go a slot at a time: below it the loop costs less than numpy's calls
-#: (bench/alloc_bench.py's release_us: about 0.55 µs a slot, against 9-12 µs a call up to 16)
+#: releases and stores of fewer slots go a slot at a time: below it the loop costs less than
+#: numpy's calls (bench/alloc_bench.py: about 0.55 µs a slot, against 9-12 µs a call up to 16)
 FEW_SLOTS = 16
 #: the most references one slot can hold (its count is an int32)
 MAX_REFERENCES = 2**31 - 1
+#: a mark byte -> 1 where the slot is neither free nor held (a leak)
 _LOST = bytes(1 if not b & (MARK_FREE | MARK_HELD) else 0 for b in range(256))
 
 
@@ -218,8 +218,8 @@ class HostPool:
                                          on_assign=self.renew_segment)
         self._slot_of: dict[bytes, int] = {}  # page hash -> slot
         self._hash_of: dict[int, bytes] = {}  # slot -> page hash
-        # slot -> reference count, 0 for a slot holding nothing: 4 bytes a slot, where a dict
-        # of the held ones took about 100, and a copy's thousands of slots (pages of a few
+        # slot -> reference count, 0 for a slot holding nothing: 4 bytes a slot, where a dict of
+        # the held ones took 60-80 a held slot, and a copy's thousands of slots (pages of a few
         # tokens) are counted and released in a few numpy calls
         self._refs = np.zeros(capacity_pages, dtype=np.int32)
         #: bumped by every change of the slots' bookkeeping (store, hold, release): part of
@@ -480,12 +480,13 @@ class HostPool:
                 self._check_held(slot)
         once = ascends(ids)  # no slot twice
         if not once:
-            uniq, counts = np.unique(ids, return_counts=True)
+            uniq, first, counts = np.unique(ids, return_index=True, return_counts=True)
             over = np.flatnonzero(counts > refs[uniq])
-            if len(over):
-                slot = int(uniq[over[0]])
+            if len(over):  # named as a slot at a time would: the first in the list
+                i = over[np.argmin(first[over])]
+                slot = int(uniq[i])
                 raise AllocatorError(f"{self.model} {self.kind} host pool: slot {slot} "
-                                     f"released {int(counts[over[0]])} times, holds "
+                                     f"released {int(counts[i])} times, holds "
                                      f"{int(refs[slot])} references")
         self.changes += len(ids)
         if once and int(refs[ids].max()) == 1:  # every slot freed
@@ -592,7 +593,7 @@ class HostPool:
         low: list[int] = []  # released more often than held
         both: list[int] = []  # free and held
         all_marks = np.frombuffer(m, dtype=np.uint8)
-        step = 64 * AUDIT_STEP_PAGES  # compared as arrays, not one by one
+        step = 64 * AUDIT_STEP_PAGES  # compared as arrays (and below as bytes), not one by one
         for start in range(0, cap, step):
             counts = refs[start:start + step]
             held = counts > 0
@@ -606,7 +607,6 @@ class HostPool:
         if both:
             v.append(f"{name}: slots {both[:10]} are both free and held")
         lost: list[int] = []  # neither on a free list nor held: allocated to nobody
-        step = 64 * AUDIT_STEP_PAGES  # compared as bytes, not one by one
         for start in range(0, cap, step):
             flags = m[start:start + step].translate(_LOST)
             i = flags.find(1, 1 if start == 0 else 0)  # slot 0 is reserved

@@ -8,13 +8,17 @@ import numpy as np
 
 from daemon.gpu.allocator import AUDIT_STEP_PAGES
 
-__all__ = ["ReferenceCounts"]
+__all__ = ["BLOCK_SLOTS", "ReferenceCounts"]
+
+#: slots scanned at once (one numpy comparison): about what the audits scan in one step
+BLOCK_SLOTS = 64 * AUDIT_STEP_PAGES
 
 
 class ReferenceCounts(Mapping[int, int]):
     """Slot -> reference count of every held slot of a pool, read-only and live over the pool's
-    array of counts. Iteration walks the array a block at a time, so that a stepped audit that
-    takes a chunk of items per step never scans the whole pool in one step."""
+    array of counts. Iteration walks the array a block of slots at a time; a stepped audit takes
+    :meth:`item_blocks` and yields after each block as well as after each chunk of items, so that
+    a step neither scans a sparse pool whole nor walks a dense block whole."""
 
     __slots__ = ("_counts",)
 
@@ -41,10 +45,15 @@ class ReferenceCounts(Mapping[int, int]):
             yield from slots.tolist()
 
     def items(self) -> Iterator[tuple[int, int]]:  # type: ignore[override]
+        for block in self.item_blocks():
+            yield from block
+
+    def item_blocks(self) -> Iterator[list[tuple[int, int]]]:
+        """(slot, count) of the held slots of each block of ``BLOCK_SLOTS`` slots, in order, an
+        empty list for a block holding none."""
         for slots in self._blocks():
-            yield from zip(slots.tolist(), self._counts[slots].tolist(), strict=True)
+            yield list(zip(slots.tolist(), self._counts[slots].tolist(), strict=True))
 
     def _blocks(self) -> Iterator[np.ndarray]:
-        step = 64 * AUDIT_STEP_PAGES
-        for start in range(0, len(self._counts), step):
-            yield np.flatnonzero(self._counts[start:start + step] > 0) + start
+        for start in range(0, len(self._counts), BLOCK_SLOTS):
+            yield np.flatnonzero(self._counts[start:start + BLOCK_SLOTS] > 0) + start

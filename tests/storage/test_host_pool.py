@@ -343,6 +343,16 @@ def test_release_many_frees_slots_in_the_order_their_last_references_go(
         many.close()
 
 
+@pytest.mark.parametrize("vector", [False, True])
+def test_an_over_release_names_the_first_such_slot_in_the_list(vector: bool) -> None:
+    with release_path(vector), HostPool(make_profile(), 8, "full", pin_memory=False) as host:
+        a, b = host.store_unnamed(2)
+        with pytest.raises(AllocatorError) as refused:
+            host.release_many([b, b, a, a])
+        assert str(refused.value).endswith(f"slot {b} released 2 times, holds 1 references")
+        assert host.used == 2 and host.audit() == []
+
+
 def test_release_many_takes_int_subclasses_as_the_ints_they_are() -> None:
     class Slot(int):
         pass
