@@ -179,19 +179,17 @@ class HostTier:
             tree_held = 0  # held slots in the tree
             tree_named: list[int] = []  # tree copies are the tree's to index, never hashed
             stray = False  # a held slot nothing accounts for
-            for block in pool.reference_counts().item_blocks():
-                for chunk in chunked(block, AUDIT_STEP_SLOTS):
-                    for s, n in chunk:
-                        t = s in tree
-                        tree_held += t
-                        if t and s in named:
-                            tree_named.append(s)
-                        want = t + (s in pend) + readers.get(s, 0) + (s in keyed)
-                        if wrong is None and n != want:
-                            wrong = (s, n, want)
-                        if not want and s not in readers:  # (only readers count below 0)
-                            stray = True
-                    yield
+            for chunk in pool.reference_counts().item_chunks(AUDIT_STEP_SLOTS):
+                for s, n in chunk:
+                    t = s in tree
+                    tree_held += t
+                    if t and s in named:
+                        tree_named.append(s)
+                    want = t + (s in pend) + readers.get(s, 0) + (s in keyed)
+                    if wrong is None and n != want:
+                        wrong = (s, n, want)
+                    if not want and s not in readers:  # (only readers count below 0)
+                        stray = True
                 yield
             if tree_named:
                 v.append(f"{kind} host slots {sorted(tree_named)[:10]} are in the tree and "

@@ -16,9 +16,8 @@ BLOCK_SLOTS = 64 * AUDIT_STEP_PAGES
 
 class ReferenceCounts(Mapping[int, int]):
     """Slot -> reference count of every held slot of a pool, read-only and live over the pool's
-    array of counts. Iteration walks the array a block of slots at a time; a stepped audit takes
-    :meth:`item_blocks` and yields after each block as well as after each chunk of items, so that
-    a step neither scans a sparse pool whole nor walks a dense block whole."""
+    array of counts. Iteration walks the array a block of slots at a time; a stepped audit walks
+    :meth:`item_chunks`."""
 
     __slots__ = ("_counts",)
 
@@ -45,14 +44,19 @@ class ReferenceCounts(Mapping[int, int]):
             yield from slots.tolist()
 
     def items(self) -> Iterator[tuple[int, int]]:  # type: ignore[override]
-        for block in self.item_blocks():
-            yield from block
+        for chunk in self.item_chunks(BLOCK_SLOTS):
+            yield from chunk
 
-    def item_blocks(self) -> Iterator[list[tuple[int, int]]]:
-        """(slot, count) of the held slots of each block of ``BLOCK_SLOTS`` slots, in order, an
-        empty list for a block holding none."""
+    def item_chunks(self, size: int) -> Iterator[list[tuple[int, int]]]:
+        """(slot, count) of the held slots in order, at most ``size`` a list, and an empty list
+        for each block of ``BLOCK_SLOTS`` slots that holds none: a stepped audit that yields
+        after each list neither walks many held slots nor scans a sparse pool whole in a step."""
         for slots in self._blocks():
-            yield list(zip(slots.tolist(), self._counts[slots].tolist(), strict=True))
+            if not len(slots):
+                yield []
+            for i in range(0, len(slots), size):
+                part = slots[i:i + size]
+                yield list(zip(part.tolist(), self._counts[part].tolist(), strict=True))
 
     def _blocks(self) -> Iterator[np.ndarray]:
         for start in range(0, len(self._counts), BLOCK_SLOTS):
