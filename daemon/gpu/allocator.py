@@ -130,8 +130,10 @@ def has_duplicates(pages: array) -> bool:
     if len(pages) < VECTOR_MIN:
         return len(set(pages)) != len(pages)
     ids = page_ids(pages)
-    if ascends(ids):
-        return False
+    return not ascends(ids) and _repeats(ids)
+
+
+def _repeats(ids: np.ndarray) -> bool:
     s = np.sort(ids)
     return bool((s[1:] == s[:-1]).any())
 
@@ -145,11 +147,12 @@ def set_states(state: bytearray, pages: array, value: int) -> None:
         np.frombuffer(state, dtype=np.uint8)[page_ids(pages)] = value
 
 
-def check_allocated(name: str, state: bytearray, pages: array) -> None:
+def check_allocated(name: str, state: bytearray, pages: array) -> bool:
     """Raise unless every page is a page of the pool marked used in ``state`` (one byte a page,
     page 0 the padding page) and listed once: the validation of a free, before any change. A
     long list is checked in numpy first; only one that fails is walked page by page, for the
-    message about its first bad page."""
+    message about its first bad page. Returns whether the list is one of ``VECTOR_MIN`` ids or
+    more that rises strictly (:func:`ascends`), which the free goes on to use."""
     cap = len(state)
     if len(pages) >= VECTOR_MIN:
         ids = page_ids(pages)
@@ -157,8 +160,8 @@ def check_allocated(name: str, state: bytearray, pages: array) -> None:
         lo, hi = (ids[0], ids[-1]) if once else (ids.min(), ids.max())
         if (0 < int(lo) and int(hi) < cap
                 and (np.frombuffer(state, dtype=np.uint8)[ids] == _USED).all()
-                and (once or not has_duplicates(pages))):
-            return
+                and (once or not _repeats(ids))):
+            return once
     seen: set[int] = set()
     for p in pages:
         if not 0 < p < cap:
@@ -168,6 +171,7 @@ def check_allocated(name: str, state: bytearray, pages: array) -> None:
         if p in seen:
             raise AllocatorError(f"{name}: page {p} listed twice in one free")
         seen.add(p)
+    return False
 
 
 class PageAllocator:

@@ -39,7 +39,6 @@ from daemon.gpu.allocator import (
     OutOfPages,
     as_page_array,
     ascending,
-    ascends,
     check_allocated,
     mark_free,
     marked_free,
@@ -323,10 +322,10 @@ class SegmentedAllocator:
     def free(self, pages: Iterable[int]) -> None:
         """Pages back to their segments; a segment left empty goes back to the free list."""
         pages = as_page_array(pages)
-        check_allocated(self.name, self._state, pages)
+        rising = check_allocated(self.name, self._state, pages)
         set_states(self._state, pages, _FREE)
         emptied: set[int] = set()
-        for seg, back in self._by_segment(pages):
+        for seg, back in self._by_segment(pages, rising):
             free = self._seg_free[seg]
             owner = self.owner[seg]
             if not free:
@@ -352,9 +351,10 @@ class SegmentedAllocator:
             self._free_segments.append(seg)
             self._free_segment_pages += len(self._seg_free[seg])
 
-    def _by_segment(self, pages: array) -> list[tuple[int, array]]:
+    def _by_segment(self, pages: array, rising: bool) -> list[tuple[int, array]]:
         """``pages`` split by segment, each part in its pages' order, the parts in the order of
-        their first page (the order in which a page-by-page loop opens segments)."""
+        their first page (the order in which a page-by-page loop opens segments). ``rising``:
+        the pages rise strictly (as ``check_allocated`` found), so the parts are slices."""
         if self.num_segments == 1:
             return [(0, pages)] if len(pages) else []
         if len(pages) < VECTOR_MIN:
@@ -369,7 +369,7 @@ class SegmentedAllocator:
         ids = page_ids(pages)
         sp = self.segment_pages
         first, last = int(ids[0]) // sp, int(ids[-1]) // sp
-        if ascends(ids) and last - first <= len(ids):  # the parts are slices, in order
+        if rising and last - first <= len(ids):
             if first == last:
                 return [(first, pages)]
             out: list[tuple[int, array]] = []

@@ -333,7 +333,7 @@ class HostPool:
     @property
     def used(self) -> int:
         """Slots holding a page."""
-        return int(np.count_nonzero(self._refs > 0))
+        return len(self.reference_counts())
 
     @property
     def available(self) -> int:
@@ -462,10 +462,11 @@ class HostPool:
             self._release_few(slots)
             return
         refs = self._refs
+        typed = isinstance(slots, array) and slots.typecode == "i"
         # the checks and the common case (the tree's copies: one reference each, no hash, as an
         # int32 array) in numpy over the whole list: evicting host copies at page 1 releases
         # thousands of slots. Anything else is checked slot by slot, for the error's message
-        if isinstance(slots, array) and slots.typecode == "i":
+        if typed:
             # a copy: a view of the caller's array, kept by the traceback of an error below,
             # would keep the caller from resizing it
             ids = page_ids(slots).copy()
@@ -475,42 +476,39 @@ class HostPool:
             for slot in slots:
                 self._check_held(slot)
             ids = np.array([int(slot) for slot in slots], dtype=np.int32)
-        if not (0 < ids.min() and ids.max() < self.capacity) or (refs[ids] <= 0).any():
+        if not 0 < ids.min() or not ids.max() < self.capacity:
             for slot in slots:
                 self._check_held(slot)
-        once = ascends(ids)  # no slot twice
-        if not once:
+        held = refs[ids]
+        if (held <= 0).any():
+            for slot in slots:
+                self._check_held(slot)
+        if ascends(ids):  # no slot twice
+            self.changes += len(ids)
+            if held.max() == 1:  # the common case: every slot freed
+                refs[ids] = 0
+                freed = ids
+            else:
+                held -= 1
+                refs[ids] = held
+                freed = ids[held == 0]
+        else:
             uniq, first, counts = np.unique(ids, return_index=True, return_counts=True)
             over = np.flatnonzero(counts > refs[uniq])
             if len(over):  # named as a slot at a time would: the first in the list
                 i = over[np.argmin(first[over])]
-                slot = int(uniq[i])
-                raise AllocatorError(f"{self.model} {self.kind} host pool: slot {slot} "
-                                     f"released {int(counts[i])} times, holds "
-                                     f"{int(refs[slot])} references")
-        self.changes += len(ids)
-        if once and int(refs[ids].max()) == 1:  # every slot freed
-            refs[ids] = 0
-            freed = ids
-        else:
+                raise self._over_released(int(uniq[i]), int(counts[i]))
+            self.changes += len(ids)
             np.subtract.at(refs, ids, 1)
-            left = refs[ids] == 0
-            if not left.any():
-                return
             # each slot freed once, where its last reference goes (its last mention), as
             # releases one at a time would: the order in which the allocator gets them back
-            back = ids[left][::-1]
+            back = ids[refs[ids] == 0][::-1]
             freed = back[np.sort(np.unique(back, return_index=True)[1])[::-1]]
-        hash_of = self._hash_of
-        if hash_of:
-            listed = freed.tolist()
-            if not hash_of.keys().isdisjoint(listed):
-                for slot in listed:
-                    page_hash = hash_of.pop(slot, None)
-                    if page_hash is not None:
-                        del self._slot_of[page_hash]
-        self._alloc.free(slots if freed is ids and isinstance(slots, array) and
-                         slots.typecode == "i" else array("i", freed.tobytes()))
+        if not len(freed):
+            return
+        if self._hash_of:
+            self._forget_hashes(freed.tolist())
+        self._alloc.free(slots if freed is ids and typed else array("i", freed.tobytes()))
 
     def _release_few(self, slots: Sequence[int]) -> None:
         """:meth:`release_many` a slot at a time."""
@@ -520,22 +518,32 @@ class HostPool:
         if len(set(slots)) != len(slots):
             for slot, n in Counter(slots).items():
                 if n > refs[slot]:
-                    raise AllocatorError(f"{self.model} {self.kind} host pool: slot {slot} "
-                                         f"released {n} times, holds {int(refs[slot])} "
-                                         "references")
+                    raise self._over_released(slot, n)
         self.changes += len(slots)
-        hash_of = self._hash_of
         freed = array("i")
         for slot in slots:
             left = int(refs[slot]) - 1
             refs[slot] = left
             if not left:
-                page_hash = hash_of.pop(slot, None) if hash_of else None
-                if page_hash is not None:
-                    del self._slot_of[page_hash]
                 freed.append(slot)
         if freed:
+            if self._hash_of:
+                self._forget_hashes(freed)
             self._alloc.free(freed)
+
+    def _over_released(self, slot: int, n: int) -> AllocatorError:
+        return AllocatorError(f"{self.model} {self.kind} host pool: slot {slot} released {n} "
+                              f"times, holds {int(self._refs[slot])} references")
+
+    def _forget_hashes(self, freed: Iterable[int]) -> None:
+        """Drop the hash index entries of freed slots (keyed pages; most have none)."""
+        hash_of = self._hash_of
+        if hash_of.keys().isdisjoint(freed):
+            return
+        for slot in freed:
+            page_hash = hash_of.pop(slot, None)
+            if page_hash is not None:
+                del self._slot_of[page_hash]
 
     def audit_owners(self, slots: Iterable[int], space: str, what: str) -> list[str]:
         """Every slot of ``slots`` lies in a segment namespace ``space`` holds."""
