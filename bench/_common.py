@@ -119,9 +119,14 @@ def _stat_cpu_s(path: str) -> float:
 
 def export_ref(ref: str) -> str:
     """The tree of git ``ref`` of this repository, unpacked into a new temporary directory: a
-    baseline daemon to run beside this checkout's in the same run."""
+    baseline daemon to run beside this checkout's in the same run. A ref git does not know is
+    a usage error (exit status 2, git's own words), not a traceback."""
+    got = subprocess.run(["git", "-C", _ROOT, "archive", ref], capture_output=True)
+    if got.returncode:
+        why = got.stderr.decode(errors="replace").strip().splitlines()
+        sys.stderr.write(f"error: cannot export the baseline {ref!r}: "
+                         f"{why[-1] if why else 'git archive failed'}\n")
+        raise SystemExit(2)
     out = tempfile.mkdtemp(prefix="radixd-baseline-")
-    archive = subprocess.run(["git", "-C", _ROOT, "archive", ref], check=True,
-                             capture_output=True).stdout
-    subprocess.run(["tar", "-x", "-C", out], input=archive, check=True)
+    subprocess.run(["tar", "-x", "-C", out], input=got.stdout, check=True)
     return out

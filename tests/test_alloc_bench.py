@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import sys
 
+import pytest
+
 import daemon.gpu.segments as segments
 from bench import alloc_bench
 
@@ -25,3 +27,12 @@ def test_a_baseline_before_the_run_order_fix_is_measured_as_that_code() -> None:
         assert f[f"pages_per_block_{label}_base"] < 3
         assert f[f"pages_per_block_{label}_this"] > 8
     assert sys.modules["daemon.gpu.segments"] is segments
+
+
+def test_a_baseline_git_does_not_know_is_a_usage_error(capsys: pytest.CaptureFixture[str]
+                                                       ) -> None:
+    with pytest.raises(SystemExit) as stopped:
+        alloc_bench.main(["--baseline", "no-such-ref-anywhere", "--quick"])
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert "cannot export the baseline 'no-such-ref-anywhere'" in err and "Traceback" not in err
