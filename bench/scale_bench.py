@@ -7,7 +7,9 @@ Usage (from the repository root)::
 
 For each page size one tree (with its allocators, as in ``bench/tree_bench.py``: 1k system
 prompts, 4k sequences of which a quarter are second turns, a third with their SWA below the
-window freed) grows through the checkpoints; at each it measures, on the tree as it is:
+window freed) grows through the checkpoints; at each it first does what the daemon does while
+idle (cold nodes' page ids kept as runs: ``tree_bench.idle``), then measures, on the tree as it
+is:
 
 - ``match_4k``, ``lock_unlock``, ``insert_4k`` (a fresh 4k sequence behind a cached system
   prompt) p50 and p99, in microseconds;
@@ -46,6 +48,8 @@ from bench.tree_bench import (  # noqa: E402
     Workload,
     cached_tokens,
     engine_insert,
+    idle,
+    new_tree,
 )
 from daemon.gpu.allocator import PairedAllocator  # noqa: E402
 from daemon.tree import RadixTree  # noqa: E402
@@ -91,7 +95,7 @@ class Grower:
         self.P = page_size
         cap = int(max_tokens * 1.1) // page_size + 4 * SEQ_LEN // page_size + 2
         self.alloc = PairedAllocator(cap, cap)
-        self.tree = RadixTree(page_size, WINDOW, self.alloc)
+        self.tree = new_tree(RadixTree, page_size, self.alloc)
         self.wl = Workload(page_size, seed=7)
         self.recent: list[bytes] = []  # the latest cached 4k sequences (match/lock targets)
         gc.collect()
@@ -110,6 +114,7 @@ class Grower:
     def measure(self) -> dict[str, float]:
         tree = self.tree
         out: dict[str, float] = {}
+        idle(tree)  # cold nodes' page ids as runs, as the daemon keeps them while idle
         gc.collect()
         out["rss_mib"] = _rss() / 2**20
         n_tok = cached_tokens(tree)

@@ -17,6 +17,10 @@ inserted with ``swa_evicted_len`` (their decode freed the SWA KV below the last 
 matches walk across SWA tombstones. Sequences enter the tree the way an engine puts them there:
 match+lock, allocate pages for the uncached part, insert, unlock.
 
+The daemon compacts cold nodes' page ids while idle (docs/design.md): ``idle_compact_*`` time
+that pass on the populated tree, ``match_4k_cold`` / ``match_4k_rewarmed`` the first and the
+next match through nodes it compacted; bytes per cached token is measured after it.
+
 ``--baseline REF`` compares with the tree of git ``REF`` (``daemon/tree`` exported with ``git
 archive`` and imported under another name) in this process: both trees populated alike, then
 insert_4k, match_4k_churn and lock_unlock_churn timed on each in turns, operation by operation
@@ -50,6 +54,7 @@ from dataclasses import dataclass, field  # noqa: E402
 
 from bench._common import export_ref, write_json  # noqa: E402
 from daemon.gpu.allocator import PairedAllocator  # noqa: E402
+from daemon.gpu.page_runs import PageRuns, cold_after_tokens  # noqa: E402
 from daemon.tree import RadixTree  # noqa: E402
 
 WINDOW = 128
@@ -66,7 +71,8 @@ MEM_TOKENS_P1_QUICK = 250_000
 ORDER = [  # table order of the figures of one page size
     "match_4k_p50_us", "match_4k_p99_us", "match_4k_churn_p50_us", "match_32k_p50_us",
     "lock_unlock_p50_us", "lock_unlock_churn_p50_us", "insert_4k_p50_us",
-    "insert_4k_trusted_p50_us", "evict_page_p50_us",
+    "insert_4k_trusted_p50_us", "evict_page_p50_us", "idle_compact_nodes",
+    "idle_compact_us_per_node", "match_4k_cold_p50_us", "match_4k_rewarmed_p50_us",
     "bytes_per_cached_token", "bytes_per_cached_token_ntokens",
 ]
 
@@ -143,6 +149,25 @@ class Workload:
         return self.sys[i % N_SYS] + self.rand(SEQ_LEN - SYS_LEN)
 
 
+def new_tree(tree_cls: type, page_size: int, alloc: PairedAllocator) -> RadixTree:
+    """A tree built as the daemon builds it (daemon/model_cache.py): cold nodes keep their page
+    ids as runs, where the tree takes a codec for them (a baseline tree older than that does
+    not)."""
+    if "page_ids" not in inspect.signature(tree_cls).parameters:
+        return tree_cls(page_size, WINDOW, alloc)
+    tree = tree_cls(page_size, WINDOW, alloc, page_ids=PageRuns())
+    tree.compact_after = cold_after_tokens(alloc.full.capacity, page_size)
+    return tree
+
+
+def idle(tree: RadixTree) -> None:
+    """What the daemon does while no request waits: cold nodes' page ids to their runs (a tree
+    older than that has nothing to do)."""
+    if hasattr(tree, "compact_cold"):
+        while tree.compact_cold(len(tree.nodes), len(tree.nodes)):
+            pass
+
+
 def _alloc(tree: RadixTree, alloc: PairedAllocator, n: int) -> tuple[array, array]:
     """n pages of each pool, evicting cached pages first if a pool is short (as ModelCache.alloc
     does)."""
@@ -194,7 +219,7 @@ def populate(page_size: int, n_seqs: int, n_long: int, headroom: float = 1.3,
     est = N_SYS * SYS_LEN + n_seqs * (SEQ_LEN - SYS_LEN) + n_long * (LONG_LEN - SYS_LEN)
     cap = int(est * headroom) // P + 2 * LONG_LEN // P + 2
     alloc = PairedAllocator(cap, cap)
-    tree = tree_cls(P, WINDOW, alloc)
+    tree = new_tree(tree_cls, P, alloc)
     wl = Workload(P, seed)
     pop = Populated(tree, alloc, wl)
     for i in range(n_seqs):
@@ -233,6 +258,49 @@ def _usable(tree: RadixTree, seqs: list[bytes], want: int) -> list[bytes]:
     out = [t for t in seqs if tree.match(NS, t).prefix_len == want]
     if not out:
         raise RuntimeError(f"no cached prompt of {want} tokens matches in full")
+    return out
+
+
+def bench_idle(pop: Populated) -> dict[str, float]:
+    """What the daemon's idle work (:func:`idle`) costs and what it does to a match, on the
+    populated tree:
+
+    - ``idle_compact_nodes`` and ``idle_compact_us_per_node``: the nodes whose page ids the idle
+      pass compacted, and its time per node (event-loop time the daemon spends only while no
+      request waits); absent for a tree without that work;
+    - ``match_4k_cold_p50_us``: the first match of one of the oldest cached 4k sequences after
+      the pass (the first use of nodes long unused: recency updates, memory not in the CPU's
+      caches, and where compacted, ids listed from their runs and expanded back to arrays), and
+      ``match_4k_rewarmed_p50_us``: the next match of the same sequences. A baseline tree gives
+      both too, so the difference that compaction makes is the ratio of the cold figures.
+    """
+    tree = pop.tree
+    out: dict[str, float] = {}
+    if hasattr(tree, "compact_cold"):
+        before = tree.stats["compacted_nodes"]
+        t = time.perf_counter_ns()
+        idle(tree)
+        spent = time.perf_counter_ns() - t
+        compacted = tree.stats["compacted_nodes"] - before
+        out["idle_compact_nodes"] = float(compacted)
+        if compacted:
+            out["idle_compact_us_per_node"] = spent / compacted / 1000
+    # the oldest sequences are the cold ones: a match of each, twice, in the same order (those
+    # cached whole count)
+    clock = time.perf_counter_ns
+    times: list[list[int]] = [[], []]
+    gc.disable()
+    for s in pop.seqs[:200]:
+        for rnd in (0, 1):
+            t0 = clock()
+            r = tree.match(NS, s)
+            times[rnd].append(clock() - t0)
+        if r.prefix_len != SEQ_LEN:
+            del times[0][-1], times[1][-1]
+    gc.enable()
+    if times[0]:
+        out["match_4k_cold_p50_us"] = _pct(times[0], 50)
+        out["match_4k_rewarmed_p50_us"] = _pct(times[1], 50)
     return out
 
 
@@ -392,6 +460,11 @@ def bench_evict(page_size: int, sz: Sizes, tree_cls: type = RadixTree) -> dict[s
     return {"evict_page_p50_us": _pct(per_page, 50)}
 
 
+def ids_bytes(ids: array | range) -> int:
+    """Page ids of a node: an array's payload, or the whole object of a run kept as a range."""
+    return 4 * len(ids) if isinstance(ids, array) else sys.getsizeof(ids)
+
+
 def held_bytes(tree: RadixTree, alloc: PairedAllocator) -> dict[str, int]:
     """The payload bytes the tree and its allocators keep, by kind (what bytes per cached token
     is made of before object headers and slack): token ids, block hashes, page ids of each pool
@@ -401,8 +474,8 @@ def held_bytes(tree: RadixTree, alloc: PairedAllocator) -> dict[str, int]:
     return {
         "token ids": sum(len(n.tokens) for n in nodes),
         "hashes": sum(len(n.hashes) for n in nodes),
-        "full ids": 4 * sum(len(n.full) for n in nodes if n.full is not None),
-        "SWA ids": 4 * sum(len(n.swa) for n in nodes if n.swa is not None),
+        "full ids": sum(ids_bytes(n.full) for n in nodes if n.full is not None),
+        "SWA ids": sum(ids_bytes(n.swa) for n in nodes if n.swa is not None),
         "allocator states": sum(a.capacity for a in pools),
         "allocator free lists": 4 * sum(a.available for a in pools),
     }
@@ -413,7 +486,8 @@ def bench_memory(page_size: int, tokens: int, tree_cls: type = RadixTree) -> dic
 
     Tokens ids, page hashes, page ids, nodes, queues, allocator state; no KV tensors (no pools).
     The pools are sized to the content (plus one sequence), the SWA pool as large as the full one.
-    Divided by the distinct tokens cached on device.
+    Divided by the distinct tokens cached on device. Measured after the daemon's idle work (cold
+    nodes' page ids kept as runs; nodes used within the last half pool of churn keep arrays).
     """
     P = page_size
     wl = Workload(P, seed=3)  # its system prompts exist before the first snapshot
@@ -423,10 +497,11 @@ def bench_memory(page_size: int, tokens: int, tree_cls: type = RadixTree) -> dic
         before = tracemalloc.take_snapshot()
         cap = (tokens + 2 * SEQ_LEN) // P + 2
         alloc = PairedAllocator(cap, cap)
-        tree = tree_cls(P, WINDOW, alloc)
+        tree = new_tree(tree_cls, P, alloc)
         while cached_tokens(tree) < tokens:
             toks, f = wl.next_seq()
             engine_insert(tree, alloc, toks, f)
+        idle(tree)
         del toks
         wl.firsts.clear()  # the workload's own copies of first turns are not the tree's
         gc.collect()
@@ -466,6 +541,7 @@ def run_page_size(page_size: int, sz: Sizes, tree_cls: type = RadixTree) -> dict
     out.update(bench_match(pop, sz))
     out.update(bench_lock(pop, sz))
     out.update(bench_insert(pop, sz))
+    out.update(bench_idle(pop))
     del pop
     out.update(bench_evict(page_size, sz, tree_cls))
     out.update(bench_memory(page_size, sz.mem_tokens[page_size], tree_cls))
@@ -627,6 +703,7 @@ def interleaved(page_size: int, sz: Sizes, classes: dict[str, type]) -> dict[str
     for side, got in samples.items():
         out[side] = {f"{k}_p50_us": _pct(v, 50) for k, v in got.items() if v}
         out[side]["match_4k_churn_p99_us"] = _pct(got["match_4k_churn"], 99)
+        out[side].update(bench_idle(pops[side]))
     return out
 
 

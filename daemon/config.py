@@ -73,6 +73,10 @@ class ServerConfig(_Section):
                                           description="seconds between malloc_trim(0) calls that "
                                                       "hand memory glibc freed back to the "
                                                       "kernel, so RSS does not creep (0: never)")
+    idle_compaction: bool = Field(True, description="while no request waits, keep the page ids "
+                                                    "of cold tree nodes as their runs (less "
+                                                    "memory at small pages, for CPU the daemon "
+                                                    "would otherwise leave idle)")
     state_dir: str | None = Field(None, description="directory (tmpfs: /run or /dev/shm) where a "
                                                     "graceful stop saves the host tier and the "
                                                     "next start restores it (warm restart); "

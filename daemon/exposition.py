@@ -124,6 +124,11 @@ class Collector:
             "allocation; quota: a tenant over its quota; explicit: an engine's evict; admin: "
             "POST /v1/evict).", ("model", "pool", "reason"))
         nodes = reg.gauge("radixd_tree_nodes", "Radix tree nodes holding tokens.", ("model",))
+        compactions = reg.counter(
+            "radixd_tree_page_id_compactions_total",
+            "Tree nodes whose page ids changed form: compacted (a cold node's ids kept as their "
+            "runs, while the daemon is idle) or expanded (back to an array when used again).",
+            ("model", "direction"))
         for v in views:
             matches.add_metric([v.name], v.matches)
             match_tokens.add_metric([v.name], v.match_tokens)
@@ -135,6 +140,8 @@ class Collector:
                 if v.swa:
                     evicted.add_metric([v.name, "swa", reason], n.swa)
             nodes.add_metric([v.name], v.nodes)
+            compactions.add_metric([v.name, "compacted"], v.compacted_nodes)
+            compactions.add_metric([v.name, "expanded"], v.expanded_nodes)
 
         _tier_families(reg, service, views)
 
@@ -208,6 +215,9 @@ class Collector:
         reg.gauge("radixd_info", "Build and instance information (always 1).",
                   ("version", "instance")).add_metric([__version__, service.instance], 1)
         _heap_families(reg, self.state.heap_trimmer)
+        reg.counter("radixd_idle_compaction_seconds",
+                    "Seconds the event loop spent keeping cold nodes' page ids as runs, while no "
+                    "request waited.").add_metric([], self.state.compact_seconds)
 
         # -- the last start's warm restart of the host tier (server.state_dir)
         wr = service.restart

@@ -23,6 +23,7 @@ from .gpu.allocator import (
     has_duplicates,
     nonzero_ids,
 )
+from .gpu.page_runs import PageRuns, cold_after_tokens
 from .gpu.segments import PairedSegmentAllocator, audit_model_segments_steps
 from .holdings import Holders, Holding
 from .tree import (
@@ -33,6 +34,7 @@ from .tree import (
     InsertResult,
     MatchResult,
     Node,
+    PageIds,
     PageMarks,
     Pin,
     RadixTree,
@@ -75,12 +77,12 @@ class TreeSink:
         self.alloc = alloc
         self.watches: list[Watch] = []
 
-    def free_full(self, pages: array) -> None:
+    def free_full(self, pages: PageIds) -> None:
         for w in self.watches:
             w.tainted_full.update(w.full.intersection(pages))
         self.alloc.free_full(pages)
 
-    def free_swa(self, pages: array) -> None:
+    def free_swa(self, pages: PageIds) -> None:
         for w in self.watches:
             w.tainted_swa.update(w.swa.intersection(pages))
         self.alloc.free_swa(pages)
@@ -120,7 +122,9 @@ class ModelCache:
             layout_fingerprint=profile.layout_fingerprint(),
             policy=policy,
             hash_block_tokens=hash_block_tokens,
+            page_ids=PageRuns(),
         )
+        self.tree.compact_after = cold_after_tokens(profile.full_pages, profile.page_size)
         self.swa_enabled = self.tree.swa_enabled
         self.host: HostTier | None = None  # set by the tier manager when L2 is on
         # the key-addressed store sharing the host pools (daemon/keyed_tier.py): host copies

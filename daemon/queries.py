@@ -76,6 +76,9 @@ class ModelView(msgspec.Struct):
     evictions: dict[str, EvictionCount]  # by trigger, every known trigger listed
     tiers: TierView | None
     segments: dict[str, SegmentUsage] | None = None  # by pool; None: no memory isolation
+    # nodes whose page ids went to their compact form while cold, and back when used again
+    compacted_nodes: int = 0
+    expanded_nodes: int = 0
 
     @property
     def swa(self) -> bool:
@@ -206,7 +209,9 @@ class ServiceQueries:
             name=model, info=entry.info, policy=tree.policy.name, pools=self.pool_usage(model),
             nodes=len(tree.nodes) - len(tree.namespaces), matches=c["matches"],
             match_tokens=c["match_tokens"], hit_tokens=c["hit_tokens"], evictions=evictions,
-            tiers=_tier_view(entry), segments=_segment_view(cache))
+            tiers=_tier_view(entry), segments=_segment_view(cache),
+            compacted_nodes=tree.stats["compacted_nodes"],
+            expanded_nodes=tree.stats["expanded_nodes"])
 
     def model_views(self) -> list[ModelView]:
         return [self.model_view(m) for m in self.models]

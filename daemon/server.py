@@ -44,6 +44,11 @@ ATTACH_SEND_TIMEOUT_S = 30.0
 #: failed hellos are logged at most once per this many seconds per daemon; the next line says
 #: how many were left out meanwhile, so a token-guessing client cannot flood the log
 AUTH_LOG_INTERVAL_S = 5.0
+#: idle compaction of cold nodes' page ids (Server._compact_idle): the longest it holds the loop
+#: at once, and how soon it looks again after a slice that compacted something, or not
+COMPACT_SLICE_S = 0.001
+COMPACT_BUSY_S = 0.005
+COMPACT_IDLE_S = 0.2
 #: operations answered synchronously with no special case in _handle: one dict lookup decides
 _PLAIN_HANDLERS = {op: h for op, h in Service.HANDLERS.items()
                    if op not in Service.ASYNC_HANDLERS and op not in Service.FD_HANDLERS}
@@ -418,6 +423,7 @@ class Server:
         self.started = time.time()
         self.op_stats = OpStats()
         self.heap_trimmer = HeapTrimmer(config.server.malloc_trim_interval_s)
+        self.compact_seconds = 0.0  # in _compact_idle
         self.socket_path = config.server.socket
         self.admin: Any = None  # what start_admin returned (it has an async stop())
         self.async_ops: set[asyncio.Task] = set()  # load/prefetch in flight
@@ -479,6 +485,8 @@ class Server:
             raise
         tasks = [self.loop.create_task(self.checker.loop()),
                  self.loop.create_task(self.heap_trimmer.loop())]
+        if self.config.server.idle_compaction:
+            tasks.append(self.loop.create_task(self._compact_idle()))
         interval = watchdog_interval()
         if interval is not None:
             tasks.append(self.loop.create_task(self._watchdog(interval)))
@@ -508,6 +516,26 @@ class Server:
             return bool(self._readable.poll(0))
         except (OSError, ValueError):
             return False
+
+    async def _compact_idle(self) -> None:
+        """Cold nodes' page ids to their compact form while no request waits: steps of one node
+        per model, for at most ``COMPACT_SLICE_S`` at a time, so a request that arrives waits
+        for one step at most (tens of microseconds)."""
+        while True:
+            done = 0
+            start = time.perf_counter()
+            end = start + COMPACT_SLICE_S
+            while not self.request_pending():
+                try:
+                    step = self.service.compact_cold()
+                except Exception:  # a bug: the cache stays as it was (arrays); the checker judges
+                    log.exception("idle compaction of page ids failed; it stays off")
+                    return
+                done += step
+                if not step or time.perf_counter() >= end:
+                    break
+            self.compact_seconds += time.perf_counter() - start
+            await asyncio.sleep(COMPACT_BUSY_S if done else COMPACT_IDLE_S)
 
     def _status_line(self) -> str:
         return (f"serving {len(self.service.models)} model(s) to {len(self.service.sessions)} "

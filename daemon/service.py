@@ -600,6 +600,11 @@ class Service(ServiceQueries, ServiceChecks):
         "kv_release": kv_release, "kv_clear": kv_clear,
     }
 
+    def compact_cold(self) -> int:
+        """One step of idle work: the page ids of at most one cold node per model go to their
+        compact form (design.md, the tree's page ids). Returns the nodes compacted."""
+        return sum(entry.cache.tree.compact_cold() for entry in self.models.values())
+
     def close(self) -> None:
         for s in list(self.sessions.values()):
             self.close_session(s)

@@ -115,9 +115,9 @@ def plan_backup(mc: ModelCache, node: Node, exclude: set[int], quota: int = 0,
     for n in chain:
         k = len(n.tokens) // pb
         if n.swa is not None and mc.host is not None and mc.host.swa is not None:
-            for j in range(max(0, k - wp), k):
-                swa_pos.append(off + j)
-                dev_swa.append(n.swa[j])
+            lo = max(0, k - wp)
+            swa_pos.extend(range(off + lo, off + k))
+            dev_swa += tree.page_ids.join([n.swa[lo:k]])
         off += k
     swa_slots = array("i", bytes(4 * off))
     swa_read = array("i", bytes(4 * off))
@@ -126,9 +126,7 @@ def plan_backup(mc: ModelCache, node: Node, exclude: set[int], quota: int = 0,
         for i, s, d in zip(swa_pos, got_swa, dev_swa, strict=True):
             swa_slots[i] = s
             swa_read[i] = d
-    dev_full = array("i")
-    for n in chain:
-        dev_full += n.full  # type: ignore[arg-type]
+    dev_full = tree.page_ids.join([n.full for n in chain])  # type: ignore[misc]
     if job is not None:
         job.dev_full += dev_full
         job.host_full += full_slots
@@ -192,7 +190,8 @@ def finish_backup(mc: ModelCache, job: BackupJob, ok: bool) -> list[tuple[Node, 
             fs = rec.full_slots[off : off + k]
             ss = rec.swa_slots[off : off + k]
             read = rec.dev_full[off : off + k]
-            clean = (n.full == read and (not tainted_full or tainted_full.isdisjoint(read))
+            clean = (n.full is not None and tree.page_ids.join([n.full]) == read
+                     and (not tainted_full or tainted_full.isdisjoint(read))
                      and (not tainted_swa
                           or tainted_swa.isdisjoint(rec.dev_swa[off : off + k])))
             off += k

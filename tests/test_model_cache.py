@@ -512,3 +512,57 @@ def test_page_ids_of_another_int_type_are_read_as_int32():
         cache.free(1, array("q", [2**40]))
     cache.free(1, list(g))
     assert cache.check() == []
+
+
+# ---------------------------------------------------------------------- page runs
+
+
+def test_page_one_cold_nodes_are_kept_as_runs_and_listed_back_exactly():
+    """At a page of one token the tree keeps a cold node's pages by their runs (the daemon's
+    codec, daemon/gpu/page_runs.py, run while it is idle); matches list them back in order,
+    a node used again goes back to an array, evictions give back exactly those pages, and the
+    conservation check stays clean throughout."""
+    profile = ModelProfile(
+        name="m", page_size=1, num_full_layers=1, num_kv_heads=1, head_dim=1, full_pages=6000,
+        sliding_window=128, num_swa_layers=1, swa_pages=6000, dtype="float32", device="cpu")
+    cache = ModelCache(profile)
+    tree = cache.tree
+    assert tree.compact_after == 6000 // 2
+
+    def idle() -> None:
+        while tree.compact_cold(64, 64):
+            pass
+
+    def forms() -> dict[int, str]:
+        return {n.id: type(n.full).__name__ for n in tree.iter_nodes() if n.parent is not None}
+
+    a_toks = as_token_bytes(range(1, 2001))
+    f, w = cache.alloc(1, 2000)
+    cache.cache_finished(1, NS, a_toks, f, w, 0, 0, None)
+    idle()
+    assert set(forms().values()) == {"array"}  # nothing arrived since: nothing is cold
+    # a second request shares 1500 tokens: the node splits, 3500 tokens arrive
+    b_toks = as_token_bytes([*range(1, 1501), *range(9000, 12_500)])
+    m, rid = cache.match(2, NS, b_toks, lock=True)
+    assert m.prefix_len == 1500 and m.full_pages.tolist() == f.tolist()[:1500]
+    f2, w2 = cache.alloc(2, 3500)
+    cache.cache_finished(2, NS, b_toks, f2, w2, 1500, 0, rid)
+    idle()
+    # the shared prefix was used by that insert: only the first request's own tail is cold
+    tail = next(n for n in tree.iter_nodes() if n.tokens[:4] == as_token_bytes([1501]))
+    by_form = forms()
+    assert by_form.pop(tail.id) == "range" and set(by_form.values()) == {"array"}, by_form
+    assert cache.check() == []
+    assert tree.stats["compacted_nodes"] == 1 and tree.stats["expanded_nodes"] == 0
+    # the first request again: the same pages, and its nodes are in use again
+    m1, _ = cache.match(1, NS, a_toks)
+    assert m1.prefix_len == 2000 and m1.full_pages.tolist() == f.tolist()
+    assert m1.swa_pages.tolist() == w.tolist()[-128:]
+    assert set(forms().values()) == {"array"} and tree.stats["expanded_nodes"] == 1
+    assert cache.check() == []
+    # compacted again (the threshold at 0: everything is cold); evictions give the runs back
+    tree.compact_after = 0
+    idle()
+    assert set(forms().values()) == {"range"}
+    cache.evict(full_pages=6000, swa_pages=6000)
+    assert all_free(cache) and cache.check() == []

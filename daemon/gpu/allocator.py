@@ -14,6 +14,8 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 
+from .page_runs import PageRunList, page_run_array
+
 
 class AllocatorError(ValueError):
     """A free that does not match an allocation (double free, unknown page)."""
@@ -83,8 +85,13 @@ VECTOR_MIN = 128
 
 
 def as_page_array(pages: Iterable[int]) -> array:
-    """``pages`` as an int32 array (itself when it is one)."""
-    return pages if isinstance(pages, array) and pages.typecode == "i" else array("i", pages)
+    """``pages`` as an int32 array (itself when it is one). A node's runs (the tree keeps them as
+    a ``range`` or a ``PageRunList``: daemon/gpu/page_runs.py) are listed in numpy."""
+    if isinstance(pages, array) and pages.typecode == "i":
+        return pages
+    if (type(pages) is range and pages.step == 1) or type(pages) is PageRunList:
+        return page_run_array(pages)
+    return array("i", pages)
 
 
 def page_ids(pages: array) -> np.ndarray:
@@ -206,6 +213,7 @@ class PageAllocator:
                              requested=n, available=len(free))
         out = free[len(free) - n :]
         del free[len(free) - n :]
+        out.reverse()  # as n single pops give: ascending runs, as SegmentedAllocator hands out
         set_states(self._state, out, _USED)
         return out
 
@@ -217,7 +225,7 @@ class PageAllocator:
         pages = as_page_array(pages)
         check_allocated(self.name, self._state, pages)
         set_states(self._state, pages, _FREE)
-        self._free.extend(pages)
+        self._free.extend(pages[::-1])  # a run freed ascending is handed out ascending again
 
     def free_set(self) -> set[int]:
         return set(self._free)

@@ -24,6 +24,7 @@ from .invariants import (
     chunked,
 )
 from .node import Node, Pin, Receipt
+from .page_ids import PageIdCodec, PageIds, PlainPageIds, concat_pages
 from .policy import DEFAULT_POLICY, POLICIES
 from .radix import RadixTree
 from .results import (
@@ -52,8 +53,11 @@ __all__ = [
     "Namespace",
     "Node",
     "NodeNotUsable",
+    "PageIdCodec",
+    "PageIds",
     "PageSink",
     "Pin",
+    "PlainPageIds",
     "RadixTree",
     "Receipt",
     "ReceiptError",
@@ -64,6 +68,7 @@ __all__ = [
     "PageMarks",
     "audit_tree",
     "chunked",
+    "concat_pages",
     "STEP_ITEMS",
     "TreeAudit",
     "block_hashes",

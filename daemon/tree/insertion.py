@@ -10,7 +10,8 @@ from .errors import BadArgument, ReceiptError
 from .hashing import HASH_BYTES, block_hashes
 from .id_checks import all_zero, distinct_ids, distinct_nonzero, page_id_verdict
 from .node import Node, Receipt
-from .results import InsertResult, concat_pages
+from .page_ids import PageIds
+from .results import InsertResult
 
 
 class Insertion:
@@ -61,8 +62,8 @@ class Insertion:
         node = ns.root
         i = 0
         overlap = 0
-        out_full: list[array] = []
-        out_swa: list[array] = []
+        out_full: list[PageIds] = []
+        out_swa: list[PageIds] = []
         to_free_full = array("i")
         to_free_swa = array("i")
         path: list[Node] = []
@@ -120,7 +121,7 @@ class Insertion:
             cf = full_pages[i - prev :]
             cs = swa_pages[i - prev :] if swa else None
             new = self._append(node, tokens, i, n, f, cf, cs)
-            out_full.append(cf)  # concat_pages copies: the result never shares the nodes' arrays
+            out_full.append(cf)  # join copies: the result never shares the nodes' arrays
             if swa:
                 out_swa.append(cs)
             path.extend(new)
@@ -141,8 +142,8 @@ class Insertion:
         return InsertResult(
             overlap * P,
             i * P,
-            concat_pages(out_full),
-            concat_pages(out_swa) if swa else array("i"),
+            self.page_ids.join(out_full),
+            self.page_ids.join(out_swa) if swa else array("i"),
             node.id,
             receipt,
         )
@@ -218,6 +219,7 @@ class Insertion:
             cs = cs[f - i :]
         child.swa = cs
         child.swa_ts = self._clock
+        self._dense_ids(child)
         np_ = len(cs)
         if child.swa_lock:  # pragma: no cover - tombstones are never SWA-locked
             raise AssertionError(f"SWA-locked tombstone {child!r}")
@@ -244,11 +246,12 @@ class Insertion:
             self._set_device(child, cf, cs if live else None)
 
     def _set_device(self, n: Node, full: array, swa: array | None) -> None:
-        """Give ``n`` device pages. It keeps ``full`` and ``swa`` as they are: callers pass
-        fresh arrays that nothing else keeps (at a page of one token each copy is one more pass
-        over thousands of ids)."""
+        """Give ``n`` device pages. It keeps ``full`` and ``swa``, not copies: callers pass fresh
+        arrays that nothing else keeps (at a page of one token each copy is one more pass over
+        thousands of ids)."""
         n.full = full
         n.swa = swa
+        self._dense_ids(n)
         n.ts = n.swa_ts = self._clock
         np_ = len(full)
         if n.full_lock or n.pin:

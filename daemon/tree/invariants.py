@@ -229,6 +229,8 @@ def _check_node(tree: RadixTree, n: Node, v: list[str], deep: bool) -> Iterator[
                        ("host swa", n.host_swa)):
         if arr is not None and len(arr) != np_:
             v.append(f"node {n.id}: {len(arr)} {label} ids for {np_} pages")
+        if type(arr) is range and (arr.step != 1 or (arr and arr.start < 1)):
+            v.append(f"node {n.id}: {label} ids kept as {arr!r}, not a run of page ids")
     parent = n.parent
     if n.full is not None and parent.full is None:
         v.append(f"node {n.id}: on device under a parent that is not (prefix closure)")

@@ -6,7 +6,8 @@ from array import array
 from typing import Any
 
 from .node import EMPTY, Node
-from .results import MatchResult, concat_pages
+from .page_ids import PageIds
+from .results import MatchResult
 
 
 class Matching:
@@ -84,7 +85,7 @@ class Matching:
             self._touch_window(usable)
         for n in usable:
             n.hits += 1
-        full_pages = concat_pages([n.full for n in usable])
+        full_pages = self.page_ids.join([n.full for n in usable])
         swa_pages = self._window_swa(usable) if swa else EMPTY
         prefix_len = best.depth
         host_len = 0
@@ -105,7 +106,7 @@ class Matching:
 
     def _window_swa(self, path: list[Node]) -> array:
         need = self.window_pages
-        parts: list[array] = []
+        parts: list[PageIds] = []
         for n in reversed(path):
             if need <= 0:
                 break
@@ -115,7 +116,7 @@ class Matching:
             parts.append(s if len(s) <= need else s[len(s) - need :])
             need -= len(s)
         parts.reverse()
-        return concat_pages(parts)
+        return self.page_ids.join(parts)
 
     def is_usable_end(self, node: Node) -> bool:
         """Whether a match may end at ``node`` (docs/design.md, the SWA rule of a match)."""

@@ -1,8 +1,9 @@
 """The tree node and the lock receipt.
 
 A node is a run of whole pages under one parent. Its token ids are kept as int32 little-endian
-bytes (compared with memcmp, never per token in Python) and its page ids as ``array('i')``, which
-is what keeps metadata near the token ids' own 4 bytes per token.
+bytes (compared with memcmp, never per token in Python) and its device page ids as ``array('i')``
+or, given a codec, as a compact form of their ascending runs (daemon/tree/page_ids.py), which is
+what keeps metadata near the token ids' own 4 bytes per token. Host slot ids are always arrays.
 
 Tier state of a node:
 
@@ -25,6 +26,8 @@ from __future__ import annotations
 
 from array import array
 from typing import Any
+
+from .page_ids import PageIds
 
 EMPTY = array("i")
 
@@ -63,8 +66,8 @@ class Node:
         self.ns = ns
         self.tokens = tokens
         self.hashes = hashes
-        self.full: array | None = None
-        self.swa: array | None = None
+        self.full: PageIds | None = None
+        self.swa: PageIds | None = None
         self.host: array | None = None
         self.host_swa: array | None = None
         self.full_lock = 0

@@ -26,6 +26,8 @@ Rules (docs/design.md, the tree section), with the choices this implementation m
 
 from __future__ import annotations
 
+from array import array
+from collections import deque
 from collections.abc import Iterable
 
 from .errors import BadArgument, UnknownNode
@@ -35,6 +37,7 @@ from .insertion import Insertion
 from .locks import Locking
 from .matching import Matching
 from .node import EMPTY, Node, Pin, Receipt
+from .page_ids import PageIdCodec, PlainPageIds
 from .policy import DEFAULT_POLICY, EvictionPolicy, make_policy
 from .results import (
     CollectingSink,
@@ -64,10 +67,13 @@ class RadixTree(Matching, Insertion, Locking, Eviction, Tiering):
         layout_fingerprint: bytes = b"",
         policy: str | EvictionPolicy = DEFAULT_POLICY,
         hash_block_tokens: int = HASH_BLOCK_TOKENS,
+        page_ids: PageIdCodec | None = None,
     ) -> None:
         """``hash_block_tokens``: what a block of the hash chain holds at least; the key format
         of the tiers (protocol.md 9.3) is that of the default, other values are for tests that
-        want blocks to end inside short sequences."""
+        want blocks to end inside short sequences. ``page_ids``: how cold nodes keep their
+        device page ids (daemon.tree.page_ids, :meth:`compact_cold`); the default keeps the
+        caller's arrays."""
         if not isinstance(page_size, int) or page_size < 1:
             raise BadArgument(f"page_size must be an int >= 1, got {page_size!r}")
         if window is not None and (not isinstance(window, int) or window < 1):
@@ -85,6 +91,12 @@ class RadixTree(Matching, Insertion, Locking, Eviction, Tiering):
         self.window_pages = -(-window // page_size) if window else 0
         self.sink = sink
         self.host_sink = host_sink
+        self.page_ids: PageIdCodec = page_ids if page_ids is not None else PlainPageIds()
+        # tokens of churn after which a node nobody used is cold: its page ids go to the codec's
+        # compact form (compact_cold), and back to an array when it is used again
+        self.compact_after = 0
+        # ids of nodes whose page ids are arrays, oldest first, for compact_cold to look at
+        self._dense: deque[int] = deque()
         self.layout_fingerprint = layout_fingerprint
         self.policy = make_policy(policy) if isinstance(policy, str) else policy
         self.namespaces: dict[str, Namespace] = {}
@@ -120,6 +132,8 @@ class RadixTree(Matching, Insertion, Locking, Eviction, Tiering):
             "demoted_pages": 0,
             "evicted_host_pages": 0,
             "splits": 0,
+            "compacted_nodes": 0,  # page ids of cold nodes handed to the codec (compact_cold)
+            "expanded_nodes": 0,  # ... and back to arrays when used again
         }
 
     # ------------------------------------------------------------------ namespaces and lookup
@@ -267,8 +281,65 @@ class RadixTree(Matching, Insertion, Locking, Eviction, Tiering):
         if n.ts == self._clock:
             return  # nothing was inserted since its last touch: its position stands
         n.ts = self._clock
+        if n.full is not None and type(n.full) is not array:
+            self._expand(n)
         if n.full_entry is not None or n.host_entry is not None:
             self._requeue(n)
+
+    # ------------------------------------------------------------------ page ids, hot and cold
+
+    def _dense_ids(self, n: Node) -> None:
+        """``n`` now keeps (some of) its device page ids as arrays: a candidate for
+        :meth:`compact_cold` if the codec would look at lists that long. Ids of nodes gone
+        meanwhile are dropped once they could be half of the candidates (a daemon that is never
+        idle never compacts, and its list must not grow with every node ever made)."""
+        if len(n.full) < self.page_ids.min_ids:  # type: ignore[arg-type]
+            return
+        dense = self._dense
+        dense.append(n.id)
+        if len(dense) > 2 * len(self.nodes) + 64:
+            nodes = self.nodes
+            self._dense = deque(dict.fromkeys(i for i in dense if i in nodes))
+
+    def _expand(self, n: Node) -> None:
+        """A node in use again keeps its ids as arrays: every match and insert through it lists
+        them, which costs a vector call per run form and a copy per array."""
+        codec = self.page_ids
+        n.full = codec.join([n.full])  # type: ignore[list-item]
+        if n.swa is not None and type(n.swa) is not array:
+            n.swa = codec.join([n.swa])
+        self.stats["expanded_nodes"] += 1
+        self._dense_ids(n)
+
+    def compact_cold(self, look: int = 16, most: int = 1) -> int:
+        """Hand the page ids of nodes unused for ``compact_after`` tokens of churn to the codec
+        to keep in its compact form (daemon.tree.page_ids): ``most`` nodes at most, of ``look``
+        candidates at most, those that took arrays of ids earliest first. A compaction costs a
+        few vector calls (tens of microseconds at a page of one token), so the daemon runs it
+        while no request waits, never inside an operation. Returns the nodes compacted."""
+        dense = self._dense
+        nodes = self.nodes
+        codec = self.page_ids
+        horizon = self._clock - self.compact_after
+        done = 0
+        for _ in range(min(look, len(dense))):
+            if done >= most:
+                break
+            nid = dense.popleft()
+            n = nodes.get(nid)
+            if n is None or n.full is None:
+                continue
+            if n.ts > horizon:
+                dense.append(nid)  # in use lately: looked at again on the next round
+                continue
+            full, swa = n.full, n.swa
+            if type(full) is array:
+                n.full = codec.compact(full)
+            if swa is not None and type(swa) is array:
+                n.swa = codec.compact(swa)
+            done += n.full is not full or n.swa is not swa
+        self.stats["compacted_nodes"] += done
+        return done
 
     def _touch_window(self, path: list[Node]) -> None:
         """Refresh the SWA recency of the nodes holding the window that ``path`` ends with."""
@@ -302,6 +373,8 @@ class RadixTree(Matching, Insertion, Locking, Eviction, Tiering):
         if node.full is not None:
             up.full = node.full[:k]
             node.full = node.full[k:]
+            if type(up.full) is array or (up.swa is not None and type(up.swa) is array):
+                self._dense_ids(up)
         if node.swa is not None:
             up.swa = node.swa[:k]
             node.swa = node.swa[k:]

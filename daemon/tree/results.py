@@ -5,20 +5,21 @@ without importing the tree)."""
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
 from .lru import EvictionQueue
 from .node import Node, Receipt
+from .page_ids import PageIds
 
 
 class PageSink(Protocol):
-    """Where the tree returns device pages it no longer needs."""
+    """Where the tree returns device pages it no longer needs: an array, or a node's ids in its
+    codec's compact form (daemon.tree.page_ids)."""
 
-    def free_full(self, pages: array) -> None: ...
+    def free_full(self, pages: PageIds) -> None: ...
 
-    def free_swa(self, pages: array) -> None: ...
+    def free_swa(self, pages: PageIds) -> None: ...
 
 
 class HostSink(Protocol):
@@ -38,10 +39,10 @@ class CollectingSink:
         self.host: list[int] = []
         self.host_swa: list[int] = []
 
-    def free_full(self, pages: array) -> None:
+    def free_full(self, pages: PageIds) -> None:
         self.full.extend(pages)
 
-    def free_swa(self, pages: array) -> None:
+    def free_swa(self, pages: PageIds) -> None:
         self.swa.extend(pages)
 
     def free_host(self, slots: array) -> None:
@@ -111,11 +112,3 @@ class Namespace:
         self.full_pages = 0  # device pages of this namespace's nodes
         self.swa_pages = 0
         self.host_pages = 0
-
-
-def concat_pages(parts: Iterable[array]) -> array:
-    """One page array from several, without the quadratic cost of repeated ``+``."""
-    out = array("i")
-    for p in parts:
-        out += p
-    return out

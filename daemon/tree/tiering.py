@@ -172,6 +172,7 @@ class Tiering:
                 raise AssertionError(f"SWA-locked tombstone {n!r}")
             n.swa = swa
             n.swa_ts = self._clock
+            self._dense_ids(n)
             self._count_swa(n, len(swa))
             n.ns.swa_pages += len(swa)
             self._requeue(n)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import time
+from array import array
 from pathlib import Path
 
 import pytest
@@ -262,3 +263,53 @@ def test_segment_moves_between_tenants_are_reported(admin_daemon) -> None:
     assert metric(samples, "radixd_pool_segments", model="m", pool="full",
                   state="assigned") == 1
     assert not [lb for lb, _ in series(samples, "radixd_pool_segments") if lb["model"] == "shared"]
+
+
+def test_cold_nodes_page_ids_are_compacted_while_idle_and_expanded_when_used(
+        admin_daemon) -> None:
+    """At a page of one token a cold node's page ids are kept as their runs while the daemon is
+    idle (the compacted count in /metrics), and a match through it lists the same ids as before
+    and brings the node back to an array (the expanded count). The teardown's full check covers
+    the pages' accounting."""
+    page1 = {**SMALL_MODEL, "page_size": 1, "sliding_window": 32, "full_pages": 4000,
+             "swa_pages": 4000, "host_pages": 0}
+    d = admin_daemon({"admin": {"token": ADMIN_TOKEN}, "models": [page1]})
+    seqs = [array("i", range(10_000 * k + 1, 10_000 * k + 401)).tobytes() for k in range(7)]
+    with Client(d.socket) as c:
+        pages = []
+        for s in seqs:  # 2800 tokens of churn: the first sequence is cold (after 4000 / 2)
+            a = c.alloc("m", 400)
+            c.insert("m", s, a.full_pages, a.swa_pages)
+            pages.append(bytes(a.full_pages))
+        deadline = time.monotonic() + 30
+        while True:
+            _, samples = parse_metrics(d.get("/metrics").text)
+            done = metric(samples, "radixd_tree_page_id_compactions_total", model="m",
+                          direction="compacted")
+            if done >= 1 or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert done >= 1
+        assert metric(samples, "radixd_idle_compaction_seconds_total") > 0
+        assert metric(samples, "radixd_tree_page_id_compactions_total", model="m",
+                      direction="expanded") == 0
+        for s, p in zip(seqs, pages, strict=True):
+            m = c.match("m", s)
+            assert m.prefix_len == 400 and bytes(m.full_pages) == p
+        _, samples = parse_metrics(d.get("/metrics").text)
+        assert metric(samples, "radixd_tree_page_id_compactions_total", model="m",
+                      direction="expanded") >= 1
+        assert d.post("/v1/check").json()["ok"] is True
+
+    # server.idle_compaction = false: the same traffic leaves every node's ids an array
+    off = admin_daemon({"admin": {"token": ADMIN_TOKEN}, "models": [page1],
+                        "server": {"idle_compaction": False}})
+    with Client(off.socket) as c:
+        for s in seqs:
+            a = c.alloc("m", 400)
+            c.insert("m", s, a.full_pages, a.swa_pages)
+    time.sleep(0.5)
+    _, samples = parse_metrics(off.get("/metrics").text)
+    assert metric(samples, "radixd_tree_page_id_compactions_total", model="m",
+                  direction="compacted") == 0
+    assert metric(samples, "radixd_idle_compaction_seconds_total") == 0

@@ -27,6 +27,7 @@ from hypothesis.stateful import (
 )
 
 from daemon.gpu.allocator import OutOfPages
+from daemon.gpu.page_runs import RUN_MIN, PageRuns
 from daemon.gpu.profile import ModelProfile
 from daemon.model_cache import ModelCache, PageNotHeld
 from daemon.tree import BadArgument, NodeNotUsable, ReceiptError, UnknownNode
@@ -85,9 +86,15 @@ class CacheMachine(RuleBasedStateMachine):
         segment_pages=st.sampled_from([None, 3, 8]),
         # blocks of the hash chain that end inside (and across) the short sequences drawn here
         hash_block=st.sampled_from([1, 3, 4, 8, 64]),
+        # nodes keep runs of ids as ranges from this many ids (the daemon's RUN_MIN is more
+        # than these sequences have pages)
+        run_min=st.sampled_from([2, 3, RUN_MIN]),
+        cold_after=st.sampled_from([0, 1, 8]),  # pages of churn after which a node is cold
+        idle=st.booleans(),  # the daemon idles after every step (compact_cold until done)
     )
     def setup(self, page_size: int, window_pages: int, window_extra: bool, full_cap: int,
-              swa_ratio: float, segment_pages: int | None, hash_block: int) -> None:
+              swa_ratio: float, segment_pages: int | None, hash_block: int,
+              run_min: int, cold_after: int, idle: bool) -> None:
         self.P = page_size
         window = window_pages * page_size - (1 if window_extra and page_size > 1 else 0)
         self.wp = -(-window // page_size)
@@ -100,6 +107,9 @@ class CacheMachine(RuleBasedStateMachine):
         self.cache = ModelCache(profile, segment_pages=segment_pages,
                                 hash_block_tokens=hash_block)
         self.tree = self.cache.tree
+        self.tree.page_ids = PageRuns(run_min, 2)  # runs from 2 ids each on average
+        self.tree.compact_after = cold_after * page_size
+        self.idle = idle
         self.model: dict[str, dict[bytes, list[int]]] = {ns: {} for ns in NAMESPACES}
         self.locks: dict[int, ModelLock] = {}
         self.live_requests: dict[int, Request] = {}
@@ -479,10 +489,24 @@ class CacheMachine(RuleBasedStateMachine):
                                       req.prev, req.frontier, req.rid)
         self.compare()
 
+    @rule(look=st.integers(1, 6), most=st.integers(1, 6))
+    def compact_cold(self, look, most):
+        """The daemon's idle step: nothing a match or an insert reports changes (compare)."""
+        done = self.tree.compact_cold(look, most)
+        assert 0 <= done <= min(look, most)
+        self.compare()
+
     @invariant()
     def checker_clean(self):
         if hasattr(self, "cache"):
+            if self.idle:
+                while self.tree.compact_cold(64, 64):
+                    pass
+                self.compare()
             assert self.cache.check() == []
+            kinds = {type(p).__name__ for n in self.tree.iter_nodes() for p in (n.full, n.swa)
+                     if p is not None and n.parent is not None}
+            event(f"page id forms in the tree: {sorted(kinds)}")
 
     @precondition(lambda self: hasattr(self, "cache"))
     @invariant()

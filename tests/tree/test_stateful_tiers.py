@@ -44,6 +44,7 @@ from hypothesis.stateful import (
     rule,
 )
 
+from daemon.gpu.page_runs import PageRuns
 from daemon.tree import CollectingSink, EvictResult, LoadPlan, RadixTree, ReceiptError, check_tree
 from daemon.tree.node import Node, Pin, Receipt
 
@@ -166,9 +167,13 @@ class TierMachine(RuleBasedStateMachine):
         policy=st.sampled_from(["lru", "lru-depth"]),
         write_back=st.booleans(),  # evictions (and the cleanups of unlock, unpin) demote
         hash_block=st.sampled_from([1, 3, 4, 8, 64]),  # blocks ending inside short paths
+        run_min=st.sampled_from([0, 2, 3]),  # 0: the default codec (no runs)
+        cold_after=st.sampled_from([0, 1, 8]),  # pages of churn after which a node is cold
+        idle=st.booleans(),  # the daemon idles after every step (compact_cold until done)
     )
     def setup(self, page_size: int, window_pages: int, window_extra: bool, policy: str,
-              write_back: bool, hash_block: int) -> None:
+              write_back: bool, hash_block: int, run_min: int, cold_after: int,
+              idle: bool) -> None:
         self.P = page_size
         self.pb = 4 * page_size
         window = None
@@ -179,7 +184,10 @@ class TierMachine(RuleBasedStateMachine):
         self.sink = CollectingSink()
         self.hsink = CollectingSink()
         self.tree = TwoPhaseTree(page_size, window, self.sink, host_sink=self.hsink,
-                                 policy=policy, hash_block_tokens=hash_block)
+                                 policy=policy, hash_block_tokens=hash_block,
+                                 page_ids=PageRuns(run_min, 2) if run_min else None)
+        self.tree.compact_after = cold_after * page_size
+        self.idle = idle
         self.tree.copy = self._demote
         self.tree.dropped = self._host_dropped
         self.tree.host_copy_hits = 0  # every node is offered; _demote declines unless write_back
@@ -861,17 +869,29 @@ class TierMachine(RuleBasedStateMachine):
         self.compare()
         self.do_match(ns, tokens)  # host_hit_len now counts what was attached
 
+    @precondition(lambda self: hasattr(self, "tree"))
+    @rule(look=st.integers(1, 6), most=st.integers(1, 6))
+    def compact_cold(self, look, most):
+        """The daemon's idle step: no page changes place (compare, in the invariant)."""
+        assert 0 <= self.tree.compact_cold(look, most) <= min(look, most)
+
     # ------------------------------------------------------------------ invariants
 
     @invariant()
     def consistent(self):
         if not hasattr(self, "tree"):
             return
+        if self.idle:
+            while self.tree.compact_cold(64, 64):
+                pass
         self.ok()
         for kind, freed in (("full", self.sink.full), ("swa", self.sink.swa),
                             ("host", self.hsink.host), ("hswa", self.hsink.host_swa)):
             self.give_back(kind, freed)
             freed.clear()
+        kinds = {type(p).__name__ for n in self.tree.nodes.values() for p in (n.full, n.swa)
+                 if p is not None and n.parent is not None}
+        event(f"page id forms in the tree: {sorted(kinds)}")
         owned: dict[str, list[int]] = {k: [] for k in KINDS}
         for n in self.tree.nodes.values():
             if n.parent is None:

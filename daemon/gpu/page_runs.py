@@ -1,0 +1,186 @@
+"""The tree's page-id codec with vector code: lists of ascending runs kept by their bounds.
+
+The allocators hand a request's pages out as ascending runs (daemon/gpu/allocator.py): one run
+from a fresh pool, a few once freed runs are handed out again. At a page of one token a node
+holds thousands of ids. One run is kept as a ``range`` (48 bytes), a few as a
+:class:`PageRunList` (two int32 bounds a run), where an array takes 4 bytes per id (the codec
+protocol is daemon/tree/page_ids.py; the two layers import nothing of each other). Telling the
+runs apart and listing them back as ids for a match or an insert take a few numpy calls, where a
+Python step per id would take hundreds of microseconds.
+"""
+
+from __future__ import annotations
+
+from array import array
+from bisect import bisect_left, bisect_right
+from collections.abc import Iterator, Sequence
+from typing import Union
+
+import numpy as np
+
+#: ids from which a list is looked at for runs: a shorter list costs little as an array (at page
+#: 64 a 4096-token sequence is 64 ids), and a look costs a few numpy calls
+RUN_MIN = 128
+#: the fewest ids per run, on average, for a list to be kept as runs: 8 bytes a run against 4 a
+#: page, and a list of many short runs is no allocator's
+IDS_PER_RUN = 16
+
+#: a node is cold, and its ids kept as runs, once new content of 1 / COLD_SHARE of the full pool
+#: has arrived since it was last used (RadixTree.compact_after): hot nodes keep arrays, which a
+#: match lists with one copy instead of a vector call per run. An eighth compacted more, but a
+#: working set that cycles through the pool then had its nodes compacted and expanded again
+#: round after round (bench/daemon_cpu_bench.py at page 1, one client: 1.08-1.10x the CPU per
+#: operation; at a half: 0.98x)
+COLD_SHARE = 2
+
+#: grown by repetition, a new array is filled in place: ``frombytes`` into an empty one took
+#: several times as long for a long list (measured for 32k ids)
+_ZERO = array("i", [0])
+
+
+def cold_after_tokens(pool_pages: int, page_size: int) -> int:
+    """``RadixTree.compact_after`` for a full pool of ``pool_pages`` pages."""
+    return pool_pages * page_size // COLD_SHARE
+
+
+class PageRunList:
+    """Ascending runs of page ids, by their bounds: run ``k`` is ``range(starts[k], starts[k] +
+    ends[k] - ends[k - 1])`` (``ends``: ids up to the end of each run). A read-only sequence of
+    ints, as the tree needs: its slices are runs again (a ``range`` when one run is left)."""
+
+    __slots__ = ("starts", "ends")
+
+    def __init__(self, starts: array, ends: array) -> None:
+        self.starts = starts
+        self.ends = ends
+
+    def __len__(self) -> int:
+        return self.ends[-1]
+
+    def runs(self) -> Iterator[range]:
+        before = 0
+        for s, e in zip(self.starts, self.ends, strict=True):
+            yield range(s, s + e - before)
+            before = e
+
+    def __iter__(self) -> Iterator[int]:
+        for r in self.runs():
+            yield from r
+
+    def __getitem__(self, i: int | slice) -> int | Sequence[int]:  # type: ignore[override]
+        if isinstance(i, slice):
+            return self._slice(i)
+        n = self.ends[-1]
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError("page run list index out of range")
+        k = bisect_right(self.ends, i)
+        return self.starts[k] + i - (self.ends[k - 1] if k else 0)
+
+    def _slice(self, sl: slice) -> Sequence[int]:
+        a, b, step = sl.indices(self.ends[-1])
+        if step != 1:
+            return array("i", self)[sl]
+        if a >= b:
+            return range(0)
+        ends = self.ends
+        k0 = bisect_right(ends, a)  # the run holding id a, and the one holding id b - 1
+        k1 = bisect_left(ends, b)
+        first = self.starts[k0] + a - (ends[k0 - 1] if k0 else 0)
+        if k0 == k1:
+            return range(first, first + b - a)
+        starts = self.starts[k0 : k1 + 1]
+        starts[0] = first
+        new_ends = array("i", [e - a for e in ends[k0:k1]])
+        new_ends.append(b - a)
+        return PageRunList(starts, new_ends)
+
+    def __repr__(self) -> str:
+        return f"PageRunList({', '.join(f'{r.start}..{r.stop - 1}' for r in self.runs())})"
+
+
+PageIds = Union[array, range, PageRunList]  # noqa: UP007 - a runtime alias (targets 3.10)
+
+
+class PageRuns:
+    """Keeps a list of ``min_ids`` or more ids that is one run as a ``range``, and one of a few
+    runs (``IDS_PER_RUN`` ids or more each, on average) as a :class:`PageRunList`."""
+
+    def __init__(self, min_ids: int = RUN_MIN, ids_per_run: int = IDS_PER_RUN) -> None:
+        if min_ids < 2 or ids_per_run < 2:
+            raise ValueError(f"min_ids and ids_per_run must be at least 2, got {min_ids} and "
+                             f"{ids_per_run}")
+        self.min_ids = min_ids
+        self.ids_per_run = ids_per_run
+        self._iota_ids = np.zeros(0, np.int32)
+
+    def compact(self, ids: array) -> PageIds:
+        n = len(ids)
+        if n < self.min_ids:
+            return ids
+        first = ids[0]
+        if ids[-1] - first == n - 1 and ids[n // 2] - first == n // 2:  # likely one run
+            x = np.frombuffer(ids, dtype=np.int32)
+            if bool((x[1:] - x[:-1] == 1).all()):
+                return range(first, first + n)
+        x = np.frombuffer(ids, dtype=np.int32)
+        cuts = np.flatnonzero(x[1:] - x[:-1] != 1) + 1  # where a run begins, but the first
+        if (len(cuts) + 1) * self.ids_per_run > n:
+            return ids
+        starts = array("i", [first])
+        starts.frombytes(x[cuts].tobytes())
+        ends = array("i")
+        ends.frombytes(cuts.astype(np.int32).tobytes())
+        ends.append(n)
+        return PageRunList(starts, ends)
+
+    def join(self, parts: Sequence[PageIds]) -> array:
+        out = array("i")
+        for p in parts:  # hot nodes hold arrays: the usual join is plain copies
+            if type(p) is not array:
+                return self._join_runs(parts)
+            out += p
+        return out
+
+    def _join_runs(self, parts: Sequence[PageIds]) -> array:
+        total = sum(len(p) for p in parts)
+        out = _ZERO * total
+        ids = np.frombuffer(out, dtype=np.int32)
+        iota = self._iota(total)
+        pos = 0
+        for p in parts:
+            k = len(p)
+            if type(p) is range:
+                np.add(iota[:k], p.start, out=ids[pos : pos + k])
+            elif type(p) is PageRunList:
+                np.add(iota[:k], run_offsets(p), out=ids[pos : pos + k])
+            elif k:
+                ids[pos : pos + k] = p
+            pos += k
+        return out
+
+    def _iota(self, k: int) -> np.ndarray:
+        """0..k-1 as int32, kept (4 bytes per id of the longest list joined) so that listing a
+        run is one addition instead of an arange and a copy."""
+        if len(self._iota_ids) < k:
+            self._iota_ids = np.arange(max(k, 2 * len(self._iota_ids)), dtype=np.int32)
+        return self._iota_ids[:k]
+
+
+def run_offsets(runs: PageRunList) -> np.ndarray:
+    """Per id of ``runs``, what its position is added to for its value."""
+    ends = np.frombuffer(runs.ends, dtype=np.int32)
+    lengths = np.diff(ends, prepend=0)
+    return np.repeat(np.frombuffer(runs.starts, dtype=np.int32) - (ends - lengths), lengths)
+
+
+def page_run_array(pages: range | PageRunList) -> array:
+    """The ids of a run or of runs as a new int32 array (what the allocators' frees take)."""
+    n = len(pages)
+    out = _ZERO * n
+    if n:
+        base = np.arange(n, dtype=np.int32)
+        np.add(base, pages.start if type(pages) is range else run_offsets(pages),
+               out=np.frombuffer(out, dtype=np.int32))
+    return out

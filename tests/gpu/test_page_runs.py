@@ -1,0 +1,135 @@
+"""The page-run codec (daemon/gpu/page_runs.py) against plain lists: what it keeps as runs, that
+the runs read, slice and index as the list they stand for, and that joining gives back exactly
+the ids, in order, as a new array."""
+
+from __future__ import annotations
+
+from array import array
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from daemon.gpu.allocator import PageAllocator, as_page_array
+from daemon.gpu.page_runs import RUN_MIN, PageRunList, PageRuns
+from daemon.gpu.segments import SegmentedAllocator
+from daemon.tree import PlainPageIds, concat_pages
+
+
+def test_one_rising_run_is_kept_as_a_range_and_lists_of_no_runs_as_given():
+    c = PageRuns(4, 2)
+    assert c.compact(array("i", [5, 6, 7, 8])) == range(5, 9)
+    for ids in ([5, 6, 7], [8, 7, 6, 5], [5, 7, 6, 8], [5, 9, 6, 10]):
+        a = array("i", ids)
+        assert c.compact(a) is a, ids
+
+
+def test_a_few_runs_are_kept_by_their_bounds():
+    ids = [*range(10, 30), *range(50, 70), *range(31, 51)]
+    kept = PageRuns(4, 16).compact(array("i", ids))
+    assert type(kept) is PageRunList
+    assert kept.starts.tolist() == [10, 50, 31] and kept.ends.tolist() == [20, 40, 60]
+    assert list(kept) == ids and len(kept) == 60
+    # runs shorter than ids_per_run on average: kept as the array
+    a = array("i", ids)
+    assert PageRuns(4, 21).compact(a) is a
+
+
+def test_the_daemon_default_leaves_short_lists_alone():
+    short = array("i", range(1, RUN_MIN))
+    assert PageRuns().compact(short) is short
+    assert PageRuns().compact(array("i", range(1, RUN_MIN + 1))) == range(1, RUN_MIN + 1)
+
+
+def test_bad_minimums_are_refused():
+    with pytest.raises(ValueError, match="min_ids"):
+        PageRuns(1)
+    with pytest.raises(ValueError, match="ids_per_run"):
+        PageRuns(4, 1)
+
+
+runs_st = st.lists(st.tuples(st.integers(1, 2**31 - 300), st.integers(1, 40)), min_size=1,
+                   max_size=6)
+
+
+def _ids(runs: list[tuple[int, int]]) -> list[int]:
+    return [p for s, n in runs for p in range(s, s + n)]
+
+
+@given(runs_st, st.data())
+def test_kept_runs_read_slice_and_index_as_their_list(runs, data):
+    ids = _ids(runs)
+    kept = PageRuns(2, 2).compact(array("i", ids))
+    assert list(kept) == ids and len(kept) == len(ids)
+    i = data.draw(st.integers(-len(ids), len(ids) - 1))
+    assert kept[i] == ids[i]
+    a = data.draw(st.integers(-len(ids) - 2, len(ids) + 2))
+    b = data.draw(st.integers(-len(ids) - 2, len(ids) + 2))
+    part = kept[a:b]
+    assert list(part) == ids[a:b]
+    if len(part) > 1:  # slices of slices, as splits of split nodes are
+        assert list(part[1:-1]) == ids[a:b][1:-1]
+        assert list(part[::2]) == ids[a:b][::2]
+    for bad in (len(ids), -len(ids) - 1):
+        with pytest.raises(IndexError):
+            kept[bad]
+
+
+parts_st = st.lists(
+    st.one_of(
+        st.lists(st.integers(1, 2**31 - 1), max_size=20).map(lambda x: array("i", x)),
+        st.tuples(st.integers(1, 2**31 - 200), st.integers(0, 150)).map(
+            lambda t: range(t[0], t[0] + t[1])),
+        runs_st.map(lambda r: PageRuns(2, 2).compact(array("i", _ids(r)))),
+    ),
+    max_size=6,
+)
+
+
+@given(parts_st)
+def test_join_lists_every_id_in_order_in_a_new_array(parts):
+    want = [p for part in parts for p in part]
+    for codec in (PageRuns(2), PlainPageIds()):
+        got = codec.join(parts)
+        assert isinstance(got, array) and got.typecode == "i"
+        assert got.tolist() == want
+        assert all(got is not p for p in parts)
+    assert concat_pages(parts).tolist() == want
+    for p in parts:
+        assert as_page_array(p).tolist() == list(p)
+
+
+@given(st.lists(st.integers(1, 10_000), min_size=2, max_size=300, unique=True))
+def test_compact_never_changes_the_ids(ids):
+    kept = PageRuns(2, 2).compact(array("i", ids))
+    assert list(kept) == ids
+    assert (type(kept) is range) == (ids == list(range(ids[0], ids[0] + len(ids))))
+
+
+def test_runs_freed_to_an_allocator_free_exactly_their_pages():
+    alloc = PageAllocator(600)
+    got = alloc.alloc(500)
+    run = PageRuns().compact(got)
+    assert type(run) is range  # a fresh allocator hands out one ascending run
+    alloc.free(run[:300])
+    assert alloc.available == 99 + 300
+    alloc.free(run[300:])
+    assert alloc.available == 599 and alloc.audit() == []
+    # the last run freed is handed out first, ascending again
+    assert alloc.alloc(200).tolist() == list(run[300:])
+    runs = PageRuns(2, 2).compact(array("i", [*range(401, 501), *range(301, 401)]))
+    assert type(runs) is PageRunList
+    alloc.free(runs)
+    assert alloc.available == 599 and alloc.audit() == []
+    with pytest.raises(ValueError, match="not allocated"):
+        alloc.free(runs[50:150])  # a double free of runs is refused as any other
+
+
+def test_a_segment_check_of_runs_names_the_segments_they_touch():
+    a = SegmentedAllocator(64, 8, "full pool")
+    got = a.alloc(20, "t1")
+    bad: set[int] = set()
+    a.misplaced(PageRuns(2, 2).compact(got), "t2", bad)
+    assert bad == {p // 8 for p in got}
+    a.misplaced(range(0), "t2", bad)  # nothing named, nothing added
+    assert bad == {p // 8 for p in got}
