@@ -49,12 +49,12 @@ import random  # noqa: E402
 import time  # noqa: E402
 import tracemalloc  # noqa: E402
 from array import array  # noqa: E402
-from collections.abc import Callable  # noqa: E402
+from collections.abc import Callable, Sequence  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 
 from bench._common import export_ref, write_json  # noqa: E402
 from daemon.gpu.allocator import PairedAllocator  # noqa: E402
-from daemon.gpu.page_runs import PageRuns, cold_after_tokens  # noqa: E402
+from daemon.gpu.page_runs import PageRunList, PageRuns, cold_after_tokens  # noqa: E402
 from daemon.tree import RadixTree  # noqa: E402
 
 WINDOW = 128
@@ -460,9 +460,14 @@ def bench_evict(page_size: int, sz: Sizes, tree_cls: type = RadixTree) -> dict[s
     return {"evict_page_p50_us": _pct(per_page, 50)}
 
 
-def ids_bytes(ids: array | range) -> int:
-    """Page ids of a node: an array's payload, or the whole object of a run kept as a range."""
-    return 4 * len(ids) if isinstance(ids, array) else sys.getsizeof(ids)
+def ids_bytes(ids: Sequence[int]) -> int:
+    """Page ids of a node: an array's payload, or the whole of a compact form (a range, or a
+    PageRunList with its two arrays of bounds)."""
+    if isinstance(ids, array):
+        return 4 * len(ids)
+    if isinstance(ids, PageRunList):
+        return sys.getsizeof(ids) + sys.getsizeof(ids.starts) + sys.getsizeof(ids.ends)
+    return sys.getsizeof(ids)
 
 
 def held_bytes(tree: RadixTree, alloc: PairedAllocator) -> dict[str, int]:

@@ -10,7 +10,7 @@ never handed out.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -274,10 +274,10 @@ class PairedAllocator:
         swa = self.swa.alloc(n) if self.swa is not None else array("i")
         return full, swa
 
-    def free_full(self, pages: array) -> None:
+    def free_full(self, pages: Sequence[int]) -> None:
         self.full.free(pages)
 
-    def free_swa(self, pages: array) -> None:
+    def free_swa(self, pages: Sequence[int]) -> None:
         if self.swa is None:
             if len(pages):
                 raise AllocatorError("this model has no SWA pool")

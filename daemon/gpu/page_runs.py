@@ -14,7 +14,6 @@ from __future__ import annotations
 from array import array
 from bisect import bisect_left, bisect_right
 from collections.abc import Iterator, Sequence
-from typing import Union
 
 import numpy as np
 
@@ -67,7 +66,7 @@ class PageRunList:
         for r in self.runs():
             yield from r
 
-    def __getitem__(self, i: int | slice) -> int | Sequence[int]:  # type: ignore[override]
+    def __getitem__(self, i: int | slice) -> int | Sequence[int]:
         if isinstance(i, slice):
             return self._slice(i)
         n = self.ends[-1]
@@ -100,9 +99,6 @@ class PageRunList:
         return f"PageRunList({', '.join(f'{r.start}..{r.stop - 1}' for r in self.runs())})"
 
 
-PageIds = Union[array, range, PageRunList]  # noqa: UP007 - a runtime alias (targets 3.10)
-
-
 class PageRuns:
     """Keeps a list of ``min_ids`` or more ids that is one run as a ``range``, and one of a few
     runs (``IDS_PER_RUN`` ids or more each, on average) as a :class:`PageRunList`."""
@@ -115,7 +111,7 @@ class PageRuns:
         self.ids_per_run = ids_per_run
         self._iota_ids = np.zeros(0, np.int32)
 
-    def compact(self, ids: array) -> PageIds:
+    def compact(self, ids: array) -> array | range | PageRunList:
         n = len(ids)
         if n < self.min_ids:
             return ids
@@ -125,9 +121,10 @@ class PageRuns:
             if bool((x[1:] - x[:-1] == 1).all()):
                 return range(first, first + n)
         x = np.frombuffer(ids, dtype=np.int32)
-        cuts = np.flatnonzero(x[1:] - x[:-1] != 1) + 1  # where a run begins, but the first
-        if (len(cuts) + 1) * self.ids_per_run > n:
-            return ids
+        breaks = x[1:] - x[:-1] != 1
+        if (int(np.count_nonzero(breaks)) + 1) * self.ids_per_run > n:
+            return ids  # (counted first: listing the breaks of a list of no runs costs more)
+        cuts = np.flatnonzero(breaks) + 1  # where a run begins, but the first
         starts = array("i", [first])
         starts.frombytes(x[cuts].tobytes())
         ends = array("i")
@@ -135,7 +132,7 @@ class PageRuns:
         ends.append(n)
         return PageRunList(starts, ends)
 
-    def join(self, parts: Sequence[PageIds]) -> array:
+    def join(self, parts: Sequence[Sequence[int]]) -> array:
         out = array("i")
         for p in parts:  # hot nodes hold arrays: the usual join is plain copies
             if type(p) is not array:
@@ -143,7 +140,7 @@ class PageRuns:
             out += p
         return out
 
-    def _join_runs(self, parts: Sequence[PageIds]) -> array:
+    def _join_runs(self, parts: Sequence[Sequence[int]]) -> array:
         total = sum(len(p) for p in parts)
         out = _ZERO * total
         ids = np.frombuffer(out, dtype=np.int32)

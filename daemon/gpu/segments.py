@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import mmap
 from array import array
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -528,10 +528,10 @@ class PairedSegmentAllocator:
             raise
         return full, swa
 
-    def free_full(self, pages: array) -> None:
+    def free_full(self, pages: Sequence[int]) -> None:
         self.full.free(pages)
 
-    def free_swa(self, pages: array) -> None:
+    def free_swa(self, pages: Sequence[int]) -> None:
         if self.swa is None:
             if len(pages):
                 raise AllocatorError("this model has no SWA pool")

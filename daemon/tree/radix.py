@@ -281,7 +281,8 @@ class RadixTree(Matching, Insertion, Locking, Eviction, Tiering):
         if n.ts == self._clock:
             return  # nothing was inserted since its last touch: its position stands
         n.ts = self._clock
-        if n.full is not None and type(n.full) is not array:
+        if (n.full is not None and type(n.full) is not array) or (
+                n.swa is not None and type(n.swa) is not array):
             self._expand(n)
         if n.full_entry is not None or n.host_entry is not None:
             self._requeue(n)
@@ -305,7 +306,8 @@ class RadixTree(Matching, Insertion, Locking, Eviction, Tiering):
         """A node in use again keeps its ids as arrays: every match and insert through it lists
         them, which costs a vector call per run form and a copy per array."""
         codec = self.page_ids
-        n.full = codec.join([n.full])  # type: ignore[list-item]
+        if type(n.full) is not array:
+            n.full = codec.join([n.full])  # type: ignore[list-item]
         if n.swa is not None and type(n.swa) is not array:
             n.swa = codec.join([n.swa])
         self.stats["expanded_nodes"] += 1
@@ -373,11 +375,12 @@ class RadixTree(Matching, Insertion, Locking, Eviction, Tiering):
         if node.full is not None:
             up.full = node.full[:k]
             node.full = node.full[k:]
-            if type(up.full) is array or (up.swa is not None and type(up.swa) is array):
-                self._dense_ids(up)
         if node.swa is not None:
             up.swa = node.swa[:k]
             node.swa = node.swa[k:]
+        if up.full is not None and (type(up.full) is array
+                                    or (up.swa is not None and type(up.swa) is array)):
+            self._dense_ids(up)
         if node.host is not None:
             up.host = node.host[:k]
             node.host = node.host[k:]

@@ -13,7 +13,14 @@ from hypothesis import strategies as st
 from daemon.gpu.allocator import PageAllocator, as_page_array
 from daemon.gpu.page_runs import RUN_MIN, PageRunList, PageRuns
 from daemon.gpu.segments import SegmentedAllocator
-from daemon.tree import PlainPageIds, concat_pages
+from daemon.tree import (
+    CollectingSink,
+    PlainPageIds,
+    RadixTree,
+    as_token_bytes,
+    check_tree,
+    concat_pages,
+)
 
 
 def test_one_rising_run_is_kept_as_a_range_and_lists_of_no_runs_as_given():
@@ -133,3 +140,27 @@ def test_a_segment_check_of_runs_names_the_segments_they_touch():
     assert bad == {p // 8 for p in got}
     a.misplaced(range(0), "t2", bad)  # nothing named, nothing added
     assert bad == {p // 8 for p in got}
+
+
+def _tree(min_ids: int = 2) -> RadixTree:
+    tree = RadixTree(1, 2, CollectingSink(), policy="lru", page_ids=PageRuns(min_ids, 2))
+    tree.compact_after = 0
+    return tree
+
+
+def test_a_node_whose_swa_ids_alone_were_compacted_is_expanded_when_used():
+    tree = _tree()
+    toks = as_token_bytes(range(1, 9))
+    full = array("i", range(1, 17, 2))  # no run: stays an array
+    swa = array("i", range(101, 109))  # one run
+    tree.insert("ns", toks, full, swa)
+    assert tree.compact_cold(8, 8) == 1
+    node = next(n for n in tree.iter_nodes() if n.parent is not None)
+    assert type(node.full) is array and type(node.swa) is range
+    tree.insert("ns", as_token_bytes(range(50, 54)), array("i", [40, 41, 42, 43]),
+                array("i", [140, 141, 142, 143]))  # the clock moves: the next match touches
+    m = tree.match("ns", toks)
+    assert m.full_pages.tolist() == full.tolist() and m.swa_pages.tolist() == [107, 108]
+    assert type(node.full) is array and type(node.swa) is array
+    assert tree.stats["expanded_nodes"] == 1 and check_tree(tree) == []
+
