@@ -190,9 +190,7 @@ def finish_backup(mc: ModelCache, job: BackupJob, ok: bool) -> list[tuple[Node, 
             fs = rec.full_slots[off : off + k]
             ss = rec.swa_slots[off : off + k]
             read = rec.dev_full[off : off + k]
-            full = n.full
-            clean = (full is not None
-                     and (full if type(full) is array else tree.page_ids.join([full])) == read
+            clean = (n.full is not None and tree.page_ids.join([n.full]) == read
                      and (not tainted_full or tainted_full.isdisjoint(read))
                      and (not tainted_swa
                           or tainted_swa.isdisjoint(rec.dev_swa[off : off + k])))

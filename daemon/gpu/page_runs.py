@@ -116,13 +116,12 @@ class PageRuns:
         if n < self.min_ids:
             return ids
         first = ids[0]
-        if ids[-1] - first == n - 1 and ids[n // 2] - first == n // 2:  # likely one run
-            x = np.frombuffer(ids, dtype=np.int32)
-            if bool((x[1:] - x[:-1] == 1).all()):
-                return range(first, first + n)
         x = np.frombuffer(ids, dtype=np.int32)
         breaks = x[1:] - x[:-1] != 1
-        if (int(np.count_nonzero(breaks)) + 1) * self.ids_per_run > n:
+        n_breaks = int(np.count_nonzero(breaks))
+        if not n_breaks:
+            return range(first, first + n)
+        if (n_breaks + 1) * self.ids_per_run > n:
             return ids  # (counted first: listing the breaks of a list of no runs costs more)
         cuts = np.flatnonzero(breaks) + 1  # where a run begins, but the first
         starts = array("i", [first])
@@ -148,10 +147,8 @@ class PageRuns:
         pos = 0
         for p in parts:
             k = len(p)
-            if type(p) is range:
-                np.add(iota[:k], p.start, out=ids[pos : pos + k])
-            elif type(p) is PageRunList:
-                np.add(iota[:k], run_offsets(p), out=ids[pos : pos + k])
+            if type(p) is range or type(p) is PageRunList:
+                np.add(iota[:k], _offsets(p), out=ids[pos : pos + k])  # type: ignore[arg-type]
             elif k:
                 ids[pos : pos + k] = p
             pos += k
@@ -165,8 +162,11 @@ class PageRuns:
         return self._iota_ids[:k]
 
 
-def run_offsets(runs: PageRunList) -> np.ndarray:
-    """Per id of ``runs``, what its position is added to for its value."""
+def _offsets(runs: range | PageRunList) -> int | np.ndarray:
+    """What an id's position in ``runs`` is added to for its value: one number for a run, one
+    per id for several."""
+    if type(runs) is range:
+        return runs.start
     ends = np.frombuffer(runs.ends, dtype=np.int32)
     lengths = np.diff(ends, prepend=0)
     return np.repeat(np.frombuffer(runs.starts, dtype=np.int32) - (ends - lengths), lengths)
@@ -178,6 +178,5 @@ def page_run_array(pages: range | PageRunList) -> array:
     out = _ZERO * n
     if n:
         base = np.arange(n, dtype=np.int32)
-        np.add(base, pages.start if type(pages) is range else run_offsets(pages),
-               out=np.frombuffer(out, dtype=np.int32))
+        np.add(base, _offsets(pages), out=np.frombuffer(out, dtype=np.int32))
     return out

@@ -45,7 +45,6 @@ from daemon.gpu.allocator import (
     page_ids,
     set_states,
 )
-from daemon.gpu.page_runs import PageRunList
 
 if TYPE_CHECKING:
     from daemon.gpu.profile import ModelProfile
@@ -469,10 +468,8 @@ class SegmentedAllocator:
         isolation rule)."""
         sp = self.segment_pages
         owner = self.owner
-        if type(pages) in (range, PageRunList):  # a node's runs (daemon/gpu/page_runs.py)
-            runs = pages.runs() if type(pages) is PageRunList else (pages,)
-            segs = {s for r in runs if r for s in range(r.start // sp, (r.stop - 1) // sp + 1)}
-        elif isinstance(pages, array) and len(pages) >= VECTOR_MIN:  # a node's pages, at page
+        pages = as_page_array(pages)  # (a node's runs listed as ids)
+        if len(pages) >= VECTOR_MIN:  # a node's pages, at page
             # size 1 thousands of them in a few segments
             segs: Iterable[int] = np.unique(page_ids(pages) // sp).tolist()
         else:
