@@ -53,7 +53,7 @@ from collections.abc import Callable, Sequence  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 
 from bench._common import export_ref, write_json  # noqa: E402
-from daemon.gpu.allocator import PairedAllocator  # noqa: E402
+from daemon.gpu.allocator import PageAllocator, PairedAllocator  # noqa: E402
 from daemon.gpu.page_runs import PageRunList, PageRuns, cold_after_tokens  # noqa: E402
 from daemon.tree import RadixTree  # noqa: E402
 
@@ -74,6 +74,7 @@ ORDER = [  # table order of the figures of one page size
     "insert_4k_trusted_p50_us", "evict_page_p50_us", "idle_compact_nodes",
     "idle_compact_us_per_node", "match_4k_cold_p50_us", "match_4k_rewarmed_p50_us",
     "bytes_per_cached_token", "bytes_per_cached_token_ntokens",
+    "bytes_per_cached_token_with_host",
 ]
 
 
@@ -470,29 +471,45 @@ def ids_bytes(ids: Sequence[int]) -> int:
     return sys.getsizeof(ids)
 
 
-def held_bytes(tree: RadixTree, alloc: PairedAllocator) -> dict[str, int]:
+def held_bytes(tree: RadixTree, allocs: list[PageAllocator]) -> dict[str, int]:
     """The payload bytes the tree and its allocators keep, by kind (what bytes per cached token
     is made of before object headers and slack): token ids, block hashes, page ids of each pool
-    in the nodes, and the allocators' state bytes and free lists."""
+    and host slot ids in the nodes, and the allocators' state bytes and free lists."""
     nodes = list(tree.nodes.values())
-    pools = [a for a in (alloc.full, alloc.swa) if a is not None]
     return {
         "token ids": sum(len(n.tokens) for n in nodes),
         "hashes": sum(len(n.hashes) for n in nodes),
         "full ids": sum(ids_bytes(n.full) for n in nodes if n.full is not None),
         "SWA ids": sum(ids_bytes(n.swa) for n in nodes if n.swa is not None),
-        "allocator states": sum(a.capacity for a in pools),
-        "allocator free lists": 4 * sum(a.available for a in pools),
+        "host ids": sum(ids_bytes(n.host) for n in nodes
+                        if n.host is not None and n.parent is not None),
+        "allocator states": sum(a.capacity for a in allocs),
+        "allocator free lists": 4 * sum(a.available for a in allocs),
     }
 
 
-def bench_memory(page_size: int, tokens: int, tree_cls: type = RadixTree) -> dict[str, float]:
+def copy_to_host(tree: RadixTree, host: PageAllocator) -> None:
+    """What write-through leaves: a host copy of every node on device (parents first, as the
+    tiers make them: host copies are prefix-closed)."""
+    stack = [ns.root for ns in tree.namespaces.values()]
+    while stack:
+        n = stack.pop()
+        if n.parent is not None and n.full is not None and n.host is None:
+            tree.set_host(n.id, host.alloc(len(n.full)))
+        if n.host is not None and n.children:
+            stack.extend(n.children.values())
+
+
+def bench_memory(page_size: int, tokens: int, tree_cls: type = RadixTree, host: bool = False
+                 ) -> dict[str, float]:
     """bytes_per_cached_token: tracemalloc snapshot difference around building tree+allocators.
 
     Tokens ids, page hashes, page ids, nodes, queues, allocator state; no KV tensors (no pools).
     The pools are sized to the content (plus one sequence), the SWA pool as large as the full one.
     Divided by the distinct tokens cached on device. Measured after the daemon's idle work (cold
     nodes' page ids kept as runs; nodes used within the last half pool of churn keep arrays).
+    ``host``: every node also has a host copy (write-through, the daemon's default), from a host
+    pool as large as the full one: bytes_per_cached_token_with_host.
     """
     P = page_size
     wl = Workload(P, seed=3)  # its system prompts exist before the first snapshot
@@ -502,10 +519,13 @@ def bench_memory(page_size: int, tokens: int, tree_cls: type = RadixTree) -> dic
         before = tracemalloc.take_snapshot()
         cap = (tokens + 2 * SEQ_LEN) // P + 2
         alloc = PairedAllocator(cap, cap)
+        host_pool = PageAllocator(cap, "host pool") if host else None
         tree = new_tree(tree_cls, P, alloc)
         while cached_tokens(tree) < tokens:
             toks, f = wl.next_seq()
             engine_insert(tree, alloc, toks, f)
+            if host_pool is not None:
+                copy_to_host(tree, host_pool)
         idle(tree)
         del toks
         wl.firsts.clear()  # the workload's own copies of first turns are not the tree's
@@ -521,15 +541,19 @@ def bench_memory(page_size: int, tokens: int, tree_cls: type = RadixTree) -> dic
         name = os.path.basename(s.traceback[0].filename)
         by_file[name] = by_file.get(name, 0) + s.size_diff
     top = sorted(by_file.items(), key=lambda kv: -kv[1])[:5]
-    print(f"  p{P} memory: {total / 1e6:.1f} MB for {n_tok} cached tokens, {len(tree.nodes)} "
+    label = f"p{P} memory{' with host copies' if host else ''}"
+    print(f"  {label}: {total / 1e6:.1f} MB for {n_tok} cached tokens, {len(tree.nodes)} "
           "nodes; by allocating file: "
           + ", ".join(f"{k} {v / n_tok:.2f}" for k, v in top) + " B/token", file=sys.stderr)
-    held = held_bytes(tree, alloc)
-    print(f"  p{P} memory: what is held: "
+    allocs = [a for a in (alloc.full, alloc.swa, host_pool) if a is not None]
+    held = held_bytes(tree, allocs)
+    print(f"  {label}: what is held: "
           + ", ".join(f"{k} {v / n_tok:.2f}" for k, v in held.items())
           + f", the rest (objects, headers, slack) {(total - sum(held.values())) / n_tok:.2f} "
           "B/token", file=sys.stderr)
-    del tree, alloc
+    del tree, alloc, allocs, host_pool
+    if host:
+        return {"bytes_per_cached_token_with_host": total / n_tok}
     return {"bytes_per_cached_token": total / n_tok, "bytes_per_cached_token_ntokens": n_tok}
 
 
@@ -550,6 +574,7 @@ def run_page_size(page_size: int, sz: Sizes, tree_cls: type = RadixTree) -> dict
     del pop
     out.update(bench_evict(page_size, sz, tree_cls))
     out.update(bench_memory(page_size, sz.mem_tokens[page_size], tree_cls))
+    out.update(bench_memory(page_size, sz.mem_tokens[page_size], tree_cls, host=True))
     print(f"  p{page_size}: done in {time.perf_counter() - t:.1f} s", file=sys.stderr)
     keys = sorted(out, key=lambda k: ORDER.index(k) if k in ORDER else len(ORDER))
     return {f"{k}_p{page_size}": out[k] for k in keys}
@@ -599,7 +624,7 @@ def _unit(name: str) -> str:
         return "us"
     if base.endswith("_seconds"):
         return "s"
-    if base == "bytes_per_cached_token":
+    if base.startswith("bytes_per_cached_token") and not base.endswith("_ntokens"):
         return "B/token"
     if base.endswith("_ntokens"):
         return "tokens"
@@ -725,6 +750,7 @@ def compare(ref: str, page_sizes: list[int], quick: bool) -> dict[str, float]:
         figs = interleaved(P, sz, classes)
         for side, cls in classes.items():
             figs[side].update(bench_memory(P, sz.mem_tokens[P], cls))
+            figs[side].update(bench_memory(P, sz.mem_tokens[P], cls, host=True))
         for k, v in figs["this"].items():
             b = figs["base"].get(k)
             out[f"{k}_p{P}"] = v

@@ -211,8 +211,8 @@ class Connection(asyncio.Protocol):
                 raise ServiceError(P.Code.ALREADY_AUTHENTICATED,
                                    f"this connection is already session {self.session.id}")
             elif Service.waits(op, req):
-                self._run_async(rid, op, Service.ASYNC_HANDLERS[op](self.service, self.session,
-                                                                     req), t0)
+                self._run_async(rid, op, req.model, Service.ASYNC_HANDLERS[op](
+                    self.service, self.session, req), t0)
                 return
             else:
                 handler = Service.HANDLERS[op]
@@ -294,14 +294,14 @@ class Connection(asyncio.Protocol):
                 failed = True
         return P.BatchResult(results=items)
 
-    def _run_async(self, rid: int, op: str, coro: Any, t0: float) -> None:
+    def _run_async(self, rid: int, op: str, model: str, coro: Any, t0: float) -> None:
         """An operation that waits (a copy, Redis): other sessions are served meanwhile; this
         session's later frames wait, so its responses stay in request order."""
         self.holding = True
         self.transport.pause_reading()  # type: ignore[union-attr]
         task = self.server.loop.create_task(self._finish_async(rid, op, coro, t0))
-        self.server.async_ops.add(task)
-        task.add_done_callback(self.server.async_ops.discard)
+        self.server.async_ops[task] = model
+        task.add_done_callback(self.server.async_op_done)
 
     async def _finish_async(self, rid: int, op: str, coro: Any, t0: float) -> None:
         try:
@@ -428,9 +428,14 @@ class Server:
         self.compact_seconds = 0.0  # in _compact_idle
         self.socket_path = config.server.socket
         self.admin: Any = None  # what start_admin returned (it has an async stop())
-        self.async_ops: set[asyncio.Task] = set()  # load/prefetch in flight
+        #: operations that wait (load, prefetch, a fetching kv_lookup) in flight, by task: the
+        #: model each one uses
+        self.async_ops: dict[asyncio.Task, str] = {}
         self._auth_logged_at = -AUTH_LOG_INTERVAL_S  # monotonic time of the last line
         self._auth_suppressed = 0
+
+    def async_op_done(self, task: asyncio.Task) -> None:
+        self.async_ops.pop(task, None)
 
     def auth_failed(self, peer: Peer, reason: str) -> None:
         """Log a failed hello, rate-limited (at most one line per AUTH_LOG_INTERVAL_S, with the
@@ -583,20 +588,22 @@ class Server:
         deadline = time.monotonic() + self.config.l3.drain_timeout_s  # one budget for it all
         if self.async_ops:  # copies in flight write into the pools: let them land first
             await asyncio.wait(list(self.async_ops), timeout=self.config.l3.drain_timeout_s)
-        drained = True
         try:
-            await self.service.stop_tiers(deadline)
+            busy = await self.service.stop_tiers(deadline)
         except Exception:  # noqa: BLE001 - a failing drain must not keep the daemon up
             log.exception("stopping the memory tiers")
-            drained = False  # tier jobs may still run and hold what they took
+            busy = set(self.service.models)  # tier jobs may still run and hold what they took
         if self._auth_suppressed:
             log.warning("%d failed hellos not logged before the stop", self._auth_suppressed)
             self._auth_suppressed = 0
         try:
             violations = self.service.check(deep=False)
             # a load still running, or a drain that failed, still holds its pages and pins
-            if drained and all(op.done() for op in self.async_ops):
-                violations += self.service.check_at_rest()
+            busy |= {model for op, model in self.async_ops.items() if not op.done()}
+            if busy:
+                log.warning("the check at rest leaves out %s: a job may still hold what it "
+                            "took", ", ".join(map(repr, sorted(busy))))
+            violations += self.service.check_at_rest(busy)
         except Exception:  # noqa: BLE001 - a checker bug must not keep the pools mapped
             log.exception("checking the cache at shutdown")
             violations = []

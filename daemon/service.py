@@ -82,31 +82,48 @@ class Service(ServiceQueries, ServiceChecks):
             if entry.keyed is not None:
                 entry.keyed.start()
 
-    async def stop_tiers(self, deadline: float) -> None:
+    async def stop_tiers(self, deadline: float) -> set[str]:
         """Finish what the write policies owe to host and L3 by ``deadline`` (monotonic). When a
         warm restart follows (a state directory or systemd's fd store), the tree's device-only
-        pages are copied to host first, so the next run finds them there."""
+        pages are copied to host first, so the next run finds them there. Returns the models
+        whose drain failed: their tier jobs may still hold what they took, so the stop's check at
+        rest leaves them out. One model's failure does not keep the others from draining; the
+        host state is then not saved (a warm restart would adopt slots a job still fills)."""
         warm = self.fd_store is not None or bool(self.config.server.state_dir)
+        failed: set[str] = set()
         for name, entry in self.models.items():
-            # the tree's copies first: making host room for them may evict keyed pages that
-            # L3 write-back still owes Redis, which the keyed store's drain then writes
-            if entry.tiers is not None:
-                gained = await entry.tiers.drain(deadline, back_up_device=warm)
-                if warm:
-                    log.info("warm restart: model %r: the tree's host pages grew by %d in the "
-                             "stop's drain (device-only nodes copied)", name, gained)
-            if entry.keyed is not None:
-                await entry.keyed.drain(deadline)
-                await entry.keyed.aclose()
-            if entry.tiers is not None:
-                await entry.tiers.aclose()
+            try:
+                await self._drain_model(name, entry, deadline, warm)
+            except Exception:  # noqa: BLE001 - logged; the other models still drain
+                log.exception("stopping the memory tiers of model %r", name)
+                failed.add(name)
         if self.l3 is not None:
             await self.l3.aclose()
+        if failed:
+            log.warning("host state not saved for a warm restart: the drain of %s failed",
+                        ", ".join(map(repr, sorted(failed))))
+            return failed
         if self.fd_store is not None and save_host_fdstore(self.models, self.fd_store,
                                                            self.fd_store_max):
-            return
+            return failed
         if self.config.server.state_dir:
             save_host_state(self.models, self.config.server.state_dir)
+        return failed
+
+    @staticmethod
+    async def _drain_model(name: str, entry: ModelEntry, deadline: float, warm: bool) -> None:
+        # the tree's copies first: making host room for them may evict keyed pages that L3
+        # write-back still owes Redis, which the keyed store's drain then writes
+        if entry.tiers is not None:
+            gained = await entry.tiers.drain(deadline, back_up_device=warm)
+            if warm:
+                log.info("warm restart: model %r: the tree's host pages grew by %d in the "
+                         "stop's drain (device-only nodes copied)", name, gained)
+        if entry.keyed is not None:
+            await entry.keyed.drain(deadline)
+            await entry.keyed.aclose()
+        if entry.tiers is not None:
+            await entry.tiers.aclose()
 
     # ------------------------------------------------------------------ sessions
 

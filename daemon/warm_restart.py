@@ -115,8 +115,9 @@ def _image(entry: ModelEntry, index: int, state_dir: str | None) -> ModelImage:
         for n in _host_nodes(ns.root):
             pos[n.id] = len(img.tree)
             hs = n.host_swa.tobytes() if n.host_swa is not None else b""
+            slots = tree.page_ids.join([n.host])  # type: ignore[list-item] # (or its runs)
             img.tree.append(TreeNodeRecord(pos[n.parent.id], ns_name, n.tokens,  # type: ignore
-                                           n.host.tobytes(), hs))  # type: ignore[union-attr]
+                                           slots.tobytes(), hs))
             used["full"].extend(n.host)  # type: ignore[arg-type]
             if n.host_swa is not None:
                 used["swa"].extend(s for s in n.host_swa if s)

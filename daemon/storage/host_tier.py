@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from array import array
 from collections import Counter
-from collections.abc import Collection, Iterable, Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from daemon.gpu.allocator import AUDIT_STEP_SLOTS, OutOfPages
@@ -141,7 +141,7 @@ class HostTier:
 
     # -- the tree's HostSink ----------------------------------------------------------------------
 
-    def free_host(self, slots: array) -> None:
+    def free_host(self, slots: Sequence[int]) -> None:
         self.drop("full", slots)
 
     def free_host_swa(self, slots: array) -> None:

@@ -22,6 +22,7 @@ from array import array
 
 from .errors import BadArgument
 from .node import EMPTY, Node
+from .page_ids import PageIds
 from .results import EvictResult, Namespace
 
 
@@ -117,7 +118,7 @@ class Eviction:
             self._free_host_slots(n.host,  # type: ignore[arg-type]
                                   array("i", (p for p in hs if p)) if hs is not None else EMPTY)
 
-    def _free_host_slots(self, host: array, hswa: array) -> None:
+    def _free_host_slots(self, host: PageIds, hswa: array) -> None:
         if self.host_sink is not None:
             self.host_sink.free_host(host)
             if hswa:
@@ -233,7 +234,10 @@ class Eviction:
     def set_host(self, node_id: int, slots: array, swa_slots: array | None = None) -> None:
         """Record that a device node now has a host copy (its parent must have one already).
 
-        ``swa_slots`` are the host copies of its SWA pages, 0 for a page without one."""
+        ``swa_slots`` are the host copies of its SWA pages, 0 for a page without one. The node
+        keeps ``slots`` in the page-id codec's compact form where it has one (a host copy is
+        made of the host pool's ascending runs); ``host_swa`` stays an array (its zeros are no
+        run)."""
         n = self.get_node(node_id)
         if n.parent is None:
             raise BadArgument("the root has no pages")
@@ -251,7 +255,10 @@ class Eviction:
         self._requeue(n)
 
     def _give_host(self, n: Node, slots: array, swa_slots: array | None) -> None:
-        n.host = slots
+        # kept compact from the start, hot or cold: no match or insert reads host slot ids, only
+        # a load and the tiers' copies, each of which moves far more bytes than it lists ids
+        codec = self.page_ids
+        n.host = codec.compact(slots) if len(slots) >= codec.min_ids else slots
         self.host_pages += len(slots)
         n.ns.host_pages += len(slots)
         if swa_slots is not None and any(swa_slots):

@@ -1,9 +1,10 @@
 """The tree node and the lock receipt.
 
 A node is a run of whole pages under one parent. Its token ids are kept as int32 little-endian
-bytes (compared with memcmp, never per token in Python) and its device page ids as ``array('i')``
-or, given a codec, as a compact form of their ascending runs (daemon/tree/page_ids.py), which is
-what keeps metadata near the token ids' own 4 bytes per token. Host slot ids are always arrays.
+bytes (compared with memcmp, never per token in Python), and its device page ids and host slot
+ids as ``array('i')`` or, given a codec, as a compact form of their ascending runs
+(daemon/tree/page_ids.py), which is what keeps metadata near the token ids' own 4 bytes per
+token. ``host_swa`` is always an array.
 
 Tier state of a node:
 
@@ -68,7 +69,7 @@ class Node:
         self.hashes = hashes
         self.full: PageIds | None = None
         self.swa: PageIds | None = None
-        self.host: array | None = None
+        self.host: PageIds | None = None
         self.host_swa: array | None = None
         self.full_lock = 0
         self.swa_lock = 0

@@ -72,8 +72,8 @@ class RadixTree(Matching, Insertion, Locking, Eviction, Tiering):
         """``hash_block_tokens``: what a block of the hash chain holds at least; the key format
         of the tiers (protocol.md 9.3) is that of the default, other values are for tests that
         want blocks to end inside short sequences. ``page_ids``: how cold nodes keep their
-        device page ids (daemon.tree.page_ids, :meth:`compact_cold`); the default keeps the
-        caller's arrays."""
+        device page ids (:meth:`compact_cold`) and every node its host slot ids
+        (:meth:`set_host`) (daemon.tree.page_ids); the default keeps the caller's arrays."""
         if not isinstance(page_size, int) or page_size < 1:
             raise BadArgument(f"page_size must be an int >= 1, got {page_size!r}")
         if window is not None and (not isinstance(window, int) or window < 1):
@@ -318,7 +318,8 @@ class RadixTree(Matching, Insertion, Locking, Eviction, Tiering):
         to keep in its compact form (daemon.tree.page_ids): ``most`` nodes at most, of ``look``
         candidates at most, those that took arrays of ids earliest first. A compaction costs a
         few vector calls (tens of microseconds at a page of one token), so the daemon runs it
-        while no request waits, never inside an operation. Returns the nodes compacted."""
+        while no request waits, never inside an operation. Returns the nodes compacted. (Host
+        slot ids are compacted when they are set: :meth:`set_host`.)"""
         dense = self._dense
         nodes = self.nodes
         codec = self.page_ids

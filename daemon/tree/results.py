@@ -25,7 +25,7 @@ class PageSink(Protocol):
 class HostSink(Protocol):
     """Where the tree returns host (L2) slots it no longer needs."""
 
-    def free_host(self, slots: array) -> None: ...
+    def free_host(self, slots: PageIds) -> None: ...
 
     def free_host_swa(self, slots: array) -> None: ...
 
@@ -45,7 +45,7 @@ class CollectingSink:
     def free_swa(self, pages: PageIds) -> None:
         self.swa.extend(pages)
 
-    def free_host(self, slots: array) -> None:
+    def free_host(self, slots: PageIds) -> None:
         self.host.extend(slots)
 
     def free_host_swa(self, slots: array) -> None:

@@ -113,7 +113,8 @@ class Tiering:
             anchor = node
             k = min(m, end - i)
             if node.full is None:
-                full.extend((i + j, node.host[j]) for j in range(k))  # type: ignore[index]
+                # (sliced, not indexed: a compact list finds a position by bisection)
+                full.extend(zip(range(i, i + k), node.host[:k], strict=True))  # type: ignore[index]
             if self.swa_enabled and node.swa is None and i + k > ws:
                 hs = node.host_swa
                 for j in range(max(0, ws - i), k):

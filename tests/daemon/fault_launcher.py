@@ -6,9 +6,10 @@ leaf of model ``m`` that no receipt accounts for (what a lost unlock would leave
 check sees it (the counter check and the checker's state version do not move). With
 ``FAULT_KIND=pin`` in its environment, SIGUSR2 instead pins that leaf for a tier job that never
 ends (what a fetch or copy that skipped its cleanup would leave): only the stop's check at rest
-sees it. ``FAULT_STOP`` breaks the stop itself: ``drain`` makes the tiers' drain raise after
-it planted such a pin (a job the failed drain left running), ``check`` makes the check at rest
-raise.
+sees it. ``FAULT_MODEL`` names the model SIGUSR2 plants in (default ``m``). ``FAULT_STOP``
+breaks the stop itself: ``drain`` makes the tiers' drain raise after it planted such a pin (a job
+the failed drain left running), ``drain_of_m`` does so for model ``m``'s drain alone (the other
+models drain), ``check`` makes the check at rest raise.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from daemon import checker, cli, service  # noqa: E402
+from daemon import checker, cli, service, tiers  # noqa: E402
 
 _targets: list = []
 _init = checker.Checker.__init__
@@ -31,8 +32,8 @@ def _capture(self: checker.Checker, target: checker.Checkable, config: object) -
     _init(self, target, config)  # type: ignore[arg-type]
 
 
-def _plant(*_: object) -> None:
-    tree = _targets[0].models["m"].cache.tree
+def _plant(*_: object, model: str | None = None) -> None:
+    tree = _targets[0].models[model or os.environ.get("FAULT_MODEL", "m")].cache.tree
     leaf = next(n for n in tree.iter_nodes() if n.parent is not None and not n.children)
     if os.environ.get("FAULT_KIND") == "pin":
         tree.pin(leaf)
@@ -47,7 +48,18 @@ async def _failed_drain(self: service.Service, deadline: float) -> None:
     raise RuntimeError("fault planted: the drain failed")
 
 
-def _failed_check(self: service.Service) -> list[str]:
+_drain = tiers.TierManager.drain
+
+
+async def _failed_drain_of_m(self: tiers.TierManager, deadline: float,
+                             back_up_device: bool = False) -> int:
+    if self is _targets[0].models["m"].tiers:
+        _plant(model="m")
+        raise RuntimeError("fault planted: the drain of model m failed")
+    return await _drain(self, deadline, back_up_device)
+
+
+def _failed_check(self: service.Service, busy: object = ()) -> list[str]:
     raise RuntimeError("fault planted: the check at rest failed")
 
 
@@ -56,6 +68,8 @@ if __name__ == "__main__":
     stop_fault = os.environ.get("FAULT_STOP")
     if stop_fault == "drain":
         service.Service.stop_tiers = _failed_drain  # type: ignore[method-assign,assignment]
+    elif stop_fault == "drain_of_m":
+        tiers.TierManager.drain = _failed_drain_of_m  # type: ignore[method-assign]
     elif stop_fault == "check":
         service.Service.check_at_rest = _failed_check  # type: ignore[method-assign]
     signal.signal(signal.SIGUSR2, _plant)

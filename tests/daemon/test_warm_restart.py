@@ -216,3 +216,39 @@ def test_the_l3_quota_keeps_counting_across_a_restart(make_daemon, tmp_path: Pat
              "the quota deleting the oldest values")
     assert stored() == 3
     e.close()
+
+
+def test_cold_nodes_host_slot_ids_kept_as_runs_load_and_restart_byte_exact(
+        make_daemon, tmp_path: Path) -> None:
+    """A long node that went cold keeps its page ids and its host slot ids as runs while the
+    daemon idles (docs/operations.md, "Page ids of cold nodes kept as runs"). With its device
+    copy evicted, a load brings its KV back byte-exact through those slot ids; the stop saves
+    them for a warm restart, whose load is byte-exact too."""
+    state = tmp_path / "state"
+    model = {"full_pages": 2000, "swa_pages": 2000}  # cold after 2000 * 4 / 2 tokens of churn
+    seqs = [seq(200, base=10_000 * k + 1) for k in range(7)]  # 200 pages: kept as runs
+    d1 = make_daemon(_config(state, **model))
+    kept = cache_until_on_host(d1, seqs)
+    wait_for(lambda: re.search(r'radixd_tree_page_id_compactions_total\{direction="compacted",'
+                               r'model="m"\} [1-9]', _metrics(d1)), "an idle compaction")
+    e1 = Engine(d1.socket, seed=3)
+    try:
+        assert e1.c.evict("m", full_pages=2000, swa_pages=2000).full_pages == 7 * 200
+        assert e1.c.match("m", seqs[0]).host_hit_len == 200 * P
+        r = e1.c.load("m", seqs[0])
+        assert (r.prefix_len, r.loaded_len) == (200 * P, 200 * P)
+        assert e1.verify(seqs[0], r, expect=kept) > 200
+    finally:
+        e1.close()
+    _stop(d1)
+    assert "warm restart: saved" in d1.log()
+    d2 = make_daemon(_config(state, **model))
+    e2 = Engine(d2.socket, seed=9)
+    try:
+        for toks in seqs:
+            r = e2.c.load("m", toks)
+            assert (r.prefix_len, r.loaded_len) == (200 * P, 200 * P)
+            assert e2.verify(toks, r, expect=kept) > 200
+    finally:
+        e2.close()
+    d2.check()

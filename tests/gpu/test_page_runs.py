@@ -164,3 +164,45 @@ def test_a_node_whose_swa_ids_alone_were_compacted_is_expanded_when_used():
     assert type(node.full) is array and type(node.swa) is array
     assert tree.stats["expanded_nodes"] == 1 and check_tree(tree) == []
 
+
+
+def test_host_slot_ids_are_kept_as_runs_and_read_back_exactly():
+    """A node's host slot ids go to the codec when they are set, hot or cold, and stay compact
+    when the node is used (only a load and the tiers read them); a split cuts them, a load plan
+    lists them in order once the device copy is evicted, and a host eviction gives back exactly
+    those slots."""
+    sink = CollectingSink()
+    tree = RadixTree(1, None, sink, host_sink=sink, policy="lru", page_ids=PageRuns(2, 2))
+    tree.compact_after = 0
+    toks = as_token_bytes(range(1, 9))
+    tree.insert("ns", toks, array("i", range(1, 9)), array("i"))
+    node = next(n for n in tree.iter_nodes() if n.parent is not None)
+    tree.set_host(node.id, array("i", [*range(201, 205), *range(301, 305)]))  # two runs
+    assert type(node.full) is array and type(node.host) is PageRunList
+    assert tree.compact_cold(8, 8) == 1
+    assert type(node.full) is range and type(node.host) is PageRunList
+    tree.insert("ns", as_token_bytes(range(50, 54)), array("i", [40, 41, 42, 43]),
+                array("i"))  # the clock moves: the next match touches
+    assert tree.match("ns", toks).full_pages.tolist() == list(range(1, 9))
+    assert type(node.full) is array and type(node.host) is PageRunList
+    assert check_tree(tree) == []
+    # a sequence that leaves the first after 6 tokens splits it inside the second run
+    tree.insert("ns", toks[: 6 * 4] + as_token_bytes([77, 78]), array("i", [9, 10]),
+                array("i"), prev_prefix_len=6)
+    up = node.parent
+    assert list(up.host) == [201, 202, 203, 204, 301, 302] and list(node.host) == [303, 304]
+    assert type(up.host) is PageRunList and type(node.host) is range
+    assert check_tree(tree) == []
+    # every device copy goes: the two nodes with host copies stay, on host only
+    tree.evict(full_pages=tree.full_evictable)
+    assert node.full is None and up.full is None
+    assert type(up.host) is PageRunList and type(node.host) is range
+    plan = tree.plan_load("ns", toks, 0)
+    assert plan is not None
+    assert [slot for _, slot in plan.full] == [201, 202, 203, 204, 301, 302, 303, 304]
+    assert [i for i, _ in plan.full] == list(range(8))
+    assert check_tree(tree) == []
+    res = tree.evict_host(8)
+    assert res.host_slots == 8
+    assert sorted(sink.host) == [201, 202, 203, 204, 301, 302, 303, 304]
+    assert tree.host_pages == 0 and check_tree(tree) == []

@@ -892,6 +892,9 @@ class TierMachine(RuleBasedStateMachine):
         kinds = {type(p).__name__ for n in self.tree.nodes.values() for p in (n.full, n.swa)
                  if p is not None and n.parent is not None}
         event(f"page id forms in the tree: {sorted(kinds)}")
+        hosts = {type(n.host).__name__ for n in self.tree.nodes.values()
+                 if n.host is not None and n.parent is not None}
+        event(f"host slot id forms in the tree: {sorted(hosts)}")
         owned: dict[str, list[int]] = {k: [] for k in KINDS}
         for n in self.tree.nodes.values():
             if n.parent is None:
