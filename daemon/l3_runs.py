@@ -66,7 +66,8 @@ def node_runs(tree: RadixTree, node: Node, slots: Sequence[int]) -> tuple[list[L
     n = len(slots)
     toks = node.tokens
     if B == 1:
-        return [L3Run(i, (slots[i],), toks[i * pb : (i + 1) * pb]) for i in range(n)], 0
+        # (listed, not indexed: a compact list finds a position by bisection)
+        return [L3Run(i, (s,), toks[i * pb : (i + 1) * pb]) for i, s in enumerate(slots)], 0
     first = (node.depth * 4 - len(toks)) // pb  # the node's first page, counted from the root
     lasts = list(range((B - 1 - first % B) % B, n, B))
     if not lasts or lasts[-1] != n - 1:

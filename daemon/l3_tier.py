@@ -15,7 +15,6 @@ import contextlib
 import functools
 import hashlib
 import logging
-from array import array
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -96,7 +95,7 @@ class L3Tier:
         """The page's name in L3: its page key salted with the model's identity."""
         return hashlib.sha256(self.salt + page_hash).digest()
 
-    def queue(self, node: Node, full_slots: array, swa_slots: Sequence[int] | None,
+    def queue(self, node: Node, full_slots: Sequence[int], swa_slots: Sequence[int] | None,
               snapshot: bool = False) -> None:
         """Queue a node's host pages for Redis: its full pages as runs and its SWA window
         (``swa_slots``, 0 or None for none) as one value (l3_runs), holding the slots until they

@@ -600,9 +600,6 @@ class Server:
             violations = self.service.check(deep=False)
             # a load still running, or a drain that failed, still holds its pages and pins
             busy |= {model for op, model in self.async_ops.items() if not op.done()}
-            if busy:
-                log.warning("the check at rest leaves out %s: a job may still hold what it "
-                            "took", ", ".join(map(repr, sorted(busy))))
             violations += self.service.check_at_rest(busy)
         except Exception:  # noqa: BLE001 - a checker bug must not keep the pools mapped
             log.exception("checking the cache at shutdown")

@@ -87,8 +87,9 @@ class Service(ServiceQueries, ServiceChecks):
         warm restart follows (a state directory or systemd's fd store), the tree's device-only
         pages are copied to host first, so the next run finds them there. Returns the models
         whose drain failed: their tier jobs may still hold what they took, so the stop's check at
-        rest leaves them out. One model's failure does not keep the others from draining; the
-        host state is then not saved (a warm restart would adopt slots a job still fills)."""
+        rest leaves them out. One model's failure does not keep the others from draining, and its
+        tasks are stopped all the same; the host state is then not saved (a warm restart would
+        adopt slots a job may still fill)."""
         warm = self.fd_store is not None or bool(self.config.server.state_dir)
         failed: set[str] = set()
         for name, entry in self.models.items():
@@ -99,31 +100,38 @@ class Service(ServiceQueries, ServiceChecks):
                 failed.add(name)
         if self.l3 is not None:
             await self.l3.aclose()
+        if not warm:
+            return failed
         if failed:
             log.warning("host state not saved for a warm restart: the drain of %s failed",
                         ", ".join(map(repr, sorted(failed))))
             return failed
-        if self.fd_store is not None and save_host_fdstore(self.models, self.fd_store,
-                                                           self.fd_store_max):
-            return failed
-        if self.config.server.state_dir:
-            save_host_state(self.models, self.config.server.state_dir)
+        try:
+            if self.fd_store is None or not save_host_fdstore(self.models, self.fd_store,
+                                                              self.fd_store_max):
+                if self.config.server.state_dir:
+                    save_host_state(self.models, self.config.server.state_dir)
+        except Exception:  # noqa: BLE001 - the next start is cold; the stop goes on
+            log.exception("saving the host state for a warm restart")
         return failed
 
     @staticmethod
     async def _drain_model(name: str, entry: ModelEntry, deadline: float, warm: bool) -> None:
         # the tree's copies first: making host room for them may evict keyed pages that L3
         # write-back still owes Redis, which the keyed store's drain then writes
-        if entry.tiers is not None:
-            gained = await entry.tiers.drain(deadline, back_up_device=warm)
-            if warm:
-                log.info("warm restart: model %r: the tree's host pages grew by %d in the "
-                         "stop's drain (device-only nodes copied)", name, gained)
-        if entry.keyed is not None:
-            await entry.keyed.drain(deadline)
-            await entry.keyed.aclose()
-        if entry.tiers is not None:
-            await entry.tiers.aclose()
+        try:
+            if entry.tiers is not None:
+                gained = await entry.tiers.drain(deadline, back_up_device=warm)
+                if warm:
+                    log.info("warm restart: model %r: the tree's host pages grew by %d in the "
+                             "stop's drain (device-only nodes copied)", name, gained)
+            if entry.keyed is not None:
+                await entry.keyed.drain(deadline)
+        finally:  # a failed drain's tasks stop too (a task that will not is marked stuck)
+            if entry.keyed is not None:
+                await entry.keyed.aclose()
+            if entry.tiers is not None:
+                await entry.tiers.aclose()
 
     # ------------------------------------------------------------------ sessions
 

@@ -6,6 +6,7 @@ change what the check reads. A mixin of :class:`daemon.service.Service`, as the 
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Awaitable, Callable, Collection, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -15,6 +16,8 @@ if TYPE_CHECKING:
     from .entities import ModelEntry, Session
 
 T = TypeVar("T")
+
+log = logging.getLogger("radixd.service")
 
 
 def mutating(handler: Callable[..., T]) -> Callable[..., T]:
@@ -105,13 +108,19 @@ class ServiceChecks:
         """What must all be gone once no session is open and every tier job has ended (the
         stop, after its drain): a lock, pin, holding, reserved or read host slot left then
         belongs to nobody and would never have been given back while serving (a leak that
-        evictions cannot reach). ``busy``: models a job may still use (a load that did not
-        end, a drain that failed), left out; the others are checked all the same."""
+        evictions cannot reach). ``busy``: models a job may still use (a wait-operation that
+        did not end, a drain that failed), left out, as is a model with a tier copy the stop
+        could not end; the others are checked all the same. What is left out is logged."""
         v: list[str] = []
+        skipped = [name for name, entry in self.models.items()
+                   if name in busy or (entry.tiers is not None
+                                       and (entry.tiers.stuck or entry.tiers.copying))]
+        if skipped:
+            log.warning("the check at rest leaves out %s: a job may still hold what it took",
+                        ", ".join(map(repr, skipped)))
         for name, entry in self.models.items():
-            if name in busy or (entry.tiers is not None
-                                and (entry.tiers.stuck or entry.tiers.copying)):
-                continue  # a job the stop could not end still uses what it holds
+            if name in skipped:
+                continue
             c = entry.cache
             t = c.tree
             left = {"tree locks": len(t.receipts), "tree pins": len(t.pins),

@@ -118,7 +118,7 @@ def _image(entry: ModelEntry, index: int, state_dir: str | None) -> ModelImage:
             slots = tree.page_ids.join([n.host])  # type: ignore[list-item] # (or its runs)
             img.tree.append(TreeNodeRecord(pos[n.parent.id], ns_name, n.tokens,  # type: ignore
                                            slots.tobytes(), hs))
-            used["full"].extend(n.host)  # type: ignore[arg-type]
+            used["full"].extend(slots)
             if n.host_swa is not None:
                 used["swa"].extend(s for s in n.host_swa if s)
     if entry.keyed is not None:

@@ -19,7 +19,7 @@ from collections import Counter
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-from daemon.gpu.allocator import AUDIT_STEP_SLOTS, OutOfPages
+from daemon.gpu.allocator import AUDIT_STEP_SLOTS, OutOfPages, as_page_array, nonzero_ids
 from daemon.gpu.profile import ModelProfile
 from daemon.tree import chunked
 
@@ -105,8 +105,9 @@ class HostTier:
         self.pending[kind].difference_update(slots)
 
     def drop(self, kind: str, slots: Iterable[int]) -> None:
-        """Release slots nobody adopted (pending or not); 0 entries mean "no slot"."""
-        live = [s for s in slots if s]
+        """Release slots nobody adopted (pending or not); 0 entries mean "no slot". Listed as
+        one int32 array (a node's runs too), which the pool releases in numpy."""
+        live = nonzero_ids(as_page_array(slots))
         if not live:
             return
         self.pool(kind).release_many(live)  # checks every slot before anything changes
@@ -245,8 +246,10 @@ class HostTier:
                 continue
             for kind, slots in (("full", n.host), ("swa", n.host_swa)):
                 if slots and (kind == "full" or self.swa is not None):
-                    self.pool(kind).allocator.misplaced((s for s in slots if s), n.ns.name,
-                                                        bad.setdefault((kind, n.ns.name), set()))
+                    # (a node's host slot ids have no 0: listed as they are, runs in numpy)
+                    self.pool(kind).allocator.misplaced(
+                        slots if kind == "full" else (s for s in slots if s), n.ns.name,
+                        bad.setdefault((kind, n.ns.name), set()))
         for (kind, ns), segs in bad.items():
             v += self.pool(kind).allocator.audit_owners(ns, f"tree {kind} host slots", segs)
 

@@ -19,13 +19,14 @@ from array import array
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
-#: what ``Node.full`` and ``Node.swa`` hold (besides None): an ``array('i')``, a ``range``, or
-#: another sequence a codec made
+#: what ``Node.full``, ``Node.swa`` and ``Node.host`` hold (besides None): an ``array('i')``, a
+#: ``range``, or another sequence a codec made
 PageIds = Sequence[int]
 
 
 class PageIdCodec(Protocol):
-    """How the tree stores the page ids of cold nodes, and how it lists them for its callers."""
+    """How the tree stores the page ids of cold nodes and the host slot ids of every node, and
+    how it lists them for its callers."""
 
     #: lists shorter than this are always kept as arrays (the tree does not offer them)
     min_ids: int

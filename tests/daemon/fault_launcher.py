@@ -9,11 +9,14 @@ ends (what a fetch or copy that skipped its cleanup would leave): only the stop'
 sees it. ``FAULT_MODEL`` names the model SIGUSR2 plants in (default ``m``). ``FAULT_STOP``
 breaks the stop itself: ``drain`` makes the tiers' drain raise after it planted such a pin (a job
 the failed drain left running), ``drain_of_m`` does so for model ``m``'s drain alone (the other
-models drain), ``check`` makes the check at rest raise.
+models drain), ``check`` makes the check at rest raise, ``save`` the save of the host state for a
+warm restart. ``FAULT_LOAD=hang`` makes a ``load`` of
+model ``m`` pin that leaf and then never end (a copy that hangs).
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import sys
@@ -59,6 +62,21 @@ async def _failed_drain_of_m(self: tiers.TierManager, deadline: float,
     return await _drain(self, deadline, back_up_device)
 
 
+_load = tiers.TierManager.load
+
+
+async def _hung_load_of_m(self: tiers.TierManager, *args: object, **kw: object) -> object:
+    if self is _targets[0].models["m"].tiers:
+        _plant(model="m")
+        print("fault planted: a load of model m that never ends", flush=True)
+        await asyncio.Event().wait()
+    return await _load(self, *args, **kw)  # type: ignore[arg-type]
+
+
+def _failed_save(*_: object) -> None:
+    raise OSError("fault planted: the save failed")
+
+
 def _failed_check(self: service.Service, busy: object = ()) -> list[str]:
     raise RuntimeError("fault planted: the check at rest failed")
 
@@ -70,7 +88,11 @@ if __name__ == "__main__":
         service.Service.stop_tiers = _failed_drain  # type: ignore[method-assign,assignment]
     elif stop_fault == "drain_of_m":
         tiers.TierManager.drain = _failed_drain_of_m  # type: ignore[method-assign]
+    elif stop_fault == "save":
+        service.save_host_state = _failed_save  # type: ignore[assignment]
     elif stop_fault == "check":
         service.Service.check_at_rest = _failed_check  # type: ignore[method-assign]
+    if os.environ.get("FAULT_LOAD") == "hang":
+        tiers.TierManager.load = _hung_load_of_m  # type: ignore[method-assign]
     signal.signal(signal.SIGUSR2, _plant)
     sys.exit(cli.main(sys.argv[sys.argv.index("daemon.cli") + 1:]))

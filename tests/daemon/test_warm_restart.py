@@ -220,10 +220,11 @@ def test_the_l3_quota_keeps_counting_across_a_restart(make_daemon, tmp_path: Pat
 
 def test_cold_nodes_host_slot_ids_kept_as_runs_load_and_restart_byte_exact(
         make_daemon, tmp_path: Path) -> None:
-    """A long node that went cold keeps its page ids and its host slot ids as runs while the
-    daemon idles (docs/operations.md, "Page ids of cold nodes kept as runs"). With its device
-    copy evicted, a load brings its KV back byte-exact through those slot ids; the stop saves
-    them for a warm restart, whose load is byte-exact too."""
+    """Long nodes keep their host slot ids as runs from their host copy on, and their page ids
+    too once cold and the daemon idle (docs/operations.md, "Host slot ids kept as runs"; the
+    forms themselves are tested in tests/gpu/test_page_runs.py). With the device copies
+    evicted, a load brings the KV back byte-exact through those slot ids; the stop saves them
+    for a warm restart, whose loads are byte-exact too."""
     state = tmp_path / "state"
     model = {"full_pages": 2000, "swa_pages": 2000}  # cold after 2000 * 4 / 2 tokens of churn
     seqs = [seq(200, base=10_000 * k + 1) for k in range(7)]  # 200 pages: kept as runs

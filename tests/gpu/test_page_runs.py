@@ -165,7 +165,6 @@ def test_a_node_whose_swa_ids_alone_were_compacted_is_expanded_when_used():
     assert tree.stats["expanded_nodes"] == 1 and check_tree(tree) == []
 
 
-
 def test_host_slot_ids_are_kept_as_runs_and_read_back_exactly():
     """A node's host slot ids go to the codec when they are set, hot or cold, and stay compact
     when the node is used (only a load and the tiers read them); a split cuts them, a load plan
