@@ -483,19 +483,27 @@ def held_bytes(tree: RadixTree, allocs: list[PageAllocator]) -> dict[str, int]:
         "SWA ids": sum(ids_bytes(n.swa) for n in nodes if n.swa is not None),
         "host ids": sum(ids_bytes(n.host) for n in nodes
                         if n.host is not None and n.parent is not None),
+        "host SWA ids": sum(ids_bytes(n.host_swa) for n in nodes if n.host_swa is not None),
         "allocator states": sum(a.capacity for a in allocs),
         "allocator free lists": 4 * sum(a.available for a in allocs),
     }
 
 
-def copy_to_host(tree: RadixTree, host: PageAllocator) -> None:
+def copy_to_host(tree: RadixTree, host: PageAllocator, host_swa: PageAllocator) -> None:
     """What write-through leaves: a host copy of every node on device (parents first, as the
-    tiers make them: host copies are prefix-closed)."""
+    tiers make them: host copies are prefix-closed), with SWA copies of the trailing window of
+    a node whose SWA is live (daemon/tier_jobs.py ``plan_backup``: 0 for the other pages)."""
     stack = [ns.root for ns in tree.namespaces.values()]
+    wp = tree.window_pages
     while stack:
         n = stack.pop()
         if n.parent is not None and n.full is not None and n.host is None:
-            tree.set_host(n.id, host.alloc(len(n.full)))
+            k = len(n.full)
+            swa = None
+            if n.swa is not None:
+                swa = array("i", bytes(4 * max(0, k - wp)))
+                swa += host_swa.alloc(min(k, wp))
+            tree.set_host(n.id, host.alloc(k), swa)
         if n.host is not None and n.children:
             stack.extend(n.children.values())
 
@@ -509,7 +517,8 @@ def bench_memory(page_size: int, tokens: int, tree_cls: type = RadixTree, host: 
     Divided by the distinct tokens cached on device. Measured after the daemon's idle work (cold
     nodes' page ids kept as runs; nodes used within the last half pool of churn keep arrays).
     ``host``: every node also has a host copy (write-through, the daemon's default), from a host
-    pool as large as the full one: bytes_per_cached_token_with_host.
+    pool as large as the full one, with SWA copies of its trailing window from a host SWA pool a
+    quarter of that (the ratio of the daemon's defaults): bytes_per_cached_token_with_host.
     """
     P = page_size
     wl = Workload(P, seed=3)  # its system prompts exist before the first snapshot
@@ -520,12 +529,14 @@ def bench_memory(page_size: int, tokens: int, tree_cls: type = RadixTree, host: 
         cap = (tokens + 2 * SEQ_LEN) // P + 2
         alloc = PairedAllocator(cap, cap)
         host_pool = PageAllocator(cap, "host pool") if host else None
+        # a quarter of the host pool, as the daemon's defaults (host_pages, host_swa_pages)
+        host_swa_pool = PageAllocator(cap // 4, "host SWA pool") if host else None
         tree = new_tree(tree_cls, P, alloc)
         while cached_tokens(tree) < tokens:
             toks, f = wl.next_seq()
             engine_insert(tree, alloc, toks, f)
             if host_pool is not None:
-                copy_to_host(tree, host_pool)
+                copy_to_host(tree, host_pool, host_swa_pool)  # type: ignore[arg-type]
         idle(tree)
         del toks
         wl.firsts.clear()  # the workload's own copies of first turns are not the tree's
@@ -545,13 +556,13 @@ def bench_memory(page_size: int, tokens: int, tree_cls: type = RadixTree, host: 
     print(f"  {label}: {total / 1e6:.1f} MB for {n_tok} cached tokens, {len(tree.nodes)} "
           "nodes; by allocating file: "
           + ", ".join(f"{k} {v / n_tok:.2f}" for k, v in top) + " B/token", file=sys.stderr)
-    allocs = [a for a in (alloc.full, alloc.swa, host_pool) if a is not None]
+    allocs = [a for a in (alloc.full, alloc.swa, host_pool, host_swa_pool) if a is not None]
     held = held_bytes(tree, allocs)
     print(f"  {label}: what is held: "
           + ", ".join(f"{k} {v / n_tok:.2f}" for k, v in held.items())
           + f", the rest (objects, headers, slack) {(total - sum(held.values())) / n_tok:.2f} "
           "B/token", file=sys.stderr)
-    del tree, alloc, allocs, host_pool
+    del tree, alloc, allocs, host_pool, host_swa_pool
     if host:
         return {"bytes_per_cached_token_with_host": total / n_tok}
     return {"bytes_per_cached_token": total / n_tok, "bytes_per_cached_token_ntokens": n_tok}
