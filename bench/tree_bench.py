@@ -73,6 +73,7 @@ ORDER = [  # table order of the figures of one page size
     "lock_unlock_p50_us", "lock_unlock_churn_p50_us", "insert_4k_p50_us",
     "insert_4k_trusted_p50_us", "evict_page_p50_us", "idle_compact_nodes",
     "idle_compact_us_per_node", "match_4k_cold_p50_us", "match_4k_rewarmed_p50_us",
+    "match_4k_host_p50_us",
     "bytes_per_cached_token", "bytes_per_cached_token_ntokens",
     "bytes_per_cached_token_with_host",
 ]
@@ -508,6 +509,37 @@ def copy_to_host(tree: RadixTree, host: PageAllocator, host_swa: PageAllocator) 
             stack.extend(n.children.values())
 
 
+def bench_host_hits(page_size: int, tree_cls: type = RadixTree) -> dict[str, float]:
+    """``match_4k_host_p50_us``: a match of a cached 4k sequence whose pages are all on host
+    (every node backed up as write-through does, with SWA windows, then every device page
+    evicted): what a scheduler asks before a load. The SWA rule reads each node's host SWA ids,
+    thousands a node at a page of one token."""
+    P = page_size
+    wl = Workload(P, seed=5)
+    n = 200
+    cap = (n + 2) * SEQ_LEN // P + 2
+    alloc = PairedAllocator(cap, cap)
+    tree = new_tree(tree_cls, P, alloc)
+    host, host_swa = PageAllocator(cap, "host pool"), PageAllocator(cap // 4, "host SWA pool")
+    seqs = []
+    for _ in range(n):
+        toks, f = wl.next_seq()
+        engine_insert(tree, alloc, toks, f)
+        copy_to_host(tree, host, host_swa)
+        seqs.append(toks)
+    idle(tree)
+    tree.evict(full_pages=tree.full_evictable)  # every node now on host only
+    clock = time.perf_counter_ns
+    times = []
+    gc.disable()
+    for s in seqs:
+        t0 = clock()
+        tree.match(NS, s)
+        times.append(clock() - t0)
+    gc.enable()
+    return {"match_4k_host_p50_us": _pct(times, 50)}
+
+
 def bench_memory(page_size: int, tokens: int, tree_cls: type = RadixTree, host: bool = False
                  ) -> dict[str, float]:
     """bytes_per_cached_token: tracemalloc snapshot difference around building tree+allocators.
@@ -586,6 +618,7 @@ def run_page_size(page_size: int, sz: Sizes, tree_cls: type = RadixTree) -> dict
     out.update(bench_evict(page_size, sz, tree_cls))
     out.update(bench_memory(page_size, sz.mem_tokens[page_size], tree_cls))
     out.update(bench_memory(page_size, sz.mem_tokens[page_size], tree_cls, host=True))
+    out.update(bench_host_hits(page_size, tree_cls))
     print(f"  p{page_size}: done in {time.perf_counter() - t:.1f} s", file=sys.stderr)
     keys = sorted(out, key=lambda k: ORDER.index(k) if k in ORDER else len(ORDER))
     return {f"{k}_p{page_size}": out[k] for k in keys}
@@ -762,6 +795,7 @@ def compare(ref: str, page_sizes: list[int], quick: bool) -> dict[str, float]:
         for side, cls in classes.items():
             figs[side].update(bench_memory(P, sz.mem_tokens[P], cls))
             figs[side].update(bench_memory(P, sz.mem_tokens[P], cls, host=True))
+            figs[side].update(bench_host_hits(P, cls))
         for k, v in figs["this"].items():
             b = figs["base"].get(k)
             out[f"{k}_p{P}"] = v

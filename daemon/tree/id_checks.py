@@ -92,12 +92,31 @@ def distinct_ids(ids: Any) -> bool:
     return len(set(ids)) == len(ids) if spans is None else disjoint(spans)
 
 
+def leading_zeros(raw: bytes) -> int:
+    """How many int32 words at the start of ``raw`` are 0, in C: the zero bytes are stripped,
+    and the first byte that is not lies in the first word that is not."""
+    return (len(raw) - len(raw.lstrip(b"\0"))) // 4
+
+
+def next_zero(ids: array, start: int, stop: int) -> int:
+    """The first position in [start, stop) of ``ids`` that holds 0, else ``stop`` (in C)."""
+    try:
+        return ids.index(0, start, stop)
+    except ValueError:
+        return stop
+
+
+def next_nonzero(ids: array, start: int, stop: int) -> int:
+    """The first position in [start, stop) of ``ids`` that is not 0, else ``stop`` (in C)."""
+    return start + leading_zeros(ids[start:stop].tobytes())
+
+
 def distinct_nonzero(ids: Any) -> bool:
     """Whether no id but 0 occurs twice: SWA ids, 0 for a page whose SWA KV is gone (in
     practice the leading ones, below the caller's SWA frontier)."""
     raw = int32_bytes(ids)
     if raw is not None:
-        rest = ids[(len(raw) - len(raw.lstrip(b"\0"))) // 4 :]
+        rest = ids[leading_zeros(raw) :]
         if all_page_ids(rest):  # no zero (nor negative) id past the leading zeros
             return distinct_ids(rest)
     live = [p for p in ids if p]

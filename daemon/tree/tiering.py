@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from .hashing import block_hashes
+from .id_checks import next_nonzero, next_zero
 from .node import Node
 
 
@@ -84,14 +85,18 @@ class Tiering:
                     i += m
                 continue
             hs = node.host_swa
-            for j in range(m):
-                i += 1
-                if hs[j]:
-                    run += 1
+            j = 0
+            while j < m:  # by runs: at a page of one token a node has thousands of pages
+                z = next_zero(hs, j, m)
+                if z > j:  # pages [j, z) have SWA copies on host
+                    run += z - j
+                    i += z - j
                     if not tomb or run >= wp:
                         best = i
-                else:
+                j = next_nonzero(hs, z, m)  # pages [z, j) have none
+                if j > z:
                     tomb, run = True, 0
+                    i += j - z
         return best
 
     def plan_load(self, namespace: str, tokens: bytes, device_len: int

@@ -1,7 +1,7 @@
 """The insert path's fast paths agree with the plain code they replace: the byte scans of page ids
-with min()/max(), the run scan of long id lists with min() and a set, block_hashes with the
-per-block chain written out, a trusted insert with a checked one, and no insert result shares an
-array with the tree."""
+with min()/max() and with a loop (the next 0, the next id that is not), the run scan of long id
+lists with min() and a set, block_hashes with the per-block chain written out, a trusted insert
+with a checked one, and no insert result shares an array with the tree."""
 
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ from daemon.tree.id_checks import (
     distinct_ids,
     distinct_nonzero,
     id_spans,
+    next_nonzero,
+    next_zero,
     page_id_verdict,
 )
 
@@ -219,3 +221,12 @@ def test_long_id_lists_are_refused_with_the_same_messages(P: int) -> None:
     res = tree.insert(NS, toks, good, array("i", good))
     assert res.inserted_len == n * P
     assert check_tree(tree) == []
+
+
+@given(st.lists(st.one_of(st.just(0), st.one_of(INT32, EDGY)), max_size=48),
+       st.integers(0, 48), st.integers(0, 48))
+def test_next_zero_and_next_nonzero_are_the_plain_scans(ids: list[int], a: int, b: int) -> None:
+    a, b = min(a, len(ids)), min(max(a, b), len(ids))
+    arr = array("i", ids)
+    assert next_zero(arr, a, b) == next((i for i in range(a, b) if ids[i] == 0), b)
+    assert next_nonzero(arr, a, b) == next((i for i in range(a, b) if ids[i] != 0), b)

@@ -5,8 +5,11 @@ from __future__ import annotations
 from array import array
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from daemon.tree import CollectingSink, RadixTree, check_tree
+from daemon.tree.node import Node
 
 from .helpers import NS, Ids, seq
 
@@ -145,3 +148,43 @@ def test_adopt_fetched_pages_under_the_host_prefix(P):
     slots = {2: 10, 3: 11}
     assert tree2.adopt_host(NS, s, 2, 4, slots, {}) == (0, 0) and len(slots) == 2
     ok(tree2)
+
+
+def _usable_end_page_by_page(tree: RadixTree, path: list) -> int:
+    """usable_end as it was written before it scanned host SWA ids by runs: a step a page."""
+    wp = tree.window_pages
+    best = i = run = 0
+    tomb = False
+    for node, m in path:
+        for j in range(m):
+            i += 1
+            if node.swa is not None or (node.host_swa is not None and node.host_swa[j]):
+                run += 1
+                if not tomb or run >= wp:
+                    best = i
+            else:
+                tomb, run = True, 0
+    return best
+
+
+# a node of a path: SWA on device, a tombstone without host SWA copies, or host SWA copies (0
+# where a page has none), and how many of its pages the path matched
+_PATH_NODE = st.integers(1, 12).flatmap(lambda k: st.tuples(
+    st.one_of(st.just("live"), st.just("tomb"),
+              st.lists(st.sampled_from([0, 0, 5, 7, 2**24]), min_size=k, max_size=k)),
+    st.integers(1, k)))
+
+
+@settings(max_examples=300)
+@given(st.lists(_PATH_NODE, max_size=6), st.integers(1, 5))
+def test_usable_end_by_runs_is_the_page_by_page_rule(nodes: list, window_pages: int) -> None:
+    tree = RadixTree(1, window_pages, CollectingSink(), policy="lru")
+    path = []
+    for kind, m in nodes:
+        n = Node(len(path) + 1, None, None, b"", b"")
+        if kind == "live":
+            n.swa = array("i", [1])
+        elif kind != "tomb":
+            n.host_swa = array("i", kind)
+        path.append((n, m))
+    assert tree.usable_end(path) == _usable_end_page_by_page(tree, path)
