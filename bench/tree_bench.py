@@ -19,13 +19,17 @@ match+lock, allocate pages for the uncached part, insert, unlock.
 
 The daemon compacts cold nodes' page ids while idle (docs/design.md): ``idle_compact_*`` time
 that pass on the populated tree, ``match_4k_cold`` / ``match_4k_rewarmed`` the first and the
-next match through nodes it compacted; bytes per cached token is measured after it.
+next match through nodes it compacted; bytes per cached token is measured after it, and
+``bytes_per_cached_token_with_host`` again with a host copy of every node (write-through, with
+SWA windows). ``match_4k_host`` times a match whose path is on host only (every device page
+evicted after the copies): what a scheduler asks before a load.
 
 ``--baseline REF`` compares with the tree of git ``REF`` (``daemon/tree`` exported with ``git
 archive`` and imported under another name) in this process: both trees populated alike, then
 insert_4k, match_4k_churn and lock_unlock_churn timed on each in turns, operation by operation
 (separate runs on this shared machine moved by up to 1.7x between runs of the same code), and
-bytes per cached token of each; it prints them side by side with the ratio.
+bytes per cached token of each, and match_4k_host on each in turns; it prints them side by
+side with the ratio.
 
 ``run(quick, extra=None)`` returns the flat dict of figures (``extra``: a zero-argument callable
 returning more figures to merge in, e.g. the multi-turn replay); ``main(argv)`` also prints the
@@ -509,11 +513,10 @@ def copy_to_host(tree: RadixTree, host: PageAllocator, host_swa: PageAllocator) 
             stack.extend(n.children.values())
 
 
-def bench_host_hits(page_size: int, tree_cls: type = RadixTree) -> dict[str, float]:
-    """``match_4k_host_p50_us``: a match of a cached 4k sequence whose pages are all on host
-    (every node backed up as write-through does, with SWA windows, then every device page
-    evicted): what a scheduler asks before a load. The SWA rule reads each node's host SWA ids,
-    thousands a node at a page of one token."""
+def host_hit_tree(page_size: int, tree_cls: type) -> tuple[RadixTree, list[bytes]]:
+    """200 cached 4k sequences backed up to host as write-through does (with SWA windows),
+    every device page then evicted: a tree whose every node is on host only, and the
+    sequences."""
     P = page_size
     wl = Workload(P, seed=5)
     n = 200
@@ -528,16 +531,29 @@ def bench_host_hits(page_size: int, tree_cls: type = RadixTree) -> dict[str, flo
         copy_to_host(tree, host, host_swa)
         seqs.append(toks)
     idle(tree)
-    tree.evict(full_pages=tree.full_evictable)  # every node now on host only
+    tree.evict(full_pages=tree.full_evictable)
+    return tree, seqs
+
+
+def bench_host_hits(page_size: int, classes: dict[str, type]) -> dict[str, dict[str, float]]:
+    """``match_4k_host_p50_us`` per side of ``classes``: a match of a sequence whose pages are
+    all on host (:func:`host_hit_tree`), what a scheduler asks before a load. The SWA rule reads
+    each node's host SWA ids, thousands a node at a page of one token. The trees are matched in
+    turns, each sequence on every side, after a warm-up pass of the same."""
+    built = {side: host_hit_tree(page_size, cls) for side, cls in classes.items()}
+    seqs = next(iter(built.values()))[1]  # one seed: the same sequences on every side
     clock = time.perf_counter_ns
-    times = []
+    times: dict[str, list[int]] = {side: [] for side in built}
     gc.disable()
-    for s in seqs:
-        t0 = clock()
-        tree.match(NS, s)
-        times.append(clock() - t0)
+    for timed in (False, True):
+        for s in seqs:
+            for side, (tree, _) in built.items():
+                t0 = clock()
+                tree.match(NS, s)
+                if timed:
+                    times[side].append(clock() - t0)
     gc.enable()
-    return {"match_4k_host_p50_us": _pct(times, 50)}
+    return {side: {"match_4k_host_p50_us": _pct(t, 50)} for side, t in times.items()}
 
 
 def bench_memory(page_size: int, tokens: int, tree_cls: type = RadixTree, host: bool = False
@@ -618,7 +634,7 @@ def run_page_size(page_size: int, sz: Sizes, tree_cls: type = RadixTree) -> dict
     out.update(bench_evict(page_size, sz, tree_cls))
     out.update(bench_memory(page_size, sz.mem_tokens[page_size], tree_cls))
     out.update(bench_memory(page_size, sz.mem_tokens[page_size], tree_cls, host=True))
-    out.update(bench_host_hits(page_size, tree_cls))
+    out.update(bench_host_hits(page_size, {"this": tree_cls})["this"])
     print(f"  p{page_size}: done in {time.perf_counter() - t:.1f} s", file=sys.stderr)
     keys = sorted(out, key=lambda k: ORDER.index(k) if k in ORDER else len(ORDER))
     return {f"{k}_p{page_size}": out[k] for k in keys}
@@ -795,7 +811,8 @@ def compare(ref: str, page_sizes: list[int], quick: bool) -> dict[str, float]:
         for side, cls in classes.items():
             figs[side].update(bench_memory(P, sz.mem_tokens[P], cls))
             figs[side].update(bench_memory(P, sz.mem_tokens[P], cls, host=True))
-            figs[side].update(bench_host_hits(P, cls))
+        for side, hits in bench_host_hits(P, classes).items():
+            figs[side].update(hits)
         for k, v in figs["this"].items():
             b = figs["base"].get(k)
             out[f"{k}_p{P}"] = v

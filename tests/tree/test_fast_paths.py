@@ -223,10 +223,23 @@ def test_long_id_lists_are_refused_with_the_same_messages(P: int) -> None:
     assert check_tree(tree) == []
 
 
-@given(st.lists(st.one_of(st.just(0), st.one_of(INT32, EDGY)), max_size=48),
-       st.integers(0, 48), st.integers(0, 48))
-def test_next_zero_and_next_nonzero_are_the_plain_scans(ids: list[int], a: int, b: int) -> None:
+@given(st.integers(0, 400), st.lists(st.one_of(st.just(0), st.one_of(INT32, EDGY)), max_size=48),
+       st.integers(0, 450), st.integers(0, 450))
+def test_next_zero_and_next_nonzero_are_the_plain_scans(zeros: int, tail: list[int], a: int,
+                                                        b: int) -> None:
+    """(Leading zeros long enough for next_nonzero's doubling pieces.)"""
+    ids = [0] * zeros + tail
     a, b = min(a, len(ids)), min(max(a, b), len(ids))
     arr = array("i", ids)
     assert next_zero(arr, a, b) == next((i for i in range(a, b) if ids[i] == 0), b)
     assert next_nonzero(arr, a, b) == next((i for i in range(a, b) if ids[i] != 0), b)
+
+
+@pytest.mark.parametrize("start", [0, 5])
+@pytest.mark.parametrize("gap", [1, 63, 64, 65, 191, 192, 193, 447, 448, 449])
+def test_next_nonzero_finds_an_id_at_the_edges_of_its_pieces(start: int, gap: int) -> None:
+    """next_nonzero reads zeros in pieces of 64, 128, 256... ids from ``start``: an id just
+    before, at and after the end of each is found."""
+    ids = array("i", bytes(4 * (start + gap))) + array("i", [2**24, 0, 7])
+    assert next_nonzero(ids, start, len(ids)) == start + gap
+    assert next_nonzero(ids, start, start + gap) == start + gap  # none before stop
