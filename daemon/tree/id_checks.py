@@ -12,6 +12,10 @@ ascending or descending ids. Those are recognised and proved exactly (each run's
 those of ``range(lo, lo + n)``); the values are then known as a few intervals, whose minimum,
 maximum and overlaps give both verdicts. Any list that is not a few such runs is checked the
 plain way, so the verdict never depends on which path gave it.
+
+The same byte reading finds the next 0 and the next id that is not 0 (``next_zero``,
+``next_nonzero``): the match's SWA rule reads a node's host SWA ids, 0 where a page has no copy,
+by those runs (daemon/tree/tiering.py ``usable_end``).
 """
 
 from __future__ import annotations

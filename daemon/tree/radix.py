@@ -71,9 +71,10 @@ class RadixTree(Matching, Insertion, Locking, Eviction, Tiering):
     ) -> None:
         """``hash_block_tokens``: what a block of the hash chain holds at least; the key format
         of the tiers (protocol.md 9.3) is that of the default, other values are for tests that
-        want blocks to end inside short sequences. ``page_ids``: how cold nodes keep their
-        device page ids (:meth:`compact_cold`) and every node its host slot ids
-        (:meth:`set_host`) (daemon.tree.page_ids); the default keeps the caller's arrays."""
+        want blocks to end inside short sequences. ``page_ids``: the codec that keeps the device
+        page ids of cold nodes (:meth:`compact_cold`) and the host slot ids of every node
+        (:meth:`set_host`) in a compact form (daemon.tree.page_ids); the default keeps the
+        caller's arrays."""
         if not isinstance(page_size, int) or page_size < 1:
             raise BadArgument(f"page_size must be an int >= 1, got {page_size!r}")
         if window is not None and (not isinstance(window, int) or window < 1):
