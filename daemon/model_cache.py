@@ -78,13 +78,17 @@ class TreeSink:
         self.watches: list[Watch] = []
 
     def free_full(self, pages: PageIds) -> None:
-        for w in self.watches:
-            w.tainted_full.update(w.full.intersection(pages))
+        if self.watches:  # a node's runs listed once, for every watch and for the free
+            pages = as_page_array(pages)
+            for w in self.watches:
+                w.tainted_full.update(w.full.intersection(pages))
         self.alloc.free_full(pages)
 
     def free_swa(self, pages: PageIds) -> None:
-        for w in self.watches:
-            w.tainted_swa.update(w.swa.intersection(pages))
+        if self.watches:  # a node's runs listed once, for every watch and for the free
+            pages = as_page_array(pages)
+            for w in self.watches:
+                w.tainted_swa.update(w.swa.intersection(pages))
         self.alloc.free_swa(pages)
 
     def watch(self, full: Iterable[int], swa: Iterable[int]) -> Watch:
