@@ -174,8 +174,14 @@ class KeyedTier:
 
     def _evict_one(self, kind: str, ns: str | None, exclude: str | None = None) -> bool:
         """Evict the older of the next keyed victim and the tree's next host victim (of ``ns``
-        if given; of any namespace but ``exclude`` if given); False when neither exists."""
-        page = next(self.pages.victims(kind, ns, exclude), None)
+        if given; of any namespace but ``exclude`` if given); False when neither exists.
+
+        A keyed page whose slot a Redis write still reads is passed over: its eviction would
+        free no slot until the write has read it, so a caller evicting until enough slots are
+        free would go on and evict every other page too."""
+        read = self.host.readers[kind]
+        page = next((p for p in self.pages.victims(kind, ns, exclude) if p.slot not in read),
+                    None)
         tree = (self._tree_victim(ns, exclude)
                 if kind == "full" or self.cache.tree.host_swa_pages else None)
         if page is None and tree is None:
@@ -427,7 +433,8 @@ class KeyedTier:
 
     async def fetch(self, ns: str, kind: str, keys: list[bytes], timeout_s: float) -> int:
         """Bring the keys only Redis holds into host (verified values; any mismatch is a miss),
-        waiting at most ``timeout_s``; returns how many arrived. Redis down is a miss."""
+        waiting at most ``timeout_s``, for Redis and for slots that Redis writes still read;
+        returns how many arrived. Redis down is a miss."""
         self.pool(kind)
         self.check_keys(keys, unique=False)
         if self.l3 is None:
@@ -438,6 +445,8 @@ class KeyedTier:
         if not missing:
             return 0
         hashes = [keyed_hash(ns, self.fingerprint, kind, k) for k in missing]
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
         try:
             values = await asyncio.wait_for(
                 self.l3.get_pages([self.l3_id(h) for h in hashes], kind, self.fingerprint,
@@ -447,12 +456,23 @@ class KeyedTier:
             return 0
         found = [(k, h, v) for k, h, v in zip(missing, hashes, values, strict=True)
                  if v is not None]
-        # what arrived meanwhile (another fetch, a commit) is not stored twice
-        found = [(k, h, v) for k, h, v in found if self.pages.get(ns, kind, k) is None
-                 and not self.pages.is_reserved(ns, kind, k)]
-        fit = self.fit_quota(ns, len(found)) if kind == "full" else len(found)
-        self.make_room(kind, fit, ns)
-        fit = min(fit, self.host.available_to(kind, ns))
+        while True:
+            # what arrived meanwhile (another fetch, a commit) is not stored twice
+            found = [(k, h, v) for k, h, v in found if self.pages.get(ns, kind, k) is None
+                     and not self.pages.is_reserved(ns, kind, k)]
+            fit = self.fit_quota(ns, len(found)) if kind == "full" else len(found)
+            self.make_room(kind, fit, ns)
+            room = self.host.available_to(kind, ns)
+            # short while Redis writes read the slots of pages they hold: those come free as
+            # each write has read them, within the time this fetch was given
+            left = deadline - loop.time()
+            if room >= fit or not self.host.readers[kind] or left <= 0:
+                break
+            try:
+                await asyncio.wait_for(self.host.unheld(), left)
+            except asyncio.TimeoutError:
+                break
+        fit = min(fit, room)
         clock = self.cache.tree.clock
         pool = self.host.pool(kind)
         for k, h, v in found[:fit]:  # on the loop: a slot is never visible before it is full

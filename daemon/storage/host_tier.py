@@ -14,6 +14,7 @@ host_pool); :meth:`space` is the allocator key of a namespace, :meth:`generation
 
 from __future__ import annotations
 
+import asyncio
 from array import array
 from collections import Counter
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
@@ -48,6 +49,7 @@ class HostTier:
         self.readers: dict[str, Counter[int]] = {"full": Counter(), "swa": Counter()}
         # slots the key-addressed store (daemon/keyed_tier.py) holds, one reference each
         self.keyed: dict[str, set[int]] = {"full": set(), "swa": set()}
+        self._unhold_waiters: list[asyncio.Future[None]] = []
         self._filled = 0  # calls of filled(): see changes
 
     @property
@@ -135,6 +137,17 @@ class HostTier:
             readers[s] -= 1
             if not readers[s]:
                 del readers[s]
+        waiters, self._unhold_waiters = self._unhold_waiters, []
+        for w in waiters:
+            if not w.done():
+                w.set_result(None)
+
+    async def unheld(self) -> None:
+        """Return at the next :meth:`unhold`: a slot whose page was let go of while a reader
+        held it is free from then on, so a caller short of slots may find room again."""
+        waiter = asyncio.get_running_loop().create_future()
+        self._unhold_waiters.append(waiter)
+        await waiter
 
     def available(self, kind: str) -> int:
         p = self.full if kind == "full" else self.swa

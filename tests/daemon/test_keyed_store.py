@@ -11,7 +11,7 @@ from radixd_client import Client
 from radixd_client.errors import RadixdError
 from radixd_client.protocol import Code, KvAttach, KvLookup
 
-from tests.redis_procs import SHARED_URL, free_port
+from tests.redis_procs import SHARED_URL, Server, free_port
 
 from .conftest import SMALL_MODEL, Raw
 from .test_tiers import (  # noqa: F401 - prefix: fixture
@@ -225,6 +225,47 @@ def test_redis_write_through_then_eviction_then_fetch(make_daemon, prefix: str) 
         assert c.kv_lookup("m", keys("a"), fetch=True, pin=False).present == b"\x00"
         # the SWA page went through Redis too, kind-checked
         assert read(c, pools, ["w"], "swa", fetch=True).keys() == sw.keys()
+
+
+def test_a_fetch_waits_for_the_slots_redis_writes_still_read(make_daemon, tmp_path) -> None:
+    """Seven host slots (8, one reserved); writes are paused on the Redis server, so the pages
+    committed meanwhile stay queued for it, their slots held until the writer has read them. A
+    fetch that needs three slots evicts the one page that is not held, passes over the held ones
+    (evicting them frees no slot while a write still reads it, so every page would go) and waits,
+    within its timeout, for the writes to read them; then it evicts two more and brings all
+    three values back, byte-exact."""
+    srv = Server(free_port(), tmp_path)
+    srv.start()
+    raw = redis_sync.Redis.from_url(srv.url)
+    try:
+        cfg = l3_config(srv.url, "held", host_pages=8, host_swa_pages=4)
+        cfg["l3"]["op_timeout_ms"] = 20000
+        d = make_daemon(cfg)
+        with Client(d.socket, timeout=30) as c:
+            pools = c.kv_attach("m")
+            written = store(c, pools, ["a", "b", "c"], 1)
+            wait_for(lambda: stats(c)["kv_l3_write_pages"] == 3, "the Redis writes")
+            raw.client_pause(3000, all=False)  # writes wait on the server, reads are served
+            store(c, pools, ["s0"], 2)  # evicts a; its write is taken, then waits on the server
+            wait_for(lambda: raw.info("clients")["blocked_clients"] >= 1, "a paused write")
+            later = store(c, pools, [f"s{i}" for i in range(1, 7)], 3)  # evicts b, c; held
+            assert read(c, pools, ["a", "b", "c"]) == {}
+            got = c.kv_lookup("m", keys("a", "b", "c"), fetch=True, timeout_s=15)
+            assert got.present == b"\x01\x01\x01" and got.fetched == 3
+            for name, s in zip("abc", got.slots, strict=True):
+                assert torch.equal(pools.full[s], written[name])
+            c.kv_release("m", got.pin)
+            # s0 (not held) and then the two oldest of the held pages made the room: no more
+            kept = read(c, pools, [f"s{i}" for i in range(7)])
+            assert kept.keys() == {"s3", "s4", "s5", "s6"}
+            for name, page in kept.items():
+                assert torch.equal(page, later[name])
+            s = stats(c)
+            assert s["kv_evicted"] == 6 and s["kv_l3_fetched"] == 3
+            wait_for(lambda: stats(c)["kv_l3_write_pages"] == 10, "the paused writes")
+    finally:
+        raw.close()
+        srv.kill()
 
 
 def redis_keys(key_prefix: str) -> int:
