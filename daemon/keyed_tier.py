@@ -172,43 +172,63 @@ class KeyedTier:
                 best = (name, q.heap[0][0])
         return best
 
-    def _evict_one(self, kind: str, ns: str | None, exclude: str | None = None) -> bool:
+    def _evict_one(self, kind: str, ns: str | None, exclude: str | None = None) -> int | None:
         """Evict the older of the next keyed victim and the tree's next host victim (of ``ns``
-        if given; of any namespace but ``exclude`` if given); False when neither exists.
+        if given; of any namespace but ``exclude`` if given); returns the slots of ``kind`` it
+        let go of, None when neither exists.
 
         A keyed page whose slot a Redis write still reads is passed over: its eviction would
-        free no slot until the write has read it, so a caller evicting until enough slots are
-        free would go on and evict every other page too."""
+        free no slot until the write has read it."""
         read = self.host.readers[kind]
         page = next((p for p in self.pages.victims(kind, ns, exclude) if p.slot not in read),
                     None)
         tree = (self._tree_victim(ns, exclude)
                 if kind == "full" or self.cache.tree.host_swa_pages else None)
         if page is None and tree is None:
-            return False
+            return None
         if page is not None and (tree is None or page.stamp <= tree[1]):
             self._drop(page, evicted=True)
             self.counters["kv_evicted"] += 1
-        elif kind == "full":
-            self.cache.evict_host(1, namespace=tree[0])  # type: ignore[index]
-        else:
-            self.cache.evict_host(0, namespace=tree[0], swa_slots=1)  # type: ignore[index]
-        return True
+            return 1
+        if kind == "full":
+            return self.cache.evict_host(1, namespace=tree[0]).host_slots  # type: ignore[index]
+        return self.cache.evict_host(  # type: ignore[index]
+            0, namespace=tree[0], swa_slots=1).host_swa_slots
 
     def make_room(self, kind: str, need: int, ns: str) -> None:
         """Evict (keyed and tree host pages, one order) until namespace ``ns`` can take ``need``
         slots of ``kind`` or nothing evictable is left. Shared pools: the oldest pages of any
         namespace go. Isolated: ``ns``'s own oldest first (they free slots of its segments),
-        then the others' oldest, until segments of theirs empty onto the free list."""
+        then the others' oldest, until segments of theirs empty onto the free list.
+
+        Slots let go of while a Redis write still reads them (the tree's copies queued for
+        Redis) count as room: they are free once it has, and evicting on until the room is
+        there at once would take every other page too when Redis is slow."""
         self.cache.flush_host_drops()
         host = self.host
+        pool = host.full if kind == "full" else host.swa
+        if pool is None:
+            return
+        coming = 0
+
+        def evict(victims: str | None, exclude: str | None = None) -> bool:
+            nonlocal coming
+            if host.available_to(kind, ns) + coming >= need:
+                return False
+            free = pool.available
+            let_go = self._evict_one(kind, victims, exclude)
+            if let_go is None:
+                return False
+            coming += max(0, let_go - (pool.available - free))
+            return True
+
         if not host.isolated:
-            while host.available_to(kind, ns) < need and self._evict_one(kind, None):
+            while evict(None):
                 pass
             return
-        while host.available_to(kind, ns) < need and self._evict_one(kind, ns):
+        while evict(ns):
             pass
-        while host.available_to(kind, ns) < need and self._evict_one(kind, None, exclude=ns):
+        while evict(None, exclude=ns):
             pass
 
     def host_used(self, ns: str) -> int:
@@ -222,7 +242,7 @@ class KeyedTier:
         quota = self.host_quotas.get(ns, 0)
         if not quota:
             return want
-        while self.host_used(ns) + want > quota and self._evict_one("full", ns):
+        while self.host_used(ns) + want > quota and self._evict_one("full", ns) is not None:
             pass
         return max(0, min(want, quota - self.host_used(ns)))
 

@@ -23,6 +23,8 @@ from daemon.gpu.profile import ModelProfile
 from daemon.keyed_tier import KeyedTier
 from daemon.model_cache import ModelCache
 from daemon.storage.host_tier import HostTier
+from daemon.tree import Node, as_token_bytes
+from tests.tree.helpers import make_cache
 
 # a host page is 16 KiB (whole OS pages), so a segment can be a single slot
 PROFILE = ModelProfile(name="tiny", page_size=4, sliding_window=8, num_full_layers=1,
@@ -45,6 +47,7 @@ class KeyedStore(RuleBasedStateMachine):
         self.cache.host = self.host
         self.kv = KeyedTier(self.cache, self.host, {"a": 4}, "tiny")
         self.stored: dict[tuple[str, str, bytes], bytes] = {}  # committed content, may be evicted
+        self.read: list[tuple[str, int, tuple[str, str, bytes]]] = []  # held as a Redis write does
         self.pins: dict[int, tuple[str, str, str, dict[bytes, bytes] | None, list[bytes]]] = {}
         self.stamp = 0
 
@@ -56,7 +59,15 @@ class KeyedStore(RuleBasedStateMachine):
           keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=5, unique=True))
     def reserve(self, owner: str, kind: str, keys: list[bytes]) -> None:
         ns = NS[owner]
+        read = [key for _, _, key in self.read if self.kv.pages.get(*key) is not None]
+        evicted = self.kv.counters["kv_evicted"]
+        short = sum(1 for k in keys if self.kv.pages.get(ns, kind, k) is None
+                    ) - self.host.available_to(kind, ns)
         r = self.kv.reserve(owner, ns, kind, keys)
+        for key in read:  # a page a write still reads is never evicted: that frees no slot
+            assert self.kv.pages.get(*key) is not None
+        if not self.host.isolated and ns == "b":  # no quota: evictions only make room
+            assert self.kv.counters["kv_evicted"] - evicted <= max(0, short)
         written: dict[bytes, bytes] = {}
         for k, s in zip(keys, r.slots, strict=True):
             if s:
@@ -93,6 +104,22 @@ class KeyedStore(RuleBasedStateMachine):
                 self.stored[(ns, kind, k)] = v
         else:
             self.kv.release(owner, pin)
+
+    @rule(data=st.data())
+    def a_write_reads_a_page(self, data: st.DataObject) -> None:
+        """What the L3 writer does from a commit until it has encoded the page."""
+        if not self.kv.pages.pages:
+            return
+        (ns, kind, k), page = data.draw(st.sampled_from(sorted(
+            self.kv.pages.pages.items(), key=lambda kv: kv[0])))
+        if self.host.hold(kind, (page.slot,)):
+            self.read.append((kind, page.slot, (ns, kind, k)))
+
+    @precondition(lambda self: self.read)
+    @rule(data=st.data())
+    def the_write_is_done(self, data: st.DataObject) -> None:
+        kind, slot, _ = self.read.pop(data.draw(st.integers(0, len(self.read) - 1)))
+        self.host.unhold(kind, (slot,))
 
     @rule(owner=st.sampled_from(OWNERS))
     def session_ends(self, owner: str) -> None:
@@ -133,6 +160,9 @@ class KeyedStore(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         if self.host is not None:
+            for kind, slot, _ in self.read:
+                self.host.unhold(kind, (slot,))
+            assert self.host.audit({"full": set(), "swa": set()}) == []
             self.host.close()
 
 
@@ -194,3 +224,55 @@ def test_a_key_whose_old_slot_an_l3_write_still_reads_is_busy_not_an_error() -> 
     assert third.busy == 0 and third.slots[0]
     kv.commit("s1", third.pin)
     assert kv.check({"s1"}) == []
+
+
+def test_room_counts_the_tree_host_slots_a_redis_write_still_reads() -> None:
+    """The tree's host copies queued for Redis hold their slots (``HostTier.hold``, as the L3
+    writer does) until the writer has read them. Making room evicts host pages in the policy's
+    order (the deepest first, under the default lru-depth); one whose slots are held frees
+    nothing yet, and make_room used to go on and evict every other page too. Its slots now count
+    as room to come: nothing else is evicted, the reservation takes what is free now and
+    declines the rest, and once the write is done the next one takes the slots."""
+    mc = make_cache(P=4, window_pages=2, full=64, swa=64)
+    host = HostTier(mc.profile, 16, 8, pin_memory=False)  # 15 usable full slots
+    mc.host = host
+    mc.tree.host_sink = host
+    kv = KeyedTier(mc, host, {}, "m")
+
+    def host_only(base: int, pages: int) -> Node:
+        toks = as_token_bytes(list(range(base, base + pages * 4)))
+        full, swa = mc.alloc("e", pages, "a")
+        mc.insert("e", "a", toks, full, swa)
+        node = mc.tree.nodes[mc.tree.match("a", toks).node_id]
+        slots = host.take("full", pages, "a")
+        host.filled("full", slots)
+        mc.tree.set_host(node.id, slots)
+        mc.evict(full_pages=pages, namespace="a")
+        assert node.full is None and node.host is not None
+        return node
+
+    def host_nodes() -> set[int]:
+        return {n.id for n in mc.tree.iter_nodes() if n.host is not None and n.parent}
+
+    try:
+        small = host_only(1000, 3)
+        queued = host_only(2000, 8)  # deeper: the first victim; written to Redis next
+        held = host.hold("full", queued.host)
+        assert len(held) == 8
+        r = kv.reserve("s1", "a", "full", KEYS[:3])
+        kv.commit("s1", r.pin)
+        assert host.available_to("full", "a") == 1
+        more = kv.reserve("s1", "a", "full", KEYS[3:9])
+        assert sum(1 for s in more.slots if s) == 1 and more.full == 5
+        assert host_nodes() == {small.id}  # the queued copy went, and nothing else
+        assert all(kv.pages.get("a", "full", k) is not None for k in KEYS[:3])
+        kv.release("s1", more.pin)
+        host.unhold("full", held)  # the write has read them
+        again = kv.reserve("s1", "a", "full", KEYS[3:9])
+        assert all(again.slots) and kv.counters["kv_evicted"] == 0
+        kv.commit("s1", again.pin)
+        assert host_nodes() == {small.id}
+        assert kv.check({"s1"}) == [] and mc.check() == []
+        assert host.audit({"full": set(small.host), "swa": set()}) == []
+    finally:
+        host.close()
