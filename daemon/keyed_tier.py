@@ -195,20 +195,23 @@ class KeyedTier:
         return self.cache.evict_host(  # type: ignore[index]
             0, namespace=tree[0], swa_slots=1).host_swa_slots
 
-    def make_room(self, kind: str, need: int, ns: str) -> None:
+    def make_room(self, kind: str, need: int, ns: str) -> int:
         """Evict (keyed and tree host pages, one order) until namespace ``ns`` can take ``need``
         slots of ``kind`` or nothing evictable is left. Shared pools: the oldest pages of any
         namespace go. Isolated: ``ns``'s own oldest first (they free slots of its segments),
         then the others' oldest, until segments of theirs empty onto the free list.
 
-        Slots let go of while a Redis write still reads them (the tree's copies queued for
-        Redis) count as room: they are free once it has, and evicting on until the room is
-        there at once would take every other page too when Redis is slow."""
+        Slots that a Redis write still reads are not free when their page goes: keyed pages
+        holding one are passed over, and the slots of tree copies queued for Redis count as room
+        once let go of (except others' slots, which reach an isolated ``ns`` only with a whole
+        segment). Evicting on until the room is there at once would take every other page when
+        Redis is slow. Returns how many such slots are in the way: room that comes as the
+        writes read them (``HostTier.unheld``)."""
         self.cache.flush_host_drops()
         host = self.host
         pool = host.full if kind == "full" else host.swa
         if pool is None:
-            return
+            return 0
         coming = 0
 
         def evict(victims: str | None, exclude: str | None = None) -> bool:
@@ -217,7 +220,10 @@ class KeyedTier:
                 return False
             free = pool.available
             let_go = self._evict_one(kind, victims, exclude)
+            if exclude is not None:  # others' slots: not room for ns until a segment empties
+                return let_go is not None
             if let_go is None:
+                coming += self.read_pages(kind, victims)
                 return False
             coming += max(0, let_go - (pool.available - free))
             return True
@@ -225,11 +231,20 @@ class KeyedTier:
         if not host.isolated:
             while evict(None):
                 pass
-            return
+            return coming
         while evict(ns):
             pass
         while evict(None, exclude=ns):
             pass
+        return coming
+
+    def read_pages(self, kind: str, ns: str | None = None, exclude: str | None = None) -> int:
+        """Unpinned keyed pages of ``kind`` (of ``ns``, or of any namespace but ``exclude``)
+        whose slot a Redis write still reads: eviction passes over them until it has."""
+        read = self.host.readers[kind]
+        if not read:
+            return 0
+        return sum(1 for p in self.pages.victims(kind, ns, exclude) if p.slot in read)
 
     def host_used(self, ns: str) -> int:
         """Full host pages the namespace holds: the tree's and the keyed ones."""
@@ -476,23 +491,26 @@ class KeyedTier:
             return 0
         found = [(k, h, v) for k, h, v in zip(missing, hashes, values, strict=True)
                  if v is not None]
+        waited_out = False
         while True:
-            # what arrived meanwhile (another fetch, a commit) is not stored twice
+            # what arrived meanwhile (another fetch, a commit) is not stored twice; after a wait
+            # everything is read again, as other sessions went on meanwhile
             found = [(k, h, v) for k, h, v in found if self.pages.get(ns, kind, k) is None
                      and not self.pages.is_reserved(ns, kind, k)]
             fit = self.fit_quota(ns, len(found)) if kind == "full" else len(found)
-            self.make_room(kind, fit, ns)
-            room = self.host.available_to(kind, ns)
-            # short while Redis writes read the slots of pages they hold: those come free as
-            # each write has read them, within the time this fetch was given
-            left = deadline - loop.time()
-            if room >= fit or not self.host.readers[kind] or left <= 0:
+            coming = self.make_room(kind, fit, ns)
+            fit = min(fit, self.host.available_to(kind, ns))
+            if fit == len(found) or waited_out:
+                break
+            # short while Redis writes read slots of pages they hold (the quota's included):
+            # those come free as each write has read them, within the time this fetch was given
+            if not coming and not (kind == "full" and self.host_quotas.get(ns)
+                                   and self.read_pages(kind, ns)):
                 break
             try:
-                await asyncio.wait_for(self.host.unheld(), left)
+                await asyncio.wait_for(self.host.unheld(), max(0.0, deadline - loop.time()))
             except asyncio.TimeoutError:
-                break
-        fit = min(fit, room)
+                waited_out = True  # once more, for what the other sessions changed meanwhile
         clock = self.cache.tree.clock
         pool = self.host.pool(kind)
         for k, h, v in found[:fit]:  # on the loop: a slot is never visible before it is full

@@ -246,9 +246,10 @@ def test_a_fetch_waits_for_the_slots_redis_writes_still_read(make_daemon, tmp_pa
             written = store(c, pools, ["a", "b", "c"], 1)
             wait_for(lambda: stats(c)["kv_l3_write_pages"] == 3, "the Redis writes")
             raw.client_pause(3000, all=False)  # writes wait on the server, reads are served
-            store(c, pools, ["s0"], 2)  # evicts a; its write is taken, then waits on the server
+            store(c, pools, ["s0"], 2)  # its write is taken, then waits on the server
             wait_for(lambda: raw.info("clients")["blocked_clients"] >= 1, "a paused write")
-            later = store(c, pools, [f"s{i}" for i in range(1, 7)], 3)  # evicts b, c; held
+            # evicts a, b and c; their writes queue behind s0's, their slots held
+            later = store(c, pools, [f"s{i}" for i in range(1, 7)], 3)
             assert read(c, pools, ["a", "b", "c"]) == {}
             got = c.kv_lookup("m", keys("a", "b", "c"), fetch=True, timeout_s=15)
             assert got.present == b"\x01\x01\x01" and got.fetched == 3

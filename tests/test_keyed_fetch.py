@@ -1,0 +1,117 @@
+"""A keyed fetch (``kv_lookup`` with ``fetch``) while Redis writes hold host slots, in process over
+a real host tier and the shared Redis server: the writer's reads are taken with
+``HostTier.hold``, as daemon/keyed_tier.py's writer takes them, so the test decides when each
+write has read its page. The fetch waits for them within its timeout, then reads the store
+again: what other sessions did meanwhile is never overwritten and never an error."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import redis as redis_sync
+
+from daemon.keyed_tier import KeyedTier
+from daemon.model_cache import ModelCache
+from daemon.storage.codec import encode_page
+from daemon.storage.host_tier import HostTier
+from daemon.storage.keyed_pages import keyed_hash
+from daemon.storage.redis_tier import RedisTier
+from tests.redis_procs import SHARED_URL
+from tests.test_keyed_store_model import PROFILE
+
+
+@pytest.fixture
+def prefix() -> Iterator[str]:
+    p = f"radixd-test-{uuid.uuid4().hex[:12]}"
+    yield p
+    raw = redis_sync.Redis.from_url(SHARED_URL)
+    try:
+        keys = list(raw.scan_iter(match=p + ":*", count=1000))
+        if keys:
+            raw.delete(*keys)
+    finally:
+        raw.close()
+
+
+def store_held(host_pages: int, quotas: dict[str, int]) -> tuple[KeyedTier, HostTier, list[int]]:
+    """A keyed store with pages h0, h1 and h2 of namespace "a" committed, each slot held by a
+    Redis write that has not read it yet."""
+    cache = ModelCache(PROFILE)
+    host = HostTier(PROFILE, host_pages, 4, pin_memory=False)
+    cache.host = host
+    kv = KeyedTier(cache, host, quotas, "tiny")
+    r = kv.reserve("s1", "a", "full", [b"h0", b"h1", b"h2"])
+    kv.commit("s1", r.pin)
+    held = host.hold("full", list(r.slots))
+    assert len(held) == 3
+    return kv, host, held
+
+
+async def only_in_redis(kv: KeyedTier, prefix: str, keys: list[bytes]) -> dict[bytes, bytes]:
+    """Put a value for each key in Redis, as the keyed writer names and encodes it; attach the
+    tier to the store (it writes nothing itself here: no writer runs)."""
+    kv.l3 = RedisTier(SHARED_URL, key_prefix=prefix, ttl_seconds=0, op_timeout=2.0)
+    pages = {}
+    values = []
+    for i, k in enumerate(keys):
+        payload = bytes([i + 1]) * kv.host.full.page_nbytes
+        h = keyed_hash("a", kv.fingerprint, "full", k)
+        values.append(encode_page(pool="full", page_hash=kv.l3_id(h), fingerprint=kv.fingerprint,
+                                  key=k, payload=payload))
+        pages[k] = payload
+    assert await kv.l3.set_pages(values) == len(keys)
+    return pages
+
+
+def test_a_fetch_held_back_by_the_quota_waits_for_the_writes(prefix: str) -> None:
+    """Namespace "a" may hold 3 host pages and holds 3 whose writes are queued: the quota's own
+    oldest pages can go only once written. The fetch waits for that, then takes two of them."""
+    async def run() -> None:
+        kv, host, held = store_held(9, {"a": 3})
+        try:
+            pages = await only_in_redis(kv, prefix, [b"x", b"y"])
+            asyncio.get_running_loop().call_later(0.05, host.unhold, "full", held)
+            assert await kv.fetch("a", "full", [b"x", b"y"], 5.0) == 2
+            got = kv.lookup("s2", "a", "full", [b"h0", b"h1", b"h2", b"x", b"y"], pin=False)
+            assert got.present == b"\x00\x00\x01\x01\x01"
+            for k, s in zip((b"x", b"y"), got.slots[3:], strict=True):
+                assert bytes(host.full.page_bytes(s)) == pages[k]
+            assert kv.check({"s1", "s2"}) == [] and host.audit({"full": set()}) == []
+        finally:
+            await kv.l3.aclose()  # type: ignore[union-attr]
+            host.close()
+
+    asyncio.run(run())
+
+
+def test_what_other_sessions_did_during_the_wait_is_read_again(prefix: str) -> None:
+    """Four usable slots: h0-h2 held, one free. While the fetch of x and y waits, another session
+    stores x in the free slot. The writes never read their slots within the fetch's timeout:
+    the fetch gives up, reads the store again, and places nothing (x is stored, y has no room);
+    it used to place x over the other session's page or take a slot that was gone, and fail."""
+    async def run() -> None:
+        kv, host, held = store_held(5, {})
+        try:
+            await only_in_redis(kv, prefix, [b"x", b"y"])
+            fetch = asyncio.create_task(kv.fetch("a", "full", [b"x", b"y"], 1.0))
+            await asyncio.sleep(0.2)  # the fetch is waiting for the writes
+            r = kv.reserve("s2", "a", "full", [b"x"])
+            assert r.slots[0]
+            mine = bytes([9]) * host.full.page_nbytes
+            host.full.write_page_bytes(r.slots[0], mine)
+            kv.commit("s2", r.pin)
+            assert await fetch == 0
+            got = kv.lookup("s2", "a", "full", [b"x", b"y"], pin=False)
+            assert got.present == b"\x01\x00"
+            assert bytes(host.full.page_bytes(got.slots[0])) == mine
+            assert kv.check({"s1", "s2"}) == []
+            host.unhold("full", held)
+            assert host.audit({"full": set()}) == []
+        finally:
+            await kv.l3.aclose()  # type: ignore[union-attr]
+            host.close()
+
+    asyncio.run(run())
