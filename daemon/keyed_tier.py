@@ -202,17 +202,16 @@ class KeyedTier:
         then the others' oldest, until segments of theirs empty onto the free list.
 
         Slots that a Redis write still reads are not free when their page goes: keyed pages
-        holding one are passed over, and the slots of tree copies queued for Redis count as room
-        once let go of (except others' slots, which reach an isolated ``ns`` only with a whole
-        segment). Evicting on until the room is there at once would take every other page when
-        Redis is slow. Returns how many such slots are in the way: room that comes as the
-        writes read them (``HostTier.unheld``)."""
+        holding one are passed over, and slots already let go of count as room
+        (``HostTier.coming_to``). Evicting on until the room is there at once would take every
+        other page when Redis is slow. Returns the room to come: slots let go of or passed over
+        that the namespace gets as the writes read them (``HostTier.unheld``)."""
         self.cache.flush_host_drops()
         host = self.host
         pool = host.full if kind == "full" else host.swa
-        if pool is None:
+        if pool is None or host.available_to(kind, ns) >= need:
             return 0
-        coming = 0
+        coming = host.coming_to(kind, ns)
 
         def evict(victims: str | None, exclude: str | None = None) -> bool:
             nonlocal coming
@@ -220,12 +219,11 @@ class KeyedTier:
                 return False
             free = pool.available
             let_go = self._evict_one(kind, victims, exclude)
-            if exclude is not None:  # others' slots: not room for ns until a segment empties
-                return let_go is not None
             if let_go is None:
-                coming += self.read_pages(kind, victims)
                 return False
-            coming += max(0, let_go - (pool.available - free))
+            read = let_go - (pool.available - free)  # slots a write still reads
+            if read > 0:
+                coming = host.coming_to(kind, ns) if host.isolated else coming + read
             return True
 
         if not host.isolated:
@@ -238,13 +236,14 @@ class KeyedTier:
             pass
         return coming
 
-    def read_pages(self, kind: str, ns: str | None = None, exclude: str | None = None) -> int:
-        """Unpinned keyed pages of ``kind`` (of ``ns``, or of any namespace but ``exclude``)
-        whose slot a Redis write still reads: eviction passes over them until it has."""
+    def read_pages(self, kind: str, ns: str | None = None) -> int:
+        """Unpinned keyed pages of ``kind`` (of ``ns`` if given) whose slot a Redis write still
+        reads: eviction passes over them until it has. A walk over every keyed page of the kind,
+        for the rare caller that is short of room."""
         read = self.host.readers[kind]
         if not read:
             return 0
-        return sum(1 for p in self.pages.victims(kind, ns, exclude) if p.slot in read)
+        return sum(1 for p in self.pages.victims(kind, ns) if p.slot in read)
 
     def host_used(self, ns: str) -> int:
         """Full host pages the namespace holds: the tree's and the keyed ones."""
@@ -491,12 +490,13 @@ class KeyedTier:
             return 0
         found = [(k, h, v) for k, h, v in zip(missing, hashes, values, strict=True)
                  if v is not None]
+        pool = self.host.pool(kind)
         waited_out = False
         while True:
             # what arrived meanwhile (another fetch, a commit) is not stored twice; after a wait
             # everything is read again, as other sessions went on meanwhile
             found = [(k, h, v) for k, h, v in found if self.pages.get(ns, kind, k) is None
-                     and not self.pages.is_reserved(ns, kind, k)]
+                     and not self.pages.is_reserved(ns, kind, k) and pool.lookup(h) is None]
             fit = self.fit_quota(ns, len(found)) if kind == "full" else len(found)
             coming = self.make_room(kind, fit, ns)
             fit = min(fit, self.host.available_to(kind, ns))
@@ -504,15 +504,14 @@ class KeyedTier:
                 break
             # short while Redis writes read slots of pages they hold (the quota's included):
             # those come free as each write has read them, within the time this fetch was given
-            if not coming and not (kind == "full" and self.host_quotas.get(ns)
-                                   and self.read_pages(kind, ns)):
+            own = self.host.isolated or (kind == "full" and self.host_quotas.get(ns))
+            if not coming and not self.read_pages(kind, ns if own else None):
                 break
             try:
                 await asyncio.wait_for(self.host.unheld(), max(0.0, deadline - loop.time()))
             except asyncio.TimeoutError:
                 waited_out = True  # once more, for what the other sessions changed meanwhile
         clock = self.cache.tree.clock
-        pool = self.host.pool(kind)
         for k, h, v in found[:fit]:  # on the loop: a slot is never visible before it is full
             slot = self._take(kind, h, ns)
             pool.write_page_bytes(slot, v.payload)

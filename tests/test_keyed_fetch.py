@@ -19,6 +19,7 @@ from daemon.storage.codec import encode_page
 from daemon.storage.host_tier import HostTier
 from daemon.storage.keyed_pages import keyed_hash
 from daemon.storage.redis_tier import RedisTier
+from daemon.tree import as_token_bytes
 from tests.redis_procs import SHARED_URL
 from tests.test_keyed_store_model import PROFILE
 
@@ -50,7 +51,8 @@ def store_held(host_pages: int, quotas: dict[str, int]) -> tuple[KeyedTier, Host
     return kv, host, held
 
 
-async def only_in_redis(kv: KeyedTier, prefix: str, keys: list[bytes]) -> dict[bytes, bytes]:
+async def only_in_redis(kv: KeyedTier, prefix: str, keys: list[bytes], ns: str = "a"
+                        ) -> dict[bytes, bytes]:
     """Put a value for each key in Redis, as the keyed writer names and encodes it; attach the
     tier to the store (it writes nothing itself here: no writer runs)."""
     kv.l3 = RedisTier(SHARED_URL, key_prefix=prefix, ttl_seconds=0, op_timeout=2.0)
@@ -58,7 +60,7 @@ async def only_in_redis(kv: KeyedTier, prefix: str, keys: list[bytes]) -> dict[b
     values = []
     for i, k in enumerate(keys):
         payload = bytes([i + 1]) * kv.host.full.page_nbytes
-        h = keyed_hash("a", kv.fingerprint, "full", k)
+        h = keyed_hash(ns, kv.fingerprint, "full", k)
         values.append(encode_page(pool="full", page_hash=kv.l3_id(h), fingerprint=kv.fingerprint,
                                   key=k, payload=payload))
         pages[k] = payload
@@ -110,6 +112,66 @@ def test_what_other_sessions_did_during_the_wait_is_read_again(prefix: str) -> N
             assert kv.check({"s1", "s2"}) == []
             host.unhold("full", held)
             assert host.audit({"full": set()}) == []
+        finally:
+            await kv.l3.aclose()  # type: ignore[union-attr]
+            host.close()
+
+    asyncio.run(run())
+
+
+def tree_copies_held(host: HostTier, cache: ModelCache, ns: str, n: int) -> list[int]:
+    """``n`` one-page tree nodes of namespace ``ns``, host-only, each slot held by a write to
+    Redis that has not read it yet; returns the held slots."""
+    held: list[int] = []
+    for i in range(n):
+        toks = as_token_bytes(list(range(1000 * i, 1000 * i + PROFILE.page_size)))
+        full, swa = cache.alloc("e", 1, ns)
+        cache.insert("e", ns, toks, full, swa)
+        node = cache.tree.nodes[cache.tree.match(ns, toks).node_id]
+        slots = host.take("full", 1, ns)
+        host.filled("full", slots)
+        cache.tree.set_host(node.id, slots)
+        cache.evict(full_pages=1, namespace=ns)
+        held += host.hold("full", node.host)
+    return held
+
+
+def host_copies(cache: ModelCache) -> int:
+    return sum(1 for n in cache.tree.iter_nodes() if n.parent is not None and n.host is not None)
+
+
+@pytest.mark.parametrize("segment_pages", [None, 2])
+def test_a_fetch_evicts_one_queued_tree_copy_and_waits_for_its_write(
+        prefix: str, segment_pages: int | None) -> None:
+    """Host is full of the tree's copies of namespace "b", each queued for Redis. A fetch for
+    namespace "a" evicts one: its slot (isolated: its whole segment) is room to come. Wake-ups
+    by writes that free nothing evict no more; once the evicted copy's write has read it, the
+    fetch takes the slot. Each copy evicted used to free nothing and make room go on until none
+    was left."""
+    async def run() -> None:
+        cache = ModelCache(PROFILE)
+        host = HostTier(PROFILE, 5, 4, pin_memory=False, segment_pages=segment_pages)
+        cache.host = host
+        cache.tree.host_sink = host
+        kv = KeyedTier(cache, host, {}, "tiny")
+        try:
+            held = tree_copies_held(host, cache, "b", 4)
+            pages = await only_in_redis(kv, prefix, [b"x"], ns="a")
+            fetch = asyncio.create_task(kv.fetch("a", "full", [b"x"], 10.0))
+            await asyncio.sleep(0.2)
+            assert host_copies(cache) == 3 and not fetch.done()
+            for s in held:  # writes of copies still in the tree: nothing comes free
+                if host.full.refcount(s) == 2:
+                    host.hold("full", (s,))
+                    host.unhold("full", (s,))
+                    await asyncio.sleep(0.01)
+            assert host_copies(cache) == 3 and not fetch.done()
+            host.unhold("full", held)
+            assert await fetch == 1
+            got = kv.lookup("s", "a", "full", [b"x"], pin=False)
+            assert bytes(host.full.page_bytes(got.slots[0])) == pages[b"x"]
+            assert host_copies(cache) == 3
+            assert kv.check({"s"}) == [] and cache.check() == []
         finally:
             await kv.l3.aclose()  # type: ignore[union-attr]
             host.close()

@@ -228,6 +228,10 @@ class SegmentedAllocator:
         attaching again."""
         return [s for s, owner in enumerate(self.last_owner) if owner == namespace]
 
+    def used_in(self, segment: int) -> int:
+        """Pages of ``segment`` handed out and not freed."""
+        return self._seg_used[segment]
+
     def segment_range(self, segment: int) -> range:
         """The page ids of ``segment``."""
         s = self.segment_pages

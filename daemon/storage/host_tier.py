@@ -15,10 +15,13 @@ host_pool); :meth:`space` is the allocator key of a namespace, :meth:`generation
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from array import array
 from collections import Counter
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any
+
+import numpy as np
 
 from daemon.gpu.allocator import AUDIT_STEP_SLOTS, OutOfPages, as_page_array, nonzero_ids
 from daemon.gpu.profile import ModelProfile
@@ -147,7 +150,35 @@ class HostTier:
         held it is free from then on, so a caller short of slots may find room again."""
         waiter = asyncio.get_running_loop().create_future()
         self._unhold_waiters.append(waiter)
-        await waiter
+        try:
+            await waiter
+        finally:
+            if not waiter.done() or waiter.cancelled():
+                with contextlib.suppress(ValueError):
+                    self._unhold_waiters.remove(waiter)
+
+    def coming_to(self, kind: str, ns: str) -> int:
+        """Slots of ``kind`` that namespace ``ns`` can take once the readers (Redis writes)
+        holding them let go: their page is gone, only readers hold them. When isolated, those
+        in ``ns``'s segments, and whole segments of others that nothing else holds."""
+        readers = self.readers[kind]
+        if not readers:
+            return 0
+        pool = self.pool(kind)
+        slots = np.fromiter(readers.keys(), np.int64, len(readers))
+        held = np.fromiter(readers.values(), np.int64, len(readers))
+        gone = slots[pool.refcounts(slots) == held]
+        if not self.isolated:
+            return int(gone.size)
+        alloc = pool.allocator
+        out = 0
+        segs, counts = np.unique(gone // alloc.segment_pages, return_counts=True)
+        for seg, n in zip(segs.tolist(), counts.tolist(), strict=True):
+            if alloc.owner[seg] == ns:
+                out += n
+            elif alloc.used_in(seg) == n:  # it empties onto the free list, which ns may take
+                out += len(alloc.segment_range(seg)) - (seg == 0)
+        return out
 
     def available(self, kind: str) -> int:
         p = self.full if kind == "full" else self.swa
