@@ -177,3 +177,26 @@ def test_a_fetch_evicts_one_queued_tree_copy_and_waits_for_its_write(
             host.close()
 
     asyncio.run(run())
+
+
+def test_a_key_whose_cleared_page_a_write_still_reads_is_a_miss_until_it_ends(
+        prefix: str) -> None:
+    """k0 is cleared while its Redis write still reads the slot, which stays indexed under the
+    key's hash until then: a fetch of k0 meanwhile is a miss (it used to fail with an internal
+    error, the hash being held), and brings it once the write is done."""
+    async def run() -> None:
+        kv, host, held = store_held(9, {})
+        try:
+            kv.clear("a")
+            pages = await only_in_redis(kv, prefix, [b"h0"])
+            assert await kv.fetch("a", "full", [b"h0"], 1.0) == 0
+            host.unhold("full", held)
+            assert await kv.fetch("a", "full", [b"h0"], 1.0) == 1
+            got = kv.lookup("s1", "a", "full", [b"h0"], pin=False)
+            assert bytes(host.full.page_bytes(got.slots[0])) == pages[b"h0"]
+            assert kv.check({"s1"}) == [] and host.audit({"full": set()}) == []
+        finally:
+            await kv.l3.aclose()  # type: ignore[union-attr]
+            host.close()
+
+    asyncio.run(run())
