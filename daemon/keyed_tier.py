@@ -147,6 +147,7 @@ class KeyedTier:
         for s in slots:
             self.host.keyed[kind].discard(s)
             pool.release(s)
+        self.host.let_go(kind, slots)
 
     def _drop(self, page: KeyedPage, evicted: bool = False) -> None:
         """Forget a page and free its slot; an evicted page L3 write-back still owes Redis is
@@ -172,10 +173,9 @@ class KeyedTier:
                 best = (name, q.heap[0][0])
         return best
 
-    def _evict_one(self, kind: str, ns: str | None, exclude: str | None = None) -> int | None:
+    def _evict_one(self, kind: str, ns: str | None, exclude: str | None = None) -> bool:
         """Evict the older of the next keyed victim and the tree's next host victim (of ``ns``
-        if given; of any namespace but ``exclude`` if given); returns the slots of ``kind`` it
-        let go of, None when neither exists.
+        if given; of any namespace but ``exclude`` if given); False when neither exists.
 
         A keyed page whose slot a Redis write still reads is passed over: its eviction would
         free no slot until the write has read it."""
@@ -185,15 +185,15 @@ class KeyedTier:
         tree = (self._tree_victim(ns, exclude)
                 if kind == "full" or self.cache.tree.host_swa_pages else None)
         if page is None and tree is None:
-            return None
+            return False
         if page is not None and (tree is None or page.stamp <= tree[1]):
             self._drop(page, evicted=True)
             self.counters["kv_evicted"] += 1
-            return 1
-        if kind == "full":
-            return self.cache.evict_host(1, namespace=tree[0]).host_slots  # type: ignore[index]
-        return self.cache.evict_host(  # type: ignore[index]
-            0, namespace=tree[0], swa_slots=1).host_swa_slots
+        elif kind == "full":
+            self.cache.evict_host(1, namespace=tree[0])  # type: ignore[index]
+        else:
+            self.cache.evict_host(0, namespace=tree[0], swa_slots=1)  # type: ignore[index]
+        return True
 
     def make_room(self, kind: str, need: int, ns: str) -> int:
         """Evict (keyed and tree host pages, one order) until namespace ``ns`` can take ``need``
@@ -202,14 +202,13 @@ class KeyedTier:
         then the others' oldest, until segments of theirs empty onto the free list.
 
         Slots that a Redis write still reads are not free when their page goes: keyed pages
-        holding one are passed over, and slots already let go of count as room
-        (``HostTier.coming_to``). Evicting on until the room is there at once would take every
-        other page when Redis is slow. Returns the room to come: slots let go of or passed over
-        that the namespace gets as the writes read them (``HostTier.unheld``)."""
+        holding one are passed over, and the host tier's orphans (pages gone, slots still read)
+        count as room (``HostTier.coming_to``). Evicting on until the room is there at once
+        would take every other page when Redis is slow. Returns that room to come, which the
+        namespace gets as the writes read the slots (``HostTier.unheld``)."""
         self.cache.flush_host_drops()
         host = self.host
-        pool = host.full if kind == "full" else host.swa
-        if pool is None or host.available_to(kind, ns) >= need:
+        if host.available_to(kind, ns) >= need:
             return 0
         coming = host.coming_to(kind, ns)
 
@@ -217,13 +216,10 @@ class KeyedTier:
             nonlocal coming
             if host.available_to(kind, ns) + coming >= need:
                 return False
-            free = pool.available
-            let_go = self._evict_one(kind, victims, exclude)
-            if let_go is None:
+            if not self._evict_one(kind, victims, exclude):
                 return False
-            read = let_go - (pool.available - free)  # slots a write still reads
-            if read > 0:
-                coming = host.coming_to(kind, ns) if host.isolated else coming + read
+            if host.orphans[kind]:
+                coming = host.coming_to(kind, ns)
             return True
 
         if not host.isolated:
@@ -256,7 +252,7 @@ class KeyedTier:
         quota = self.host_quotas.get(ns, 0)
         if not quota:
             return want
-        while self.host_used(ns) + want > quota and self._evict_one("full", ns) is not None:
+        while self.host_used(ns) + want > quota and self._evict_one("full", ns):
             pass
         return max(0, min(want, quota - self.host_used(ns)))
 

@@ -130,6 +130,12 @@ def ref_host_audit(host: HostTier, in_tree: dict[str, set[int]]) -> list[str]:
         if keyed & (tree | pend):
             v.append(f"{kind} host slots {sorted(keyed & (tree | pend))[:10]} are keyed "
                      "and in the tree or pending")
+        orphans = host.orphans[kind]
+        wrong = {s for s in orphans if s not in readers} | {
+            s for s, n in readers.items() if (pool.refcount(s) == n) != (s in orphans)}
+        if wrong:
+            v.append(f"{kind} host slots {sorted(wrong)[:10]}: counted as orphans (only "
+                     "readers hold them) or not, wrongly")
         if held != tree | pend | set(readers) | keyed:
             v.append(f"{kind} host pool: held {len(held)} != tree {len(tree)} + pending "
                      f"{len(pend)} + read {len(readers)} + keyed {len(keyed)}; unaccounted "
@@ -321,6 +327,8 @@ class Store:
             pool._slot_of[self._hash()] = rng.choice(held)
         elif fault == "reader" and held:
             host.readers[kind][rng.choice(held)] += 1
+        elif fault == "orphan" and held:  # a slot its page still holds, counted as read only
+            host.orphans[kind].symmetric_difference_update({rng.choice(held)})
         elif fault == "tree_and_pending" and host.pending[kind]:
             self.tree[kind].add(rng.choice(sorted(host.pending[kind])))
         elif fault == "tree_lost" and self.tree[kind]:
@@ -364,7 +372,7 @@ class Store:
 
 
 FAULTS = ["refcount", "index", "tree_named", "hash_unheld", "free_and_held", "leak",
-          "double_index", "reader",
+          "double_index", "reader", "orphan",
           "tree_and_pending", "tree_lost", "tree_free_slot", "keyed_set", "page_pins",
           "page_slot", "page_hash", "order", "ns_count", "pin_owner", "by_owner", "reserving"]
 

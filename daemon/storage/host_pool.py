@@ -378,10 +378,6 @@ class HostPool:
         """References held on ``slot`` (0 when it is free)."""
         return max(0, int(self._refs[self._check_slot(slot)]))
 
-    def refcounts(self, slots: np.ndarray) -> np.ndarray:
-        """References held on each of ``slots`` (valid slot ids), in one numpy read."""
-        return np.maximum(self._refs[slots], 0)
-
     def hash_of(self, slot: int) -> bytes | None:
         return self._hash_of.get(self._check_slot(slot))
 

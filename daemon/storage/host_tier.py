@@ -15,13 +15,10 @@ host_pool); :meth:`space` is the allocator key of a namespace, :meth:`generation
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from array import array
 from collections import Counter
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any
-
-import numpy as np
 
 from daemon.gpu.allocator import AUDIT_STEP_SLOTS, OutOfPages, as_page_array, nonzero_ids
 from daemon.gpu.profile import ModelProfile
@@ -52,6 +49,9 @@ class HostTier:
         self.readers: dict[str, Counter[int]] = {"full": Counter(), "swa": Counter()}
         # slots the key-addressed store (daemon/keyed_tier.py) holds, one reference each
         self.keyed: dict[str, set[int]] = {"full": set(), "swa": set()}
+        # slots let go of by the tree or the keyed store while a reader still held them: free
+        # once the readers let go too, so room that is coming (see coming_to)
+        self.orphans: dict[str, set[int]] = {"full": set(), "swa": set()}
         self._unhold_waiters: list[asyncio.Future[None]] = []
         self._filled = 0  # calls of filled(): see changes
 
@@ -117,6 +117,18 @@ class HostTier:
             return
         self.pool(kind).release_many(live)  # checks every slot before anything changes
         self.pending[kind].difference_update(live)
+        self.let_go(kind, live)
+
+    def let_go(self, kind: str, slots: Sequence[int]) -> None:
+        """Their owner (the tree, the keyed store) has released these slots: those a reader
+        still holds are orphans, free once it lets go."""
+        readers = self.readers[kind]
+        if not readers:
+            return
+        pool = self.pool(kind)
+        read = (readers.keys() & set(slots) if len(slots) > len(readers)
+                else [s for s in slots if s in readers])
+        self.orphans[kind].update(s for s in read if pool.refcount(s) == readers[s])
 
     def hold(self, kind: str, slots: Iterable[int]) -> list[int]:
         """One more reference on each slot, so its bytes stay valid after the tree drops it."""
@@ -140,40 +152,35 @@ class HostTier:
             readers[s] -= 1
             if not readers[s]:
                 del readers[s]
+        orphans = self.orphans[kind]
+        if orphans:
+            pool = self.pool(kind)
+            orphans.difference_update([s for s in slots if not pool.refcount(s)])
         waiters, self._unhold_waiters = self._unhold_waiters, []
         for w in waiters:
             if not w.done():
                 w.set_result(None)
 
-    async def unheld(self) -> None:
-        """Return at the next :meth:`unhold`: a slot whose page was let go of while a reader
-        held it is free from then on, so a caller short of slots may find room again."""
+    def unheld(self) -> asyncio.Future[None]:
+        """A future resolved at the next :meth:`unhold`: a slot whose page was let go of while a
+        reader held it is free from then on, so a caller short of slots may find room again.
+        Registered at once, so an unhold between this call and the caller's await is not
+        missed; a waiter given up (cancelled, as by a timeout) is dropped at the next call."""
         waiter = asyncio.get_running_loop().create_future()
+        self._unhold_waiters = [w for w in self._unhold_waiters if not w.done()]
         self._unhold_waiters.append(waiter)
-        try:
-            await waiter
-        finally:
-            if not waiter.done() or waiter.cancelled():
-                with contextlib.suppress(ValueError):
-                    self._unhold_waiters.remove(waiter)
+        return waiter
 
     def coming_to(self, kind: str, ns: str) -> int:
-        """Slots of ``kind`` that namespace ``ns`` can take once the readers (Redis writes)
-        holding them let go: their page is gone, only readers hold them. When isolated, those
-        in ``ns``'s segments, and whole segments of others that nothing else holds."""
-        readers = self.readers[kind]
-        if not readers:
-            return 0
-        pool = self.pool(kind)
-        slots = np.fromiter(readers.keys(), np.int64, len(readers))
-        held = np.fromiter(readers.values(), np.int64, len(readers))
-        gone = slots[pool.refcounts(slots) == held]
-        if not self.isolated:
-            return int(gone.size)
-        alloc = pool.allocator
+        """Slots of ``kind`` that namespace ``ns`` gets once the readers (Redis writes) holding
+        the orphans let go. When isolated, the orphans in ``ns``'s segments, and the whole
+        segments of others that hold nothing else."""
+        orphans = self.orphans[kind]
+        if not self.isolated or not orphans:
+            return len(orphans)
+        alloc = self.pool(kind).allocator
         out = 0
-        segs, counts = np.unique(gone // alloc.segment_pages, return_counts=True)
-        for seg, n in zip(segs.tolist(), counts.tolist(), strict=True):
+        for seg, n in Counter(map(alloc.segment_of, orphans)).items():
             if alloc.owner[seg] == ns:
                 out += n
             elif alloc.used_in(seg) == n:  # it empties onto the free list, which ns may take
@@ -259,9 +266,16 @@ class HostTier:
             if both:
                 v.append(f"{kind} host slots {sorted(both)[:10]} are keyed and in the tree or "
                          "pending")
+            orphans = self.orphans[kind]
+            wrong_orphans: list[int] = [s for s in orphans if s not in readers]
             for chunk in chunked(readers, AUDIT_STEP_SLOTS):
                 stray |= _unheld(chunk, marks)
+                wrong_orphans += (s for s in chunk
+                                  if (pool.refcount(s) == readers[s]) != (s in orphans))
                 yield
+            if wrong_orphans:
+                v.append(f"{kind} host slots {sorted(wrong_orphans)[:10]}: counted as orphans "
+                         "(only readers hold them) or not, wrongly")
             n_tree = len(tree)
             if stray or tree_held != n_tree:  # the report: a rare path, in one step
                 held = pool.held()
