@@ -180,8 +180,8 @@ class KeyedTier:
         A keyed page whose slot a Redis write still reads is passed over: its eviction would
         free no slot until the write has read it."""
         read = self.host.readers[kind]
-        page = next((p for p in self.pages.victims(kind, ns, exclude) if p.slot not in read),
-                    None)
+        victims = self.pages.victims(kind, ns, exclude)
+        page = next(victims if not read else (p for p in victims if p.slot not in read), None)
         tree = (self._tree_victim(ns, exclude)
                 if kind == "full" or self.cache.tree.host_swa_pages else None)
         if page is None and tree is None:

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import uuid
+from collections.abc import Iterator
 
 import pytest
 
@@ -83,3 +85,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     deselected = set(map(id, drop))
     config.hook.pytest_deselected(items=drop)
     items[:] = [item for item in items if id(item) not in deselected]
+
+
+@pytest.fixture
+def prefix() -> Iterator[str]:
+    """A key prefix of this test's own on the shared Redis (tests/redis_procs.py), its keys
+    removed afterwards."""
+    import redis as redis_sync  # not every venv that runs a conftest here has it
+
+    from tests.redis_procs import SHARED_URL
+
+    p = f"radixd-test-{uuid.uuid4().hex[:12]}"
+    yield p
+    raw = redis_sync.Redis.from_url(SHARED_URL)
+    try:
+        keys = list(raw.scan_iter(match=p + ":*", count=1000))
+        if keys:
+            raw.delete(*keys)
+    finally:
+        raw.close()

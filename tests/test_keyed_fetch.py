@@ -7,11 +7,8 @@ again: what other sessions did meanwhile is never overwritten and never an error
 from __future__ import annotations
 
 import asyncio
-import uuid
-from collections.abc import Iterator
 
 import pytest
-import redis as redis_sync
 
 from daemon.keyed_tier import KeyedTier
 from daemon.model_cache import ModelCache
@@ -19,22 +16,8 @@ from daemon.storage.codec import encode_page
 from daemon.storage.host_tier import HostTier
 from daemon.storage.keyed_pages import keyed_hash
 from daemon.storage.redis_tier import RedisTier
-from daemon.tree import as_token_bytes
 from tests.redis_procs import SHARED_URL
-from tests.test_keyed_store_model import PROFILE
-
-
-@pytest.fixture
-def prefix() -> Iterator[str]:
-    p = f"radixd-test-{uuid.uuid4().hex[:12]}"
-    yield p
-    raw = redis_sync.Redis.from_url(SHARED_URL)
-    try:
-        keys = list(raw.scan_iter(match=p + ":*", count=1000))
-        if keys:
-            raw.delete(*keys)
-    finally:
-        raw.close()
+from tests.test_keyed_store_model import PROFILE, host_only_node
 
 
 def store_held(host_pages: int, quotas: dict[str, int]) -> tuple[KeyedTier, HostTier, list[int]]:
@@ -122,18 +105,8 @@ def test_what_other_sessions_did_during_the_wait_is_read_again(prefix: str) -> N
 def tree_copies_held(host: HostTier, cache: ModelCache, ns: str, n: int) -> list[int]:
     """``n`` one-page tree nodes of namespace ``ns``, host-only, each slot held by a write to
     Redis that has not read it yet; returns the held slots."""
-    held: list[int] = []
-    for i in range(n):
-        toks = as_token_bytes(list(range(1000 * i, 1000 * i + PROFILE.page_size)))
-        full, swa = cache.alloc("e", 1, ns)
-        cache.insert("e", ns, toks, full, swa)
-        node = cache.tree.nodes[cache.tree.match(ns, toks).node_id]
-        slots = host.take("full", 1, ns)
-        host.filled("full", slots)
-        cache.tree.set_host(node.id, slots)
-        cache.evict(full_pages=1, namespace=ns)
-        held += host.hold("full", node.host)
-    return held
+    return [s for i in range(n)
+            for s in host.hold("full", host_only_node(cache, host, ns, 1000 * i, 1).host)]
 
 
 def host_copies(cache: ModelCache) -> int:

@@ -226,6 +226,21 @@ def test_a_key_whose_old_slot_an_l3_write_still_reads_is_busy_not_an_error() -> 
     assert kv.check({"s1"}) == []
 
 
+def host_only_node(cache: ModelCache, host: HostTier, ns: str, base: int, pages: int) -> Node:
+    """A node of ``pages`` pages (tokens from ``base`` on) of namespace ``ns``, copied to host
+    and then evicted from device: a host-only leaf, a host victim of the tree."""
+    toks = as_token_bytes(list(range(base, base + pages * cache.profile.page_size)))
+    full, swa = cache.alloc("e", pages, ns)
+    cache.insert("e", ns, toks, full, swa)
+    node = cache.tree.nodes[cache.tree.match(ns, toks).node_id]
+    slots = host.take("full", pages, ns)
+    host.filled("full", slots)
+    cache.tree.set_host(node.id, slots)
+    cache.evict(full_pages=pages, namespace=ns)
+    assert node.full is None and node.host is not None
+    return node
+
+
 def test_room_counts_the_tree_host_slots_a_redis_write_still_reads() -> None:
     """The tree's host copies queued for Redis hold their slots (``HostTier.hold``, as the L3
     writer does) until the writer has read them. Making room evicts host pages in the policy's
@@ -239,24 +254,13 @@ def test_room_counts_the_tree_host_slots_a_redis_write_still_reads() -> None:
     mc.tree.host_sink = host
     kv = KeyedTier(mc, host, {}, "m")
 
-    def host_only(base: int, pages: int) -> Node:
-        toks = as_token_bytes(list(range(base, base + pages * 4)))
-        full, swa = mc.alloc("e", pages, "a")
-        mc.insert("e", "a", toks, full, swa)
-        node = mc.tree.nodes[mc.tree.match("a", toks).node_id]
-        slots = host.take("full", pages, "a")
-        host.filled("full", slots)
-        mc.tree.set_host(node.id, slots)
-        mc.evict(full_pages=pages, namespace="a")
-        assert node.full is None and node.host is not None
-        return node
-
     def host_nodes() -> set[int]:
         return {n.id for n in mc.tree.iter_nodes() if n.host is not None and n.parent}
 
     try:
-        small = host_only(1000, 3)
-        queued = host_only(2000, 8)  # deeper: the first victim; written to Redis next
+        small = host_only_node(mc, host, "a", 1000, 3)
+        # deeper: the first victim; written to Redis next
+        queued = host_only_node(mc, host, "a", 2000, 8)
         held = host.hold("full", queued.host)
         assert len(held) == 8
         r = kv.reserve("s1", "a", "full", KEYS[:3])

@@ -126,9 +126,8 @@ class HostTier:
         if not readers:
             return
         pool = self.pool(kind)
-        read = (readers.keys() & set(slots) if len(slots) > len(readers)
-                else [s for s in slots if s in readers])
-        self.orphans[kind].update(s for s in read if pool.refcount(s) == readers[s])
+        self.orphans[kind].update(s for s in readers.keys() & set(slots)
+                                  if pool.refcount(s) == readers[s])
 
     def hold(self, kind: str, slots: Iterable[int]) -> list[int]:
         """One more reference on each slot, so its bytes stay valid after the tree drops it."""

@@ -14,11 +14,10 @@ from radixd_client.protocol import Code, KvAttach, KvLookup
 from tests.redis_procs import SHARED_URL, Server, free_port
 
 from .conftest import SMALL_MODEL, Raw
-from .test_tiers import (  # noqa: F401 - prefix: fixture
+from .test_tiers import (
     Engine,
     admin_stats,
     l3_config,
-    prefix,
     seq,
     wait_for,
 )
@@ -198,7 +197,7 @@ def test_eviction_is_shared_with_tree_host_pages_and_spares_pins(make_daemon) ->
         e.close()
 
 
-def test_redis_write_through_then_eviction_then_fetch(make_daemon, prefix: str) -> None:  # noqa: F811
+def test_redis_write_through_then_eviction_then_fetch(make_daemon, prefix: str) -> None:
     d = make_daemon(l3_config(SHARED_URL, prefix, host_pages=8, host_swa_pages=4))
     with Client(d.socket) as c:
         pools = c.kv_attach("m")
@@ -277,7 +276,7 @@ def redis_keys(key_prefix: str) -> int:
         raw.close()
 
 
-def test_keyed_pages_count_against_the_tenants_l3_quota(make_daemon, prefix: str) -> None:  # noqa: F811
+def test_keyed_pages_count_against_the_tenants_l3_quota(make_daemon, prefix: str) -> None:
     """A full keyed page is 2048 payload bytes plus its header: 7168 bytes admit 3 values, not 4.
     Over the quota, the namespace's least recently written pages leave Redis (counted, as tree
     pages are); the other tenant's pages stay."""
@@ -306,7 +305,7 @@ def test_keyed_pages_count_against_the_tenants_l3_quota(make_daemon, prefix: str
         assert tiers()["l3_quota_deleted_pages"] == 2 and redis_keys(prefix) == 3 + 20
 
 
-def test_keyed_and_tree_pages_share_one_l3_ledger(make_daemon, prefix: str  # noqa: F811
+def test_keyed_and_tree_pages_share_one_l3_ledger(make_daemon, prefix: str
                                                   ) -> None:
     """A keyed page's value is ~2.1 KB; the two tree pages are two values of ~4.2 KB, their
     full run and their SWA window, counted apart. Two tree pages and one keyed page fit 11500

@@ -11,8 +11,6 @@ import re
 import signal
 import time
 import urllib.request
-import uuid
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -31,18 +29,6 @@ from .conftest import SMALL_MODEL, Raw
 P = SMALL_MODEL["page_size"]
 WINDOW_PAGES = SMALL_MODEL["sliding_window"] // P
 BLOCK_PAGES = max(1, -(-64 // P))  # pages of a hash block, and the most pages one value holds
-
-
-@pytest.fixture
-def prefix() -> Iterator[str]:
-    """A key prefix of this test's own on the shared Redis, removed afterwards."""
-    p = f"radixd-test-{uuid.uuid4().hex[:12]}"
-    yield p
-    raw = redis_sync.Redis.from_url(SHARED_URL)
-    keys = list(raw.scan_iter(match=p + ":*", count=1000))
-    if keys:
-        raw.delete(*keys)
-    raw.close()
 
 
 def l3_config(url: str, prefix: str, **model: Any) -> dict[str, Any]:

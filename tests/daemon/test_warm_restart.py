@@ -17,14 +17,13 @@ from daemon.cli import format_status
 from tests.redis_procs import SHARED_URL
 
 from .conftest import SMALL_MODEL
-from .test_tiers import (  # noqa: F401 - prefix: fixture
+from .test_tiers import (
     Engine,
     P,
     admin_get,
     admin_stats,
     cache_until_on_host,
     l3_config,
-    prefix,
     seq,
     tier_stats,
     wait_for,
@@ -185,7 +184,7 @@ def test_state_dir_must_be_absolute(tmp_path: Path) -> None:
 
 
 def test_the_l3_quota_keeps_counting_across_a_restart(make_daemon, tmp_path: Path,
-                                                      prefix: str) -> None:  # noqa: F811
+                                                      prefix: str) -> None:
     """A tree page is ~2.1 KB in Redis in each pool; the two pages cached first are two values
     (the run of both full pages and the window of both SWA pages, ~4.2 KB each). 10000 bytes
     hold them. One more page (two values of ~2.1 KB) after the restart puts the namespace over
