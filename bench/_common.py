@@ -43,8 +43,11 @@ class DaemonProcess:
         cfg = os.path.join(self.dir, "radixd.toml")
         with open(cfg, "w") as fh:
             fh.write(config.format(socket=self.socket, admin=self.admin))
+        # the source tree first; what the caller's PYTHONPATH held (packages installed there)
+        # after it
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            [root, os.path.join(root, "clients", "python")])}
+            [root, os.path.join(root, "clients", "python"),
+             *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])}
         self.proc = subprocess.Popen([sys.executable, "-m", "daemon.cli", "serve", "--config", cfg],
                                      cwd=root, env=env)
         deadline = time.monotonic() + 120
