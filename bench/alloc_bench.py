@@ -19,6 +19,9 @@ machine getting busier or quieter weighs on both alike. Figures, each side and t
 - ``store_us_<n>``, ``release_us_<n>``: ``HostPool.store_unnamed`` of ``n`` slots (a host copy
   taking its slots), and ``release_many`` of them (an int32 array, as the tree hands them back),
   in a pool of a million slots, 800,000 of them held (``--quick``: 100,000 slots, 80,000 held).
+- ``pool_build_ms``: building one pool's allocator (one segment) of 50M pages (``--quick``: 2M),
+  what a daemon does at start for every device and host pool; ``pool_bytes_per_page``: what a
+  fresh pool of a million pages takes, by ``tracemalloc`` (its state bytes and free list).
 - ``host_bytes_per_held_slot``: what that pool's bookkeeping took, by ``tracemalloc`` from its
   creation to the end of the fill (arrays of one entry per slot, held or not, included; the
   pages' own memory, a memfd mapping, not), over the slots held then (80% of them).
@@ -163,6 +166,24 @@ def run(baseline: str, quick: bool = False) -> dict[str, float]:
                 {k: v * 1e6 for k, v in _in_turns(
                     {side: (lambda a=a: cycle(a)) for side, a in pools.items()},
                     8 if quick else 20).items()})
+
+    def build(m: dict[str, ModuleType], pages: int) -> float:
+        t = time.perf_counter()
+        m["daemon.gpu.segments"].SegmentedAllocator(pages, pages, "bench")
+        return time.perf_counter() - t
+
+    big = 2_000_001 if quick else 50_000_001
+    put("pool_build_ms", {k: v * 1e3 for k, v in _in_turns(
+        {side: (lambda m=m: build(m, big)) for side, m in sides.items()}, 2 if quick else 3
+    ).items()})
+    fresh = {}
+    for side, m in sides.items():
+        tracemalloc.start()
+        pool = m["daemon.gpu.segments"].SegmentedAllocator(1_000_001, 1_000_001, "bench")
+        fresh[side] = tracemalloc.get_traced_memory()[0] / pool.usable
+        tracemalloc.stop()
+        del pool
+    put("pool_bytes_per_page", fresh)
 
     slots = 100_001 if quick else 1_000_001
     host = {}

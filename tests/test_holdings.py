@@ -89,7 +89,7 @@ def _reference_free(a: SegmentedAllocator, pages: array) -> None:
     for p in reversed(pages):
         st_[p] = 0
         seg = p // sp
-        a._seg_free[seg].append(p)
+        a._seg_free[seg].back.append(p)
         a._seg_used[seg] -= 1
         a._ns_free[a.owner[seg]] += 1
         if not a._seg_used[seg]:

@@ -203,13 +203,13 @@ def test_check_catches_a_page_leaked_from_the_free_list():
     cache.insert(1, NS, seq([1, 2]), f, w)
     assert cache.check() == []
     a = cache.alloc_state
-    leaked = a.full._seg_free[0].pop()  # gone from the free list, behind the allocator's back
+    (leaked,) = a.full._seg_free[0].take(1)  # gone from the free list, behind the allocator's back
     v = cache.check()
     assert v and any("full pool" in x for x in v)
     assert any(str(leaked) in x and "unaccounted" in x for x in v)
-    a.full._seg_free[0].append(leaked)
+    a.full._seg_free[0].put(array("i", [leaked]))
     assert cache.check() == []
-    leaked = a.swa._seg_free[0].pop(0)
+    leaked = a.swa._seg_free[0].take(1)
     v = cache.check()
     assert any("swa pool" in x for x in v)
 
@@ -228,7 +228,7 @@ def test_check_catches_a_page_owned_twice():
     cache.holdings[2].full.remove([p])
     assert cache.check() == []
     # a free page also held by a session
-    q = cache.alloc_state.swa._seg_free[0][-1]
+    q = next(iter(cache.alloc_state.swa._seg_free[0]))
     cache.holdings[2].swa.add(NS, [q])
     v = cache.check()
     assert any("free and held by a session" in s for s in v)

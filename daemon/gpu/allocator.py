@@ -1,10 +1,10 @@
 """Page allocators for the device pools.
 
-Pure bookkeeping (no torch): a free stack plus one state byte per page, so a double free or a free
-of a page that was never handed out is caught instead of corrupting the free list. A request's
-pages are checked and marked in C (numpy over the state bytes), not a Python step per page: at
-page size 1 one request names thousands of pages. Page 0 is the padding page of every pool and is
-never handed out.
+Pure bookkeeping (no torch): free pages (:class:`FreePages`) plus one state byte per page, so a
+double free or a free of a page that was never handed out is caught instead of corrupting the free
+list. A request's pages are checked and marked in C (numpy over the state bytes), not a Python
+step per page: at page size 1 one request names thousands of pages. Page 0 is the padding page of
+every pool and is never handed out.
 """
 
 from __future__ import annotations
@@ -145,6 +145,95 @@ def _repeats(ids: np.ndarray) -> bool:
     return bool((s[1:] == s[:-1]).any())
 
 
+#: never-used pages moved onto a free list at a time: slicing a list is what hands pages out
+#: fast, and a chunk keeps the list short (16 KB) where the whole range would cost 4 B a page
+FRESH_CHUNK = 4096
+
+
+def descending_ids(start: int, n: int) -> array:
+    """``start + n - 1`` down to ``start``, as an int32 array."""
+    out = array("i")
+    out.frombytes(np.arange(start + n - 1, start - 1, -1, dtype=np.int32).tobytes())
+    return out
+
+
+class FreePages:
+    """The free pages of one pool or segment: those that came back, as a stack, and those never
+    handed out, as one range (``fresh`` up to ``stop``).
+
+    A free stack built whole costs 4 bytes per page of the pool from the start (200 MB and
+    seconds to build at 50M pages), although a full pool's stack is short. Here only pages that
+    came back are listed, and under them at most a chunk of never-used ones. Pages go out in the
+    order single pops of a stack built whole would give: the last to come back first, then
+    never-used pages ascending (a fresh pool hands out ascending runs, which copies move as one
+    block each)."""
+
+    __slots__ = ("back", "fresh", "stop")
+
+    def __init__(self, start: int, stop: int) -> None:
+        self.back = array("i")  # popped from the end
+        self.fresh = start
+        self.stop = stop
+
+    def __len__(self) -> int:
+        return len(self.back) + self.stop - self.fresh
+
+    def __iter__(self) -> Iterator[int]:
+        yield from self.back
+        yield from range(self.fresh, self.stop)
+
+    def take(self, k: int) -> array:
+        """``k`` pages off the list, or all it has if fewer."""
+        back = self.back
+        n = len(back)
+        if k > n and self.fresh < self.stop:
+            # the next never-used pages go under those that came back (where a stack built
+            # whole holds them), a chunk at a time
+            m = min(max(k - n, FRESH_CHUNK), self.stop - self.fresh)
+            back[:0] = descending_ids(self.fresh, m)
+            self.fresh += m
+            n += m
+        k = min(k, n)
+        got = back[n - k:]
+        del back[n - k:]
+        got.reverse()
+        return got
+
+    def off_bounds(self, start: int, stop: int) -> bool:
+        """Whether the never-used range is not within ``start .. stop`` ending at ``stop`` (a
+        corruption the audit reports before it reads the list)."""
+        return not start <= self.fresh <= self.stop == stop
+
+    def put(self, pages: array) -> None:
+        """``pages`` back on the list, last first: a run freed ascending goes out ascending
+        again (copies move a run of consecutive pages as one block; one that came back reversed
+        would be a block per page)."""
+        self.back.extend(pages[::-1])
+
+    @property
+    def listed_bytes(self) -> int:
+        """What the list takes (pages that came back, and at most a chunk of never-used ones)."""
+        return self.back.itemsize * len(self.back)
+
+    def mark_steps(self, marks: bytearray) -> Iterator[bool]:
+        """Set ``marks[p] = 1`` for every free page, in bounded steps; each step yields whether
+        it found a page marked already (listed twice, or a page that came back listed among the
+        never-used ones: it would be handed out twice)."""
+        back = self.back
+        for start in range(0, len(back), AUDIT_STEP_PAGES):
+            yield mark_free(marks, back[start:start + AUDIT_STEP_PAGES])
+        step = 64 * AUDIT_STEP_PAGES  # a slice of bytes at a time, not page by page
+        for a in range(max(self.fresh, 0), min(self.stop, len(marks)), step):
+            b = min(self.stop, len(marks), a + step)
+            twice = marks.count(1, a, b) > 0
+            marks[a:b] = _ONES[:b - a]
+            yield twice
+
+
+#: one audit step's slice of fresh pages, marked free
+_ONES = b"\x01" * (64 * AUDIT_STEP_PAGES)
+
+
 def set_states(state: bytearray, pages: array, value: int) -> None:
     """``state[p] = value`` for every page of ``pages`` (valid ids)."""
     if len(pages) < VECTOR_MIN:
@@ -192,12 +281,12 @@ class PageAllocator:
         self.capacity = capacity
         self._state = bytearray(capacity)
         self._state[0] = _USED  # the padding page is permanently taken
-        # pop() hands out low ids first, which keeps early allocations compact
-        self._free = array("i", range(capacity - 1, 0, -1))
+        self._free = FreePages(1, capacity)  # low ids first: early allocations stay compact
+        self._available = capacity - 1  # (len of the free pages, without a Python call)
 
     @property
     def available(self) -> int:
-        return len(self._free)
+        return self._available
 
     @property
     def usable(self) -> int:
@@ -207,13 +296,11 @@ class PageAllocator:
     def alloc(self, n: int) -> array:
         if n < 0:
             raise ValueError(f"{self.name}: cannot allocate {n} pages")
-        free = self._free
-        if n > len(free):
-            raise OutOfPages(f"{self.name}: {n} pages requested, {len(free)} free",
-                             requested=n, available=len(free))
-        out = free[len(free) - n :]
-        del free[len(free) - n :]
-        out.reverse()  # as n single pops give: ascending runs, as SegmentedAllocator hands out
+        if n > self._available:
+            raise OutOfPages(f"{self.name}: {n} pages requested, {self._available} free",
+                             requested=n, available=self._available)
+        out = self._free.take(n)
+        self._available -= n
         set_states(self._state, out, _USED)
         return out
 
@@ -225,10 +312,16 @@ class PageAllocator:
         pages = as_page_array(pages)
         check_allocated(self.name, self._state, pages)
         set_states(self._state, pages, _FREE)
-        self._free.extend(pages[::-1])  # a run freed ascending is handed out ascending again
+        self._free.put(pages)
+        self._available += len(pages)
 
     def free_set(self) -> set[int]:
         return set(self._free)
+
+    @property
+    def free_list_bytes(self) -> int:
+        """What the free list takes (pages that came back; never-used ones are one range)."""
+        return self._free.listed_bytes
 
     def audit(self) -> list[str]:
         """Free list and state bytes agree, with no duplicate in the free list."""
@@ -242,13 +335,19 @@ class PageAllocator:
         them between requests: daemon/checker.py); ``marks`` (``capacity`` zero bytes) is left
         with a 1 for every page on the free list."""
         marks = bytearray(self.capacity) if marks is None else marks  # 1: on a free list
-        twice = False
         free = self._free
-        for start in range(0, len(free), AUDIT_STEP_PAGES):
-            twice |= mark_free(marks, free[start:start + AUDIT_STEP_PAGES])
+        if free.off_bounds(1, self.capacity):
+            v.append(f"{self.name}: never-used pages {free.fresh}..{free.stop} lie outside the "
+                     f"pool (1..{self.capacity})")
+            return
+        twice = False
+        for found in free.mark_steps(marks):
+            twice |= found
             yield
         if twice:
             v.append(f"{self.name}: the free list holds a page twice")
+        if self._available != len(free):
+            v.append(f"{self.name}: free page count {self._available} != {len(free)}")
         if self._state[0] != _USED or marks[0]:
             v.append(f"{self.name}: the padding page 0 is free")
         yield from marked_free(self.name, self._state, marks, v)

@@ -36,11 +36,11 @@ from daemon.gpu.allocator import (
     TABLE_SCAN_STEP,
     VECTOR_MIN,
     AllocatorError,
+    FreePages,
     OutOfPages,
     as_page_array,
     ascending,
     check_allocated,
-    mark_free,
     marked_free,
     page_ids,
     set_states,
@@ -168,9 +168,9 @@ class SegmentedAllocator:
         self._state = bytearray(capacity)
         self._state[0] = _USED  # the padding page is permanently taken
         nseg = self.num_segments
-        # per segment: its free pages (a stack, low ids popped first) and its pages in use
-        self._seg_free = [array("i", range(min(capacity, (s + 1) * segment_pages) - 1,
-                                           max(1, s * segment_pages) - 1, -1))
+        # per segment: its free pages (low ids handed out first) and its pages in use
+        self._seg_free = [FreePages(max(1, s * segment_pages),
+                                    min(capacity, (s + 1) * segment_pages))
                           for s in range(nseg)]
         self._seg_used = [0] * nseg
         self.owner: list[str | None] = [None] * nseg  # the namespace a segment serves now
@@ -260,13 +260,15 @@ class SegmentedAllocator:
             if len(out) == n:
                 break
             out += self._take(seg, n - len(out))
-            if not seg_free[seg]:
+            f = seg_free[seg]
+            if not f.back and f.fresh == f.stop:  # empty (``len`` without its call)
                 del open_[seg]
         try:
             while len(out) < n:
                 seg = self._assign(namespace)
                 out += self._take(seg, n - len(out))
-                if self._seg_free[seg]:
+                f = self._seg_free[seg]
+                if f.back or f.fresh < f.stop:
                     open_[seg] = None
         except BaseException:  # a segment could not get fresh memory: give back what we took
             self._handed_out(out, namespace)
@@ -285,13 +287,8 @@ class SegmentedAllocator:
         set_states(self._state, pages, _USED)
 
     def _take(self, seg: int, k: int) -> array:
-        free = self._seg_free[seg]
-        k = min(k, len(free))
-        got = free[len(free) - k:]
-        del free[len(free) - k:]
-        got.reverse()  # in the order k single pops give: a fresh stack hands out ascending
-        # runs, which copies move as one block each
-        self._seg_used[seg] += k
+        got = self._seg_free[seg].take(k)
+        self._seg_used[seg] += len(got)
         return got
 
     def _assign(self, namespace: str) -> int:
@@ -315,8 +312,9 @@ class SegmentedAllocator:
         self.segments_assigned += 1
         self.owner[seg] = self.last_owner[seg] = namespace
         self._ns_segments[namespace].append(seg)
-        self._ns_free[namespace] += len(self._seg_free[seg])
-        self._free_segment_pages -= len(self._seg_free[seg])
+        k = len(self._seg_free[seg])
+        self._ns_free[namespace] += k
+        self._free_segment_pages -= k
         return seg
 
     def check_free(self, pages: Iterable[int]) -> None:
@@ -332,12 +330,9 @@ class SegmentedAllocator:
         for seg, back in self._by_segment(pages, rising):
             free = self._seg_free[seg]
             owner = self.owner[seg]
-            if not free:
+            if not free.back and free.fresh == free.stop:  # it was full: open it again
                 self._ns_open[owner][seg] = None  # type: ignore[index]
-            # pushed in reverse, so that _take hands a run freed in ascending order back in
-            # that order: copies move a run of consecutive slots as one block, and a run that
-            # came back reversed would be a block per page
-            free.extend(back[::-1])
+            free.put(back)
             self._seg_used[seg] -= len(back)
             self._ns_free[owner] += len(back)  # type: ignore[index]
             if not self._seg_used[seg]:
@@ -347,13 +342,14 @@ class SegmentedAllocator:
             ns = self.owner[seg]
             assert ns is not None
             self._ns_segments[ns].remove(seg)
-            self._ns_free[ns] -= len(self._seg_free[seg])
+            k = len(self._seg_free[seg])
+            self._ns_free[ns] -= k
             del self._ns_open[ns][seg]
             if not self._ns_segments[ns]:
                 del self._ns_segments[ns], self._ns_free[ns], self._ns_open[ns]
             self.owner[seg] = None
             self._free_segments.append(seg)
-            self._free_segment_pages += len(self._seg_free[seg])
+            self._free_segment_pages += k
 
     def _by_segment(self, pages: array, rising: bool) -> list[tuple[int, array]]:
         """``pages`` split by segment, each part in its pages' order, the parts in the order of
@@ -415,10 +411,19 @@ class SegmentedAllocator:
         requests: daemon/checker.py); ``marks`` (``capacity`` zero bytes) is left with a 1 for
         every page on a free list."""
         marks = bytearray(self.capacity) if marks is None else marks  # 1: on a free list
+        off = [seg for seg, f in enumerate(self._seg_free)
+               if f.off_bounds(max(1, seg * self.segment_pages), self.segment_range(seg).stop)]
+        for seg in off[:10]:
+            f = self._seg_free[seg]
+            r = self.segment_range(seg)
+            v.append(f"{self.name}: segment {seg}'s never-used pages {f.fresh}..{f.stop} lie "
+                     f"outside it ({r.start}..{r.stop})")
+        if off:  # the lists cannot be read as pages
+            return
         twice = False
         for f in self._seg_free:
-            for start in range(0, len(f), AUDIT_STEP_PAGES):
-                twice |= mark_free(marks, f[start:start + AUDIT_STEP_PAGES])
+            for found in f.mark_steps(marks):
+                twice |= found
                 yield
         if twice:
             v.append(f"{self.name}: a free list holds a page twice")
@@ -431,9 +436,10 @@ class SegmentedAllocator:
         for seg in range(self.num_segments):
             yield
             r = self.segment_range(seg)
-            f = self._seg_free[seg]
-            for start in range(0, len(f), AUDIT_STEP_PAGES):
-                if any(p // self.segment_pages != seg for p in f[start:start + AUDIT_STEP_PAGES]):
+            back = self._seg_free[seg].back
+            for start in range(0, len(back), AUDIT_STEP_PAGES):
+                if any(p // self.segment_pages != seg
+                       for p in back[start:start + AUDIT_STEP_PAGES]):
                     v.append(f"{self.name}: segment {seg}'s free list holds another segment's "
                              "page")
                     break
