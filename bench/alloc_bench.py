@@ -22,6 +22,9 @@ machine getting busier or quieter weighs on both alike. Figures, each side and t
 - ``pool_build_ms``: building one pool's allocator (one segment) of 50M pages (``--quick``: 2M),
   what a daemon does at start for every device and host pool; ``pool_bytes_per_page``: what a
   fresh pool of a million pages takes, by ``tracemalloc`` (its state bytes and free list).
+- ``audit_ms``: a whole ``audit`` (what the background check and the check at stop run, in
+  steps) of a pool of 10M pages (``--quick``: 1M) in 16 segments, 60% of it handed out and a
+  third of that freed again in runs of 100 pages.
 - ``host_bytes_per_held_slot``: what that pool's bookkeeping took, by ``tracemalloc`` from its
   creation to the end of the fill (arrays of one entry per slot, held or not, included; the
   pages' own memory, a memfd mapping, not), over the slots held then (80% of them).
@@ -184,6 +187,18 @@ def run(baseline: str, quick: bool = False) -> dict[str, float]:
         tracemalloc.stop()
         del pool
     put("pool_bytes_per_page", fresh)
+
+    def audited(m: dict[str, ModuleType], pages: int) -> float:
+        a = m["daemon.gpu.segments"].SegmentedAllocator(pages, -(-pages // 16), "bench")
+        got = a.alloc(pages * 6 // 10, "a")
+        for i in range(0, len(got), 300):
+            a.free(got[i:i + 100])
+        t = time.perf_counter()
+        assert a.audit() == []
+        return time.perf_counter() - t
+
+    audit_pages = 1_000_001 if quick else 10_000_001
+    put("audit_ms", {side: audited(m, audit_pages) * 1e3 for side, m in sides.items()})
 
     slots = 100_001 if quick else 1_000_001
     host = {}

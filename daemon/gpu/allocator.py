@@ -48,16 +48,24 @@ AUDIT_STEP_SLOTS = 256
 _FREE_MARK = bytes([1, 0] + [0] * 254)
 
 
-def mark_free(marks: bytearray, pages: Iterable[int]) -> bool:
-    """Mark ``pages`` (from a free list) in ``marks``; whether one was marked already (or is out
-    of range: then it is not marked, and the state comparison reports it)."""
-    twice = False
+def mark_free(marks: bytearray, pages: array) -> bool:
+    """Mark ``pages`` (from a free list) in ``marks``; whether one was marked already or is
+    listed twice. A page out of range is not marked (the state comparison then reports it)."""
     n = len(marks)
-    for p in pages:
-        if 0 <= p < n:
-            twice |= marks[p] == 1
-            marks[p] = 1
-    return twice
+    if len(pages) < VECTOR_MIN:
+        twice = False
+        for p in pages:
+            if 0 <= p < n:
+                twice |= marks[p] == 1
+                marks[p] = 1
+        return twice
+    ids = page_ids(pages)
+    ids = ids[(ids >= 0) & (ids < n)]
+    m = np.frombuffer(marks, dtype=np.uint8)
+    twice = bool((m[ids] == 1).any())
+    m[ids] = 1
+    # a list is mostly runs, rising or falling (each push is a run reversed): then no id repeats
+    return twice or not (ascends(ids) or ascends(ids[::-1])) and _repeats(ids)
 
 
 def marked_free(name: str, state: bytearray, marks: bytearray, v: list[str]
@@ -82,6 +90,10 @@ TABLE_SCAN_STEP = 1 << 16
 #: page ids from which one numpy call beats a Python step per id (numpy costs a few
 #: microseconds a call whatever the length; a Python step about 50 ns)
 VECTOR_MIN = 128
+
+#: free-list entries one audit step reads at once with numpy (tens of microseconds; a list
+#: that is neither rising nor falling is sorted to find an id listed twice)
+LIST_STEP = 16 * AUDIT_STEP_PAGES
 
 
 def as_page_array(pages: Iterable[int]) -> array:
@@ -130,6 +142,16 @@ def ascends(ids: np.ndarray) -> bool:
     nodes keep its runs), so one comparison pass saves the sort that finding duplicates
     otherwise takes."""
     return len(ids) < 2 or bool((ids[1:] > ids[:-1]).all())
+
+
+def outside(pages: array, lo: int, hi: int) -> bool:
+    """Whether an id of ``pages`` is not in ``lo .. hi - 1``."""
+    if not len(pages):
+        return False
+    if len(pages) < VECTOR_MIN:
+        return min(pages) < lo or max(pages) >= hi
+    ids = page_ids(pages)
+    return int(ids.min()) < lo or int(ids.max()) >= hi
 
 
 def has_duplicates(pages: array) -> bool:
@@ -220,8 +242,8 @@ class FreePages:
         it found a page marked already (listed twice, or a page that came back listed among the
         never-used ones: it would be handed out twice)."""
         back = self.back
-        for start in range(0, len(back), AUDIT_STEP_PAGES):
-            yield mark_free(marks, back[start:start + AUDIT_STEP_PAGES])
+        for start in range(0, len(back), LIST_STEP):
+            yield mark_free(marks, back[start:start + LIST_STEP])
         step = 64 * AUDIT_STEP_PAGES  # a slice of bytes at a time, not page by page
         for a in range(max(self.fresh, 0), min(self.stop, len(marks)), step):
             b = min(self.stop, len(marks), a + step)

@@ -33,6 +33,7 @@ from radixd_client.segments import check_segment_alignment
 
 from daemon.gpu.allocator import (
     AUDIT_STEP_PAGES,
+    LIST_STEP,
     TABLE_SCAN_STEP,
     VECTOR_MIN,
     AllocatorError,
@@ -42,6 +43,7 @@ from daemon.gpu.allocator import (
     ascending,
     check_allocated,
     marked_free,
+    outside,
     page_ids,
     set_states,
 )
@@ -437,18 +439,17 @@ class SegmentedAllocator:
             yield
             r = self.segment_range(seg)
             back = self._seg_free[seg].back
-            for start in range(0, len(back), AUDIT_STEP_PAGES):
-                if any(p // self.segment_pages != seg
-                       for p in back[start:start + AUDIT_STEP_PAGES]):
+            for start in range(0, len(back), LIST_STEP):
+                if outside(back[start:start + LIST_STEP], r.start, r.stop):
                     v.append(f"{self.name}: segment {seg}'s free list holds another segment's "
                              "page")
                     break
                 yield
             used = 0
             st = self._state
-            for start in range(r.start, r.stop, AUDIT_STEP_PAGES):
-                used += sum(1 for p in range(start, min(r.stop, start + AUDIT_STEP_PAGES))
-                            if p and st[p] == _USED)
+            step = 64 * AUDIT_STEP_PAGES  # bytes counted in C, not page by page
+            for start in range(max(1, r.start), r.stop, step):  # (page 0: the padding page)
+                used += st.count(_USED, start, min(r.stop, start + step))
                 yield
             if used != self._seg_used[seg]:
                 v.append(f"{self.name}: segment {seg} counts {self._seg_used[seg]} pages in "

@@ -9,7 +9,7 @@ from array import array
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from daemon.gpu.allocator import FRESH_CHUNK, VECTOR_MIN, FreePages, PageAllocator
+from daemon.gpu.allocator import FRESH_CHUNK, VECTOR_MIN, FreePages, PageAllocator, mark_free
 from daemon.gpu.segments import SegmentedAllocator
 
 
@@ -90,3 +90,44 @@ def test_the_audit_finds_a_page_that_came_back_listed_among_the_never_used() -> 
     s = SegmentedAllocator(16, 4, "swa pool")
     s._seg_free[1].fresh = 3  # into segment 0
     assert any("segment 1's never-used pages 3..8" in x for x in s.audit())
+
+
+def _mark_free_page_by_page(marks: bytearray, pages: array) -> bool:
+    twice = False
+    for p in pages:
+        if 0 <= p < len(marks):
+            twice |= marks[p] == 1
+            marks[p] = 1
+    return twice
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(VECTOR_MIN, 3 * VECTOR_MIN), data=st.data())
+def test_a_long_list_is_marked_as_page_by_page(n: int, data: st.DataObject) -> None:
+    cap = 4 * VECTOR_MIN
+    shape = data.draw(st.sampled_from(["rising", "falling", "scattered"]))
+    ids = data.draw(st.lists(st.integers(-3, cap + 3), min_size=n, max_size=n,
+                             unique=data.draw(st.booleans())))
+    if shape != "scattered":
+        ids.sort(reverse=shape == "falling")
+    pre = data.draw(st.lists(st.integers(0, cap - 1), max_size=3))
+    got, want = bytearray(cap), bytearray(cap)
+    for p in pre:
+        got[p] = want[p] = 1
+    assert mark_free(got, array("i", ids)) == _mark_free_page_by_page(want, array("i", ids))
+    assert got == want
+
+
+def test_the_segment_audit_reads_long_lists_and_counts_in_bytes() -> None:
+    s = SegmentedAllocator(3 * 5000, 5000, "full pool")
+    got = s.alloc(9000, "a")
+    s.free(got[:7000])
+    assert s.audit() == []
+    s._seg_free[0].back.append(5003)  # a page of segment 1 on segment 0's list, far down a list
+    s._seg_free[0].back.reverse()  # of thousands
+    assert any("segment 0's free list holds another segment's page" in x for x in s.audit())
+    t = SegmentedAllocator(3 * 5000, 5000, "full pool")
+    t.alloc(6000, "a")
+    t._state[12_000] = 1  # in use behind the allocator's back (segment 2, never used)
+    v = t.audit()
+    assert any("segment 2 counts 0 pages in use, 1 are" in x for x in v)

@@ -1,0 +1,124 @@
+"""Start and stop of a daemon with a large pool: this checkout's against a baseline git ref's, in
+one run.
+
+    python bench/start_stop_bench.py [--baseline main] [--pages 5e7] [--rounds 2] [--json PATH]
+
+One model at page 1 on the CPU device (one full and one SWA layer, one KV head of 8, float16: 32
+bytes a page, so that the pools' memory stays small while their page count is large), ``--pages``
+full pages and a tenth of that SWA, no host tier. Per side and round (the sides alternating):
+
+- ``ready_s``: from starting the process to its socket accepting (config, torch's import, the
+  pools and their allocators, the tree);
+- ``rss_mib``: the daemon's resident memory then;
+- ``stop_s``: from SIGTERM to its exit (the stop drains, runs the full check and the check at
+  rest, then closes the pools).
+
+Printed: the medians of each side and the ratio.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+for _p in (_ROOT, os.path.join(_ROOT, "clients", "python")):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+import argparse  # noqa: E402
+import shutil  # noqa: E402
+import signal  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+
+from bench._common import DaemonProcess, export_ref, write_json  # noqa: E402
+
+CONFIG = """\
+[server]
+socket = "{{socket}}"
+
+[admin]
+enabled = false
+
+[[models]]
+name = "big"
+page_size = 1
+sliding_window = 128
+num_full_layers = 1
+num_swa_layers = 1
+num_kv_heads = 1
+head_dim = 8
+dtype = "float16"
+device = "cpu"
+full_pages = {full}
+swa_pages = {swa}
+host_pages = 0
+host_swa_pages = 0
+"""
+
+#: pool page counts are rounded up to this, so that segments of the pool map apart (a multiple
+#: of the 4096-byte OS page at 16 bytes per page and layer)
+ALIGN = 256
+
+
+def config(pages: int) -> str:
+    """The daemon's config for a full pool of about ``pages`` pages and an SWA pool a tenth."""
+    def up(n: int) -> int:
+        return max(ALIGN, -(-n // ALIGN) * ALIGN)
+    return CONFIG.format(full=up(pages), swa=up(pages // 10))
+
+
+def measure(root: str, pages: int) -> dict[str, float]:
+    t = time.perf_counter()
+    d = DaemonProcess(config(pages), root=root)
+    ready = time.perf_counter() - t
+    rss = d.rss_mb()
+    t = time.perf_counter()
+    d.proc.send_signal(signal.SIGTERM)
+    d.proc.wait(300)
+    stop = time.perf_counter() - t
+    shutil.rmtree(d.dir, ignore_errors=True)
+    return {"ready_s": ready, "rss_mib": rss, "stop_s": stop}
+
+
+def run(baseline: str, pages: int, rounds: int) -> dict[str, float]:
+    roots = {"base": export_ref(baseline), "this": _ROOT}
+    got: dict[str, list[dict[str, float]]] = {"base": [], "this": []}
+    try:
+        for r in range(rounds):
+            for side in (("base", "this") if r % 2 == 0 else ("this", "base")):
+                got[side].append(measure(roots[side], pages))
+    finally:
+        shutil.rmtree(roots["base"], ignore_errors=True)
+    out: dict[str, float] = {}
+    for name in ("ready_s", "rss_mib", "stop_s"):
+        for side in ("base", "this"):
+            out[f"{name}_{side}"] = statistics.median(m[name] for m in got[side])
+        out[f"{name}_ratio"] = out[f"{name}_this"] / out[f"{name}_base"]
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--baseline", default="main", help="git ref to compare with (default main)")
+    ap.add_argument("--pages", type=float, default=5e7, help="full pool pages (default 5e7)")
+    ap.add_argument("--rounds", type=int, default=2, help="starts per side (default 2)")
+    ap.add_argument("--json", metavar="PATH", help="write the figures as a flat JSON object")
+    args = ap.parse_args(argv)
+    if args.pages < 1 or args.rounds < 1:
+        ap.error("--pages and --rounds must be at least 1")
+    f = run(args.baseline, int(args.pages), args.rounds)
+    print(f"baseline {args.baseline}: page 1, {int(args.pages):,} full pages, medians of "
+          f"{args.rounds} starts per side, alternating")
+    print(f"{'figure':<10} {args.baseline[:12]:>12} {'this':>12} {'this/base':>10}", flush=True)
+    for name in ("ready_s", "rss_mib", "stop_s"):
+        print(f"{name:<10} {f[name + '_base']:>12.2f} {f[name + '_this']:>12.2f} "
+              f"{f[name + '_ratio']:>10.3f}", flush=True)
+    if args.json:
+        write_json(args.json, f)
+    return f
+
+
+if __name__ == "__main__":
+    main()
