@@ -32,30 +32,8 @@ import signal  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 
+from bench import rpc_bench  # noqa: E402
 from bench._common import DaemonProcess, export_ref, write_json  # noqa: E402
-
-CONFIG = """\
-[server]
-socket = "{{socket}}"
-
-[admin]
-enabled = false
-
-[[models]]
-name = "big"
-page_size = 1
-sliding_window = 128
-num_full_layers = 1
-num_swa_layers = 1
-num_kv_heads = 1
-head_dim = 8
-dtype = "float16"
-device = "cpu"
-full_pages = {full}
-swa_pages = {swa}
-host_pages = 0
-host_swa_pages = 0
-"""
 
 #: pool page counts are rounded up to this, so that segments of the pool map apart (a multiple
 #: of the 4096-byte OS page at 16 bytes per page and layer)
@@ -63,10 +41,13 @@ ALIGN = 256
 
 
 def config(pages: int) -> str:
-    """The daemon's config for a full pool of about ``pages`` pages and an SWA pool a tenth."""
+    """rpc_bench's daemon config (one small model on the CPU) at page 1, with a full pool of
+    about ``pages`` pages, an SWA pool a tenth of it and no host tier."""
     def up(n: int) -> int:
         return max(ALIGN, -(-n // ALIGN) * ALIGN)
-    return CONFIG.format(full=up(pages), swa=up(pages // 10))
+    return (rpc_bench.CONFIG.replace("{page_size}", "1").replace("{device}", "cpu")
+            .replace("{full_pages}", str(up(pages))).replace("{swa_pages}", str(up(pages // 10)))
+            .replace("{extra}", "host_pages = 0\nhost_swa_pages = 0\n"))
 
 
 def measure(root: str, pages: int) -> dict[str, float]:
