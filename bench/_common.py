@@ -59,8 +59,12 @@ class DaemonProcess:
                 return
             except OSError:
                 if self.proc.poll() is not None:
+                    shutil.rmtree(self.dir, ignore_errors=True)
                     raise RuntimeError(f"radixd from {root} exited during start") from None
                 time.sleep(0.05)
+        self.proc.kill()
+        self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
         raise RuntimeError(f"radixd from {root} did not start")
 
     def cpu_s(self) -> float:

@@ -1,19 +1,21 @@
 """Start and stop of a daemon with a large pool: this checkout's against a baseline git ref's, in
 one run.
 
-    python bench/start_stop_bench.py [--baseline main] [--pages 5e7] [--rounds 2] [--json PATH]
+    python bench/start_stop_bench.py [--baseline main] [--pages 5e7] [--rounds 2] [--quick]
+                                     [--json PATH]
 
 One model at page 1 on the CPU device (one full and one SWA layer, one KV head of 8, float16: 32
 bytes a page, so that the pools' memory stays small while their page count is large), ``--pages``
 full pages and a tenth of that SWA, no host tier. Per side and round (the sides alternating):
 
-- ``ready_s``: from starting the process to its socket accepting (config, torch's import, the
-  pools and their allocators, the tree);
+- ``ready_s``: from starting the process to its socket accepting a connection (config, torch's
+  import, the pools and their allocators, the tree);
 - ``rss_mib``: the daemon's resident memory then;
 - ``stop_s``: from SIGTERM to its exit (the stop drains, runs the full check and the check at
-  rest, then closes the pools).
+  rest, then closes the pools); a daemon that exits with an error or has not stopped after
+  ``STOP_WAIT_S`` ends the run with an error (it is killed).
 
-Printed: the medians of each side and the ratio.
+Printed: the medians of each side and the ratio. ``--quick``: 5M pages, one start per side.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ import time  # noqa: E402
 from bench import rpc_bench  # noqa: E402
 from bench._common import DaemonProcess, export_ref, write_json  # noqa: E402
 
+#: seconds a daemon has to stop before it is killed (and the run ends with an error)
+STOP_WAIT_S = 300
+
 #: pool page counts are rounded up to this, so that segments of the pool map apart (a multiple
 #: of the 4096-byte OS page at 16 bytes per page and layer)
 ALIGN = 256
@@ -53,13 +58,20 @@ def config(pages: int) -> str:
 def measure(root: str, pages: int) -> dict[str, float]:
     t = time.perf_counter()
     d = DaemonProcess(config(pages), root=root)
-    ready = time.perf_counter() - t
-    rss = d.rss_mb()
-    t = time.perf_counter()
-    d.proc.send_signal(signal.SIGTERM)
-    d.proc.wait(300)
-    stop = time.perf_counter() - t
-    shutil.rmtree(d.dir, ignore_errors=True)
+    try:
+        ready = time.perf_counter() - t
+        rss = d.rss_mb()
+        t = time.perf_counter()
+        d.proc.send_signal(signal.SIGTERM)
+        code = d.proc.wait(STOP_WAIT_S)
+        stop = time.perf_counter() - t
+    finally:  # a daemon that did not stop in time is killed; its directory goes either way
+        if d.proc.poll() is None:
+            d.proc.kill()
+            d.proc.wait()
+        shutil.rmtree(d.dir, ignore_errors=True)
+    if code != 0:
+        raise RuntimeError(f"radixd from {root} exited with {code} at its stop")
     return {"ready_s": ready, "rss_mib": rss, "stop_s": stop}
 
 
@@ -85,10 +97,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     ap.add_argument("--baseline", default="main", help="git ref to compare with (default main)")
     ap.add_argument("--pages", type=float, default=5e7, help="full pool pages (default 5e7)")
     ap.add_argument("--rounds", type=int, default=2, help="starts per side (default 2)")
+    ap.add_argument("--quick", action="store_true", help="5M pages, one start per side")
     ap.add_argument("--json", metavar="PATH", help="write the figures as a flat JSON object")
     args = ap.parse_args(argv)
     if args.pages < 1 or args.rounds < 1:
         ap.error("--pages and --rounds must be at least 1")
+    if args.quick:
+        args.pages, args.rounds = 5e6, 1
     f = run(args.baseline, int(args.pages), args.rounds)
     print(f"baseline {args.baseline}: page 1, {int(args.pages):,} full pages, medians of "
           f"{args.rounds} starts per side, alternating")

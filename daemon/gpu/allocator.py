@@ -91,9 +91,10 @@ TABLE_SCAN_STEP = 1 << 16
 #: microseconds a call whatever the length; a Python step about 50 ns)
 VECTOR_MIN = 128
 
-#: free-list entries one audit step reads at once with numpy (tens of microseconds; a list
-#: that is neither rising nor falling is sorted to find an id listed twice)
-LIST_STEP = 16 * AUDIT_STEP_PAGES
+#: free-list entries one audit step reads at once with numpy (tens of microseconds, a few
+#: hundred where the marks' pages are touched for the first time; a list that is neither
+#: rising nor falling is sorted to find an id listed twice)
+LIST_STEP = 4 * AUDIT_STEP_PAGES
 
 
 def as_page_array(pages: Iterable[int]) -> array:

@@ -441,8 +441,8 @@ class SegmentedAllocator:
             back = self._seg_free[seg].back
             for start in range(0, len(back), LIST_STEP):
                 if outside(back[start:start + LIST_STEP], r.start, r.stop):
-                    v.append(f"{self.name}: segment {seg}'s free list holds another segment's "
-                             "page")
+                    v.append(f"{self.name}: segment {seg}'s free list holds a page outside it "
+                             f"({r.start}..{r.stop})")
                     break
                 yield
             used = 0

@@ -125,7 +125,12 @@ def test_the_segment_audit_reads_long_lists_and_counts_in_bytes() -> None:
     assert s.audit() == []
     s._seg_free[0].back.append(5003)  # a page of segment 1 on segment 0's list, far down a list
     s._seg_free[0].back.reverse()  # of thousands
-    assert any("segment 0's free list holds another segment's page" in x for x in s.audit())
+    assert any("segment 0's free list holds a page outside it (0..5000)" in x
+               for x in s.audit())
+    u = SegmentedAllocator(10, 4, "swa pool")  # a short last segment: pages 8 and 9
+    u.alloc(9, "a")
+    u._seg_free[2].back.append(10)  # past the pool's end (the old per-page test let it pass)
+    assert any("segment 2's free list holds a page outside it (8..10)" in x for x in u.audit())
     t = SegmentedAllocator(3 * 5000, 5000, "full pool")
     t.alloc(6000, "a")
     t._state[12_000] = 1  # in use behind the allocator's back (segment 2, never used)
