@@ -413,20 +413,25 @@ class SegmentedAllocator:
         requests: daemon/checker.py); ``marks`` (``capacity`` zero bytes) is left with a 1 for
         every page on a free list."""
         marks = bytearray(self.capacity) if marks is None else marks  # 1: on a free list
-        off = [seg for seg, f in enumerate(self._seg_free)
-               if f.off_bounds(max(1, seg * self.segment_pages), self.segment_range(seg).stop)]
+        twice = False
+        off: list[int] = []
+        for seg, f in enumerate(self._seg_free):
+            r = self.segment_range(seg)
+            if f.off_bounds(max(1, r.start), r.stop):
+                off.append(seg)
+                continue
+            for found in f.mark_steps(marks):
+                twice |= found
+                yield
+            if seg % AUDIT_STEP_PAGES == AUDIT_STEP_PAGES - 1:  # (many segments with no free page)
+                yield
         for seg in off[:10]:
             f = self._seg_free[seg]
             r = self.segment_range(seg)
             v.append(f"{self.name}: segment {seg}'s never-used pages {f.fresh}..{f.stop} lie "
                      f"outside it ({r.start}..{r.stop})")
-        if off:  # the lists cannot be read as pages
+        if off:  # the marks are not the lists' pages: what follows would only add noise
             return
-        twice = False
-        for f in self._seg_free:
-            for found in f.mark_steps(marks):
-                twice |= found
-                yield
         if twice:
             v.append(f"{self.name}: a free list holds a page twice")
         if self._state[0] != _USED or marks[0]:
