@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from daemon.gpu.allocator import VECTOR_MIN, AllocatorError, check_allocated
 from daemon.gpu.segments import SegmentedAllocator
-from daemon.holdings import Holders
+from daemon.holdings import HeldPages, Holders, PageTable
 
 CAP = 600
 SPACES = ("a", "b", "c")
@@ -198,3 +198,20 @@ def test_misplaced_names_the_segments_of_another_namespace_in_short_and_long_lis
     bad.clear()
     a.misplaced(list(mixed), "a", bad)  # a list takes the other path
     assert bad == {theirs[2] // 50}
+
+
+def _resident_mib() -> float:
+    with open("/proc/self/status") as fh:
+        return next(int(line.split()[1]) for line in fh if line.startswith("VmRSS:")) / 1024
+
+
+def test_a_page_table_is_resident_only_where_pages_are_held() -> None:
+    before = _resident_mib()
+    table = PageTable(50_000_000)  # 200 MB of holders
+    assert _resident_mib() - before < 20
+    held = HeldPages(table, 7)
+    held.add("ns", array("i", [3, 49_999_999]))
+    assert 3 in held and 49_999_999 in held and 4 not in held and len(held) == 2
+    assert list(held) == [3, 49_999_999] and table.holder[3] == 7
+    held.remove(array("i", [3]))
+    assert 3 not in held and list(held) == [49_999_999]
