@@ -59,12 +59,10 @@ class DaemonProcess:
                 return
             except OSError:
                 if self.proc.poll() is not None:
-                    shutil.rmtree(self.dir, ignore_errors=True)
+                    self.close()
                     raise RuntimeError(f"radixd from {root} exited during start") from None
                 time.sleep(0.05)
-        self.proc.kill()
-        self.proc.wait()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        self.close()
         raise RuntimeError(f"radixd from {root} did not start")
 
     def cpu_s(self) -> float:
@@ -113,7 +111,14 @@ class DaemonProcess:
         try:
             self.proc.wait(20)
         except subprocess.TimeoutExpired:
+            pass
+        self.close()
+
+    def close(self) -> None:
+        """Kill the daemon if it still runs, and remove its directory."""
+        if self.proc.poll() is None:
             self.proc.kill()
+            self.proc.wait()
         shutil.rmtree(self.dir, ignore_errors=True)
 
 

@@ -66,10 +66,7 @@ def measure(root: str, pages: int) -> dict[str, float]:
         code = d.proc.wait(STOP_WAIT_S)
         stop = time.perf_counter() - t
     finally:  # a daemon that did not stop in time is killed; its directory goes either way
-        if d.proc.poll() is None:
-            d.proc.kill()
-            d.proc.wait()
-        shutil.rmtree(d.dir, ignore_errors=True)
+        d.close()
     if code != 0:
         raise RuntimeError(f"radixd from {root} exited with {code} at its stop")
     return {"ready_s": ready, "rss_mib": rss, "stop_s": stop}
