@@ -236,11 +236,13 @@ class Service(ServiceQueries, ServiceChecks):
                     swa += len(h.swa)
         return full, swa
 
-    def _enforce_quota(self, s: Session, entry: ModelEntry, n: int, n_swa: int | None = None
-                       ) -> None:
+    def _enforce_quota(self, s: Session, entry: ModelEntry, n: int, n_swa: int | None = None,
+                       evict: bool = True) -> None:
         """Over quota, the tenant's own cold pages go first; then the request is refused.
 
-        ``n`` full pages (and ``n_swa`` SWA pages, default ``n``) are about to be taken."""
+        ``n`` full pages (and ``n_swa`` SWA pages, default ``n``) are about to be taken.
+        ``evict=False``: refuse only a request that no eviction could bring under quota (what
+        the tenant's sessions hold, plus ``n``, is over it), and evict nothing."""
         n_swa = n if n_swa is None else n_swa
         t = s.tenant
         if not t.quota_full and not t.quota_swa:
@@ -250,7 +252,8 @@ class Service(ServiceQueries, ServiceChecks):
 
         def overage() -> tuple[int, int]:
             ns = cache.tree.namespaces.get(t.namespace)
-            tree_full, tree_swa = (ns.full_pages, ns.swa_pages) if ns is not None else (0, 0)
+            tree_full, tree_swa = ((ns.full_pages, ns.swa_pages) if ns is not None and evict
+                                   else (0, 0))
             held_full, held_swa = self._held(s, entry)
             of = tree_full + held_full + n - t.quota_full if t.quota_full else 0
             osw = (tree_swa + held_swa + n_swa - t.quota_swa
@@ -258,7 +261,7 @@ class Service(ServiceQueries, ServiceChecks):
             return max(0, of), max(0, osw)
 
         over_full, over_swa = overage()
-        if over_full or over_swa:
+        if evict and (over_full or over_swa):
             ev = cache.evict(over_full, over_swa, namespace=t.namespace, reason="quota")
             t.counters["quota_evicted_pages"] += ev.full_pages
             over_full, over_swa = overage()
@@ -266,11 +269,12 @@ class Service(ServiceQueries, ServiceChecks):
             t.counters["quota_refusals"] += 1
             pool = "full" if over_full else "swa"
             limit = t.quota_full if over_full else t.quota_swa
+            why = ("and its unlocked cached pages are already evicted" if evict else
+                   "with what its sessions hold, even without any of its cached pages")
             raise ServiceError(
                 P.Code.QUOTA_EXCEEDED,
                 f"tenant {t.name!r} is over its {pool} page quota for model {entry.name!r}: "
-                f"{n} pages requested, limit {limit}, and its unlocked cached pages are already "
-                "evicted (release locks or pages first)",
+                f"{n} pages requested, limit {limit}, {why} (release locks or pages first)",
                 pool=pool, limit=limit, requested=n, over=over_full or over_swa)
 
     # ------------------------------------------------------------------ operations
@@ -336,6 +340,7 @@ class Service(ServiceQueries, ServiceChecks):
         ns = t.namespace
         cache = entry.cache
         if t.quota_full or t.quota_swa:
+            self._enforce_quota(s, entry, r.n, evict=False)  # no eviction could help
             if not cache.can_alloc(r.n, ns):  # refuse before any quota eviction, for nothing
                 cache.counters["alloc_failures"] += 1
                 raise cache.oom_error(r.n, ns)
@@ -365,23 +370,23 @@ class Service(ServiceQueries, ServiceChecks):
     @mutating
     def insert(self, s: Session, r: P.Insert) -> P.InsertResult:
         entry = self._model(s, r.model)
+        tokens = self._tokens(r.tokens)
+        full, swa = self._pages(r.full_pages, "full_pages"), self._pages(r.swa_pages, "swa_pages")
         if r.lock:
             self._lock_budget(s, entry)
-        res, rid = entry.cache.insert(
-            s.id, s.tenant.namespace, self._tokens(r.tokens),
-            self._pages(r.full_pages, "full_pages"), self._pages(r.swa_pages, "swa_pages"),
-            r.prev_prefix_len, r.swa_evicted_len, lock=r.lock)
+        res, rid = entry.cache.insert(s.id, s.tenant.namespace, tokens, full, swa,
+                                      r.prev_prefix_len, r.swa_evicted_len, lock=r.lock)
         return self._insert_result(s, entry, res, rid)
 
     @mutating
     def cache_unfinished(self, s: Session, r: P.CacheUnfinished) -> P.InsertResult:
         entry = self._model(s, r.model)
+        tokens = self._tokens(r.tokens)
+        full, swa = self._pages(r.full_pages, "full_pages"), self._pages(r.swa_pages, "swa_pages")
         if r.receipt is None:  # with a receipt, the new lock replaces it
             self._lock_budget(s, entry)
-        res, rid = entry.cache.cache_unfinished(
-            s.id, s.tenant.namespace, self._tokens(r.tokens),
-            self._pages(r.full_pages, "full_pages"), self._pages(r.swa_pages, "swa_pages"),
-            r.prev_prefix_len, r.swa_evicted_len, r.receipt)
+        res, rid = entry.cache.cache_unfinished(s.id, s.tenant.namespace, tokens, full, swa,
+                                                r.prev_prefix_len, r.swa_evicted_len, r.receipt)
         return self._insert_result(s, entry, res, rid)
 
     @mutating

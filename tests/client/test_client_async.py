@@ -333,3 +333,58 @@ def test_write_larger_than_the_socket_buffer(fake_daemon: Any, run: Any) -> None
         await c.close()
 
     run(main())
+
+
+def test_a_reconnect_after_shutting_down_opens_one_connection(tmp_path: Any, kit: Any,
+                                                             run: Any) -> None:
+    """The daemon answers ``shutting_down`` and keeps the connection open a moment (a real one
+    closes it right after: this scripted one holds that moment open). The old connection's
+    reader, cancelled by the reconnect, must not fail the connection the reconnect has bound
+    meanwhile: one new connection and one hello serve the client (a second attempt, a backoff
+    later, before this was fixed)."""
+    from radixd_client import Reconnect, SessionRestarted
+
+    path = str(tmp_path / "d.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(8)
+    hellos: list[int] = []
+
+    def serve(i: int, s: socket.socket) -> None:
+        with s:
+            while (head := kit.recv_exact(s, 4)) is not None:
+                body = kit.recv_exact(s, P.HEADER.unpack(head)[0])
+                req = P.decode_request(body)
+                if isinstance(req, P.Hello):
+                    hellos.append(i)
+                    s.sendall(P.ok_frame(req.id, kit.hello_result()))
+                elif i == 0:
+                    s.sendall(P.error_frame(req.id, "shutting_down", "stopping"))
+                else:
+                    s.sendall(P.ok_frame(req.id, P.PingResult(payload=req.payload)))
+
+    def accept() -> None:
+        for i in range(8):
+            try:
+                s, _ = listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=serve, args=(i, s), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+
+    async def main() -> None:
+        c = await AsyncClient.connect(path, reconnect=Reconnect(
+            max_wait_s=10, initial_backoff_s=1.0, max_backoff_s=1.0))
+        t0 = time.monotonic()
+        with pytest.raises(SessionRestarted):
+            await c.ping(b"x")
+        assert time.monotonic() - t0 < 0.9  # no backoff: the first new connection served
+        assert (await c.ping(b"y")).payload == b"y"
+        await c.close()
+
+    try:
+        run(main())
+    finally:
+        listener.close()
+    assert hellos == [0, 1]

@@ -332,3 +332,39 @@ def test_a_connection_without_hello_is_closed_after_the_timeout(make_daemon) -> 
 
         _t.sleep(0.5)
         assert c.ping(b"x").payload == b"x"
+
+
+def test_token_errors_come_before_the_lock_cap(make_daemon) -> None:
+    """docs/protocol.md, order of checks: a malformed request from a session at its lock cap
+    is told what is wrong with it (bad_argument, too_many_tokens: its tokens or page lists),
+    not too_many_locks; the same for match, insert with a lock and cache_unfinished without a
+    receipt (raw frames: the client library refuses tokens that are not whole int32 before
+    sending them)."""
+    d = make_daemon({"server": {"max_locks_per_session": 1}})
+    raw = Raw(d.socket, hello=False)
+    hello = protocol.decode_result("hello", raw.call(protocol.Hello(id=9)).result)
+    t = toks(2 * P)
+    a = protocol.decode_result("alloc", raw.call(protocol.Alloc(id=1, model=MODEL, n=2)).result)
+    assert raw.call(protocol.Insert(id=2, model=MODEL, tokens=t, full_pages=a.full_pages,
+                                    swa_pages=a.swa_pages)).ok
+    assert raw.call(protocol.Match(id=3, model=MODEL, tokens=t, lock=True)).ok  # its one lock
+    b = protocol.decode_result("alloc", raw.call(protocol.Alloc(id=4, model=MODEL, n=2)).result)
+    huge = bytes(4 * (hello.limits.max_tokens + 1))
+    for tokens, code in ((t[:-1], "bad_argument"), (huge, "too_many_tokens"),
+                         (t, "too_many_locks")):
+        for req in (protocol.Match(id=5, model=MODEL, tokens=tokens, lock=True),
+                    protocol.Insert(id=6, model=MODEL, tokens=tokens, full_pages=b.full_pages,
+                                    swa_pages=b.swa_pages, lock=True),
+                    protocol.CacheUnfinished(id=7, model=MODEL, tokens=tokens,
+                                             full_pages=b.full_pages, swa_pages=b.swa_pages)):
+            r = raw.call(req)
+            assert not r.ok and r.error.code == code, (type(req).__name__, code, r.error)
+    odd = b.full_pages[:-1]  # a page list that is not whole int32: also before the cap
+    for req in (protocol.Insert(id=8, model=MODEL, tokens=t, full_pages=odd,
+                                swa_pages=b.swa_pages, lock=True),
+                protocol.CacheUnfinished(id=9, model=MODEL, tokens=t, full_pages=b.full_pages,
+                                         swa_pages=odd)):
+        r = raw.call(req)
+        assert not r.ok and r.error.code == "bad_argument", (type(req).__name__, r.error)
+    raw.close()
+    d.check()

@@ -28,7 +28,7 @@ from radixd_client import (
     SessionRestarted,
 )
 
-from .conftest import SMALL_MODEL
+from .conftest import SMALL_MODEL, Daemon
 from .test_tiers import P, seq, tier_stats, wait_for
 
 FAST = Reconnect(max_wait_s=60, initial_backoff_s=0.02, max_backoff_s=0.5)
@@ -249,3 +249,129 @@ def test_an_async_client_rides_through_with_all_its_calls(make_daemon, tmp_path:
     finally:
         loop.close()
     d2.check()
+
+
+def test_async_calls_waiting_for_a_slot_fail_when_the_daemon_dies(tmp_path: Path) -> None:
+    """The requests in flight when the daemon dies never give their slots back: the calls
+    waiting for one, and calls made later, raise ConnectionLost instead of waiting forever."""
+    import asyncio
+    import signal
+
+    from radixd_client import AsyncClient
+
+    d = Daemon(tmp_path, {"server": {"max_inflight": 2}})  # killed below: not make_daemon's
+
+    async def main() -> None:
+        c = await AsyncClient.connect(d.socket)
+        assert c.limits.max_inflight == 2
+        d.proc.send_signal(signal.SIGSTOP)  # two pings in flight, the third waits for a slot
+        tasks = [asyncio.create_task(c.ping(b"%d" % i)) for i in range(3)]
+        await asyncio.sleep(0.3)
+        d.proc.kill()
+        d.proc.wait()
+        got = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 10)
+        assert [type(g) for g in got] == [ConnectionLost] * 3, got
+        with pytest.raises(ConnectionLost):
+            await asyncio.wait_for(c.ping(b"later"), 10)
+        await c.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        d.stop()  # (closes its log; a daemon main() did not reach is stopped)
+
+
+def test_async_calls_made_while_the_new_session_opens_raise_session_restarted(
+        make_daemon, tmp_path: Path) -> None:
+    """A call made while the reconnect waits for the new daemon's hello is not sent before it
+    (the daemon would refuse it as not authenticated): it raises SessionRestarted with the cut
+    call, and one new connection serves the client."""
+    import asyncio
+    import signal
+
+    from radixd_client import AsyncClient
+
+    d1 = make_daemon(_config(tmp_path), name="before")
+    holder: dict[str, Any] = {}
+
+    async def before() -> None:
+        holder["c"] = await AsyncClient.connect(d1.socket, reconnect=FAST)
+
+    async def after(d2: Any) -> None:
+        c = holder["c"]
+        d2.proc.send_signal(signal.SIGSTOP)  # it accepts, but answers the hello only later
+        cut = asyncio.create_task(c.ping(b"cut"))
+        await asyncio.sleep(0.3)
+        assert c._reconnecting is not None and not c._reconnecting.done()
+        other = asyncio.create_task(c.ping(b"other"))
+        await asyncio.sleep(0.2)
+        d2.proc.send_signal(signal.SIGCONT)
+        got = await asyncio.wait_for(asyncio.gather(cut, other, return_exceptions=True), 20)
+        assert [type(g) for g in got] == [SessionRestarted] * 2, got
+        assert c.restarts == 1 and (await c.ping(b"after")).payload == b"after"
+        assert c.session == 1  # the new daemon's first: no connection opened and dropped
+        await c.close()
+
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(before())
+        d2 = _restart(make_daemon, d1, tmp_path)
+        loop.run_until_complete(after(d2))
+    finally:
+        loop.close()
+    d2.check()
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_pools_that_cannot_be_mapped_again_are_closed_not_kept(make_daemon, tmp_path: Path,
+                                                                asynchronous: bool) -> None:
+    """A restarted daemon with another pool layout: the cut call raises SessionRestarted naming
+    the model, the old AttachedPools is closed (no write through it can miss the new pools),
+    and attach() maps the new pools afresh."""
+    import asyncio
+
+    from radixd_client import AsyncClient, PoolError
+
+    def config(full_pages: int) -> dict[str, Any]:
+        return {"server": {"socket": str(tmp_path / "shared.sock")},
+                "models": [dict(SMALL_MODEL, full_pages=full_pages, memory_isolation="none")]}
+
+    d1 = make_daemon(config(64), name="before")
+
+    async def run_async(d_restart: Any) -> tuple[Any, Any, Any]:
+        c = await AsyncClient.connect(d1.socket, reconnect=FAST)
+        old = await c.attach("m")
+        d_restart()
+        with pytest.raises(SessionRestarted) as cut:
+            await c.ping()
+        new = await c.attach("m")
+        page = array("i", (await c.alloc("m", 1)).full_pages)[0]
+        await c.close()
+        return cut.value, old, (new, page)
+
+    holder: dict[str, Any] = {}
+
+    def restart() -> None:
+        assert d1.stop() == 0
+        holder["d2"] = make_daemon(config(128), name="after")
+
+    if asynchronous:
+        err, old, (new, page) = asyncio.run(run_async(restart))
+    else:
+        with Client(d1.socket, reconnect=FAST) as c:
+            old = c.attach("m")
+            restart()
+            with pytest.raises(SessionRestarted) as cut:
+                c.ping()
+            err = cut.value
+            new = c.attach("m")
+            page = array("i", c.alloc("m", 1).full_pages)[0]
+            new.full[:, :, page] = 1234.0
+            with Client(holder["d2"].socket) as other, other.attach("m") as seen:
+                assert float(seen.full[0, 0, page, 0, 0, 0]) == 1234.0
+    assert "m" in err.details["attach_again"] and "attach again" in str(err)
+    assert old.closed and new is not old and tuple(new.full.shape)[2] == 128
+    with pytest.raises(PoolError):
+        old.pool("full")
+    new.close()  # (its mappings' descriptors go now, not at some later test's collection)
+    holder["d2"].check()

@@ -9,7 +9,7 @@ from array import array
 
 import pytest
 from radixd_client import Client, protocol
-from radixd_client.errors import AuthError, QuotaExceeded
+from radixd_client.errors import AuthError, OutOfMemory, QuotaExceeded
 
 from .conftest import SMALL_MODEL
 
@@ -113,4 +113,30 @@ def test_quota_evicts_own_cold_pages_first_then_refuses(make_daemon) -> None:
         assert bob.match("m", toks(6, 1000)).prefix_len == 6 * P
         b = bob.alloc("m", 20)
         bob.free("m", b.full_pages, b.swa_pages)
+    d.check()
+
+
+def test_a_request_beyond_the_quota_is_quota_exceeded_even_when_the_pool_is_short(
+        make_daemon) -> None:
+    """What alice's sessions hold plus the request is over her quota whatever she evicts: the
+    answer is quota_exceeded (fix the request), not out_of_memory (wait and retry), however
+    little the pool has free; and no quota eviction is made for it."""
+    d = make_daemon(TENANTS)
+    with Client(d.socket, token="alice-token") as alice, \
+            Client(d.socket, token="bob-token") as bob:
+        cache(alice, "m", toks(2, 100))
+        with pytest.raises(QuotaExceeded) as ei:
+            alice.alloc("m", 20)  # the pool has room: over her quota of 10 all the same
+        assert ei.value.details == {"pool": "full", "limit": 10, "requested": 20, "over": 10}
+        held = []
+        with pytest.raises(OutOfMemory):
+            while True:  # bob takes every page left
+                held.append(bob.alloc("m", 1))
+        with pytest.raises(QuotaExceeded):
+            alice.alloc("m", 20)  # the pool is short now too: still the quota's answer
+        with pytest.raises(OutOfMemory):
+            alice.alloc("m", 5)  # within her quota: the pool is what is short
+        assert alice.stats("m").models["m"]["quota_evicted_pages"] == 0
+        for a in held:
+            bob.free("m", a.full_pages, a.swa_pages)
     d.check()

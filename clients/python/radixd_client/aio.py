@@ -46,7 +46,7 @@ from .protocol import (
     ModelInfo,
     Request,
 )
-from .reconnect import Reconnect, forget_host_pools, live_models, restarted
+from .reconnect import Reconnect, drop_unmappable, forget_host_pools, live_models, restarted
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from .pools import AttachedPools, KvHostPools
@@ -113,6 +113,10 @@ class AsyncClient(Operations):
         self._timeout: float | None = None
         self._generation = 0  # sessions opened by this client, minus one
         self._reconnecting: asyncio.Task[SessionRestarted] | None = None
+        # models whose pools the last reconnect closed (reported by every call it cut), and
+        # those a reconnect closed before it was cut itself (reported by the next)
+        self._unmapped: dict[str, str] = {}
+        self._dropped: dict[str, str] = {}
         self.restarts = 0
         self._bind(sock)
 
@@ -188,9 +192,9 @@ class AsyncClient(Operations):
     async def _ride_through(self, cause: RadixdError, generation: int) -> SessionRestarted:
         """One reconnect for every call the lost session cut (see radixd_client.reconnect)."""
         if self._generation != generation:  # another call already reconnected
-            return SessionRestarted(f"radixd went away ({cause.code}: {cause}); this client "
-                                    f"is now session {self.session}")
-        if self._reconnecting is None:
+            return restarted(cause, None, self, self._unmapped)
+        if self._reconnecting is None or self._reconnecting.done():
+            # (a done task here is one whose callers were all cancelled, or one that failed)
             self._reconnecting = self._loop.create_task(self._reconnect_now(cause))
         task = self._reconnecting
         try:
@@ -214,10 +218,17 @@ class AsyncClient(Operations):
                 await asyncio.sleep(attempts.wait_after(exc))
         self._generation += 1
         self.restarts += 1
+        unmapped = self._dropped  # (kept if this reconnect is cut too: reported by the next)
         for model in live_models(self._attached):
-            self._attached[model].rebind(*await self._attach_exclusive(model))
+            try:
+                self._attached[model].rebind(*await self._attach_exclusive(model))
+            except (ConnectionLost, ShuttingDown):
+                raise
+            except (RadixdError, OSError) as err:  # (a PoolError too)
+                drop_unmappable(self._attached, model, err, unmapped)
         forget_host_pools(self._kv_attached)  # the old daemon's: kv_attach again
-        return restarted(cause, old, self)
+        self._unmapped, self._dropped = unmapped, {}
+        return restarted(cause, old, self, unmapped)
 
     # -- writing --------------------------------------------------------------------------------
 
@@ -245,6 +256,7 @@ class AsyncClient(Operations):
             self._writer = self._loop.create_task(self._drain_writes())
 
     async def _drain_writes(self) -> None:
+        conn = self._conn  # (a reconnect binds another: this task then only ends)
         try:
             while self._wbuf and self._sock is not None:
                 await self._loop.sock_sendall(self._sock, self._wbuf[0])
@@ -252,9 +264,11 @@ class AsyncClient(Operations):
         except asyncio.CancelledError:
             raise
         except OSError as exc:
-            self._fail(f"{type(exc).__name__}: {exc}", exc)
+            if self._conn is conn:
+                self._fail(f"{type(exc).__name__}: {exc}", exc)
         finally:
-            self._writer = None
+            if self._writer is asyncio.current_task():
+                self._writer = None
 
     # -- reading --------------------------------------------------------------------------------
 
@@ -289,6 +303,13 @@ class AsyncClient(Operations):
     async def _read_loop(self) -> None:
         conn = self._conn
         loop = self._loop
+
+        def fail(why: str, cause: BaseException | None = None) -> None:
+            # A reconnect can bind the next connection before this task, cancelled with its
+            # own, runs again: that end is its connection's, already failed, not the new one's.
+            if self._conn is conn:
+                self._fail(why, cause)
+
         try:
             while True:
                 reply = conn.next_event()
@@ -315,15 +336,15 @@ class AsyncClient(Operations):
                             if conn.buffered else "the daemon closed the connection")
                 conn.received(k)
         except asyncio.CancelledError:
-            self._fail("closed by the client")
+            fail("closed by the client")
             raise
         except BrokenStream as exc:
-            self._fail(str(exc), exc.__cause__)
+            fail(str(exc), exc.__cause__)
         except OSError as exc:
-            self._fail(f"{type(exc).__name__}: {exc}", exc)
+            fail(f"{type(exc).__name__}: {exc}", exc)
         except Exception as exc:  # a bug here must not leave callers waiting forever
             log.exception("radixd client reader failed")
-            self._fail(f"client reader failed: {type(exc).__name__}: {exc}", exc)
+            fail(f"client reader failed: {type(exc).__name__}: {exc}", exc)
 
     def _dispatch(self, reply: Reply) -> None:
         """Settle the caller's future with a reply the connection already decoded."""
@@ -369,6 +390,10 @@ class AsyncClient(Operations):
                 e.__cause__ = self._closed_error.__cause__
                 fut.set_exception(e)
         self._wbuf.clear()
+        if self._slots is not None:
+            # The requests in flight took slots that no response gives back: a caller waiting
+            # for one gets it, finds the connection gone and passes it on (so does a later call)
+            self._slots.release()
         if self._writer is not None and self._writer is not asyncio.current_task():
             self._writer.cancel()
         if self._reader is not asyncio.current_task() and not self._reader.done():
@@ -411,21 +436,37 @@ class AsyncClient(Operations):
     async def _call(self, op: str, req: Request, exclusive: bool = False) -> Any:
         generation = self._generation
         try:
+            self._refuse_while_reconnecting()
             return await self._call_once(op, req, exclusive)
         except (ConnectionLost, ShuttingDown) as exc:
-            if (self._reconnect is None or self.path is None or self._closed_by_user
-                    or isinstance(exc, SessionRestarted)):
-                raise
-            raise await self._ride_through(exc, generation) from exc
+            raise await self._cut(exc, generation) from exc
+
+    async def _cut(self, exc: RadixdError, generation: int) -> RadixdError:
+        """What a call the lost connection cut raises: ``exc`` itself without a reconnect
+        policy, else the :class:`SessionRestarted` of the reconnect it waits for."""
+        if (self._reconnect is None or self.path is None or self._closed_by_user
+                or isinstance(exc, SessionRestarted)):
+            return exc
+        return await self._ride_through(exc, generation)
+
+    def _refuse_while_reconnecting(self) -> None:
+        """While a new session is being opened, a new call waits for it (through the ride
+        through) and hears that the session it was made for ended, like every call that was
+        waiting: sent now, it would reach the new connection before its hello. (The reconnect's
+        own calls, its hello and attaches, go on.)"""
+        task = self._reconnecting
+        if task is not None and not task.done() and task is not asyncio.current_task():
+            raise self._lost()
 
     async def _call_once(self, op: str, req: Request, exclusive: bool = False) -> Any:
         # While an attach has the connection to itself, others wait (also for a slot, then
         # again for the gate, as another attach may have started meanwhile). The exclusive
         # call (attach) takes no slot: it runs alone, and callers waiting at the gate with a
         # slot must not keep it from running.
+        conn = self._conn
         while not (self._gate_open or exclusive or self._closed_error is not None):
             await self._gate.wait()
-        slots = None if exclusive else self._slots
+        slots = None if exclusive or self._closed_error is not None else self._slots
         if slots is not None:
             await slots.acquire()
             try:
@@ -434,7 +475,9 @@ class AsyncClient(Operations):
             except BaseException:  # cancelled while waiting: the slot goes back
                 slots.release()
                 raise
-        if self._closed_error is not None:
+        if self._closed_error is not None or self._conn is not conn:
+            # (gone while this call waited, even if a reconnect has bound another connection
+            # since: the session it was made for ended)
             if slots is not None:
                 slots.release()
             raise self._lost()
@@ -491,14 +534,7 @@ class AsyncClient(Operations):
         response, which carries descriptors, must be the only one in flight."""
         from .pools import attach_or_update
 
-        generation = self._generation
-        try:
-            result, fds = await self._attach_exclusive(model)
-        except (ConnectionLost, ShuttingDown) as exc:
-            if (self._reconnect is None or self.path is None or self._closed_by_user
-                    or isinstance(exc, SessionRestarted)):
-                raise
-            raise await self._ride_through(exc, generation) from exc
+        result, fds = await self._exclusive_call("attach", Attach(model=model))
         try:
             return attach_or_update(self._attached, model, result, fds)
         finally:
@@ -509,18 +545,34 @@ class AsyncClient(Operations):
         other calls wait while it runs, as for :meth:`attach`."""
         from .pools import attach_host_pools
 
-        result, fds = await self._exclusive("kv_attach", KvAttach(model=model))
+        result, fds = await self._exclusive_call("kv_attach", KvAttach(model=model))
         try:
             return attach_host_pools(model, result, fds, self._kv_attached)
         finally:
             close_fds(fds)
+
+    async def _exclusive_call(self, op: str, req: Request) -> tuple[Any, list[int]]:
+        """:meth:`_exclusive`, riding through a restart as :meth:`_call` does."""
+        generation = self._generation
+        try:
+            self._refuse_while_reconnecting()
+            return await self._exclusive(op, req)
+        except (ConnectionLost, ShuttingDown) as exc:
+            raise await self._cut(exc, generation) from exc
 
     async def _attach_exclusive(self, model: str) -> tuple[Any, list[int]]:
         return await self._exclusive("attach", Attach(model=model))
 
     async def _exclusive(self, op: str, req: Request) -> tuple[Any, list[int]]:
         """A call whose response carries descriptors: it has the connection to itself."""
+        conn = self._conn
         async with self._attach_lock:
+            # Queued behind an exclusive call of a connection that has since been lost: the
+            # session this call was made for ended (a reconnect may have bound another, whose
+            # hello may not even be answered yet).
+            if self._conn is not conn or self._closed_error is not None:
+                raise self._lost()
+            self._refuse_while_reconnecting()
             self._gate_open = False
             self._gate.clear()
             try:

@@ -45,7 +45,7 @@ from .protocol import (
     Request,
     int32_array,
 )
-from .reconnect import Reconnect, forget_host_pools, live_models, restarted
+from .reconnect import Reconnect, drop_unmappable, forget_host_pools, live_models, restarted
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from .pools import AttachedPools, KvHostPools
@@ -168,6 +168,7 @@ class Client(Operations):
     def _start(self, sock: socket.socket, token: str | None, client_name: str) -> None:
         self._token, self._client_name = token, client_name
         self._attached: dict[str, AttachedPools] = {}  # to map segments as they come
+        self._dropped: dict[str, str] = {}  # pools a reconnect closed before it was cut too
         self._kv_attached: dict[str, KvHostPools] = {}  # the same for host pools
         self._closed_by_user = False
         self._open_session(sock)
@@ -205,10 +206,18 @@ class Client(Operations):
             except (ConnectFailed, ConnectionLost, ShuttingDown) as exc:
                 time.sleep(attempts.wait_after(exc))
         self.restarts += 1
+        unmapped = self._dropped  # (kept if this reconnect is cut too: reported by the next)
         for model in live_models(self._attached):
-            self._attached[model].rebind(*self._call_with_fds_once("attach", Attach(model=model)))
+            try:
+                self._attached[model].rebind(
+                    *self._call_with_fds_once("attach", Attach(model=model)))
+            except (ConnectionLost, ShuttingDown):
+                raise
+            except (RadixdError, OSError) as err:  # (a PoolError too)
+                drop_unmappable(self._attached, model, err, unmapped)
         forget_host_pools(self._kv_attached)  # the old daemon's: kv_attach again
-        return restarted(cause, old, self)
+        self._dropped = {}
+        return restarted(cause, old, self, unmapped)
 
     # -- calls ----------------------------------------------------------------------------------
 

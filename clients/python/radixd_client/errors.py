@@ -227,9 +227,12 @@ class SessionRestarted(ConnectionLost):
     """The daemon went away (restart, upgrade) and a client with a reconnect policy is connected
     again, on a new session, with its attached pools mapped again in place.
 
-    Raised once, by the call that was cut. Everything the old session held is gone (receipts,
-    pages, node ids): start the requests that were in flight over from a fresh ``match``
-    (``RequestLifecycle.restart``). Calls made after it work.
+    Raised by the call that was cut (with ``AsyncClient``, by every call that was in flight or
+    waiting, or made while the new session was being opened). Everything the old session held
+    is gone (receipts, pages, node ids): start the requests that were in flight over from a
+    fresh ``match`` (``RequestLifecycle.restart``). Calls made after it work.
+    ``details["attach_again"]``: the models whose pools could not be mapped again in place and
+    were closed (model -> why); ``attach`` them again and rebuild the views.
     """
 
     default_code = "session_restarted"

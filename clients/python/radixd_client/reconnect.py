@@ -96,7 +96,27 @@ def forget_host_pools(kv_attached: dict[str, Any]) -> None:
     kv_attached.clear()
 
 
-def restarted(cause: RadixdError, old_session: int | None, client: Any) -> SessionRestarted:
-    return SessionRestarted(f"radixd went away ({cause.code}: {cause}); session {old_session} "
-                            f"ended, this client is now session {client.session} of daemon "
-                            f"instance {client.instance}")
+def drop_unmappable(attached: dict[str, Any], model: str, err: Exception,
+                    unmapped: dict[str, str]) -> None:
+    """Pools that could not be mapped again in place (another layout, GPU pools, a model the
+    new daemon does not serve) are closed and forgotten: the object refuses further use
+    (``PoolError``) instead of handing out tensors over the old daemon's memory, and the next
+    ``attach`` of the model maps the new pools afresh. Tensors and views taken from it before
+    still map the old memory: the engine rebuilds them from the new ``attach``."""
+    attached.pop(model).close()
+    unmapped[model] = str(err) or type(err).__name__
+
+
+def restarted(cause: RadixdError, old_session: int | None, client: Any,
+              unmapped: dict[str, str] | None = None) -> SessionRestarted:
+    """The error for the calls a restart cut (``old_session``: None where the caller does not
+    know it); ``unmapped``: the models whose pools were dropped (:func:`drop_unmappable`), also
+    in ``details["attach_again"]``."""
+    ended = "its session" if old_session is None else f"session {old_session}"
+    msg = (f"radixd went away ({cause.code}: {cause}); {ended} ended, this client is now "
+           f"session {client.session} of daemon instance {client.instance}")
+    if unmapped:
+        msg += ("; the pools of " + ", ".join(sorted(unmapped)) + " could not be mapped again "
+                "in place and are closed: attach again and rebuild the views ("
+                + "; ".join(f"{m}: {why}" for m, why in sorted(unmapped.items())) + ")")
+    return SessionRestarted(msg, details={"attach_again": dict(unmapped or {})})
