@@ -60,6 +60,7 @@ from bench._common import export_ref, write_json  # noqa: E402
 from daemon.gpu.allocator import PageAllocator, PairedAllocator  # noqa: E402
 from daemon.gpu.page_runs import PageRunList, PageRuns, cold_after_tokens  # noqa: E402
 from daemon.tree import RadixTree  # noqa: E402
+from daemon.tree.page_ids import LeadingZeros  # noqa: E402
 
 WINDOW = 128
 PAGE_SIZES = (64, 1)
@@ -467,10 +468,12 @@ def bench_evict(page_size: int, sz: Sizes, tree_cls: type = RadixTree) -> dict[s
 
 
 def ids_bytes(ids: Sequence[int]) -> int:
-    """Page ids of a node: an array's payload, or the whole of a compact form (a range, or a
-    PageRunList with its two arrays of bounds)."""
+    """Page ids of a node: an array's payload, or the whole of a compact form (a range, a
+    PageRunList with its two arrays of bounds, host SWA ids without their leading zeros)."""
     if isinstance(ids, array):
         return 4 * len(ids)
+    if isinstance(ids, LeadingZeros):
+        return sys.getsizeof(ids) + 4 * len(ids.tail)
     if isinstance(ids, PageRunList):
         return sys.getsizeof(ids) + sys.getsizeof(ids.starts) + sys.getsizeof(ids.ends)
     return sys.getsizeof(ids)

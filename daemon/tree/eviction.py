@@ -22,7 +22,7 @@ from array import array
 
 from .errors import BadArgument
 from .node import EMPTY, Node
-from .page_ids import PageIds
+from .page_ids import PageIds, host_swa_ids, nonzero, nonzero_count
 from .results import EvictResult, Namespace
 
 
@@ -116,7 +116,7 @@ class Eviction:
         for n in drops:
             hs = n.host_swa
             self._free_host_slots(n.host,  # type: ignore[arg-type]
-                                  array("i", (p for p in hs if p)) if hs is not None else EMPTY)
+                                  nonzero(hs) if hs is not None else EMPTY)
 
     def _free_host_slots(self, host: PageIds, hswa: array) -> None:
         if self.host_sink is not None:
@@ -210,7 +210,7 @@ class Eviction:
 
     def _delete_host_leaf(self, n: Node, res: EvictResult) -> None:
         host = n.host
-        hswa = array("i", (p for p in n.host_swa if p)) if n.host_swa is not None else EMPTY
+        hswa = nonzero(n.host_swa) if n.host_swa is not None else EMPTY
         if self.report_host_drops:
             self.host_drops.append(n)  # detached below; its slots stay held until released
         else:
@@ -236,8 +236,8 @@ class Eviction:
 
         ``swa_slots`` are the host copies of its SWA pages, 0 for a page without one. The node
         keeps ``slots`` in the page-id codec's compact form where it has one (a host copy is
-        made of the host pool's ascending runs); ``host_swa`` stays an array (its zeros are no
-        run)."""
+        made of the host pool's ascending runs); ``host_swa`` drops its leading zeros where they
+        are many (:func:`~daemon.tree.page_ids.host_swa_ids`)."""
         n = self.get_node(node_id)
         if n.parent is None:
             raise BadArgument("the root has no pages")
@@ -261,6 +261,7 @@ class Eviction:
         n.host = codec.compact(slots) if len(slots) >= codec.min_ids else slots
         self.host_pages += len(slots)
         n.ns.host_pages += len(slots)
-        if swa_slots is not None and any(swa_slots):
-            n.host_swa = swa_slots
-            self.host_swa_pages += sum(1 for p in swa_slots if p)
+        hs = host_swa_ids(swa_slots, self.swa_lead_min) if swa_slots is not None else None
+        if hs is not None:
+            n.host_swa = hs
+            self.host_swa_pages += nonzero_count(hs)

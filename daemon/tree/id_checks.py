@@ -23,6 +23,8 @@ from __future__ import annotations
 from array import array
 from typing import Any
 
+from .page_ids import HostSwaIds, LeadingZeros, leading_zeros
+
 _ZERO_ID = bytes(4)
 _U32 = 0xFFFFFFFF
 _INT32_MAX = 0x7FFFFFFF
@@ -96,26 +98,30 @@ def distinct_ids(ids: Any) -> bool:
     return len(set(ids)) == len(ids) if spans is None else disjoint(spans)
 
 
-def leading_zeros(raw: bytes) -> int:
-    """How many int32 words at the start of ``raw`` are 0, in C: the zero bytes are stripped,
-    and the first byte that is not lies in the first word that is not."""
-    return (len(raw) - len(raw.lstrip(b"\0"))) // 4
-
-
-def next_zero(ids: array, start: int, stop: int) -> int:
-    """The first position in [start, stop) of ``ids`` (an ``array('i')``, ``stop <=
-    len(ids)``) that holds 0, else ``stop``: a scan in C up to the position found."""
+def next_zero(ids: HostSwaIds, start: int, stop: int) -> int:
+    """The first position in [start, stop) of ``ids`` (an ``array('i')`` or its leading zeros
+    and the rest, ``stop <= len(ids)``) that holds 0, else ``stop``: a scan in C up to the
+    position found."""
+    if type(ids) is LeadingZeros:
+        if start < ids.lead:
+            return start
+        return ids.lead + next_zero(ids.tail, start - ids.lead, stop - ids.lead)
     try:
         return ids.index(0, start, stop)
     except ValueError:
         return stop
 
 
-def next_nonzero(ids: array, start: int, stop: int) -> int:
-    """The first position in [start, stop) of ``ids`` (an ``array('i')``, ``stop <=
-    len(ids)``) that is not 0, else ``stop``: its leading zero bytes stripped in C, in pieces
-    that double (a scan as long as the zeros, not as the rest of the list, which a list of many
-    runs would copy again for each)."""
+def next_nonzero(ids: HostSwaIds, start: int, stop: int) -> int:
+    """The first position in [start, stop) of ``ids`` (as for :func:`next_zero`) that is not
+    0, else ``stop``: its leading zero bytes stripped in C, in pieces that double (a scan as
+    long as the zeros, not as the rest of the list, which a list of many runs would copy again
+    for each)."""
+    if type(ids) is LeadingZeros:
+        lead = ids.lead
+        if stop <= lead:
+            return stop
+        return lead + next_nonzero(ids.tail, max(0, start - lead), stop - lead)
     step = 64
     while start < stop:
         end = min(stop, start + step)

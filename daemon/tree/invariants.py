@@ -22,6 +22,7 @@ from typing import Any
 from .hashing import HASH_BYTES, block_hashes
 from .lru import EvictionQueue
 from .node import Node
+from .page_ids import nonzero, nonzero_count
 from .radix import RadixTree
 
 #: bytes mapping a count to 1 where it is above 1 (a page seen twice), else to 0
@@ -161,7 +162,7 @@ def audit_steps(tree: RadixTree, a: TreeAudit, *, deep: bool = True) -> Iterator
                         owner.add(chunk)
                         yield
                 if n.host_swa is not None:  # 0: a page of the host copy without an SWA copy
-                    host_swa_owner.add(p for p in n.host_swa if p)
+                    host_swa_owner.add(nonzero(n.host_swa))
 
     a.nodes = len(reachable)
     yield
@@ -404,7 +405,7 @@ def _check_counters(tree: RadixTree, reachable: dict[int, Node], v: list[str]
             if n.host is not None:
                 hp += np_
             if n.host_swa is not None:
-                hs += sum(1 for p in n.host_swa if p)
+                hs += nonzero_count(n.host_swa)
         yield
     got = (tree.full_evictable, tree.full_protected, tree.swa_evictable, tree.swa_protected,
            tree.host_pages, tree.host_swa_pages)

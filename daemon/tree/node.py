@@ -4,7 +4,7 @@ A node is a run of whole pages under one parent. Its token ids are kept as int32
 bytes (compared with memcmp, never per token in Python), and its device page ids and host slot
 ids as ``array('i')`` or, given a codec, as a compact form of their ascending runs
 (daemon/tree/page_ids.py), which is what keeps metadata near the token ids' own 4 bytes per
-token. ``host_swa`` is always an array.
+token. ``host_swa`` is an array, or its tail after many leading zeros (``LeadingZeros``).
 
 Tier state of a node:
 
@@ -28,7 +28,7 @@ from __future__ import annotations
 from array import array
 from typing import Any
 
-from .page_ids import PageIds
+from .page_ids import HostSwaIds, PageIds
 
 EMPTY = array("i")
 
@@ -70,7 +70,7 @@ class Node:
         self.full: PageIds | None = None
         self.swa: PageIds | None = None
         self.host: PageIds | None = None
-        self.host_swa: array | None = None
+        self.host_swa: HostSwaIds | None = None
         self.full_lock = 0
         self.swa_lock = 0
         self.pin = 0

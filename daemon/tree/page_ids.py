@@ -14,10 +14,12 @@ keeps every list as given.
 
 from __future__ import annotations
 
+import re
 import sys
 from array import array
-from collections.abc import Iterable, Sequence
-from typing import Protocol
+from collections.abc import Iterable, Iterator, Sequence
+from itertools import chain, repeat
+from typing import Protocol, overload
 
 #: what ``Node.full``, ``Node.swa`` and ``Node.host`` hold (besides None): an ``array('i')``, a
 #: ``range``, or another sequence a codec made
@@ -38,6 +40,17 @@ class PageIdCodec(Protocol):
     def join(self, parts: Sequence[PageIds]) -> array:
         """One new int32 array of the ids of ``parts`` in order (never one of the parts)."""
         ...
+
+
+#: a run of zero bytes: the regular expression engine counts them in a tight C loop, several
+#: times faster than ``bytes.lstrip`` (which looks each byte up in its set of bytes to strip)
+_ZERO_BYTES = re.compile(rb"\x00*")
+
+
+def leading_zeros(raw: bytes) -> int:
+    """How many int32 words at the start of ``raw`` are 0, in C: the zero bytes are counted,
+    and the first byte that is not lies in the first word that is not."""
+    return _ZERO_BYTES.match(raw).end() // 4  # type: ignore[union-attr]
 
 
 def concat_pages(parts: Iterable[PageIds]) -> array:
@@ -63,3 +76,95 @@ class PlainPageIds:
 
     def join(self, parts: Sequence[PageIds]) -> array:
         return concat_pages(parts)
+
+
+class LeadingZeros:
+    """``lead`` zeros, then the ids of ``tail``: a node's host SWA slot ids (0 for a page
+    without an SWA copy) when they start with many zeros. A backup copies the SWA of a node's
+    trailing window only, so at a page of one token an array of them is mostly zeros: 4 bytes
+    a page of the node for the few pages of a window.
+
+    Read-only, like the forms of :class:`PageIdCodec`: a change makes a new list
+    (:func:`host_swa_ids`). Slices are again of this class."""
+
+    __slots__ = ("lead", "tail")
+
+    def __init__(self, lead: int, tail: array) -> None:
+        self.lead = lead
+        self.tail = tail
+
+    def __len__(self) -> int:
+        return self.lead + len(self.tail)
+
+    def __iter__(self) -> Iterator[int]:
+        return chain(repeat(0, self.lead), self.tail)
+
+    @overload
+    def __getitem__(self, i: int) -> int: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> LeadingZeros: ...
+
+    def __getitem__(self, i: int | slice) -> int | LeadingZeros:
+        lead = self.lead
+        if isinstance(i, slice):
+            start, stop, step = i.indices(len(self))
+            if step != 1:
+                raise ValueError("host SWA ids are sliced with step 1 only")
+            stop = max(start, stop)
+            return LeadingZeros(max(0, min(stop, lead) - start),
+                                self.tail[max(0, start - lead):max(0, stop - lead)])
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError("host SWA id index out of range")
+        return 0 if i < lead else self.tail[i - lead]
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, LeadingZeros | array) and list(self) == list(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"LeadingZeros({self.lead}, {self.tail!r})"
+
+    def tobytes(self) -> bytes:
+        return bytes(4 * self.lead) + self.tail.tobytes()
+
+    def count(self, value: int) -> int:
+        return self.tail.count(value) + (self.lead if value == 0 else 0)
+
+
+#: host SWA id lists with fewer leading zeros stay arrays (what a :class:`LeadingZeros` costs
+#: beyond its tail, in ids)
+LEAD_MIN = 32
+
+#: what ``Node.host_swa`` holds besides None
+HostSwaIds = array | LeadingZeros
+
+
+def host_swa_ids(ids: HostSwaIds, lead_min: int = LEAD_MIN) -> HostSwaIds | None:
+    """How a node keeps the host SWA ids ``ids`` (the node owns them from now on): ``None``
+    when none is set, their tail after the leading zeros when those are ``lead_min`` or more,
+    else the array."""
+    if type(ids) is LeadingZeros:
+        lead, tail = ids.lead, ids.tail
+    else:
+        lead, tail = 0, ids
+    z = leading_zeros(tail.tobytes())
+    if z == len(tail):
+        return None
+    if lead + z < lead_min:
+        return ids if type(ids) is array else array("i", ids)
+    return LeadingZeros(lead + z, tail[z:])
+
+
+def nonzero_count(ids: HostSwaIds) -> int:
+    """Ids that are not 0 (in C)."""
+    return len(ids) - ids.count(0)
+
+
+def nonzero(ids: HostSwaIds) -> array:
+    """The ids that are not 0, in order, as a new array."""
+    tail = ids.tail if type(ids) is LeadingZeros else ids
+    return array("i", (p for p in tail if p))

@@ -37,7 +37,7 @@ from .insertion import Insertion
 from .locks import Locking
 from .matching import Matching
 from .node import EMPTY, Node, Pin, Receipt
-from .page_ids import PageIdCodec, PlainPageIds
+from .page_ids import LEAD_MIN, PageIdCodec, PlainPageIds, host_swa_ids
 from .policy import DEFAULT_POLICY, EvictionPolicy, make_policy
 from .results import (
     CollectingSink,
@@ -93,6 +93,8 @@ class RadixTree(Matching, Insertion, Locking, Eviction, Tiering):
         self.sink = sink
         self.host_sink = host_sink
         self.page_ids: PageIdCodec = page_ids if page_ids is not None else PlainPageIds()
+        # host SWA ids that start with this many zeros or more are kept without them
+        self.swa_lead_min = LEAD_MIN
         # tokens of churn after which a node nobody used is cold: its page ids go to the codec's
         # compact form (compact_cold), and back to an array when it is used again
         self.compact_after = 0
@@ -388,8 +390,8 @@ class RadixTree(Matching, Insertion, Locking, Eviction, Tiering):
             node.host = node.host[k:]
         if node.host_swa is not None:
             hs = node.host_swa
-            up.host_swa = hs[:k] if any(hs[:k]) else None  # an all-zero list is kept as None
-            node.host_swa = hs[k:] if any(hs[k:]) else None
+            up.host_swa = host_swa_ids(hs[:k], self.swa_lead_min)  # (all zeros: None)
+            node.host_swa = host_swa_ids(hs[k:], self.swa_lead_min)
         up.full_lock = node.full_lock
         up.swa_lock = node.swa_lock
         up.pin = node.pin

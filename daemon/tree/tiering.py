@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from .hashing import block_hashes
 from .id_checks import next_nonzero, next_zero
 from .node import Node
+from .page_ids import host_swa_ids
 
 
 @dataclass(slots=True)
@@ -246,13 +247,13 @@ class Tiering:
     def _fill_swa(self, n: Node, a: int, swa_slots: dict[int, int]) -> int:
         """Missing SWA copies of a node that has a host copy, from fetched slots."""
         k = len(n.tokens) // self.page_bytes
-        hs = n.host_swa if n.host_swa is not None else array("i", bytes(4 * k))
+        hs = array("i", n.host_swa if n.host_swa is not None else bytes(4 * k))
         filled = 0
         for j in range(k):
             if not hs[j] and (a + j) in swa_slots:
                 hs[j] = swa_slots.pop(a + j)
                 filled += 1
         if filled:
-            n.host_swa = hs
+            n.host_swa = host_swa_ids(hs, self.swa_lead_min)
             self.host_swa_pages += filled
         return filled

@@ -24,6 +24,7 @@ from daemon.tree.id_checks import (
     next_zero,
     page_id_verdict,
 )
+from daemon.tree.page_ids import LeadingZeros, host_swa_ids, nonzero, nonzero_count
 
 from .helpers import NS, Ids, make_tree, seq
 
@@ -231,8 +232,42 @@ def test_next_zero_and_next_nonzero_are_the_plain_scans(zeros: int, tail: list[i
     ids = [0] * zeros + tail
     a, b = min(a, len(ids)), min(max(a, b), len(ids))
     arr = array("i", ids)
-    assert next_zero(arr, a, b) == next((i for i in range(a, b) if ids[i] == 0), b)
-    assert next_nonzero(arr, a, b) == next((i for i in range(a, b) if ids[i] != 0), b)
+    want = (next((i for i in range(a, b) if ids[i] == 0), b),
+            next((i for i in range(a, b) if ids[i] != 0), b))
+    assert (next_zero(arr, a, b), next_nonzero(arr, a, b)) == want
+    kept = host_swa_ids(array("i", ids), 1)  # the same list without its leading zeros
+    if kept is not None:
+        assert (next_zero(kept, a, b), next_nonzero(kept, a, b)) == want
+
+
+@settings(max_examples=300)
+@given(st.integers(0, 300), st.lists(st.one_of(st.just(0), INT32), max_size=40),
+       st.sampled_from([1, 2, 32, 10**9]), st.integers(-350, 350), st.integers(-350, 350))
+def test_host_swa_ids_are_the_list_without_leading_zeros(zeros: int, tail: list[int],
+                                                         lead_min: int, a: int, b: int) -> None:
+    """What a node keeps reads back as the list it was given: items, slices (again kept so),
+    bytes, counts, the ids that are not 0; an all-zero list is None."""
+    ids = [0] * zeros + tail
+    kept = host_swa_ids(array("i", ids), lead_min)
+    if not any(ids):
+        assert kept is None
+        return
+    assert kept is not None and len(kept) == len(ids) and list(kept) == ids
+    assert type(kept) is (LeadingZeros if ids.index(next(p for p in ids if p)) >= lead_min
+                          else array)
+    assert kept.tobytes() == array("i", ids).tobytes()
+    assert kept.count(0) == ids.count(0) and nonzero_count(kept) == len(ids) - ids.count(0)
+    assert list(nonzero(kept)) == [p for p in ids if p]
+    assert list(kept[a:b]) == ids[a:b] and list(kept[a:]) == ids[a:]
+    assert type(kept[a:b]) is type(kept)
+    for i in (a, b, 0, len(ids) - 1):
+        if -len(ids) <= i < len(ids):
+            assert kept[i] == ids[i]
+        else:
+            with pytest.raises(IndexError):
+                kept[i]
+    again = host_swa_ids(kept[a:b], lead_min)
+    assert (None if again is None else list(again)) == (ids[a:b] if any(ids[a:b]) else None)
 
 
 @pytest.mark.parametrize("start", [0, 5])

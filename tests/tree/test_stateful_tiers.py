@@ -47,6 +47,7 @@ from hypothesis.stateful import (
 from daemon.gpu.page_runs import PageRuns
 from daemon.tree import CollectingSink, EvictResult, LoadPlan, RadixTree, ReceiptError, check_tree
 from daemon.tree.node import Node, Pin, Receipt
+from daemon.tree.page_ids import LEAD_MIN
 
 from .test_stateful import DOCS, NAMESPACES, CacheMachine, ModelLock, tok
 
@@ -170,10 +171,11 @@ class TierMachine(RuleBasedStateMachine):
         run_min=st.sampled_from([0, 2, 3]),  # 0: the default codec (no runs)
         cold_after=st.sampled_from([0, 1, 8]),  # pages of churn after which a node is cold
         idle=st.booleans(),  # the daemon idles after every step (compact_cold until done)
+        swa_lead_min=st.sampled_from([1, 2, LEAD_MIN]),  # host SWA ids without leading zeros
     )
     def setup(self, page_size: int, window_pages: int, window_extra: bool, policy: str,
               write_back: bool, hash_block: int, run_min: int, cold_after: int,
-              idle: bool) -> None:
+              idle: bool, swa_lead_min: int) -> None:
         self.P = page_size
         self.pb = 4 * page_size
         window = None
@@ -187,6 +189,7 @@ class TierMachine(RuleBasedStateMachine):
                                  policy=policy, hash_block_tokens=hash_block,
                                  page_ids=PageRuns(run_min, 2) if run_min else None)
         self.tree.compact_after = cold_after * page_size
+        self.tree.swa_lead_min = swa_lead_min
         self.idle = idle
         self.tree.copy = self._demote
         self.tree.dropped = self._host_dropped
