@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import struct
 import threading
@@ -335,6 +336,149 @@ def test_write_larger_than_the_socket_buffer(fake_daemon: Any, run: Any) -> None
     run(main())
 
 
+class ListeningDaemon:
+    """A scripted daemon on a listening socket, for reconnects: ``handler(i, req)`` answers
+    connection ``i``'s requests other than hello (a frame, None for no answer, or ``"close"``);
+    ``hello_delay[i]`` holds connection ``i``'s hello answer back. ``seen``: (connection, op)."""
+
+    def __init__(self, path: str, kit: Any, handler: Any, hello_delay: dict[int, float]
+                 | None = None) -> None:
+        self.path, self.kit, self.handler = path, kit, handler
+        self.hello_delay = hello_delay or {}
+        self.seen: list[tuple[int, str]] = []
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(path)
+        self.listener.listen(16)
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        for i in range(16):
+            try:
+                s, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(i, s), daemon=True).start()
+
+    def _serve(self, i: int, s: socket.socket) -> None:
+        with s:
+            while (head := self.kit.recv_exact(s, 4)) is not None:
+                req = P.decode_request(self.kit.recv_exact(s, P.HEADER.unpack(head)[0]))
+                self.seen.append((i, req.__struct_config__.tag))
+                if isinstance(req, P.Hello):
+                    time.sleep(self.hello_delay.get(i, 0.0))
+                    out = P.ok_frame(req.id, self.kit.hello_result())
+                else:
+                    out = self.handler(i, req)
+                if out in ("close", "close soon"):
+                    threading.Timer(0.0 if out == "close" else 0.2, self._hang_up, (s,)).start()
+                    continue
+                if out is not None:
+                    s.sendall(out)
+
+    @staticmethod
+    def _hang_up(s: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            s.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def _first_goes_away(i: int, req: Any) -> Any:
+    """Connection 0 hangs up a moment after a request (calls made meanwhile queue behind it);
+    later connections answer pings and refuse every other request."""
+    if i == 0:
+        return "close soon"
+    if isinstance(req, P.Ping):
+        return P.ok_frame(req.id, P.PingResult(payload=req.payload))
+    return P.error_frame(req.id, "bad_argument", f"no model {getattr(req, 'model', '')}")
+
+
+def _fast_reconnect() -> Any:
+    from radixd_client import Reconnect
+
+    return Reconnect(max_wait_s=10, initial_backoff_s=0.02, max_backoff_s=0.05)
+
+
+def test_attaches_queued_behind_a_cut_one_are_not_sent_on_the_new_session(
+        tmp_path: Any, kit: Any, run: Any) -> None:
+    """Attaches wait for each other (each has the connection to itself): those queued behind
+    the one the restart cut were made for the old session and raise SessionRestarted with it,
+    instead of running on the new session (before its hello, even)."""
+    from radixd_client import SessionRestarted
+
+    d = ListeningDaemon(str(tmp_path / "d.sock"), kit, _first_goes_away, {1: 0.3})
+
+    async def main() -> None:
+        c = await AsyncClient.connect(d.path, reconnect=_fast_reconnect(), timeout=5)
+        got = await asyncio.gather(*(c.attach(f"m{k}") for k in range(10)),
+                                   return_exceptions=True)
+        assert [type(g) for g in got] == [SessionRestarted] * 10, got
+        assert (await c.ping(b"y")).payload == b"y"
+        await c.close()
+
+    try:
+        run(main())
+    finally:
+        d.close()
+    assert [op for i, op in d.seen if i == 1] == ["hello", "ping"], d.seen
+
+
+def test_every_call_made_while_the_new_session_opens_raises_session_restarted(
+        tmp_path: Any, kit: Any, run: Any) -> None:
+    """ping, attach and kv_attach made while the new daemon has not answered the hello yet."""
+    from radixd_client import SessionRestarted
+
+    d = ListeningDaemon(str(tmp_path / "d.sock"), kit, _first_goes_away, {1: 0.5})
+
+    async def main() -> None:
+        c = await AsyncClient.connect(d.path, reconnect=_fast_reconnect())
+        cut = asyncio.create_task(c.ping(b"cut"))
+        await asyncio.sleep(0.35)  # the daemon went away; the new hello is not answered yet
+        got = await asyncio.gather(cut, c.ping(b"x"), c.attach("m"), c.kv_attach("m"),
+                                   return_exceptions=True)
+        assert [type(g) for g in got] == [SessionRestarted] * 4, got
+        await c.close()
+
+    try:
+        run(main())
+    finally:
+        d.close()
+    assert [op for i, op in d.seen if i == 1] == ["hello"], d.seen
+
+
+def test_a_reconnect_whose_callers_were_all_cancelled_does_not_answer_the_next_restart(
+        tmp_path: Any, kit: Any, run: Any) -> None:
+    """The reconnect goes on when the calls waiting for it are cancelled; the next restart
+    opens a new session again instead of handing out the first one's outcome."""
+    from radixd_client import SessionRestarted
+
+    def handler(i: int, req: Any) -> Any:
+        if i < 2 and req.payload == b"cut":  # the first two connections go away on a cut
+            return "close"
+        return P.ok_frame(req.id, P.PingResult(payload=req.payload))
+
+    d = ListeningDaemon(str(tmp_path / "d.sock"), kit, handler, {1: 0.3})
+
+    async def main() -> None:
+        c = await AsyncClient.connect(d.path, reconnect=_fast_reconnect())
+        first = asyncio.create_task(c.ping(b"cut"))
+        await asyncio.sleep(0.1)
+        first.cancel()  # its reconnect (hello held back) goes on without it
+        await asyncio.sleep(0.5)
+        assert c.restarts == 1 and (await c.ping(b"a")).payload == b"a"
+        with pytest.raises(SessionRestarted):
+            await c.ping(b"cut")  # the second restart
+        assert c.restarts == 2 and (await c.ping(b"b")).payload == b"b"
+        await c.close()
+
+    try:
+        run(main())
+    finally:
+        d.close()
+    assert sorted({i for i, op in d.seen if op == "hello"}) == [0, 1, 2], d.seen
+
+
 def test_a_reconnect_after_shutting_down_opens_one_connection(tmp_path: Any, kit: Any,
                                                              run: Any) -> None:
     """The daemon answers ``shutting_down`` and keeps the connection open a moment (a real one
@@ -344,47 +488,23 @@ def test_a_reconnect_after_shutting_down_opens_one_connection(tmp_path: Any, kit
     later, before this was fixed)."""
     from radixd_client import Reconnect, SessionRestarted
 
-    path = str(tmp_path / "d.sock")
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)
-    listener.listen(8)
-    hellos: list[int] = []
+    def handler(i: int, req: Any) -> Any:
+        if i == 0:
+            return P.error_frame(req.id, "shutting_down", "stopping")
+        return P.ok_frame(req.id, P.PingResult(payload=req.payload))
 
-    def serve(i: int, s: socket.socket) -> None:
-        with s:
-            while (head := kit.recv_exact(s, 4)) is not None:
-                body = kit.recv_exact(s, P.HEADER.unpack(head)[0])
-                req = P.decode_request(body)
-                if isinstance(req, P.Hello):
-                    hellos.append(i)
-                    s.sendall(P.ok_frame(req.id, kit.hello_result()))
-                elif i == 0:
-                    s.sendall(P.error_frame(req.id, "shutting_down", "stopping"))
-                else:
-                    s.sendall(P.ok_frame(req.id, P.PingResult(payload=req.payload)))
-
-    def accept() -> None:
-        for i in range(8):
-            try:
-                s, _ = listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=serve, args=(i, s), daemon=True).start()
-
-    threading.Thread(target=accept, daemon=True).start()
+    d = ListeningDaemon(str(tmp_path / "d.sock"), kit, handler)
 
     async def main() -> None:
-        c = await AsyncClient.connect(path, reconnect=Reconnect(
+        c = await AsyncClient.connect(d.path, reconnect=Reconnect(
             max_wait_s=10, initial_backoff_s=1.0, max_backoff_s=1.0))
-        t0 = time.monotonic()
         with pytest.raises(SessionRestarted):
             await c.ping(b"x")
-        assert time.monotonic() - t0 < 0.9  # no backoff: the first new connection served
         assert (await c.ping(b"y")).payload == b"y"
         await c.close()
 
     try:
         run(main())
     finally:
-        listener.close()
-    assert hellos == [0, 1]
+        d.close()
+    assert [i for i, op in d.seen if op == "hello"] == [0, 1], d.seen
