@@ -52,6 +52,12 @@ if TYPE_CHECKING:
 Owner = Hashable
 
 
+def is_load_owner(owner: Owner) -> bool:
+    """Whether ``owner`` is a load's copy (daemon/tier_jobs.py ``begin_load``), not a session:
+    the device pages it holds are on their way into the tree."""
+    return isinstance(owner, tuple) and owner[:1] == ("load",)
+
+
 class PageNotHeld(AllocatorError):
     """A page the caller named is not one it holds."""
 
@@ -139,6 +145,11 @@ class ModelCache:
         # host (or decline), and read host pages the tree dropped before their slots are reused.
         self.copy_to_host: Callable[[Node], None] | None = None
         self.read_host_drops: Callable[[list[Node]], None] | None = None
+        # per namespace, [full, swa] device pages taken for loads whose copy is under way: no
+        # session holds them and the tree has them only once the copy is done, yet they count
+        # against the namespace's tenants' quotas (a load admitted alone must not pass because
+        # another session's load is still copying)
+        self.loading_pages: dict[str, list[int]] = {}
         self.holders = Holders(profile.full_pages, profile.swa_pages or 0)
         self.holdings: dict[Owner, Holding] = self.holders.by_owner
         self._receipts: dict[int, tuple[Owner, Receipt]] = {}
@@ -615,6 +626,12 @@ class ModelCache:
         if live != {id(r) for r in self.tree.receipts}:
             v.append(f"receipt registry ({len(live)}) and the tree's active locks "
                      f"({len(self.tree.receipts)}) disagree")
+        loads = [h for o, h in self.holdings.items() if is_load_owner(o)]
+        loading = [sum(c[i] for c in self.loading_pages.values()) for i in (0, 1)]
+        held = [sum(len(h.full) for h in loads), sum(len(h.swa) for h in loads)]
+        if loading != held:
+            v.append(f"pages counted as loading ({loading}) are not those the loads hold "
+                     f"({held})")
 
 
 #: a page's count in the tree -> at most 2 (so that sums of a chunk's bytes never carry)

@@ -255,8 +255,9 @@ class Service(ServiceQueries, ServiceChecks):
             tree_full, tree_swa = ((ns.full_pages, ns.swa_pages) if ns is not None and evict
                                    else (0, 0))
             held_full, held_swa = self._held(s, entry)
-            of = tree_full + held_full + n - t.quota_full if t.quota_full else 0
-            osw = (tree_swa + held_swa + n_swa - t.quota_swa
+            load_full, load_swa = cache.loading_pages.get(t.namespace, (0, 0))
+            of = (tree_full + held_full + load_full + n - t.quota_full if t.quota_full else 0)
+            osw = (tree_swa + held_swa + load_swa + n_swa - t.quota_swa
                    if t.quota_swa and swa_enabled else 0)
             return max(0, of), max(0, osw)
 

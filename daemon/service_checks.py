@@ -10,6 +10,7 @@ import logging
 from collections.abc import Awaitable, Callable, Collection, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from .model_cache import is_load_owner
 from .queries import held_pages
 
 if TYPE_CHECKING:
@@ -74,7 +75,7 @@ class ServiceChecks:
                 yield from entry.keyed.check_steps(set(self.sessions), mv)
             v += [f"{name}: {x}" for x in mv]
             ghosts = [o for o in entry.cache.holdings
-                      if o not in self.sessions and not _is_job(o)]
+                      if o not in self.sessions and not is_load_owner(o)]
             if ghosts:
                 v.append(f"{name}: pages or receipts held by sessions that are gone: {ghosts[:10]}")
             yield
@@ -155,7 +156,3 @@ class ServiceChecks:
                          f"{held_swa} != {a.swa.usable}")
         return v
 
-
-def _is_job(owner: Any) -> bool:
-    """Owners of pages a tier copy holds while it runs (not sessions)."""
-    return isinstance(owner, tuple) and owner[:1] == ("load",)

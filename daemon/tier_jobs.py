@@ -243,6 +243,9 @@ def begin_load(mc: ModelCache, namespace: str, tokens: bytes, device_len: int,
     except BaseException:
         mc.unpin(pin)
         raise
+    loading = mc.loading_pages.setdefault(namespace, [0, 0])
+    loading[0] += len(full)
+    loading[1] += len(swa)
     return LoadJob(plan, pin, owner, full, swa)
 
 
@@ -250,6 +253,11 @@ def finish_load(mc: ModelCache, namespace: str, tokens: bytes, job: LoadJob, ok:
     """Hand the copied pages to the tree (or free them when the copy failed); returns the pages
     that became resident."""
     mc.disown(job.owner, (job.full_pages, job.swa_pages))
+    loading = mc.loading_pages[namespace]
+    loading[0] -= len(job.full_pages)
+    loading[1] -= len(job.swa_pages)
+    if loading == [0, 0]:
+        del mc.loading_pages[namespace]
     fd = {i: p for (i, _), p in zip(job.plan.full, job.full_pages, strict=True)}
     sd = {i: p for (i, _), p in zip(job.plan.swa, job.swa_pages, strict=True)}
     try:

@@ -6,6 +6,7 @@ import hashlib
 import socket
 import struct
 from array import array
+from typing import Any
 
 import pytest
 from radixd_client import Client, protocol
@@ -139,4 +140,48 @@ def test_a_request_beyond_the_quota_is_quota_exceeded_even_when_the_pool_is_shor
         assert alice.stats("m").models["m"]["quota_evicted_pages"] == 0
         for a in held:
             bob.free("m", a.full_pages, a.swa_pages)
+    d.check()
+
+
+def test_concurrent_loads_of_one_tenant_stay_within_its_quota(make_daemon) -> None:
+    """Several sessions of one tenant load host-only prefixes at once (each load alone within
+    the quota): the pages a load is still copying count against the quota of the next, so the
+    tenant does not end with sessions x quota locked device pages (it did)."""
+    import asyncio
+    import time
+
+    from radixd_client import AsyncClient
+
+    model = {**SMALL_MODEL, "full_pages": 256, "swa_pages": 128, "head_dim": 256,
+             "num_full_layers": 4, "host_pages": 512, "host_swa_pages": 256}  # copies off-loop
+    d = make_daemon({"models": [model], "tenants": [
+        {"name": "alice", "token": "a", "namespace": "ns-a", "quota_full_pages": 10,
+         "quota_swa_pages": 10}]})
+    prompts = [toks(8, 1000 * (i + 1)) for i in range(4)]
+    with Client(d.socket, token="a") as c:
+        for i, t in enumerate(prompts):  # 8 pages each, backed up to host, then evicted
+            cache(c, "m", t)
+            deadline = time.monotonic() + 20
+            while c.stats("m").models["m"]["tree_host_pages"] < 8 * (i + 1):
+                assert time.monotonic() < deadline, "the host copies"
+                time.sleep(0.02)
+            c.evict("m", full_pages=100, swa_pages=100)
+        assert c.stats("m").models["m"]["tree_full_pages"] == 0
+
+    async def loads() -> list[Any]:
+        clients = [await AsyncClient.connect(d.socket, "a") for _ in prompts]
+        try:
+            got = await asyncio.gather(*(cl.load("m", t, lock=True)
+                                         for cl, t in zip(clients, prompts, strict=True)),
+                                       return_exceptions=True)
+            st = (await clients[0].stats("m")).models["m"]
+            assert st["tree_full_pages"] <= 10, (st, got)
+            return got
+        finally:
+            for cl in clients:
+                await cl.close()
+
+    got = asyncio.run(loads())
+    assert sum(isinstance(g, QuotaExceeded) for g in got) >= 3, got
+    assert sum(getattr(g, "loaded_len", 0) == 8 * P for g in got) == 1, got
     d.check()
