@@ -123,8 +123,10 @@ def build_pools(mc: ModelConfig) -> Any:
 
 
 def build_l3(config: Config) -> Any:
-    """The shared Redis client, when some model with a host tier asks for L3."""
-    if not config.l3.url or not any(m.l3 and m.host_pages for m in config.models):
+    """The shared Redis client, when some model with a host tier and exported pools (the tiers
+    exist only then) asks for L3."""
+    if not config.l3.url or not any(m.l3 and m.host_pages and m.export_pools
+                                    for m in config.models):
         return None
     from .storage.redis_tier import RedisTier
 

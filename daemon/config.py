@@ -14,12 +14,12 @@ import sys
 import typing
 from pathlib import Path
 from typing import Any, Literal
-from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .gpu.profile import ModelProfile, ProfileError
 from .gpu.segments import resolve_host_segment_pages, resolve_segment_pages
+from .storage.redis_tier import redact_url, url_problem
 from .tree.policy import POLICIES
 
 if sys.version_info >= (3, 11):
@@ -122,6 +122,15 @@ class AdminConfig(_Section):
     tree_dump_max_nodes: int = Field(10_000, ge=1, description="most nodes /v1/tree returns")
     tenant_label_limit: int = Field(64, ge=1, description="most tenants given their own metric "
                                                           "labels; the rest are summed as _other")
+
+    @model_validator(mode="after")
+    def _one_token(self) -> AdminConfig:
+        if self.token is not None and self.token_sha256 is not None:
+            raise ValueError("give token or token_sha256, not both (with both, the digest was "
+                             "ignored)")
+        if self.token == "":
+            raise ValueError("token is empty: no request could authenticate with it")
+        return self
 
     @field_validator("host")
     @classmethod
@@ -299,10 +308,9 @@ class L3Config(_Section):
     @field_validator("url")
     @classmethod
     def _url(cls, v: str) -> str:
-        if v and v.split("://", 1)[0] not in ("redis", "rediss", "unix", "redis+cluster",
-                                                "rediss+cluster"):
-            raise ValueError("must start with redis://, rediss://, unix://, redis+cluster:// or "
-                             f"rediss+cluster://, got {v.split('://', 1)[0]!r}")
+        problem = url_problem(v) if v else None
+        if problem is not None:
+            raise ValueError(redact_url(problem))
         return v
 
     @field_validator("key_prefix")
@@ -315,7 +323,7 @@ class L3Config(_Section):
 
 
 class TenantConfig(_Section):
-    name: str
+    name: str = Field(min_length=1)
     token: str | None = Field(None, description="the tenant's token (prefer token_sha256)")
     token_sha256: str | None = Field(None, description="hex SHA-256 of the tenant's token")
     namespace: str | None = Field(None, description="prefix namespace (default: the name); "
@@ -338,6 +346,8 @@ class TenantConfig(_Section):
     def _one_token(self) -> TenantConfig:
         if self.token is not None and self.token_sha256 is not None:
             raise ValueError("give token or token_sha256, not both")
+        if self.token == "":
+            raise ValueError("token is empty: no session could authenticate with it")
         return self
 
     def token_digest(self) -> bytes | None:
@@ -409,11 +419,7 @@ def redacted(config: Config) -> dict[str, Any]:
                 section[key] = REDACTED
     l3 = data.get("l3", {})
     if l3.get("url"):
-        parts = urlsplit(l3["url"])
-        if parts.password is not None:
-            host = parts.netloc.rpartition("@")[2]
-            user = f"{parts.username}:" if parts.username else ":"
-            l3["url"] = urlunsplit(parts._replace(netloc=f"{user}{REDACTED}@{host}"))
+        l3["url"] = redact_url(l3["url"], REDACTED)
     return data
 
 
@@ -545,6 +551,11 @@ def load_config(path: str | os.PathLike | None = None, *, env: dict[str, str] | 
             raise ConfigError(f"config file {path} does not exist") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {path}: not valid TOML: {exc}") from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"config file {path}: not UTF-8 text: {exc}") from None
+        except OSError as exc:  # a directory, no permission to read it, ...
+            raise ConfigError(f"config file {path} cannot be read: {exc.strerror or exc}"
+                              ) from None
     env_data, origin = _env_overrides(env)
     data = _merge(data, env_data)
     data = _merge(data, overrides or {})

@@ -31,10 +31,24 @@ def _path_error(exc: OSError, path: str, what: str) -> SocketPathError:
     return SocketPathError(exc.errno, f"{path}: {what}: {why}")
 
 
+#: the longest path a Unix socket's address holds (sun_path is 108 bytes, one a terminator)
+MAX_SOCKET_PATH = 107
+
+
 def check_socket_path(path: str) -> None:
-    """Raise SocketPathError when ``path`` cannot be a socket because something on its way is a
-    file, not a directory (``radixd config check`` asks too, binding nothing)."""
+    """Raise SocketPathError when ``path`` cannot be a socket: too long for a socket address,
+    a file that is not a socket already there, or a file, not a directory, on its way
+    (``radixd config check`` asks too, binding nothing; a live socket there is the bind's
+    business)."""
     p = Path(path)
+    if len(os.fsencode(path)) > MAX_SOCKET_PATH:
+        raise SocketPathError(errno.ENAMETOOLONG,
+                              f"{path}: {len(os.fsencode(path))} bytes, longer than the "
+                              f"{MAX_SOCKET_PATH} a Unix socket path may have (choose a "
+                              "shorter one)")
+    if (p.exists() or p.is_symlink()) and not stat.S_ISSOCK(p.lstat().st_mode):
+        raise SocketPathError(errno.EEXIST, f"{path}: exists and is not a socket; refusing to "
+                                            "replace it (choose another socket path)")
     for parent in (p.parent, *p.parent.parents):  # the nearest existing ancestor: a directory?
         if parent.exists():
             if not parent.is_dir():
@@ -56,11 +70,7 @@ def bind_unix_socket(path: str, mode: int) -> socket.socket:
             p.parent.mkdir(parents=True, mode=0o750)
         except OSError as exc:
             raise _path_error(exc, path, f"cannot create its directory {p.parent}") from None
-    if p.exists() or p.is_symlink():
-        if not stat.S_ISSOCK(p.lstat().st_mode):
-            raise SocketPathError(errno.EEXIST,
-                                  f"{path}: exists and is not a socket; refusing to replace "
-                                  "it")
+    if p.exists() or p.is_symlink():  # a socket (check_socket_path refused anything else)
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             probe.connect(path)

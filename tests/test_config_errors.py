@@ -165,3 +165,70 @@ def test_the_newer_keys_refuse_bad_values_by_name(overrides: dict, key: str) -> 
     with pytest.raises(ConfigError) as info:
         load_config(None, env={}, overrides=overrides)
     assert str(info.value).startswith(f"invalid configuration: {key}: "), str(info.value)
+
+
+@pytest.mark.parametrize(("overrides", "key", "why"), [
+    ({"l3": {"url": "redis://127.0.0.1:abc/0"}}, "l3.url", "Port could not be cast"),
+    ({"l3": {"url": "redis://127.0.0.1:6379?db=x"}}, "l3.url", "Invalid value for 'db'"),
+    ({"l3": {"url": "redis://127.0.0.1:6379/notadb"}}, "l3.url", "must be a number"),
+    ({"l3": {"url": "http://127.0.0.1:6379/0"}}, "l3.url", "must start with redis://"),
+    ({"admin": {"token": "abc", "token_sha256": "0" * 64}}, "admin", "not both"),
+    ({"admin": {"token": ""}}, "admin", "token is empty"),
+    ({"tenants": [{"name": "a", "token": ""}]}, 'tenants["a"]', "token is empty"),
+    ({"tenants": [{"name": "", "token": "t"}]}, "tenants", "at least 1 character"),
+])
+def test_settings_that_would_fail_later_are_refused_when_read(overrides: dict, key: str,
+                                                              why: str) -> None:
+    """A Redis URL whose port or database redis-py cannot read (before: a traceback and exit 1
+    once the pools existed, while config check said ok; a database name that is no number was
+    silently db 0), both admin token forms (the digest was ignored), empty tokens (nothing
+    could authenticate) and an empty tenant name."""
+    with pytest.raises(ConfigError) as info:
+        load_config(None, env={}, overrides=overrides)
+    assert str(info.value).startswith(f"invalid configuration: {key}"), str(info.value)
+    assert why in str(info.value), str(info.value)
+
+
+def test_a_config_file_that_cannot_be_read_is_a_one_line_error(tmp_path: Path) -> None:
+    binary = tmp_path / "binary.toml"
+    binary.write_bytes(b"\xff\xfe[server]\n")
+    for path, why in ((tmp_path, "cannot be read: Is a directory"), (binary, "not UTF-8")):
+        for args in (("config", "check"), ("serve",)):
+            line = _one_line_error(_radixd(*args, "--config", str(path)))
+            assert str(path) in line and why in line, line
+
+
+def test_config_check_refuses_the_socket_paths_serve_refuses(tmp_path: Path) -> None:
+    """A directory where the socket should go, and a path longer than a socket address holds:
+    config check said ok and serve refused them (after building the pools)."""
+    long = tmp_path / ("x" * (120 - len(str(tmp_path)))) / "radixd.sock"
+    for sock, why in ((tmp_path, "exists and is not a socket"), (long, "longer than the 107")):
+        cfg = _config(tmp_path, CPU_MODEL, socket=str(sock))
+        for args in (("config", "check"), ("serve",)):
+            line = _one_line_error(_radixd(*args, "--config", str(cfg)))
+            assert line.startswith(f"radixd: server.socket: {sock}: ") and why in line, line
+
+
+def test_the_redis_password_is_redacted_wherever_it_is_in_the_url() -> None:
+    from daemon.config import redacted
+
+    for url in ("redis://user:TOPSECRET@127.0.0.1:6379/0",
+                "redis://127.0.0.1:6379/0?password=TOPSECRET",
+                "unix:///run/redis.sock?db=1&password=TOPSECRET"):
+        shown = redacted(load_config(None, env={}, overrides={"l3": {"url": url}}))["l3"]["url"]
+        assert "TOPSECRET" not in shown and "<redacted>" in shown, shown
+        assert shown.split("://")[0] == url.split("://")[0], shown
+
+
+def test_l3_is_off_for_models_that_do_not_export_their_pools() -> None:
+    """The tiers exist only for exported pools: no Redis client (nor radixd_l3_enabled 1) for
+    a daemon whose only model with l3 keeps its pools to itself."""
+    from daemon.app import build_l3
+
+    model = {"name": "m", "host_pages": 64, "l3": True}
+    url = {"l3": {"url": "redis://127.0.0.1:6379/0"}}
+    off = load_config(None, env={}, overrides={**url, "models": [{**model,
+                                                                 "export_pools": False}]})
+    assert build_l3(off) is None
+    on = load_config(None, env={}, overrides={**url, "models": [model]})
+    assert build_l3(on) is not None

@@ -49,6 +49,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
+from redis.connection import parse_url
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -74,21 +75,38 @@ _CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 log = logging.getLogger("radixd.storage.redis")
 
 
-def redact_url(url: str) -> str:
+def url_problem(url: str) -> str | None:
+    """What is wrong with a Redis URL (its scheme, port, database), or None: what building the
+    client would raise only once the daemon's pools exist, said when the config is read."""
+    parts = urlsplit(url)
+    scheme = _CLUSTER_SCHEMES.get(parts.scheme, parts.scheme)
+    if scheme not in ("redis", "rediss", "unix"):
+        return (f"must start with redis://, rediss://, unix://, redis+cluster:// or "
+                f"rediss+cluster://, got {parts.scheme!r}")
+    try:
+        parse_url(url if scheme == parts.scheme else url.replace(parts.scheme, scheme, 1))
+    except ValueError as exc:
+        return str(exc)
+    if scheme != "unix" and parts.path not in ("", "/") and not parts.path[1:].isdigit():
+        return f"the database must be a number (redis://host:port/0), got {parts.path[1:]!r}"
+    return None
+
+
+def redact_url(url: str, mask: str = "***") -> str:
     """``url`` with its password (in the user info or a ``password=`` query parameter) replaced
-    by ``***``: Redis URLs carry credentials, and logs are read by more people than configs."""
+    by ``mask``: Redis URLs carry credentials, and logs are read by more people than configs."""
     parts = urlsplit(url)
     netloc = parts.netloc
     if "@" in netloc:
         userinfo, host = netloc.rsplit("@", 1)
         if ":" in userinfo:
-            userinfo = userinfo.split(":", 1)[0] + ":***"
+            userinfo = userinfo.split(":", 1)[0] + ":" + mask
         netloc = f"{userinfo}@{host}"
     query = parts.query
     if query:
         pairs = parse_qsl(query, keep_blank_values=True)
-        query = urlencode([(k, "***" if k.lower() == "password" else v) for k, v in pairs],
-                          safe="*")
+        query = urlencode([(k, mask if k.lower() == "password" else v) for k, v in pairs],
+                          safe="*<>")
     out = urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
     if "://" in url and "://" not in out:  # unix:///path: urlunsplit drops the empty netloc
         out = out.replace(":", "://", 1)
