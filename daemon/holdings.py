@@ -22,6 +22,12 @@ import numpy as np
 from .gpu.allocator import VECTOR_MIN, as_page_array, nonzero_ids, page_ids
 
 
+def is_load_owner(owner: object) -> bool:
+    """Whether ``owner`` is a load's copy (daemon/tier_jobs.py ``begin_load``), not a session:
+    the device pages it holds are on their way into the tree."""
+    return isinstance(owner, tuple) and owner[:1] == ("load",)
+
+
 class PageTable:
     """The holder of every page of one pool (0: not held): an int32 array, read one id at a
     time from Python (``holder``, a memoryview) for a short list of pages and in numpy

@@ -25,7 +25,7 @@ from .gpu.allocator import (
 )
 from .gpu.page_runs import PageRuns, cold_after_tokens
 from .gpu.segments import PairedSegmentAllocator, audit_model_segments_steps
-from .holdings import Holders, Holding
+from .holdings import Holders, Holding, is_load_owner
 from .tree import (
     DEFAULT_POLICY,
     HASH_BLOCK_TOKENS,
@@ -50,12 +50,6 @@ if TYPE_CHECKING:
     from .storage.host_tier import HostTier
 
 Owner = Hashable
-
-
-def is_load_owner(owner: Owner) -> bool:
-    """Whether ``owner`` is a load's copy (daemon/tier_jobs.py ``begin_load``), not a session:
-    the device pages it holds are on their way into the tree."""
-    return isinstance(owner, tuple) and owner[:1] == ("load",)
 
 
 class PageNotHeld(AllocatorError):
@@ -145,10 +139,8 @@ class ModelCache:
         # host (or decline), and read host pages the tree dropped before their slots are reused.
         self.copy_to_host: Callable[[Node], None] | None = None
         self.read_host_drops: Callable[[list[Node]], None] | None = None
-        # per namespace, [full, swa] device pages taken for loads whose copy is under way: no
-        # session holds them and the tree has them only once the copy is done, yet they count
-        # against the namespace's tenants' quotas (a load admitted alone must not pass because
-        # another session's load is still copying)
+        # per namespace, [full, swa] device pages of loads still copying: held by no session and
+        # not yet the tree's, they count against the tenants' quotas all the same
         self.loading_pages: dict[str, list[int]] = {}
         self.holders = Holders(profile.full_pages, profile.swa_pages or 0)
         self.holdings: dict[Owner, Holding] = self.holders.by_owner

@@ -10,7 +10,7 @@ import logging
 from collections.abc import Awaitable, Callable, Collection, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from .model_cache import is_load_owner
+from .holdings import is_load_owner
 from .queries import held_pages
 
 if TYPE_CHECKING:

@@ -127,7 +127,6 @@ def _defined_privates(tree: ast.AST) -> set[str]:
 FOREIGN_PRIVATES = {
     ("radixd_client.pools", "_share_cuda_"): "torch's documented CUDA IPC export "
                                               "(torch.multiprocessing uses it the same way)",
-    ("daemon.config", "_replace"): "NamedTuple's public API (urllib's SplitResult)",
 }
 
 

@@ -380,8 +380,12 @@ class ListeningDaemon:
         with contextlib.suppress(OSError):
             s.shutdown(socket.SHUT_RDWR)
 
-    def close(self) -> None:
-        self.listener.close()
+    def run(self, run: Any, main: Any) -> None:
+        """``run(main())`` (the ``run`` fixture) while this daemon listens; closed after."""
+        try:
+            run(main())
+        finally:
+            self.listener.close()
 
 
 def _first_goes_away(i: int, req: Any) -> Any:
@@ -417,10 +421,7 @@ def test_attaches_queued_behind_a_cut_one_are_not_sent_on_the_new_session(
         assert (await c.ping(b"y")).payload == b"y"
         await c.close()
 
-    try:
-        run(main())
-    finally:
-        d.close()
+    d.run(run, main)
     assert [op for i, op in d.seen if i == 1] == ["hello", "ping"], d.seen
 
 
@@ -440,10 +441,7 @@ def test_every_call_made_while_the_new_session_opens_raises_session_restarted(
         assert [type(g) for g in got] == [SessionRestarted] * 4, got
         await c.close()
 
-    try:
-        run(main())
-    finally:
-        d.close()
+    d.run(run, main)
     assert [op for i, op in d.seen if i == 1] == ["hello"], d.seen
 
 
@@ -472,10 +470,7 @@ def test_a_reconnect_whose_callers_were_all_cancelled_does_not_answer_the_next_r
         assert c.restarts == 2 and (await c.ping(b"b")).payload == b"b"
         await c.close()
 
-    try:
-        run(main())
-    finally:
-        d.close()
+    d.run(run, main)
     assert sorted({i for i, op in d.seen if op == "hello"}) == [0, 1, 2], d.seen
 
 
@@ -503,8 +498,5 @@ def test_a_reconnect_after_shutting_down_opens_one_connection(tmp_path: Any, kit
         assert (await c.ping(b"y")).payload == b"y"
         await c.close()
 
-    try:
-        run(main())
-    finally:
-        d.close()
+    d.run(run, main)
     assert [i for i, op in d.seen if op == "hello"] == [0, 1], d.seen
