@@ -455,9 +455,18 @@ def _env_overrides(env: dict[str, str]) -> tuple[dict[str, Any], dict[tuple[str,
             value = tomllib.loads(f"v = {raw}")["v"]
         except tomllib.TOMLDecodeError:
             value = raw
+        if not isinstance(value, str) and _is_text(_ENV_SECTIONS[section], name.lower()):
+            value = raw  # a token or path of digits: text all the same
         out.setdefault(_ENV_SECTIONS[section], {})[name.lower()] = value
         origin[(_ENV_SECTIONS[section], name.lower())] = key
     return out, origin
+
+
+def _is_text(section: str, key: str) -> bool:
+    """Whether the key takes a string (``str`` or ``str | None``)."""
+    model = Config.model_fields[section].annotation
+    field = getattr(model, "model_fields", {}).get(key)
+    return field is not None and field.annotation in (str, str | None)
 
 
 def _env_names() -> list[str]:

@@ -232,3 +232,12 @@ def test_l3_is_off_for_models_that_do_not_export_their_pools() -> None:
     assert build_l3(off) is None
     on = load_config(None, env={}, overrides={**url, "models": [model]})
     assert build_l3(on) is not None
+
+
+def test_an_all_digit_token_from_the_environment_is_text() -> None:
+    """Environment values parse as TOML scalars (numbers, booleans, arrays), but a key that
+    takes text keeps the text: an all-digit admin token was a number, refused, with no way to
+    quote it."""
+    cfg = load_config(None, env={"RADIXD_ADMIN_TOKEN": "123456",
+                                 "RADIXD_SERVER_MAX_FRAME_BYTES": "4096"})
+    assert cfg.admin.token == "123456" and cfg.server.max_frame_bytes == 4096
