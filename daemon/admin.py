@@ -425,7 +425,7 @@ class _Admin:
             pools=v.pools, nodes=v.nodes, matches=v.matches, match_tokens=v.match_tokens,
             hit_tokens=v.hit_tokens, hit_rate=_rate(v.hit_tokens, v.match_tokens),
             evictions=v.evictions, tiers=v.tiers.stats if v.tiers is not None else None,
-            segments=v.segments)
+            segments=v.segments, keyed=v.keyed)
             for v in svc.model_views()}
         tenants = [TenantStats(
             name=t.name, namespace=t.namespace, sessions=t.sessions,

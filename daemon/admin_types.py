@@ -15,7 +15,15 @@ from msgspec import UNSET, Meta, UnsetType
 from radixd_client import protocol as P
 
 from . import __version__
-from .queries import EvictionCount, PoolUsage, SegmentUsage, SessionView, TenantView, TreeNode
+from .queries import (
+    EvictionCount,
+    KeyedView,
+    PoolUsage,
+    SegmentUsage,
+    SessionView,
+    TenantView,
+    TreeNode,
+)
 
 MAX_TREE_DEPTH = 64
 DEFAULT_TREE_DEPTH = 3
@@ -101,6 +109,10 @@ class ModelStats(msgspec.Struct):
     segments: Annotated[dict[str, SegmentUsage] | None, Meta(
         description="per pool (full, swa, and the host pools host_full, host_swa), its "
                     "segments under memory isolation; null without isolation")
+    ] = None
+    keyed: Annotated[KeyedView | None, Meta(
+        description="the key-addressed store, all namespaces: stored pages by pool, pins and "
+                    "reservations held, the store's counters; null without a host tier")
     ] = None
 
 

@@ -144,6 +144,7 @@ class Collector:
             compactions.add_metric([v.name, "expanded"], v.expanded_nodes)
 
         _tier_families(reg, service, views)
+        _keyed_families(reg, views)
 
         # -- operations
         ops = reg.counter("radixd_operations_total",
@@ -356,6 +357,29 @@ def _tier_families(reg: _Families, service: Service, views: list[ModelView]) -> 
         state.add_metric([s_], st.get("breaker_state") == s_)
     for key, name, text in _L3_COUNTERS:
         reg.counter(name, text).add_metric([], st.get(key, 0))
+
+
+def _keyed_families(reg: _Families, views: list[ModelView]) -> None:
+    """The key-addressed store per model, all namespaces (protocol.md 9.4)."""
+    pages = reg.gauge("radixd_keyed_pages",
+                      "Pages stored in a model's key-addressed store, by pool (host slots).",
+                      ("model", "pool"))
+    pins = reg.gauge("radixd_keyed_pins",
+                     "Lookup pins and reservations held now in a model's key-addressed store.",
+                     ("model",))
+    events = reg.counter(
+        "radixd_keyed_events_total",
+        "The key-addressed store's counters (operations.md, \"Tiers in /v1/stats\"), by event: "
+        "the kv_ name of the stats counter without its prefix, e.g. lookups, hit_keys, "
+        "reserved, committed, declined, evicted, l3_write_pages.", ("model", "event"))
+    for v in views:
+        if v.keyed is None:
+            continue
+        for pool, n in v.keyed.pages.items():
+            pages.add_metric([v.name, pool], n)
+        pins.add_metric([v.name], v.keyed.pins)
+        for key, n in v.keyed.counters.items():
+            events.add_metric([v.name, key.removeprefix("kv_")], n)
 
 
 def _tenant_families(reg: _Families, service: Service, limit: int) -> None:

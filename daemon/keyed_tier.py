@@ -50,20 +50,24 @@ from .tree import chunked
 
 log = logging.getLogger("radixd.keyed")
 
-#: Most keys one request may name.
-MAX_KEYS = 65536
 #: Most keyed pages one L3 write batch encodes.
 L3_WRITE_BATCH = 64
 #: Most keyed pages waiting for Redis (each holds its host slot): past it the oldest are dropped.
 MAX_L3_QUEUE = 4096
+#: The store's counters, model-wide and per namespace (operations.md, "Tiers in /v1/stats").
+KV_COUNTERS = (
+    "kv_lookups", "kv_lookup_keys", "kv_hit_keys", "kv_reserved", "kv_committed", "kv_aborted",
+    "kv_declined", "kv_evicted", "kv_cleared", "kv_l3_write_pages", "kv_l3_write_failures",
+    "kv_l3_fetched", "kv_l3_fetch_timeouts")
 
 
 class KvError(Exception):
     """A refused keyed-store request, with its protocol error code."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, **details: Any) -> None:
         super().__init__(message)
         self.code = code
+        self.details = details
 
 
 #: TierManager.charge_l3: (namespace, Redis page id, pool, value bytes) of written values
@@ -97,10 +101,19 @@ class KeyedTier:
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._writing = False
-        self.counters = dict.fromkeys((
-            "kv_lookups", "kv_lookup_keys", "kv_hit_keys", "kv_reserved", "kv_committed",
-            "kv_aborted", "kv_declined", "kv_evicted", "kv_cleared", "kv_l3_write_pages",
-            "kv_l3_write_failures", "kv_l3_fetched", "kv_l3_fetch_timeouts"), 0)
+        #: model-wide, for operators (/metrics, /v1/stats); a tenant's ``stats`` shows only its
+        #: namespace's (``ns_counters``): another tenant's volumes are not its business
+        self.counters = dict.fromkeys(KV_COUNTERS, 0)
+        self.ns_counters: dict[str, dict[str, int]] = {}
+
+    def count(self, ns: str, key: str, n: int = 1, model: bool = True) -> None:
+        """Add ``n`` to counter ``key`` of namespace ``ns`` and (``model``) of the model."""
+        if model:
+            self.counters[key] += n
+        mine = self.ns_counters.get(ns)
+        if mine is None:
+            mine = self.ns_counters[ns] = dict.fromkeys(KV_COUNTERS, 0)
+        mine[key] += n
 
     # ------------------------------------------------------------------ validation
 
@@ -117,8 +130,9 @@ class KeyedTier:
 
     @staticmethod
     def check_keys(keys: list[bytes], unique: bool) -> None:
-        if len(keys) > MAX_KEYS:
-            raise KvError(P.Code.BAD_ARGUMENT, f"{len(keys)} keys; at most {MAX_KEYS} per request")
+        if len(keys) > P.KV_MAX_KEYS:
+            raise KvError(P.Code.BAD_ARGUMENT,
+                          f"{len(keys)} keys; at most {P.KV_MAX_KEYS} per request")
         for i, k in enumerate(keys):
             if not P.KV_KEY_MIN <= len(k) <= P.KV_KEY_MAX:
                 raise KvError(P.Code.BAD_ARGUMENT,
@@ -188,7 +202,7 @@ class KeyedTier:
             return False
         if page is not None and (tree is None or page.stamp <= tree[1]):
             self._drop(page, evicted=True)
-            self.counters["kv_evicted"] += 1
+            self.count(page.ns, "kv_evicted")
         elif kind == "full":
             self.cache.evict_host(1, namespace=tree[0])  # type: ignore[index]
         else:
@@ -258,14 +272,25 @@ class KeyedTier:
 
     # ------------------------------------------------------------------ operations
 
-    def lookup(self, owner: Hashable, ns: str, kind: str, keys: list[bytes], pin: bool
-               ) -> P.KvLookupResult:
+    def check_pins(self, owner: Hashable, want: int, limit: int) -> None:
+        """An owner's pins and reservations may name at most ``limit`` keys together (each
+        costs daemon memory, and what it pins cannot be evicted): ``too_many_locks`` when
+        ``want`` more would pass it."""
+        held = self.pages.keys_held(owner)
+        if held + want > limit:
+            raise KvError(P.Code.TOO_MANY_LOCKS,
+                          f"this session's keyed-store pins and reservations on model "
+                          f"{self.model!r} name {held} keys, and this request {want} more; the "
+                          f"limit is {limit}: release some first", limit=limit)
+
+    def lookup(self, owner: Hashable, ns: str, kind: str, keys: list[bytes], pin: bool,
+               max_pins: int) -> P.KvLookupResult:
         self.pool(kind)
         self.check_keys(keys, unique=False)
         present = bytearray(len(keys))
         slots = array("i", bytes(4 * len(keys)))
-        found: list[KeyedPage] = []
-        clock = self.cache.tree.clock
+        found: dict[KeyedPage, None] = {}  # distinct: a key named twice is pinned once
+        hits = 0
         prefix = -1
         for i, k in enumerate(keys):
             page = self.pages.get(ns, kind, k)
@@ -275,21 +300,26 @@ class KeyedTier:
                 continue
             present[i] = 1
             slots[i] = page.slot
+            found[page] = None
+            hits += 1
+        if pin and found:  # before anything changes
+            self.check_pins(owner, len(found), max_pins)
+        clock = self.cache.tree.clock
+        for page in found:
             self.pages.touch(page, clock)
-            found.append(page)
-        c = self.counters
-        c["kv_lookups"] += 1
-        c["kv_lookup_keys"] += len(keys)
-        c["kv_hit_keys"] += len(found)
-        pin_id = self.pages.pin_pages(owner, ns, kind, found).id if pin and found else 0
+        self.count(ns, "kv_lookups")
+        self.count(ns, "kv_lookup_keys", len(keys))
+        self.count(ns, "kv_hit_keys", hits)
+        pin_id = self.pages.pin_pages(owner, ns, kind, list(found)).id if pin and found else 0
         return P.KvLookupResult(present=bytes(present), slots=slots,
                                 prefix=len(keys) if prefix < 0 else prefix, pin=pin_id,
                                 host_segments_gen=self.host.generation(ns))
 
-    def reserve(self, owner: Hashable, ns: str, kind: str, keys: list[bytes]
+    def reserve(self, owner: Hashable, ns: str, kind: str, keys: list[bytes], max_pins: int
                 ) -> P.KvReserveResult:
         pool = self.pool(kind)
         self.check_keys(keys, unique=True)
+        self.check_pins(owner, len(keys), max_pins)
         slots = array("i", bytes(4 * len(keys)))
         clock = self.cache.tree.clock
         want = 0
@@ -327,9 +357,8 @@ class KeyedTier:
             self._free(kind, [slot for slot, _ in taken.values()])
             raise
         declined = len(todo) - fit
-        c = self.counters
-        c["kv_reserved"] += fit
-        c["kv_declined"] += declined
+        self.count(ns, "kv_reserved", fit)
+        self.count(ns, "kv_declined", declined)
         pin_id = self.pages.reserve(owner, ns, kind, taken).id if taken else 0
         return P.KvReserveResult(slots=slots, pin=pin_id, full=declined, busy=busy,
                                  host_segments_gen=self.host.generation(ns))
@@ -341,7 +370,7 @@ class KeyedTier:
                           f"pin {pin_id} is a lookup pin: release it (kv_release), only a "
                           "reservation is committed")
         pages = self.pages.commit(pin, self.cache.tree.clock)
-        self.counters["kv_committed"] += len(pages)
+        self.count(pin.ns, "kv_committed", len(pages))
         if self.l3 is not None and self.l3_policy == "write_through":
             for page in pages:  # the slot is held (a reader) until its value is encoded
                 if self.host.hold(page.kind, (page.slot,)):
@@ -354,7 +383,7 @@ class KeyedTier:
         freed = self.pages.release(pin)
         if freed:
             self._free(pin.kind, freed)
-            self.counters["kv_aborted"] += len(freed)
+            self.count(pin.ns, "kv_aborted", len(freed))
 
     def release_owner(self, owner: Hashable) -> int:
         """Every pin and reservation of an owner ends (its session is gone)."""
@@ -369,7 +398,7 @@ class KeyedTier:
         gone = [p for p in self.pages.pages.values() if p.ns == ns and not p.pins]
         for page in gone:
             self._drop(page)
-        self.counters["kv_cleared"] += len(gone)
+        self.count(ns, "kv_cleared", len(gone))
         if self.l3 is not None and gone:
             for kind in P.KV_POOLS:
                 ids = [self.l3_id(p.hash) for p in gone if p.kind == kind]
@@ -387,11 +416,11 @@ class KeyedTier:
         self._l3_queue.append(item)
         if len(self._l3_queue) > MAX_L3_QUEUE:
             drop = len(self._l3_queue) - MAX_L3_QUEUE
-            for kind, slot, *_ in self._l3_queue[:drop]:
+            for kind, slot, *_, page in self._l3_queue[:drop]:
                 if slot:
                     self.host.unhold(kind, (slot,))
+                self.count(page.ns, "kv_l3_write_failures")
             del self._l3_queue[:drop]
-            self.counters["kv_l3_write_failures"] += drop
         if self._wake is not None:
             self._wake.set()
 
@@ -436,20 +465,25 @@ class KeyedTier:
                             if slot:
                                 self.host.unhold(kind, (slot,))
                     written = await self.l3.set_pages(values)
-                    self.counters["kv_l3_write_pages"] += written
-                    self.counters["kv_l3_write_failures"] += len(values) - written
-                    if written == len(values):  # else which failed is unknown: count none
-                        for *_, page in batch:
-                            page.in_l3 = True
-                        if self.l3_charge is not None:
-                            await self.l3_charge([
-                                (page.ns, l3id, kind, len(v)) for (kind, _, l3id, _, _, page), v
-                                in zip(batch, values, strict=True)])
+                    whole = written == len(values)
+                    if not whole:  # which failed is unknown: none is marked as in Redis, and
+                        # each namespace counts all its pages of the batch as failures
+                        self.counters["kv_l3_write_pages"] += written
+                        self.counters["kv_l3_write_failures"] += len(values) - written
+                    for *_, page in batch:
+                        page.in_l3 = page.in_l3 or whole
+                        self.count(page.ns, "kv_l3_write_pages" if whole
+                                   else "kv_l3_write_failures", model=whole)
+                    if whole and self.l3_charge is not None:
+                        await self.l3_charge([
+                            (page.ns, l3id, kind, len(v)) for (kind, _, l3id, _, _, page), v
+                            in zip(batch, values, strict=True)])
                 except asyncio.CancelledError:
                     raise
                 except Exception:
                     log.exception("keyed L3 write failed")
-                    self.counters["kv_l3_write_failures"] += len(batch)
+                    for *_, page in batch:
+                        self.count(page.ns, "kv_l3_write_failures")
                 finally:
                     self._writing = False
 
@@ -482,7 +516,7 @@ class KeyedTier:
                 self.l3.get_pages([self.l3_id(h) for h in hashes], kind, self.fingerprint,
                                   page_keys=missing), timeout_s)
         except asyncio.TimeoutError:
-            self.counters["kv_l3_fetch_timeouts"] += 1
+            self.count(ns, "kv_l3_fetch_timeouts")
             return 0
         found = [(k, h, v) for k, h, v in zip(missing, hashes, values, strict=True)
                  if v is not None]
@@ -512,7 +546,7 @@ class KeyedTier:
             slot = self._take(kind, h, ns)
             pool.write_page_bytes(slot, v.payload)
             self.pages.add_stored(ns, kind, k, slot, h, clock)
-        self.counters["kv_l3_fetched"] += fit
+        self.count(ns, "kv_l3_fetched", fit)
         return fit
 
     # ------------------------------------------------------------------ checking and reporting
@@ -626,11 +660,10 @@ class KeyedTier:
             v += pool.allocator.audit_owners(ns, f"keyed {kind} slots", segs)
 
     def stats(self, ns: str) -> dict[str, int]:
-        """The namespace's keyed pages and the model's keyed-store counters."""
-        out: dict[str, Any] = {
+        """The namespace's keyed pages, pins and counters (a tenant's ``stats``)."""
+        out = {
             "kv_pages": sum(1 for p in self.pages.pages.values() if p.ns == ns),
-            "kv_pages_model": len(self.pages.pages),
-            "kv_pins": len(self.pages.pins),
+            "kv_pins": sum(1 for p in self.pages.pins.values() if p.ns == ns),
         }
-        out.update(self.counters)
+        out.update(self.ns_counters.get(ns) or dict.fromkeys(KV_COUNTERS, 0))
         return out

@@ -64,6 +64,14 @@ class TierView(msgspec.Struct):
     stats: dict[str, Any]
 
 
+class KeyedView(msgspec.Struct):
+    """A model's key-addressed store, all namespaces (a tenant's ``stats`` shows its own)."""
+
+    pages: dict[str, int]  # stored pages by pool kind
+    pins: int  # lookup pins and reservations held now
+    counters: dict[str, int]
+
+
 class ModelView(msgspec.Struct):
     name: str
     info: P.ModelInfo
@@ -79,6 +87,7 @@ class ModelView(msgspec.Struct):
     # nodes whose page ids went to their compact form while cold, and back when used again
     compacted_nodes: int = 0
     expanded_nodes: int = 0
+    keyed: KeyedView | None = None  # None: no key-addressed store (no host tier)
 
     @property
     def swa(self) -> bool:
@@ -211,7 +220,7 @@ class ServiceQueries:
             match_tokens=c["match_tokens"], hit_tokens=c["hit_tokens"], evictions=evictions,
             tiers=_tier_view(entry), segments=_segment_view(cache),
             compacted_nodes=tree.stats["compacted_nodes"],
-            expanded_nodes=tree.stats["expanded_nodes"])
+            expanded_nodes=tree.stats["expanded_nodes"], keyed=_keyed_view(entry))
 
     def model_views(self) -> list[ModelView]:
         return [self.model_view(m) for m in self.models]
@@ -307,6 +316,14 @@ def _tier_view(entry: ModelEntry) -> TierView | None:
     host = {p.kind: HostPool(p.usable, p.used) for p in t.host.pools()}
     return TierView(host=host, counters=dict(t.counters), copy_seconds=dict(t.copy_seconds),
                     copy_bytes=dict(t.copy_bytes), stats=t.stats())
+
+
+def _keyed_view(entry: ModelEntry) -> KeyedView | None:
+    k = entry.keyed
+    if k is None:
+        return None
+    return KeyedView(pages={kind: len(order) for kind, order in k.pages.order.items()},
+                     pins=len(k.pages.pins), counters=dict(k.counters))
 
 
 def dump_tree(tree: Any, root: Any, depth: int, limit: int) -> tuple[TreeNode, int, bool]:

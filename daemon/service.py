@@ -561,9 +561,12 @@ class Service(ServiceQueries, ServiceChecks):
             else:
                 fds.append(pool.fd)  # type: ignore[arg-type]
                 kind, index = "memfd", len(fds) - 1
+            # without the pool's occupancy: that is every namespace's, not the session's
+            description = {k: v for k, v in pool.describe().items()
+                           if k not in ("used", "available")}
             infos.append(P.KvPoolInfo(pool=pool.kind, fd_index=index, slots=pool.capacity,
                                       page_nbytes=pool.page_nbytes, nbytes=pool.nbytes,
-                                      description=pool.describe(), kind=kind))
+                                      description=description, kind=kind))
         return P.KvAttachResult(pools=infos, segment_pages=host.segment_pages or 0,
                                 segments=segments, generation=host.generation(ns)), fds
 
@@ -574,12 +577,14 @@ class Service(ServiceQueries, ServiceChecks):
                                "kv_lookup with fetch waits for Redis: not allowed in a batch")
         if r.pin:
             self.mutations += 1  # a pin: see service_checks.mutating
-        return keyed.lookup(s.id, s.tenant.namespace, r.pool, r.keys, r.pin)
+        return keyed.lookup(s.id, s.tenant.namespace, r.pool, r.keys, r.pin,
+                            self.config.server.max_locks_per_session)
 
     @mutating
     def kv_reserve(self, s: Session, r: P.KvReserve) -> P.KvReserveResult:
         _, keyed = self._keyed(s, r.model)
-        return keyed.reserve(s.id, s.tenant.namespace, r.pool, r.keys)
+        return keyed.reserve(s.id, s.tenant.namespace, r.pool, r.keys,
+                             self.config.server.max_locks_per_session)
 
     @mutating
     def kv_commit(self, s: Session, r: P.KvCommit) -> P.Empty:
@@ -607,10 +612,13 @@ class Service(ServiceQueries, ServiceChecks):
             raise ServiceError(P.Code.BAD_ARGUMENT,
                                f"timeout_ms must be between 0 and 600000, got {r.timeout_ms!r}")
         timeout = (r.timeout_ms or self.config.l3.prefetch_timeout_ms) / 1000
+        if r.pin:  # refused before Redis is asked when even a single key would not fit
+            keyed.check_pins(s.id, 1, self.config.server.max_locks_per_session)
         fetched = await keyed.fetch(s.tenant.namespace, r.pool, r.keys, timeout)
         if s.id not in self.sessions:  # the session ended meanwhile: nothing to pin for
             raise ServiceError(P.Code.SHUTTING_DOWN, "the session ended during the fetch")
-        res = keyed.lookup(s.id, s.tenant.namespace, r.pool, r.keys, r.pin)
+        res = keyed.lookup(s.id, s.tenant.namespace, r.pool, r.keys, r.pin,
+                           self.config.server.max_locks_per_session)
         res.fetched = fetched
         return res
 
@@ -666,5 +674,5 @@ def error_of(exc: BaseException) -> tuple[str, str, dict[str, Any]]:
         return P.Code.OUT_OF_MEMORY, str(exc), dict(exc.counts)
     code = getattr(exc, "code", None)
     if isinstance(code, str) and code in P.ALL_CODES:
-        return code, str(exc), {}
+        return code, str(exc), dict(getattr(exc, "details", None) or {})
     return P.Code.INTERNAL, f"internal error: {type(exc).__name__}: {exc}", {}

@@ -27,7 +27,7 @@ def store_held(host_pages: int, quotas: dict[str, int]) -> tuple[KeyedTier, Host
     host = HostTier(PROFILE, host_pages, 4, pin_memory=False)
     cache.host = host
     kv = KeyedTier(cache, host, quotas, "tiny")
-    r = kv.reserve("s1", "a", "full", [b"h0", b"h1", b"h2"])
+    r = kv.reserve("s1", "a", "full", [b"h0", b"h1", b"h2"], 64)
     kv.commit("s1", r.pin)
     held = host.hold("full", list(r.slots))
     assert len(held) == 3
@@ -60,7 +60,7 @@ def test_a_fetch_held_back_by_the_quota_waits_for_the_writes(prefix: str) -> Non
             pages = await only_in_redis(kv, prefix, [b"x", b"y"])
             asyncio.get_running_loop().call_later(0.05, host.unhold, "full", held)
             assert await kv.fetch("a", "full", [b"x", b"y"], 5.0) == 2
-            got = kv.lookup("s2", "a", "full", [b"h0", b"h1", b"h2", b"x", b"y"], pin=False)
+            got = kv.lookup("s2", "a", "full", [b"h0", b"h1", b"h2", b"x", b"y"], False, 64)
             assert got.present == b"\x00\x00\x01\x01\x01"
             for k, s in zip((b"x", b"y"), got.slots[3:], strict=True):
                 assert bytes(host.full.page_bytes(s)) == pages[k]
@@ -83,13 +83,13 @@ def test_what_other_sessions_did_during_the_wait_is_read_again(prefix: str) -> N
             await only_in_redis(kv, prefix, [b"x", b"y"])
             fetch = asyncio.create_task(kv.fetch("a", "full", [b"x", b"y"], 1.0))
             await asyncio.sleep(0.2)  # the fetch is waiting for the writes
-            r = kv.reserve("s2", "a", "full", [b"x"])
+            r = kv.reserve("s2", "a", "full", [b"x"], 64)
             assert r.slots[0]
             mine = bytes([9]) * host.full.page_nbytes
             host.full.write_page_bytes(r.slots[0], mine)
             kv.commit("s2", r.pin)
             assert await fetch == 0
-            got = kv.lookup("s2", "a", "full", [b"x", b"y"], pin=False)
+            got = kv.lookup("s2", "a", "full", [b"x", b"y"], False, 64)
             assert got.present == b"\x01\x00"
             assert bytes(host.full.page_bytes(got.slots[0])) == mine
             assert kv.check({"s1", "s2"}) == []
@@ -141,7 +141,7 @@ def test_a_fetch_evicts_one_queued_tree_copy_and_waits_for_its_write(
             assert host_copies(cache) == 3 and not fetch.done()
             host.unhold("full", held)
             assert await fetch == 1
-            got = kv.lookup("s", "a", "full", [b"x"], pin=False)
+            got = kv.lookup("s", "a", "full", [b"x"], False, 64)
             assert bytes(host.full.page_bytes(got.slots[0])) == pages[b"x"]
             assert host_copies(cache) == 3
             assert kv.check({"s"}) == [] and cache.check() == []
@@ -165,7 +165,7 @@ def test_a_key_whose_cleared_page_a_write_still_reads_is_a_miss_until_it_ends(
             assert await kv.fetch("a", "full", [b"h0"], 1.0) == 0
             host.unhold("full", held)
             assert await kv.fetch("a", "full", [b"h0"], 1.0) == 1
-            got = kv.lookup("s1", "a", "full", [b"h0"], pin=False)
+            got = kv.lookup("s1", "a", "full", [b"h0"], False, 64)
             assert bytes(host.full.page_bytes(got.slots[0])) == pages[b"h0"]
             assert kv.check({"s1"}) == [] and host.audit({"full": set()}) == []
         finally:

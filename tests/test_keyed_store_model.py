@@ -1,6 +1,7 @@
 """The key-addressed store against a dict reference model (hypothesis, stateful): random
 lookups, reservations, commits, aborts, clears and session ends by two sessions in two
-namespaces, over a small real host tier so eviction and quotas happen. The host tier is drawn
+namespaces, over a small real host tier so eviction and quotas happen, with a cap of six keys
+pinned or reserved per session. The host tier is drawn
 shared or built from segments of 1 to 3 slots (memory isolation). After every step the store's
 invariant check (which audits segment ownership) and the host tier's conservation check are
 clean, every pinned page is present with its bytes, every present page holds what was committed
@@ -20,7 +21,7 @@ from hypothesis.stateful import (
 )
 
 from daemon.gpu.profile import ModelProfile
-from daemon.keyed_tier import KeyedTier
+from daemon.keyed_tier import KV_COUNTERS, KeyedTier, KvError
 from daemon.model_cache import ModelCache
 from daemon.storage.host_tier import HostTier
 from daemon.tree import Node, as_token_bytes
@@ -33,6 +34,7 @@ PROFILE = ModelProfile(name="tiny", page_size=4, sliding_window=8, num_full_laye
 KEYS = [b"k%d" % i for i in range(10)]
 OWNERS = ("s1", "s2")
 NS = {"s1": "a", "s2": "b"}  # one namespace per session; "a" has a host quota
+MAX_PINS = 6  # keys pinned or reserved per session: small, so that the cap is reached
 
 
 class KeyedStore(RuleBasedStateMachine):
@@ -63,7 +65,12 @@ class KeyedStore(RuleBasedStateMachine):
         evicted = self.kv.counters["kv_evicted"]
         short = sum(1 for k in keys if self.kv.pages.get(ns, kind, k) is None
                     ) - self.host.available_to(kind, ns)
-        r = self.kv.reserve(owner, ns, kind, keys)
+        if self._held(owner) + len(keys) > MAX_PINS:
+            with pytest.raises(KvError) as e:
+                self.kv.reserve(owner, ns, kind, keys, MAX_PINS)
+            assert e.value.code == "too_many_locks" and e.value.details == {"limit": MAX_PINS}
+            return
+        r = self.kv.reserve(owner, ns, kind, keys, MAX_PINS)
         for key in read:  # a page a write still reads is never evicted: that frees no slot
             assert self.kv.pages.get(*key) is not None
         if not self.host.isolated and ns == "b":  # no quota: evictions only make room
@@ -84,14 +91,25 @@ class KeyedStore(RuleBasedStateMachine):
           keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=6), pin=st.booleans())
     def lookup(self, owner: str, kind: str, keys: list[bytes], pin: bool) -> None:
         ns = NS[owner]
-        r = self.kv.lookup(owner, ns, kind, keys, pin)
+        hits = {k for k in keys if self.kv.pages.get(ns, kind, k) is not None}
+        if pin and hits and self._held(owner) + len(hits) > MAX_PINS:
+            before = dict(self.kv.counters)
+            with pytest.raises(KvError) as e:
+                self.kv.lookup(owner, ns, kind, keys, pin, MAX_PINS)
+            assert e.value.code == "too_many_locks" and self.kv.counters == before
+            return
+        r = self.kv.lookup(owner, ns, kind, keys, pin, MAX_PINS)
         for k, p, s in zip(keys, r.present, r.slots, strict=True):
             assert p == ((ns, kind, k) in self.stored) or not p  # present: committed before
             if p:
                 assert bytes(self.host.pool(kind).page_bytes(s)) == self.stored[(ns, kind, k)]
         if r.pin:
-            self.pins[r.pin] = (owner, ns, kind, None, [k for k, p in zip(keys, r.present,
-                                                                         strict=True) if p])
+            self.pins[r.pin] = (owner, ns, kind, None, sorted(hits))
+
+    def _held(self, owner: str) -> int:
+        """Keys the owner's pins and reservations name."""
+        return sum(len(ks) if w is None else len(w)
+                   for o, _, _, w, ks in self.pins.values() if o == owner)
 
     @precondition(lambda self: self.pins)
     @rule(data=st.data(), commit=st.booleans())
@@ -157,6 +175,12 @@ class KeyedStore(RuleBasedStateMachine):
                 if a.owner[seg] is None:
                     assert not set(a.segment_range(seg)) & pool.held()
         assert self.kv.host_used("a") <= 4  # the quota holds
+        for key in KV_COUNTERS:  # each namespace's counters (a tenant's stats) add up
+            assert sum(c[key] for c in self.kv.ns_counters.values()) == self.kv.counters[key]
+        for owner, ns in NS.items():
+            assert self.kv.stats(ns)["kv_pins"] == sum(
+                1 for o, *_ in self.pins.values() if o == owner)
+            assert self.kv.pages.keys_held(owner) == self._held(owner)
 
     def teardown(self) -> None:
         if self.host is not None:
@@ -178,7 +202,7 @@ def test_a_reservation_whose_segment_gets_no_fresh_memory_takes_back_its_slots()
     host = HostTier(PROFILE, 7, 4, pin_memory=False, segment_pages=1)
     cache.host = host
     kv = KeyedTier(cache, host, {}, "tiny")
-    r = kv.reserve("s1", "a", "full", [b"k%d" % i for i in range(6)])
+    r = kv.reserve("s1", "a", "full", [b"k%d" % i for i in range(6)], 64)
     kv.commit("s1", r.pin)
     kv.clear("a")  # every segment free, last served by "a"
     alloc = host.full.allocator
@@ -193,11 +217,11 @@ def test_a_reservation_whose_segment_gets_no_fresh_memory_takes_back_its_slots()
 
     alloc.on_assign = no_fresh_memory_the_second_time
     with pytest.raises(OSError):
-        kv.reserve("s2", "b", "full", [b"x0", b"x1", b"x2"])
+        kv.reserve("s2", "b", "full", [b"x0", b"x1", b"x2"], 64)
     alloc.on_assign = renew
     assert kv.check({"s1", "s2"}) == [] and host.audit({"full": set(), "swa": set()}) == []
     assert host.keyed["full"] == set() and host.full.available_to("b") == 6
-    r = kv.reserve("s2", "b", "full", [b"y%d" % i for i in range(6)])
+    r = kv.reserve("s2", "b", "full", [b"y%d" % i for i in range(6)], 64)
     assert all(r.slots) and r.full == 0
 
 
@@ -210,17 +234,17 @@ def test_a_key_whose_old_slot_an_l3_write_still_reads_is_busy_not_an_error() -> 
     host = HostTier(PROFILE, 7, 4, pin_memory=False)
     cache.host = host
     kv = KeyedTier(cache, host, {}, "tiny")
-    r = kv.reserve("s1", "a", "full", [b"k0", b"k1"])
+    r = kv.reserve("s1", "a", "full", [b"k0", b"k1"], 64)
     kv.commit("s1", r.pin)
     slot = r.slots[0]
     assert host.hold("full", (slot,))  # the L3 writer reading k0's page
     kv.clear("a")
-    again = kv.reserve("s1", "a", "full", [b"k0", b"k1"])
+    again = kv.reserve("s1", "a", "full", [b"k0", b"k1"], 64)
     assert (again.busy, again.slots[0], again.full) == (1, 0, 0) and again.slots[1]
     kv.commit("s1", again.pin)
     host.unhold("full", (slot,))  # the write is done: the old slot goes
     assert kv.check({"s1"}) == [] and host.audit({"full": set(), "swa": set()}) == []
-    third = kv.reserve("s1", "a", "full", [b"k0"])
+    third = kv.reserve("s1", "a", "full", [b"k0"], 64)
     assert third.busy == 0 and third.slots[0]
     kv.commit("s1", third.pin)
     assert kv.check({"s1"}) == []
@@ -263,16 +287,16 @@ def test_room_counts_the_tree_host_slots_a_redis_write_still_reads() -> None:
         queued = host_only_node(mc, host, "a", 2000, 8)
         held = host.hold("full", queued.host)
         assert len(held) == 8
-        r = kv.reserve("s1", "a", "full", KEYS[:3])
+        r = kv.reserve("s1", "a", "full", KEYS[:3], 64)
         kv.commit("s1", r.pin)
         assert host.available_to("full", "a") == 1
-        more = kv.reserve("s1", "a", "full", KEYS[3:9])
+        more = kv.reserve("s1", "a", "full", KEYS[3:9], 64)
         assert sum(1 for s in more.slots if s) == 1 and more.full == 5
         assert host_nodes() == {small.id}  # the queued copy went, and nothing else
         assert all(kv.pages.get("a", "full", k) is not None for k in KEYS[:3])
         kv.release("s1", more.pin)
         host.unhold("full", held)  # the write has read them
-        again = kv.reserve("s1", "a", "full", KEYS[3:9])
+        again = kv.reserve("s1", "a", "full", KEYS[3:9], 64)
         assert all(again.slots) and kv.counters["kv_evicted"] == 0
         kv.commit("s1", again.pin)
         assert host_nodes() == {small.id}

@@ -85,6 +85,8 @@ class KeyedPages:
         self.reserving: dict[PageId, int] = {}  # key being written -> its reservation pin
         self.pins: dict[int, KvPin] = {}
         self.by_owner: dict[Hashable, set[int]] = {}
+        # keys each owner's pins and reservations name (the per-session cap counts them)
+        self.owner_keys: dict[Hashable, int] = {}
         # full-pool host pages per namespace, stored or reserved (the host quota counts them)
         self.ns_pages: dict[str, int] = {}
         self._next_pin = 1
@@ -114,6 +116,10 @@ class KeyedPages:
             if not page.pins and (ns is None or page.ns == ns) and page.ns != exclude:
                 yield page
 
+    def keys_held(self, owner: Hashable) -> int:
+        """Keys the owner's pins and reservations name now."""
+        return self.owner_keys.get(owner, 0)
+
     def pin_of(self, owner: Hashable, pin_id: int) -> KvPin | None:
         """The owner's pin ``pin_id``, or None when it has none by that id."""
         pin = self.pins.get(pin_id)
@@ -129,12 +135,13 @@ class KeyedPages:
             else:
                 self.ns_pages.pop(ns, None)
 
-    def _new_pin(self, owner: Hashable, ns: str, kind: str) -> KvPin:
+    def _new_pin(self, owner: Hashable, ns: str, kind: str, keys: int) -> KvPin:
         self.changes += 1
         pin = KvPin(self._next_pin, owner, ns, kind)
         self._next_pin += 1
         self.pins[pin.id] = pin
         self.by_owner.setdefault(owner, set()).add(pin.id)
+        self.owner_keys[owner] = self.owner_keys.get(owner, 0) + keys
         return pin
 
     def _end_pin(self, pin: KvPin) -> None:
@@ -144,6 +151,10 @@ class KeyedPages:
         ids.discard(pin.id)
         if not ids:
             del self.by_owner[pin.owner]
+            del self.owner_keys[pin.owner]
+        else:
+            self.owner_keys[pin.owner] -= len(pin.pages) if pin.reserved is None \
+                else len(pin.reserved)
 
     def touch(self, page: KeyedPage, stamp: int) -> None:
         """A hit: the page becomes the most recent of its kind."""
@@ -151,7 +162,8 @@ class KeyedPages:
         self.order[page.kind].move_to_end((page.ns, page.kind, page.key))
 
     def pin_pages(self, owner: Hashable, ns: str, kind: str, pages: list[KeyedPage]) -> KvPin:
-        pin = self._new_pin(owner, ns, kind)
+        """A lookup pin over distinct ``pages``."""
+        pin = self._new_pin(owner, ns, kind, len(pages))
         pin.pages = pages
         for p in pages:
             p.pins += 1
@@ -160,7 +172,7 @@ class KeyedPages:
     def reserve(self, owner: Hashable, ns: str, kind: str,
                 slots: dict[bytes, tuple[Slot, bytes]]) -> KvPin:
         """A reservation pin over fresh slots (key -> (slot, hash)) the caller took."""
-        pin = self._new_pin(owner, ns, kind)
+        pin = self._new_pin(owner, ns, kind, len(slots))
         pin.reserved = dict(slots)
         for key in slots:
             self.reserving[(ns, kind, key)] = pin.id
@@ -301,6 +313,14 @@ class KeyedPages:
             yield
         if unknown or len(listed) != len(self.pins):
             v.append(f"keyed pins listed by owners {len(listed)} != pins {len(self.pins)}")
+        keys: dict[Hashable, int] = {}
+        for chunk in chunked(self.pins.values(), AUDIT_STEP_SLOTS):
+            for pin in chunk:
+                keys[pin.owner] = keys.get(pin.owner, 0) + (
+                    len(pin.pages) if pin.reserved is None else len(pin.reserved))
+            yield
+        if keys != self.owner_keys:
+            v.append(f"keys held per owner {self.owner_keys} != recomputed {keys}")
         for chunk in chunked(self.pages.values(), AUDIT_STEP_SLOTS):
             for page in chunk:
                 if page.pins != want_pins.get(id(page), 0):

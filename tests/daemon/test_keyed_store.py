@@ -16,6 +16,7 @@ from tests.redis_procs import SHARED_URL, Server, free_port
 from .conftest import SMALL_MODEL, Raw
 from .test_tiers import (
     Engine,
+    admin_get,
     admin_stats,
     l3_config,
     seq,
@@ -156,6 +157,73 @@ def test_tenants_do_not_see_each_others_keys_and_quota_declines(make_daemon) -> 
         assert read(b, pb, ["shared-name"]).keys() == {"shared-name"}
 
 
+def test_a_tenants_stats_count_only_its_namespace_and_operators_see_the_model(
+        make_daemon) -> None:
+    """A tenant's ``stats`` shows its own namespace's keyed pages, pins and counters, never the
+    volumes of another tenant's store; /v1/stats and /metrics show the model's."""
+    d = make_daemon({"models": [HOST], "tenants": [
+        {"name": "t1", "token": "one"}, {"name": "t2", "token": "two"}]})
+    with Client(d.socket, token="one") as a, Client(d.socket, token="two") as b:
+        pa = a.kv_attach("m")
+        store(a, pa, ["k1", "k2", "k3"], 1)
+        held = a.kv_lookup("m", keys("k1", "k2", "nope"))
+        assert held.pin
+        mine, theirs = stats(a), stats(b)
+        assert mine["kv_pages"] == 3 and mine["kv_pins"] == 1
+        assert mine["kv_committed"] == 3 and mine["kv_lookups"] == 1
+        assert mine["kv_lookup_keys"] == 3 and mine["kv_hit_keys"] == 2
+        assert "kv_pages_model" not in mine
+        for info in pa.infos.values():  # the host pools' occupancy is every namespace's
+            assert "used" not in info.description and "available" not in info.description
+            assert info.description["capacity"] == info.slots
+        assert theirs["kv_pages"] == 0 and theirs["kv_pins"] == 0
+        assert all(theirs[k] == 0 for k in ("kv_reserved", "kv_committed", "kv_lookups",
+                                             "kv_lookup_keys", "kv_hit_keys"))
+        b.kv_lookup("m", keys("k1"), pin=False)  # t1's key: a miss for t2
+        assert stats(b)["kv_lookups"] == 1 and stats(b)["kv_hit_keys"] == 0
+        model = admin_stats(d)["models"]["m"]["keyed"]
+        assert model["pages"] == {"full": 3, "swa": 0} and model["pins"] == 1
+        assert model["counters"]["kv_lookups"] == 2 and model["counters"]["kv_committed"] == 3
+        text = admin_get(d, "/metrics").decode()
+        assert 'radixd_keyed_pages{model="m",pool="full"} 3.0' in text
+        assert 'radixd_keyed_pins{model="m"} 1.0' in text
+        assert 'radixd_keyed_events_total{event="lookups",model="m"} 2.0' in text
+        a.kv_release("m", held.pin)
+
+
+def test_a_session_may_pin_at_most_max_locks_per_session_keys(make_daemon) -> None:
+    """The keys a session's pins and reservations name are capped like lock receipts: each
+    costs daemon memory and keeps its page from eviction. Past the cap ``too_many_locks``
+    (details.limit), nothing taken; a lookup without a pin still answers, a key named many
+    times is pinned once, and a released pin makes room."""
+    d = make_daemon({"models": [HOST], "server": {"max_locks_per_session": 3}})
+    with Client(d.socket) as c, Client(d.socket) as other:
+        pools = c.kv_attach("m")
+        store(c, pools, ["a"], 1)
+        pins = [c.kv_lookup("m", keys("a")).pin for _ in range(2)]
+        pins.append(c.kv_reserve("m", keys("b")).pin)
+        assert all(pins) and stats(c)["kv_pins"] == 3
+        for call in (lambda: c.kv_lookup("m", keys("a")),
+                     lambda: c.kv_reserve("m", keys("x")),
+                     lambda: c.kv_lookup("m", keys("a"), fetch=True, timeout_s=1)):
+            with pytest.raises(RadixdError) as info:
+                call()
+            assert info.value.code == Code.TOO_MANY_LOCKS
+            assert info.value.details == {"limit": 3}
+        assert stats(c)["kv_pins"] == 3 and stats(c)["kv_reserved"] == 2
+        assert c.kv_lookup("m", keys("a"), pin=False).present == b"\x01"
+        theirs = other.kv_lookup("m", keys("a")).pin  # the cap is per session
+        assert theirs
+        other.kv_release("m", theirs)
+        c.kv_release("m", pins.pop())
+        many = c.kv_lookup("m", keys(*["a"] * 1000))  # one distinct key: one more held
+        assert many.pin and stats(c)["kv_pins"] == 3
+        with pytest.raises(RadixdError):
+            c.kv_reserve("m", keys("x"))
+        c.kv_release("m", many.pin)
+        assert c.kv_reserve("m", keys("x")).pin
+
+
 def test_session_death_releases_pins_and_reservations(make_daemon) -> None:
     d = make_daemon({"models": [HOST]})
     with Client(d.socket) as keep:
@@ -290,12 +358,13 @@ def test_keyed_pages_count_against_the_tenants_l3_quota(make_daemon, prefix: str
         written = store(a, pa, ["a", "b", "c", "d", "e"], 1)  # one batch, written in this order
         store(b, pb, [f"o{i}" for i in range(5)], 2)
         wait_for(lambda: tiers()["l3_write_failures"] == 0
-                 and stats(a)["kv_l3_write_pages"] == 10, "the Redis writes")
+                 and stats(a)["kv_l3_write_pages"] == 5 and stats(b)["kv_l3_write_pages"] == 5,
+                 "the Redis writes")
         wait_for(lambda: tiers()["l3_quota_deleted_pages"] == 2, "the quota deletions")
         assert redis_keys(prefix) == 3 + 5
         # t2 (no L3 quota) fills host: every t1 page leaves host, only Redis can answer now
         store(b, pb, [f"x{i}" for i in range(15)], 3)
-        wait_for(lambda: stats(b)["kv_l3_write_pages"] == 25, "t2's Redis writes")
+        wait_for(lambda: stats(b)["kv_l3_write_pages"] == 20, "t2's Redis writes")
         assert stats(a)["kv_pages"] == 0
         got = a.kv_lookup("m", keys("a", "b", "c", "d", "e"), fetch=True, timeout_s=5)
         assert got.present == b"\x00\x00\x01\x01\x01" and got.fetched == 3

@@ -175,6 +175,8 @@ class Prefetch(Request, tag="prefetch"):
 KV_POOLS = ("full", "swa")
 #: Length bounds of a keyed page's key, in bytes.
 KV_KEY_MIN, KV_KEY_MAX = 1, 128
+#: Most keys one kv_lookup or kv_reserve may name (docs/protocol.md 9.4).
+KV_MAX_KEYS = 65536
 
 
 class KvAttach(Request, tag="kv_attach"):

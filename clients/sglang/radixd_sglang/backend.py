@@ -22,11 +22,20 @@ import hashlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import torch
 from radixd_client import Client
+from radixd_client import protocol as P
+from radixd_client.errors import (
+    BadArgument,
+    LimitExceeded,
+    NotFoundError,
+    OutOfMemory,
+    QuotaExceeded,
+    ReceiptError,
+)
 from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
     HiCacheStorageConfig,
@@ -47,7 +56,9 @@ T = TypeVar("T")
 # SGLang's pool names -> radixd's pool kinds; any other pool (Mamba state, DSA indexer, ...) is
 # not stored here: its pages are always a miss, which SGLang's hit policies handle.
 POOL_KINDS = {PoolName.KV.value: "full", PoolName.SWA.value: "swa"}
-MAX_KEY = 128  # radixd's key length limit (docs/protocol.md 9.4)
+#: radixd's answers to one request that leave the session as it was (the call is a miss, the
+#: session goes on); anything else (the daemon gone, restarting, a broken frame) reopens it
+REFUSALS = (BadArgument, LimitExceeded, NotFoundError, OutOfMemory, QuotaExceeded, ReceiptError)
 
 
 class RadixdHiCacheStorage(HiCacheStorage):
@@ -77,7 +88,11 @@ class RadixdHiCacheStorage(HiCacheStorage):
             _int_setting(extra, "copy_min_bytes_per_thread", DEFAULT_MIN_BYTES_PER_THREAD))
         self.suffix = key_suffix(storage_config)
         self.is_writer = storage_config.is_storage_writer
-        self._lock = threading.RLock()
+        self._lock = threading.RLock()  # the session and its calls (held for a whole call)
+        # SGLang only drains these (get_stats) with --enable-metrics: kept only when it asks,
+        # under a lock of their own so the scheduler never waits behind a radixd call
+        self._keep_metrics = bool(storage_config.enable_storage_metrics)
+        self._metrics_lock = threading.Lock()
         self._client: Client | None = None
         self._slots: dict[str, torch.Tensor] = {}
         self._views: dict[str, KvPageView] = {}  # radixd kind -> the SGLang host pool's pages
@@ -139,7 +154,6 @@ class RadixdHiCacheStorage(HiCacheStorage):
         self._slots = {"full": pools.full}
         if pools.swa is not None:
             self._slots["swa"] = pools.swa
-        self._backoff = 0.0
         for kind in self._views:
             self._check_kind(kind)
         return None if self._refused is not None else client
@@ -172,25 +186,33 @@ class RadixdHiCacheStorage(HiCacheStorage):
                 pass
 
     def _guarded(self, what: str, miss: T, fn: Callable[[Client], T]) -> T:
-        """Run ``fn`` on a live session under the lock; anything that goes wrong is ``miss``."""
+        """Run ``fn`` on a live session under the lock; anything that goes wrong is ``miss``.
+        A refusal keeps the session; any other failure drops it, and the next call opens a new
+        one after a backoff that grows while calls keep failing."""
         with self._lock:
             client = self._connect()
             if client is None:
                 return miss
             try:
-                return fn(client)
-            except Exception as exc:
-                logger.warning("radixd: %s failed (%s: %s); a miss, reconnecting", what,
-                               type(exc).__name__, exc)
-                self._drop()
-                self._next_try = time.monotonic()
+                out = fn(client)
+            except REFUSALS as exc:
+                logger.warning("radixd: %s refused (%s); a miss", what, exc)
                 return miss
+            except Exception as exc:
+                self._drop()  # the first failure reconnects at once, the next ones back off
+                self._next_try = time.monotonic() + self._backoff
+                logger.warning("radixd: %s failed (%s: %s); a miss, reconnecting in %.2fs",
+                               what, type(exc).__name__, exc, self._backoff)
+                self._backoff = min(self.backoff_max_s, max(0.05, self._backoff * 2))
+                return miss
+            self._backoff = 0.0
+            return out
 
     # ---- keys ------------------------------------------------------------------------------
 
     def _key(self, key: str) -> bytes:
         raw = (key + self.suffix).encode()
-        if len(raw) <= MAX_KEY:
+        if len(raw) <= P.KV_KEY_MAX:
             return raw
         return hashlib.sha256(raw).hexdigest().encode()  # a long model name: still scoped
 
@@ -200,11 +222,16 @@ class RadixdHiCacheStorage(HiCacheStorage):
     # ---- lookups ---------------------------------------------------------------------------
 
     def _present(self, client: Client, keys: Sequence[str], kind: str) -> bytes:
-        if not keys:
-            return b""
-        got = client.kv_lookup(self.model, self._keys(keys), kind, pin=False, fetch=True,
-                               timeout_s=self.fetch_timeout_s)
-        return bytes(got.present)
+        """One byte per key, 1 where radixd holds it, up to the first absent key (0 after it:
+        only a prefix is ever used, and asking for more would fetch it from Redis for nothing)."""
+        out = bytearray()
+        for span in _spans(len(keys)):
+            present = client.kv_lookup(self.model, self._keys(keys[span]), kind, pin=False,
+                                       fetch=True, timeout_s=self.fetch_timeout_s).present
+            out += present
+            if 0 in present:
+                break
+        return bytes(out) + bytes(len(keys) - len(out))
 
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
@@ -240,22 +267,34 @@ class RadixdHiCacheStorage(HiCacheStorage):
     def _get(self, client: Client, kind: str, keys: Sequence[str],
              pages: Sequence[int]) -> list[bool]:
         """Copy each present key's slot into SGLang's host page; a prefix of True."""
-        if not keys:
-            return []
         view, slots = self._views[kind], self._slots[kind]
-        got = client.kv_lookup(self.model, self._keys(keys), kind, pin=True, fetch=True,
-                               timeout_s=self.fetch_timeout_s)
-        hits = got.present.index(0) if 0 in got.present else len(keys)
-        try:
-            self._copier.run(view.load, [(pages[i], slots[got.slots[i]]) for i in range(hits)],
-                             view.page_nbytes)
-        finally:
-            if got.pin:
-                client.kv_release(self.model, got.pin)
+        hits = 0
+        for span in _spans(len(keys)):
+            chunk = keys[span]
+            got = client.kv_lookup(self.model, self._keys(chunk), kind, pin=True, fetch=True,
+                                   timeout_s=self.fetch_timeout_s)
+            n = got.present.index(0) if 0 in got.present else len(chunk)
+            try:
+                self._copier.run(view.load, [(pages[span.start + i], slots[got.slots[i]])
+                                             for i in range(n)], view.page_nbytes)
+            finally:
+                if got.pin:
+                    client.kv_release(self.model, got.pin)
+            hits += n
+            if n < len(chunk):
+                break
         return [True] * hits + [False] * (len(keys) - hits)
 
     def _set(self, client: Client, kind: str, keys: Sequence[str],
              pages: Sequence[int]) -> list[bool]:
+        """:meth:`_set_some` over chunks of at most radixd's keys per request."""
+        ok: list[bool] = []
+        for span in _spans(len(keys)):
+            ok += self._set_some(client, kind, keys[span], pages[span])
+        return ok
+
+    def _set_some(self, client: Client, kind: str, keys: Sequence[str],
+                  pages: Sequence[int]) -> list[bool]:
         """Reserve, copy SGLang's host pages into the fresh slots, commit. A key already stored
         counts as written; one radixd declined (room, quota) or another session is writing is
         not."""
@@ -341,18 +380,21 @@ class RadixdHiCacheStorage(HiCacheStorage):
                   target_sizes: Any = None) -> list[torch.Tensor | None]:
         """Flat pages (``get_dummy_flat_data_page``: K block then V block for page_first)."""
         def run(client: Client) -> list[torch.Tensor | None]:
-            got = client.kv_lookup(self.model, self._keys(keys), "full", pin=True, fetch=True,
-                                   timeout_s=self.fetch_timeout_s)
             out: list[torch.Tensor | None] = [None] * len(keys)
-            try:
-                for i, (p, s) in enumerate(zip(got.present, got.slots, strict=True)):
-                    target = target_locations[i]
-                    if p and target is not None and target.nbytes == self._slots["full"].shape[1]:
-                        target.view(torch.uint8).copy_(self._slots["full"][s])
-                        out[i] = target
-            finally:
-                if got.pin:
-                    client.kv_release(self.model, got.pin)
+            for span in _spans(len(keys)):
+                got = client.kv_lookup(self.model, self._keys(keys[span]), "full", pin=True,
+                                       fetch=True, timeout_s=self.fetch_timeout_s)
+                try:
+                    for i, (p, s) in enumerate(zip(got.present, got.slots, strict=True),
+                                               span.start):
+                        target = target_locations[i]
+                        if p and target is not None and \
+                                target.nbytes == self._slots["full"].shape[1]:
+                            target.view(torch.uint8).copy_(self._slots["full"][s])
+                            out[i] = target
+                finally:
+                    if got.pin:
+                        client.kv_release(self.model, got.pin)
             return out
         return self._guarded("batch_get", [None] * len(keys), run)
 
@@ -366,13 +408,16 @@ class RadixdHiCacheStorage(HiCacheStorage):
             slots = self._slots["full"]
             if any(v.nbytes != slots.shape[1] for v in values):
                 return False
-            r = client.kv_reserve(self.model, self._keys(keys), "full")
-            for s, v in zip(r.slots, values, strict=True):
-                if s:
-                    slots[s].copy_(v.contiguous().view(torch.uint8).reshape(-1))
-            if r.pin:
-                client.kv_commit(self.model, r.pin)
-            return r.full == 0 and getattr(r, "busy", 0) == 0
+            stored = True
+            for span in _spans(len(keys)):
+                r = client.kv_reserve(self.model, self._keys(keys[span]), "full")
+                for s, v in zip(r.slots, values[span], strict=True):
+                    if s:
+                        slots[s].copy_(v.contiguous().view(torch.uint8).reshape(-1))
+                if r.pin:
+                    client.kv_commit(self.model, r.pin)
+                stored = stored and r.full == 0 and r.busy == 0
+            return stored
         return self._guarded("batch_set", False, run)
 
     # ---- the rest --------------------------------------------------------------------------
@@ -382,8 +427,10 @@ class RadixdHiCacheStorage(HiCacheStorage):
         return self._guarded("clear", False, lambda c: (c.kv_clear(self.model), True)[1])
 
     def _record(self, what: str, pages: int, seconds: float, page_nbytes: int) -> None:
+        if not self._keep_metrics:
+            return
         side = "prefetch" if "get" in what else "backup"
-        with self._lock:
+        with self._metrics_lock:
             self._metrics[f"{side}_pgs"].append(pages)
             self._metrics[f"{side}_bandwidth"].append(
                 pages * page_nbytes / seconds / 1e9 if seconds > 0 else 0.0)
@@ -392,7 +439,7 @@ class RadixdHiCacheStorage(HiCacheStorage):
         """SGLang's ``StorageMetrics`` since the last call: pages and GB/s per get and set."""
         from sglang.srt.observability.metrics_collector import StorageMetrics
 
-        with self._lock:
+        with self._metrics_lock:
             metrics, self._metrics = self._metrics, {k: [] for k in self._metrics}
         return StorageMetrics(**metrics)
 
@@ -400,6 +447,12 @@ class RadixdHiCacheStorage(HiCacheStorage):
         with self._lock:
             self._drop()
             self._copier.close()
+
+
+def _spans(n: int) -> Iterator[slice]:
+    """``n`` keys in runs of at most radixd's keys per request (docs/protocol.md 9.4)."""
+    for start in range(0, n, P.KV_MAX_KEYS):
+        yield slice(start, min(n, start + P.KV_MAX_KEYS))
 
 
 def _int_setting(extra: dict, name: str, default: int) -> int:
@@ -416,13 +469,12 @@ def _int_setting(extra: dict, name: str, default: int) -> int:
 def key_suffix(config: HiCacheStorageConfig) -> str:
     """What SGLang's HiCacheFile appends to a page hash: the model, and the TP rank and size
     (not for MLA, whose KV every TP rank holds alike), PP when pipelined, the attention CP
-    rank; plus the DP rank when DP attention makes TP ranks group-local."""
+    rank. Not the DP rank: DP attention groups hold the same KV for the same prefix (SGLang's
+    HiCacheFile and Mooncake keys leave it out too), so they share it."""
     model = "-".join(config.model_name.split("/")) if config.model_name else ""
     suffix = f"_{config.pp_size}_{config.pp_rank}" if config.pp_size > 1 else ""
     if config.attn_cp_size > 1:
         suffix += f"_cp{config.attn_cp_rank}_{config.attn_cp_size}"
-    if config.dp_rank:
-        suffix += f"_dp{config.dp_rank}"
     if config.is_mla_model:
         return f"_{model}{suffix}"
     return f"_{model}_{config.tp_rank}_{config.tp_size}{suffix}"

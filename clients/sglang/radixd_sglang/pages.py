@@ -63,7 +63,18 @@ def page_view(pool: Any) -> KvPageView:
             f"--hicache-mem-layout page_first (docs/sglang.md)")
     if not buf.is_contiguous():
         raise ValueError(f"{type(pool).__name__}: the host kv_buffer is not contiguous")
-    return KvPageView(pool)
+    view = KvPageView(pool)
+    # a pool that keeps part of a page outside kv_buffer (MXFP8's per-page scales) says so in
+    # its own size per token: copying kv_buffer alone would restore pages with stale scales
+    size = getattr(pool, "get_size_per_token", None)
+    declared = size() if callable(size) else None
+    have = view.page_nbytes // view.page_size
+    if declared != have:
+        raise ValueError(
+            f"radixd's HiCache backend copies a page's kv_buffer bytes only; this "
+            f"{type(pool).__name__} keeps {declared} B per token against {have} B in kv_buffer "
+            f"(per-page scales or other state beside it): its pages cannot be stored in radixd")
+    return view
 
 
 def restorable_lengths(kv_pages: int, pools: Sequence[tuple[str, PoolHitPolicy, int, bytes]]

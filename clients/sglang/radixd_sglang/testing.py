@@ -35,10 +35,12 @@ def host_pool(layers: int, heads: int, head_dim: int, page_size: int, pages: int
 
 
 def storage_config(extra: dict[str, Any] | None, model: str = "org/model", tp_rank: int = 0,
-                   tp_size: int = 1) -> HiCacheStorageConfig:
+                   tp_size: int = 1, metrics: bool = True, dp_rank: int = 0
+                   ) -> HiCacheStorageConfig:
     """The config SGLang's cache controller hands a storage backend, for a single-node MHA model
-    (page_first layout); ``extra``: ``--hicache-storage-backend-extra-config``."""
+    (page_first layout); ``extra``: ``--hicache-storage-backend-extra-config``; ``metrics``:
+    SGLang's ``--enable-metrics``."""
     return HiCacheStorageConfig(
         tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
-        is_mla_model=False, enable_storage_metrics=True, is_page_first_layout=True,
-        model_name=model, extra_config=extra)
+        is_mla_model=False, enable_storage_metrics=metrics, is_page_first_layout=True,
+        model_name=model, dp_rank=dp_rank, extra_config=extra)

@@ -1,0 +1,107 @@
+"""What SGLang 0.5.23's cache controller and scheduler rely on beyond the copies: pools whose
+pages are not all in kv_buffer are refused, the scheduler's metrics call never waits behind a
+radixd call and nothing is kept when SGLang does not ask for metrics, requests longer than
+radixd's key limit work, and keys are SGLang's own (HiCacheFile's) under DP attention."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import pytest
+from conftest import GEOMETRY, extra
+from radixd_client import protocol as P
+from radixd_sglang.backend import key_suffix
+from radixd_sglang.testing import host_pool, storage_config
+from sglang.srt.mem_cache.hicache_storage import HiCacheFile
+from sglang.srt.mem_cache.pool_host.mha_mxfp8 import MHATokenToKVPoolMXFP8Host
+from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+from test_backend import backend, fill, pages_of
+
+
+def test_a_pool_keeping_page_scales_outside_kv_buffer_is_refused(make_daemon) -> None:
+    """SGLang's MXFP8 host pool keeps each page's scales beside kv_buffer; storing kv_buffer
+    alone would restore pages with another page's scales. The real class needs CUDA to be
+    built, so a CPU pool is given its class and scale sizes: its own get_size_per_token then
+    reports the scales, as on a GPU."""
+    d = make_daemon()
+    pool = host_pool(pages=8, **GEOMETRY)
+    pool.__class__ = MHATokenToKVPoolMXFP8Host
+    pool.k_sf_page_bytes = pool.v_sf_page_bytes = 16
+    b = StorageBackendFactory.create_backend("dynamic", storage_config(extra(d)), pool)
+    with pytest.raises(ValueError, match="MHATokenToKVPoolMXFP8Host keeps 144 B per token"):
+        b.register_mem_pool_host(pool)
+    b.close()
+
+
+def test_get_stats_does_not_wait_for_a_radixd_call_in_flight(make_daemon) -> None:
+    """SGLang's scheduler calls get_stats every step; a call stuck on radixd (here: the daemon
+    stopped, the call waiting for its timeout) must not stall it."""
+    d = make_daemon()
+    b, pool = backend(d, timeout_s=3, backoff_max_s=0.05)
+    idx, keys = fill(pool, 2, 3)
+    assert all(b.batch_set_v1(keys, idx))
+    d.proc.send_signal(signal.SIGSTOP)
+    try:
+        stuck = threading.Thread(target=b.batch_exists, args=(keys,))
+        stuck.start()
+        time.sleep(0.3)  # the call is on the wire
+        stats = b.get_stats()
+        assert stuck.is_alive()  # get_stats came back while the call still waited
+        assert stats.backup_pgs == [2]
+    finally:
+        d.proc.send_signal(signal.SIGCONT)
+    stuck.join()
+    deadline = time.monotonic() + 10
+    while b.batch_exists(keys) != 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert b.batch_exists(keys) == 2
+    b.close()
+
+
+def test_metrics_are_kept_only_when_sglang_asks_for_them(make_daemon) -> None:
+    d = make_daemon()
+    pool = host_pool(pages=16, **GEOMETRY)
+    quiet = StorageBackendFactory.create_backend(
+        "dynamic", storage_config(extra(d), metrics=False), pool)
+    quiet.register_mem_pool_host(pool)
+    idx, keys = fill(pool, 3, 4)
+    dst = pool.alloc(3 * pool.page_size)
+    for _ in range(5):
+        assert quiet.batch_set_v1(keys, idx) == [True] * 3
+        assert quiet.batch_get_v1(keys, dst) == [True] * 3
+    stats = quiet.get_stats()
+    assert stats.backup_pgs == [] and stats.prefetch_pgs == [] and stats.prefetch_bandwidth == []
+    quiet.close()
+
+
+def test_a_request_longer_than_radixds_key_limit_is_split(make_daemon) -> None:
+    """SGLang asks about every page of a request at once (HybridCacheController's hit query):
+    at page size 1 a 70k-token prompt is more keys than one radixd request takes."""
+    d = make_daemon()
+    n = P.KV_MAX_KEYS + 4
+    b, pool = backend(d, pages=n + 8)
+    idx, keys = fill(pool, 3, 5)
+    assert all(b.batch_set_v1(keys, idx))
+    more = keys + [f"{i:064x}" for i in range(n - 3)]
+    assert b.batch_exists(more) == 3
+    dst = pool.alloc(n * pool.page_size)
+    got = b.batch_get_v1(more, dst)
+    assert got[:3] == [True] * 3 and not any(got[3:])
+    assert all(x.equal(y) for x, y in zip(pages_of(pool, dst[:3 * pool.page_size]),
+                                          pages_of(pool, idx), strict=True))
+    # a set as long, over two radixd requests: radixd's host pool holds 63 pages, so most of
+    # it is declined (a miss), never an error that would drop the session
+    ok = b.batch_set_v1(more, dst)
+    assert len(ok) == n and ok[:3] == [True] * 3 and 0 < sum(ok) < n
+    b.close()
+
+
+@pytest.mark.parametrize("dp_rank", [0, 1, 3])
+def test_keys_are_hicachefiles_under_dp_attention(tmp_path, dp_rank: int) -> None:
+    """DP attention groups hold the same KV for the same prefix: SGLang's own file backend
+    names a page alike in every group, and so does this one (they share it)."""
+    config = storage_config({"file_storage_path": str(tmp_path)}, tp_rank=1, tp_size=2,
+                            dp_rank=dp_rank)
+    assert key_suffix(config) == HiCacheFile(config).config_suffix == "_org-model_1_2"
