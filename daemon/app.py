@@ -172,7 +172,8 @@ def build_tiers(config: Config, models: dict[str, ModelEntry], tenants: list[Ten
             # keyed pages written to Redis count against the same L3 ledger as the tree's
             entry.keyed = KeyedTier(entry.cache, host, host_quotas, mc.name,
                                     l3 if mc.l3 else None, config.l3.write_policy,
-                                    l3_charge=entry.tiers.charge_l3)
+                                    l3_charge=entry.tiers.charge_l3,
+                                    l3_forget=entry.tiers.l3_ledger.forget)
 
 
 def build_service(config: Config, *, create_pools: bool = True) -> Service:

@@ -79,10 +79,12 @@ class KeyedTier:
 
     def __init__(self, cache: ModelCache, host: HostTier, host_quotas: dict[str, int],
                  model: str, l3: RedisTier | None = None, l3_policy: str = "write_through",
-                 l3_charge: L3Charge | None = None
+                 l3_charge: L3Charge | None = None,
+                 l3_forget: Callable[[str, list[tuple[bytes, str]]], None] | None = None
                  ) -> None:
         """``l3_charge``: counts pages written to Redis against their namespace's L3 quota
-        (``TierManager.charge_l3``, one ledger with the tree's pages); None: not counted."""
+        (``TierManager.charge_l3``, one ledger with the tree's pages); None: not counted.
+        ``l3_forget``: takes values deleted from Redis out of that ledger (``L3Ledger.forget``)."""
         self.cache = cache
         self.host = host
         self.host_quotas = host_quotas
@@ -93,6 +95,9 @@ class KeyedTier:
         self.l3 = l3
         self.l3_policy = l3_policy
         self.l3_charge = l3_charge
+        self.l3_forget = l3_forget
+        self._clears: dict[str, int] = {}  # kv_clear calls per namespace: a fetch spanning one
+        # stores nothing it read before it
         # L3 names a keyed page by its host hash salted with the model's name (as the tiers do
         # for tree pages: two models of one layout must not share values)
         self._l3_salt = b"radixd-l3-keyed\x00" + model.encode() + b"\x00"
@@ -256,9 +261,11 @@ class KeyedTier:
         return sum(1 for p in self.pages.victims(kind, ns) if p.slot in read)
 
     def host_used(self, ns: str) -> int:
-        """Full host pages the namespace holds: the tree's and the keyed ones."""
+        """Full host pages the namespace holds: the tree's, those its copies are filling, and
+        the keyed ones."""
         space = self.cache.tree.namespaces.get(ns)
-        return (space.host_pages if space is not None else 0) + self.pages.pages_of(ns)
+        return ((space.host_pages if space is not None else 0) + self.pages.pages_of(ns)
+                + self.host.pending_full.get(ns, 0))
 
     def fit_quota(self, ns: str, want: int) -> int:
         """How many of ``want`` new full host pages the namespace's quota admits, after its own
@@ -396,14 +403,27 @@ class KeyedTier:
         """Drop the namespace's unpinned keyed pages, and their Redis copies (in the
         background, fail-soft); returns them."""
         gone = [p for p in self.pages.pages.values() if p.ns == ns and not p.pins]
+        self._clears[ns] = self._clears.get(ns, 0) + 1
         for page in gone:
+            page.cleared = True
             self._drop(page)
         self.count(ns, "kv_cleared", len(gone))
-        if self.l3 is not None and gone:
+        if gone and self._l3_queue:  # writes not begun would bring the pages back to Redis
+            keep = []
+            for item in self._l3_queue:
+                if item[-1].cleared:
+                    if item[1]:
+                        self.host.unhold(item[0], (item[1],))
+                else:
+                    keep.append(item)
+            self._l3_queue[:] = keep
+        if self.l3 is not None and gone:  # a write already under way deletes after itself
             for kind in P.KV_POOLS:
                 ids = [self.l3_id(p.hash) for p in gone if p.kind == kind]
                 if ids:
                     asyncio.get_running_loop().create_task(self.l3.delete(ids, kind))
+                    if self.l3_forget is not None:
+                        self.l3_forget(ns, [(i, kind) for i in ids])
         return gone
 
     # ------------------------------------------------------------------ L3 (Redis)
@@ -477,7 +497,13 @@ class KeyedTier:
                     if whole and self.l3_charge is not None:
                         await self.l3_charge([
                             (page.ns, l3id, kind, len(v)) for (kind, _, l3id, _, _, page), v
-                            in zip(batch, values, strict=True)])
+                            in zip(batch, values, strict=True) if not page.cleared])
+                    late: dict[str, list[bytes]] = {}  # cleared while they were written
+                    for kind, _, l3id, _, _, page in batch:
+                        if page.cleared:
+                            late.setdefault(kind, []).append(l3id)
+                    for kind, ids in late.items():
+                        await self.l3.delete(ids, kind)
                 except asyncio.CancelledError:
                     raise
                 except Exception:
@@ -509,6 +535,7 @@ class KeyedTier:
         if not missing:
             return 0
         hashes = [keyed_hash(ns, self.fingerprint, kind, k) for k in missing]
+        clears = self._clears.get(ns, 0)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         try:
@@ -519,7 +546,7 @@ class KeyedTier:
             self.count(ns, "kv_l3_fetch_timeouts")
             return 0
         found = [(k, h, v) for k, h, v in zip(missing, hashes, values, strict=True)
-                 if v is not None]
+                 if v is not None and self._clears.get(ns, 0) == clears]
         pool = self.host.pool(kind)
         waited_out = False
         while True:
@@ -541,6 +568,8 @@ class KeyedTier:
                 await asyncio.wait_for(self.host.unheld(), max(0.0, deadline - loop.time()))
             except asyncio.TimeoutError:
                 waited_out = True  # once more, for what the other sessions changed meanwhile
+        if self._clears.get(ns, 0) != clears:  # read before a kv_clear: never brought back
+            return 0
         clock = self.cache.tree.clock
         for k, h, v in found[:fit]:  # on the loop: a slot is never visible before it is full
             slot = self._take(kind, h, ns)

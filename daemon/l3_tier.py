@@ -316,7 +316,7 @@ class L3Tier:
             except Exception:
                 log.exception("L3 fetch failed")
                 for kind, slots in (("full", job.full_slots), ("swa", job.swa_slots)):
-                    self.host.drop(kind, slots.values())
+                    self.host.drop(kind, slots.values(), namespace)
                     slots.clear()
                 end = job.start
             finally:
@@ -462,7 +462,7 @@ class L3Tier:
             if i < good:
                 writes.append((self.host.full, job.full_slots[i], pages[i]))
             else:
-                self.host.drop("full", (job.full_slots.pop(i),))
+                self.host.drop("full", (job.full_slots.pop(i),), namespace)
         writes += ((self.host.swa, job.swa_slots[swa_lo + i], page)
                    for i, page in enumerate(window))
         if writes:

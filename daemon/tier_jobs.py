@@ -63,10 +63,11 @@ def reserve_host(mc: ModelCache, ns: Namespace, kind: str, want: int,
             if keyed.fit_quota(ns.name, want) < want:
                 return None
         else:
-            over = ns.host_pages + want - quota
+            copying = host.pending_full.get(ns.name, 0)
+            over = ns.host_pages + copying + want - quota
             if over > 0:
                 mc.evict_host(over, namespace=ns.name)
-                if ns.host_pages + want > quota:
+                if ns.host_pages + copying + want > quota:
                     return None
     short = want - host.available_to(kind, ns.name)
     if short > 0:
@@ -197,12 +198,12 @@ def finish_backup(mc: ModelCache, job: BackupJob, ok: bool) -> list[tuple[Node, 
             off += k
             if (ok and clean and left == 0 and n.host is None and n.full is not None
                     and n.parent.host is not None and tree.nodes.get(n.id) is n):
-                host.filled("full", fs)
+                host.filled("full", fs, n.ns.name)
                 host.filled("swa", (s for s in ss if s))
                 tree.set_host(n.id, fs, ss if any(ss) else None)
                 done.append((n, fs, ss))
             else:
-                host.drop("full", fs)
+                host.drop("full", fs, n.ns.name)
                 host.drop("swa", ss)
     return done
 
@@ -315,9 +316,9 @@ def finish_fetch(mc: ModelCache, namespace: str, tokens: bytes, job: FetchJob, e
         if end > job.start:
             got, _ = mc.tree.adopt_host(namespace, tokens, job.start, end, fs, ss)
     finally:
-        host.drop("full", fs.values())
+        host.drop("full", fs.values(), namespace)
         host.drop("swa", ss.values())
-        host.filled("full", (s for i, s in job.full_slots.items() if i not in fs))
+        host.filled("full", (s for i, s in job.full_slots.items() if i not in fs), namespace)
         host.filled("swa", (s for i, s in job.swa_slots.items() if i not in ss))
         if job.pin is not None:
             mc.unpin(job.pin)

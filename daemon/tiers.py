@@ -431,6 +431,7 @@ class TierManager:
         out["host_swa_pages_used"] = h.swa.used if h.swa is not None else 0
         out["host_swa_pages_capacity"] = h.swa.usable if h.swa is not None else 0
         out["host_pages_in_tree"] = self.cache.tree.host_pages
+        out["host_pages_pending"] = len(h.pending["full"])
         out["backup_queue"] = len(self._backlog)
         out["l3_write_queue"] = self.l3tier.queued_pages
         return out

@@ -258,7 +258,7 @@ def host_only_node(cache: ModelCache, host: HostTier, ns: str, base: int, pages:
     cache.insert("e", ns, toks, full, swa)
     node = cache.tree.nodes[cache.tree.match(ns, toks).node_id]
     slots = host.take("full", pages, ns)
-    host.filled("full", slots)
+    host.filled("full", slots, ns)
     cache.tree.set_host(node.id, slots)
     cache.evict(full_pages=pages, namespace=ns)
     assert node.full is None and node.host is not None

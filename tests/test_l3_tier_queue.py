@@ -39,7 +39,7 @@ def cached_on_host(mc: ModelCache, host: HostTier, base: int, pages: int) -> Nod
     mc.tree.insert(NS, toks, full, array("i", (p + 50 for p in full)), 0, 0)
     node = mc.tree.nodes[mc.tree.match(NS, toks).node_id]
     slots = host.take("full", pages, NS)
-    host.filled("full", slots)
+    host.filled("full", slots, NS)
     mc.tree.set_host(node.id, slots)
     return node
 

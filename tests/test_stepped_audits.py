@@ -127,6 +127,9 @@ def ref_host_audit(host: HostTier, in_tree: dict[str, set[int]]) -> list[str]:
         if tree & pend:
             v.append(f"{kind} host slots {sorted(tree & pend)[:10]} are in the tree and "
                      "pending a copy")
+        if kind == "full" and sum(host.pending_full.values()) != len(pend):
+            v.append(f"pending full host slots {len(pend)} != those of the namespaces "
+                     f"{host.pending_full}")
         if keyed & (tree | pend):
             v.append(f"{kind} host slots {sorted(keyed & (tree | pend))[:10]} are keyed "
                      "and in the tree or pending")
@@ -181,6 +184,12 @@ def ref_pages_audit(kp: keyed_pages_module.KeyedPages, live_owners: set[Hashable
     listed = {i for ids in kp.by_owner.values() for i in ids}
     if listed != set(kp.pins):
         v.append(f"keyed pins listed by owners {len(listed)} != pins {len(kp.pins)}")
+    keys: dict[Hashable, int] = {}
+    for pin in kp.pins.values():
+        keys[pin.owner] = keys.get(pin.owner, 0) + (
+            len(pin.pages) if pin.reserved is None else len(pin.reserved))
+    if keys != kp.owner_keys:
+        v.append(f"keys held per owner {kp.owner_keys} != recomputed {keys}")
     for page in kp.pages.values():
         if page.pins != want_pins.get(id(page), 0):
             v.append(f"keyed page {page.key!r}: pin count {page.pins}, pins account for "
@@ -257,6 +266,7 @@ class Store:
         self.kv = KeyedTier(self.cache, self.host, {"a": 6}, "tiny")
         self.tree: dict[str, set[int]] = {"full": set(), "swa": set()}
         self.pins: list[tuple[str, int, bool]] = []  # (owner, pin, is a reservation)
+        self.copying: dict[tuple[str, int], str] = {}  # pending (kind, slot) -> namespace
         self.n = 0
 
     def _hash(self) -> bytes:
@@ -271,11 +281,11 @@ class Store:
         op = rng.choice(("reserve", "reserve", "lookup", "end", "end", "copy", "copy",
                          "filled", "read", "unread", "drop", "clear"))
         if op == "reserve":
-            r = kv.reserve(owner, ns, kind, list(dict.fromkeys(keys)))
+            r = kv.reserve(owner, ns, kind, list(dict.fromkeys(keys)), 64)
             if r.pin:
                 self.pins.append((owner, r.pin, True))
         elif op == "lookup":
-            r2 = kv.lookup(owner, ns, kind, keys, True)
+            r2 = kv.lookup(owner, ns, kind, keys, True, 64)
             if r2.pin:
                 self.pins.append((owner, r2.pin, False))
         elif op == "end" and self.pins:
@@ -285,10 +295,10 @@ class Store:
             else:
                 kv.release(o, pin)
         elif op == "copy" and host.available_to(kind, ns) > 1:
-            host.take(kind, rng.randint(1, 2), ns)
+            self.copying.update(((kind, s), ns) for s in host.take(kind, rng.randint(1, 2), ns))
         elif op == "filled" and host.pending[kind]:
             s = rng.choice(sorted(host.pending[kind]))
-            host.filled(kind, [s])
+            host.filled(kind, [s], self.copying.pop((kind, s)))
             self.tree[kind].add(s)  # the tree adopts the copy
         elif op == "read" and self.tree[kind]:
             host.hold(kind, [rng.choice(sorted(self.tree[kind]))])
@@ -360,6 +370,10 @@ class Store:
             ids.discard(next(iter(ids)))
         elif fault == "reserving" and kp.reserving:
             del kp.reserving[next(iter(kp.reserving))]
+        elif fault == "owner_keys" and kp.owner_keys:
+            kp.owner_keys[next(iter(kp.owner_keys))] += 1
+        elif fault == "pending_ns":
+            self.host.pending_full["a"] = self.host.pending_full.get("a", 0) + 1
         else:
             return False
         return True
@@ -374,7 +388,8 @@ class Store:
 FAULTS = ["refcount", "index", "tree_named", "hash_unheld", "free_and_held", "leak",
           "double_index", "reader", "orphan",
           "tree_and_pending", "tree_lost", "tree_free_slot", "keyed_set", "page_pins",
-          "page_slot", "page_hash", "order", "ns_count", "pin_owner", "by_owner", "reserving"]
+          "page_slot", "page_hash", "order", "ns_count", "pin_owner", "by_owner", "reserving",
+          "owner_keys", "pending_ns"]
 
 
 @settings(max_examples=150, deadline=None)
@@ -404,7 +419,7 @@ def test_a_stepped_audit_yields_every_few_slots() -> None:
     steps per pass over them, and the keyed check likewise (a single step each before)."""
     store = Store(None, 1)
     try:
-        r = store.kv.reserve("s2", "b", "full", [b"x%d" % i for i in range(12)])
+        r = store.kv.reserve("s2", "b", "full", [b"x%d" % i for i in range(12)], 64)
         store.kv.commit("s2", r.pin)
         with step_size(2):
             v: list[str] = []
@@ -522,12 +537,12 @@ class Traffic:
                 # the copy is done and its slot handed to a reader (as a tree would adopt
                 # it), in one go: the pool's free count does not move
                 k, slot = self.copies.pop(rng.randrange(len(self.copies)))
-                host.filled(k, [slot])
+                host.filled(k, [slot], "")
                 assert host.hold(k, [slot]) == [slot]
                 host.drop(k, [slot])
             elif op == "copy_abandon" and self.copies:
                 k, slot = self.copies.pop(rng.randrange(len(self.copies)))
-                host.drop(k, [slot])
+                host.drop(k, [slot], "")
             elif op == "read" and kv.host.keyed[kind]:
                 host.hold(kind, [rng.choice(sorted(kv.host.keyed[kind]))])
             elif op == "unread" and host.readers[kind]:
@@ -629,7 +644,7 @@ def test_the_state_version_moves_with_host_changes_no_request_counts() -> None:
             return svc.state_version() != before
 
         def copy_done() -> None:
-            host.filled("full", [slot])
+            host.filled("full", [slot], "")
             host.hold("full", [slot])
             host.drop("full", [slot])
 

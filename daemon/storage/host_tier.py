@@ -45,6 +45,10 @@ class HostTier:
                 self.full.close()
                 raise
         self.pending: dict[str, set[int]] = {"full": set(), "swa": set()}
+        # pending full slots per namespace: a tenant's host quota counts them, so that copies
+        # planned together or running at once cannot each fit the quota alone. Kept per batch
+        # (the callers name the namespace of the slots they fill or drop), never per slot
+        self.pending_full: dict[str, int] = {}
         # references taken by readers that outlive the tree's hold (the L3 writer)
         self.readers: dict[str, Counter[int]] = {"full": Counter(), "swa": Counter()}
         # slots the key-addressed store (daemon/keyed_tier.py) holds, one reference each
@@ -102,21 +106,42 @@ class HostTier:
         out = pool.store_unnamed(count, key)  # all or none: a segment that could not get
         # fresh memory takes nothing
         self.pending[kind].update(out)
+        if kind == "full":
+            self.pending_full[ns] = self.pending_full.get(ns, 0) + len(out)
         return out
 
-    def filled(self, kind: str, slots: Iterable[int]) -> None:
-        """The copy into these slots is done: they may be read."""
-        self._filled += 1
-        self.pending[kind].difference_update(slots)
+    def _settle(self, kind: str, ns: str | None, before: int) -> None:
+        """``ns``'s pending full slots less those that just left the pending set (it held
+        ``before``)."""
+        gone = before - len(self.pending[kind])
+        if kind != "full" or not gone:
+            return
+        if ns is None:
+            raise ValueError("pending full host slots settled without their namespace")
+        left = self.pending_full[ns] - gone
+        if left:
+            self.pending_full[ns] = left
+        else:
+            del self.pending_full[ns]
 
-    def drop(self, kind: str, slots: Iterable[int]) -> None:
-        """Release slots nobody adopted (pending or not); 0 entries mean "no slot". Listed as
-        one int32 array (a node's runs too), which the pool releases in numpy."""
+    def filled(self, kind: str, slots: Iterable[int], ns: str | None = None) -> None:
+        """The copy into these slots (of namespace ``ns``) is done: they may be read."""
+        self._filled += 1
+        before = len(self.pending[kind])
+        self.pending[kind].difference_update(slots)
+        self._settle(kind, ns, before)
+
+    def drop(self, kind: str, slots: Iterable[int], ns: str | None = None) -> None:
+        """Release slots nobody adopted (pending or not; pending full ones are namespace
+        ``ns``'s); 0 entries mean "no slot". Listed as one int32 array (a node's runs too),
+        which the pool releases in numpy."""
         live = nonzero_ids(as_page_array(slots))
         if not live:
             return
         self.pool(kind).release_many(live)  # checks every slot before anything changes
+        before = len(self.pending[kind])
         self.pending[kind].difference_update(live)
+        self._settle(kind, ns, before)
         self.let_go(kind, live)
 
     def let_go(self, kind: str, slots: Sequence[int]) -> None:
@@ -257,6 +282,9 @@ class HostTier:
             if both:
                 v.append(f"{kind} host slots {sorted(both)[:10]} are in the tree and pending a "
                          "copy")
+            if kind == "full" and sum(self.pending_full.values()) != len(pend):
+                v.append(f"pending full host slots {len(pend)} != those of the namespaces "
+                         f"{self.pending_full}")
             both = []
             for chunk in chunked(keyed, AUDIT_STEP_SLOTS):
                 both += (s for s in chunk if s in tree or s in pend)

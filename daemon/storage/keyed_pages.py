@@ -56,6 +56,7 @@ class KeyedPage:
     stamp: int
     pins: int = 0
     in_l3: bool = False  # written to Redis (or read from it): an eviction owes Redis nothing
+    cleared: bool = False  # dropped by kv_clear: a Redis write of it must not bring it back
 
 
 @dataclass(eq=False)

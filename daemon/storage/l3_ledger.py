@@ -38,6 +38,17 @@ class L3Ledger:
         self._totals[ns] = total
         return gone
 
+    def forget(self, ns: str, keys: Iterable[tuple[bytes, str]]) -> None:
+        """Values deleted from Redis by their owner (a namespace's keyed pages cleared): they no
+        longer count, and are not deleted again for the quota."""
+        values = self._values.get(ns)
+        if not values:
+            return
+        total = self._totals.get(ns, 0)
+        for key in keys:
+            total -= values.pop(key, 0)
+        self._totals[ns] = total
+
     def total(self, ns: str) -> int:
         return self._totals.get(ns, 0)
 

@@ -9,7 +9,7 @@ import redis as redis_sync
 import torch
 from radixd_client import Client
 from radixd_client.errors import RadixdError
-from radixd_client.protocol import Code, KvAttach, KvLookup
+from radixd_client.protocol import Code, KvAttach, KvClear, KvCommit, KvLookup
 
 from tests.redis_procs import SHARED_URL, Server, free_port
 
@@ -422,3 +422,51 @@ def test_kv_attach_raw_frame_without_fds_reader_still_answers(make_daemon) -> No
         assert not r.ok and r.error.code == Code.BAD_ARGUMENT
     finally:
         raw.close()
+
+
+def test_a_clear_right_after_a_commit_leaves_nothing_in_redis(make_daemon, prefix: str) -> None:
+    """The commit queues the page's Redis write; the clear in the same batch ran its delete
+    before that write, which then stored the cleared page, and a fetch served it again (as a
+    review found). A clear takes the queued writes back, and a write under way deletes after
+    itself."""
+    d = make_daemon(l3_config(SHARED_URL, prefix, host_pages=16, host_swa_pages=8))
+    with Client(d.socket) as c:
+        pools = c.kv_attach("m")
+        names = [f"gone{i}" for i in range(6)]
+        for round_ in range(3):
+            r = c.kv_reserve("m", keys(*names[2 * round_:2 * round_ + 2]))
+            assert r.pin and all(r.slots)
+            fill(pools, "full", r.slots, round_)
+            with c.batch() as b:
+                b._call("kv_commit", KvCommit(model="m", pin=r.pin))
+                cleared = b._call("kv_clear", KvClear(model="m"))
+            assert cleared.result().removed == 2
+        wait_for(lambda: admin_stats(d)["models"]["m"]["keyed"]["counters"]["kv_cleared"] == 6,
+                 "the clears")
+        store(c, pools, ["after"], 9)  # a later write: once it is in Redis, so is all before
+        wait_for(lambda: stats(c)["kv_l3_write_pages"] >= 1 and redis_keys(prefix) == 1,
+                 "the writes to settle")
+        got = c.kv_lookup("m", keys(*names), fetch=True, timeout_s=5)
+        assert got.present == bytes(6) and got.fetched == 0
+
+
+def test_cleared_pages_no_longer_count_against_the_l3_quota(make_daemon, prefix: str) -> None:
+    """7168 bytes admit three keyed values. After a clear of two, two more fit beside the one
+    kept; the clear's values stayed charged before, and a live value was deleted instead."""
+    config = l3_config(SHARED_URL, prefix, host_pages=16, host_swa_pages=8)
+    config["tenants"] = [{"name": "t1", "token": "one", "quota_l3_bytes": 7168}]
+    d = make_daemon(config)
+    with Client(d.socket, token="one") as c:
+        pools = c.kv_attach("m")
+        store(c, pools, ["a"], 1)
+        wait_for(lambda: redis_keys(prefix) == 1, "a written")
+        store(c, pools, ["b", "c"], 2)
+        wait_for(lambda: redis_keys(prefix) == 3, "b and c written")
+        keep = c.kv_lookup("m", keys("a")).pin  # pinned: the clear spares it
+        assert c.kv_clear("m").removed == 2
+        wait_for(lambda: redis_keys(prefix) == 1, "b and c deleted")
+        store(c, pools, ["d", "e"], 3)
+        wait_for(lambda: stats(c)["kv_l3_write_pages"] == 5, "d and e written")
+        assert redis_keys(prefix) == 3
+        assert admin_stats(d)["models"]["m"]["tiers"]["l3_quota_deleted_pages"] == 0
+        c.kv_release("m", keep)

@@ -295,6 +295,54 @@ def test_host_quota_bounds_a_tenants_host_pages(make_daemon) -> None:
         c.close()
 
 
+def test_host_quota_counts_the_copies_planned_together(make_daemon) -> None:
+    """Fifteen 4-page conversations inserted in one batch are backed up by one job: each node's
+    host slots were checked against the quota without the job's earlier ones (60 host pages
+    against a quota of 6, as a review found). Pending copies count now."""
+    d = make_daemon({"models": [{**SMALL_MODEL, "swa_pages": 64}],
+                     "tenants": [{"name": "t", "token": "tok", "quota_host_pages": 6}]})
+    with Client(d.socket, token="tok") as c:
+        c.attach("m")
+        allocs = [c.alloc("m", 4) for _ in range(15)]
+        with c.batch() as b:
+            for i, a in enumerate(allocs):
+                b.insert("m", seq(4, 1 + 1000 * i), a.full_pages, a.swa_pages)
+        tiers = lambda: admin_stats(d)["models"]["m"]["tiers"]  # noqa: E731
+        wait_for(lambda: tiers()["host_pages_pending"] == 0 and tiers()["backup_queue"] == 0
+                 and c.stats("m").models["m"]["tree_host_pages"] > 0, "the host copies")
+        assert 0 < c.stats("m").models["m"]["tree_host_pages"] <= 6
+
+
+def test_host_quota_holds_for_concurrent_prefetches_of_one_tenant(make_daemon, prefix: str
+                                                                  ) -> None:
+    """Six sessions of one tenant prefetch six 4-page conversations from Redis at once: each
+    fetch's host slots were checked without the others' in flight (24 host pages against a
+    quota of 6, as a review found)."""
+    model = {"full_pages": 96, "swa_pages": 96}
+    convs = [seq(4, 1 + 10000 * i) for i in range(6)]
+    config = l3_config(SHARED_URL, prefix, **model)
+    config["tenants"] = [{"name": "t", "token": "tok"}]  # pages are named by namespace
+    first = make_daemon(config)
+    with Client(first.socket, token="tok") as c:
+        c.attach("m")
+        for toks in convs:
+            a = c.alloc("m", 4)
+            c.insert("m", toks, a.full_pages, a.swa_pages)
+        wait_for(lambda: l3_pages(prefix) >= 6 * l3_values(4), "the L3 writes")
+    config["tenants"] = [{"name": "t", "token": "tok", "quota_host_pages": 6}]
+    d = make_daemon(config)
+    clients = [Client(d.socket, token="tok", timeout=30) for _ in convs]
+    try:
+        with ThreadPoolExecutor(len(convs)) as ex:
+            got = list(ex.map(lambda ct: ct[0].prefetch("m", ct[1], policy="wait_complete"),
+                              zip(clients, convs, strict=True)))
+        assert sum(r.fetched_len for r in got) > 0
+        assert 0 < clients[0].stats("m").models["m"]["tree_host_pages"] <= 6
+    finally:
+        for c in clients:
+            c.close()
+
+
 # ---------------------------------------------------------------------------- L3
 
 

@@ -790,7 +790,8 @@ def test_the_host_tier_reports_a_tree_slot_in_another_namespaces_segment() -> No
     host = HostTier(make_profile(**SEG_PROFILE), 9, 0, pin_memory=False, segment_pages=2)
     try:
         mine, theirs = host.take("full", 1, "a"), host.take("full", 1, "b")
-        host.filled("full", [*mine, *theirs])
+        host.filled("full", mine, "a")
+        host.filled("full", theirs, "b")
 
         def audit(slot: int) -> list[str]:
             node = SimpleNamespace(ns=SimpleNamespace(name="a"), host=array("i", [slot]),
@@ -813,10 +814,11 @@ def test_the_host_tier_drops_nothing_when_one_slot_of_a_drop_is_bad() -> None:
     try:
         slots = tier.take("full", 2, "ns")
         with pytest.raises(AllocatorError):
-            tier.drop("full", [slots[0], 7])  # 7: a slot nobody holds
+            tier.drop("full", [slots[0], 7], "ns")  # 7: a slot nobody holds
         assert tier.pending["full"] == set(slots)
         assert [tier.full.refcount(s) for s in slots] == [1, 1]
-        tier.drop("full", slots)
-        assert not tier.pending["full"] and tier.full.used == 0 and tier.full.audit() == []
+        tier.drop("full", slots, "ns")
+        assert not tier.pending["full"] and not tier.pending_full
+        assert tier.full.used == 0 and tier.full.audit() == []
     finally:
         tier.close()
