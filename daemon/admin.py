@@ -22,6 +22,7 @@ against it.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import hmac
 import importlib.resources
@@ -179,6 +180,16 @@ def _token_digest(config: Config, socket_path: str) -> tuple[bytes, str | None, 
     # hex: a generated token never starts with '-', which a command line would read as a flag
     token = secrets.token_hex(32)
     path = admin_token_file(config, socket_path)
+    owner = _token_file_owner(path, socket_path)
+    if owner is not None:
+        if cfg.token_file is not None:
+            raise TokenFileError(errno.EEXIST, f"admin.token_file {path} is the token of the "
+                                               f"running daemon on {owner}: give this one "
+                                               "another admin.token_file")
+        # another daemon's sockets share the directory: its token stays, this one's goes
+        # beside this socket (the endpoint file names it, for radixd status)
+        log.info("%s holds the admin token of the running daemon on %s", path, owner)
+        path = f"{socket_path}.token"
     try:
         _write_secret(path, token + "\n")
     except OSError as exc:
@@ -187,6 +198,30 @@ def _token_digest(config: Config, socket_path: str) -> tuple[bytes, str | None, 
                                         "admin.token_sha256)") from None
     log.info("admin token generated and written to %s (mode 0600)", path)
     return hashlib.sha256(token.encode()).digest(), path, token + "\n"
+
+
+def _token_file_owner(path: str, socket_path: str) -> str | None:
+    """The socket of another running daemon whose endpoint file (``<socket>.admin``, in the
+    token file's directory) names ``path`` as its token file; None when none does."""
+    mine = os.path.realpath(admin_endpoint_file(socket_path))
+    for endpoint in Path(path).parent.glob("*.admin"):
+        try:
+            info = json.loads(endpoint.read_text(encoding="utf-8"))
+            pid = int(info["pid"])
+            theirs = info.get("token_file")
+        except (OSError, ValueError, TypeError, KeyError):
+            continue
+        if (os.path.realpath(endpoint) == mine or pid == os.getpid() or theirs is None
+                or os.path.realpath(theirs) != os.path.realpath(path)):
+            continue
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue  # a leftover of a daemon that did not stop cleanly
+        except PermissionError:
+            pass  # alive, another user's
+        return str(endpoint)[: -len(".admin")]
+    return None
 
 
 def _write_secret(path: str, text: str, mode: int = 0o600) -> None:

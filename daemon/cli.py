@@ -86,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     config = sub.add_parser("config", help="check or show the effective configuration, or print "
                                            "an example")
     csub = config.add_subparsers(dest="config_command", metavar="ACTION")
+    config.set_defaults(handler=lambda _: (config.print_help(sys.stderr), EXIT_USAGE)[1])
     show = csub.add_parser("show", help="print the effective configuration as JSON "
                                         "(tokens redacted)")
     _config_args(show)
@@ -353,7 +354,9 @@ class AdminClient:
             theirs = str(server.get("socket", ""))
             if os.path.realpath(theirs) != os.path.realpath(self.expect_socket):
                 raise AdminError(f"the admin endpoint at {self.url} answers for the daemon on "
-                                 f"{theirs}, not {self.expect_socket}; pass --admin")
+                                 f"{theirs}, not {self.expect_socket} (is that daemon running, "
+                                 "with its admin endpoint up?); pass --socket or --config for "
+                                 "the daemon you mean, or --admin URL")
 
 
 def admin_url(config: Any) -> str:
@@ -454,8 +457,9 @@ def _admin_client(args: argparse.Namespace) -> AdminClient | None:
     the configuration is invalid (already reported).
 
     With ``--socket`` it talks to the daemon on that socket or to none: nothing listening there
-    is "no daemon at PATH", its endpoint is found in the file it wrote beside the socket, and an
-    endpoint that answers for another daemon is refused (see :meth:`AdminClient.verify`)."""
+    is "no daemon at PATH", and its endpoint is found in the file it wrote beside the socket.
+    Unless ``--admin`` alone names the endpoint, one that answers for another daemon than the
+    one on the named or configured socket is refused (see :meth:`AdminClient.verify`)."""
     named = getattr(args, "socket", None)
     if args.admin and args.token and not named:  # nothing left to look up
         return AdminClient(args.admin, args.token, timeout=args.timeout)
@@ -463,14 +467,22 @@ def _admin_client(args: argparse.Namespace) -> AdminClient | None:
     if config is None:
         return None
     sock = config.server.socket
-    if named:
+    if named or not args.admin:  # "no daemon" is the news, not a token file that is missing
         _probe_socket(sock)
     info = None if args.admin else _endpoint_info(sock)
     url = args.admin or (info["url"] if info else admin_url(config))
-    token, path = _admin_token(args, config, info)
+    try:
+        token, path = _admin_token(args, config, info)
+    except AdminError as exc:
+        if info is None and not args.admin:
+            raise AdminError(f"{exc}. The daemon on {sock} wrote no endpoint file "
+                             f"({sock}.admin): its admin endpoint may not be up (its log says "
+                             "why)") from None
+        raise
     client = AdminClient(url, token, timeout=args.timeout)
     client.refused_hint = _refused_hint(path, info)
-    if named:
+    if named or not args.admin:  # the endpoint found must answer for the daemon meant, not
+        # for another one that holds the configured port (another daemon's configuration)
         client.expect_socket = sock
         client.expect_instance = info.get("instance") if info else None
     return client

@@ -37,7 +37,12 @@ class _Section(BaseModel):
 
 
 def default_socket_path() -> str:
-    """/run/radixd/radixd.sock for root; a per-user runtime directory otherwise."""
+    """Under systemd with ``RuntimeDirectory=`` (the shipped unit), ``radixd.sock`` in it: a
+    service user's own fallback would be under /tmp, which ``PrivateTmp=`` hides from engines.
+    Else /run/radixd/radixd.sock for root; a per-user runtime directory otherwise."""
+    service = os.environ.get("RUNTIME_DIRECTORY", "").split(":")[0]
+    if service:
+        return str(Path(service) / "radixd.sock")
     if os.geteuid() == 0:
         return "/run/radixd/radixd.sock"
     runtime = os.environ.get("XDG_RUNTIME_DIR")

@@ -484,6 +484,9 @@ class Server:
         for sig in (signal.SIGTERM, signal.SIGINT):
             self.loop.add_signal_handler(sig, self.stop)
         self.loop.add_signal_handler(signal.SIGUSR1, self.checker.on_request)
+        # by default SIGHUP would end the process at once (no drain, the socket left behind,
+        # and under systemd a clean exit that Restart=on-failure does not restart)
+        self.loop.add_signal_handler(signal.SIGHUP, _no_reload)
         try:
             if self.start_admin is not None:
                 self.admin = await self.start_admin()
@@ -622,3 +625,7 @@ def tune_gc() -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(20_000, 20, 20)
+
+
+def _no_reload() -> None:
+    log.warning("SIGHUP ignored: radixd has no reload; restart it to apply a new configuration")

@@ -28,13 +28,15 @@ from radixd_client.errors import RadixdError
 from radixd_client.lifecycle import NotWritable, RequestLifecycle
 from radixd_client.pools import AttachedPools
 
-MODEL = "default"  # the built-in default model's name
 VOCAB = 2000  # token ids stay exact in float16 pools
 
 
 def default_socket() -> str:
     """The daemon's default socket path (daemon/config.py ``default_socket_path``; repeated here
     because an engine has the client library, not the daemon, installed)."""
+    service = os.environ.get("RUNTIME_DIRECTORY", "").split(":")[0]
+    if service:  # run as a systemd service with RuntimeDirectory=, as the daemon is
+        return str(Path(service) / "radixd.sock")
     if os.geteuid() == 0:
         return "/run/radixd/radixd.sock"
     runtime = os.environ.get("XDG_RUNTIME_DIR")
@@ -64,11 +66,11 @@ def next_token(token: int) -> int:
     return (token * 31 + 7) % VOCAB
 
 
-def run_request(c: Client, pools: AttachedPools, label: str, prompt: list[int], chunk: int,
-                decode: int) -> list[int]:
+def run_request(c: Client, pools: AttachedPools, model: str, label: str, prompt: list[int],
+                chunk: int, decode: int) -> list[int]:
     """Admit, prefill in chunks, decode ``decode`` tokens, finish; returns the request's full
     page ids of the prompt (as the tree holds them at the end)."""
-    lc = RequestLifecycle(c, MODEL, prompt, label=label)
+    lc = RequestLifecycle(c, model, prompt, label=label)
     try:
         adm = lc.admit()
         print(f"{label}: prompt {len(prompt)} tokens, {adm.prefix_len} cached "
@@ -112,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="the daemon's socket (default: %(default)s)")
     ap.add_argument("--token", default=os.environ.get("RADIXD_TOKEN"),
                     help="tenant token, if the daemon has tenants (default: $RADIXD_TOKEN)")
+    ap.add_argument("--model", default="default",
+                    help="the model entry to use (default: %(default)s, the built-in one)")
     ap.add_argument("--seed", type=int, default=None,
                     help="seed of the prompts (default: fresh ones each run, so request 1 "
                          "starts cold)")
@@ -123,18 +127,24 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(args.seed)
     try:
         with Client(args.socket, token=args.token, client_name="quickstart") as c:
-            info = c.models[MODEL]
+            model = args.model
+            if model not in c.models:
+                print(f"radixd at {args.socket} serves no model {model!r} to this session; it "
+                      f"serves {', '.join(sorted(c.models)) or 'none'}: pass --model",
+                      file=sys.stderr)
+                return 1
+            info = c.models[model]
             P, W = info.page_size, info.sliding_window
-            print(f"model {MODEL!r}: page size {P}, sliding window {W}, "
+            print(f"model {model!r}: page size {P}, sliding window {W}, "
                   f"{info.full_pages} full / {info.swa_pages} SWA pages on {info.device}")
-            pools = c.attach(MODEL)  # the KV pools, mapped into this process
+            pools = c.attach(model)  # the KV pools, mapped into this process
             shared = [rng.randrange(1, VOCAB) for _ in range(10 * P)]  # a "system prompt"
             prompts = [shared + [rng.randrange(1, VOCAB) for _ in range(P + P // 2)]
                        for _ in range(2)]
             # decode until the window has moved past the whole prompt, so SWA is given back
             decode = (W or 0) + 2 * P
-            first = run_request(c, pools, "request 1", prompts[0], 4 * P, decode)
-            second = run_request(c, pools, "request 2", prompts[1], 4 * P, P)
+            first = run_request(c, pools, model, "request 1", prompts[0], 4 * P, decode)
+            second = run_request(c, pools, model, "request 2", prompts[1], 4 * P, P)
             n = len(shared) // P
             same = first[:n] == second[:n]
             print(f"request 2 reused request 1's first {n} pages: {same}")

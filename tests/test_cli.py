@@ -29,6 +29,13 @@ def test_no_command_prints_help_and_fails(capsys: pytest.CaptureFixture[str]) ->
     assert "serve" in capsys.readouterr().err
 
 
+def test_config_without_an_action_prints_its_own_help(capsys: pytest.CaptureFixture[str]
+                                                       ) -> None:
+    assert cli.main(["config"]) == cli.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "show" in err and "check" in err and "example" in err and "serve" not in err
+
+
 def test_config_show_redacts_tokens(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     cfg = tmp_path / "c.toml"
     cfg.write_text('[[tenants]]\nname = "a"\ntoken = "s3cret"\n')
@@ -203,6 +210,26 @@ def test_status_and_check_find_the_endpoint_in_the_config(live, tmp_path: Path, 
     assert capsys.readouterr().out.startswith("ok: no invariant violations")
 
 
+def test_status_refuses_an_endpoint_that_answers_for_another_daemon(live, tmp_path: Path,
+                                                                    capsys) -> None:
+    """A config whose admin address another daemon holds (its own daemon runs without an
+    endpoint, or not at all) printed that other daemon's status and ran its check, as a
+    review found: the endpoint must answer for the configuration's socket."""
+    sock = tmp_path / "admin-http.sock"
+    d = live({"admin": {"unix_socket": str(sock), "token": "shared-token"}})
+    b = live({"admin": {"token": "shared-token"}})
+    Path(b.socket + ".admin").unlink()  # as when b's admin endpoint did not come up
+    other = tmp_path / "other.toml"
+    other.write_text(f'[server]\nsocket = "{b.socket}"\n'
+                     f'[admin]\nunix_socket = "{sock}"\ntoken = "shared-token"\n')
+    for cmd in ("status", "check"):
+        assert cli.main([cmd, "--config", str(other)]) == cli.EXIT_FAILURE
+        err = capsys.readouterr().err
+        assert f"answers for the daemon on {d.socket}, not {b.socket}" in err
+    assert cli.main(["status", "--config", str(d.config_path)]) == 0  # its own: fine
+    capsys.readouterr()
+
+
 def test_check_against_a_live_daemon(live, capsys) -> None:
     d = live()
     _cache(d.socket, 2)
@@ -264,13 +291,19 @@ def test_unreachable_daemon_is_a_clear_error(tmp_path: Path, capsys) -> None:
     assert "give http://HOST:PORT or unix:/PATH" in capsys.readouterr().err
 
 
-def test_missing_token_file_and_unknown_port(tmp_path: Path, capsys) -> None:
+def test_missing_token_file_and_unknown_port(live, tmp_path: Path, capsys) -> None:
     cfg = tmp_path / "c.toml"
     cfg.write_text(f'[server]\nsocket = "{tmp_path}/radixd.sock"\n')
     assert cli.main(["status", "--config", str(cfg)]) == cli.EXIT_FAILURE
+    assert f"no daemon at {tmp_path}/radixd.sock" in capsys.readouterr().err  # not the token
+    d = live({"admin": {"token": "t"}})  # a daemon whose token is configured, not written
+    cfg.write_text(f'[server]\nsocket = "{d.socket}"\n')
+    Path(d.socket + ".admin").unlink()  # as when its admin endpoint did not come up
+    assert cli.main(["status", "--config", str(cfg)]) == cli.EXIT_FAILURE
     err = capsys.readouterr().err
-    assert f"cannot read the admin token from {tmp_path}/admin.token" in err
-    cfg.write_text(f'[server]\nsocket = "{tmp_path}/radixd.sock"\n[admin]\nport = 0\n')
+    assert f"cannot read the admin token from {Path(d.socket).parent}/admin.token" in err
+    assert f"The daemon on {d.socket} wrote no endpoint file" in err
+    cfg.write_text(f'[server]\nsocket = "{d.socket}"\n[admin]\nport = 0\n')
     assert cli.main(["check", "--config", str(cfg), "--token", "x"]) == cli.EXIT_FAILURE
     assert "pass --admin URL" in capsys.readouterr().err
     cfg.write_text("[admin]\nport = -1\n")
@@ -371,6 +404,26 @@ def test_status_with_socket_talks_to_the_daemon_on_it(live, tmp_path: Path, caps
                      "--token", b.token]) == cli.EXIT_FAILURE
     err = capsys.readouterr().err
     assert f"answers for the daemon on {b.socket}, not {a.socket}" in err, err
+
+
+def test_daemons_whose_sockets_share_a_directory_keep_their_own_tokens(live, tmp_path: Path,
+                                                                       capsys) -> None:
+    """The second daemon wrote its token over the first one's admin.token, which no command
+    could then read back (a review found it): it writes its own beside its socket instead."""
+    shared = tmp_path / "run"
+    shared.mkdir()
+    a = live({"server": {"socket": str(shared / "a.sock")}})
+    b = live({"server": {"socket": str(shared / "b.sock")}})
+    assert a.token_file == shared / "admin.token"
+    assert b.token_file == Path(b.socket + ".token")
+    assert a.token != b.token
+    for d in (a, b):
+        assert cli.main(["status", "--socket", d.socket]) == 0
+        assert f"instance {d.get_json('/v1/stats')['instance']}" in capsys.readouterr().out
+    configured = {"server": {"socket": str(shared / "c.sock")},
+                  "admin": {"token_file": str(shared / "admin.token")}}
+    with pytest.raises(RuntimeError, match="is the token of the running daemon on"):
+        live(configured)
 
 
 def test_clean_stop_removes_the_token_file(live) -> None:

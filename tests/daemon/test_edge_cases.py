@@ -17,9 +17,10 @@ from typing import Any
 
 import msgspec
 import pytest
-from radixd_client import protocol
+from radixd_client import Client, protocol
 
 from .conftest import SMALL_MODEL, Raw
+from .test_tiers import wait_for
 
 P = 4
 MODEL = "m"
@@ -325,3 +326,17 @@ def test_failed_hellos_are_logged_at_a_bounded_rate(make_daemon) -> None:
     lines = [x for x in d.log().splitlines() if "failed hello" in x]
     assert len(lines) == 2 and "(5 earlier failures not logged)" in lines[1], lines
     assert secret not in d.log()
+
+
+def test_sighup_is_logged_and_ignored(make_daemon) -> None:
+    """There is no reload. SIGHUP's default would end the daemon at once, with no drain and
+    the socket left behind, and systemd would not restart it (a clean signal)."""
+    d = make_daemon()
+    with Client(d.socket) as c:
+        c.attach("m")
+        a = c.alloc("m", 2)
+        d.proc.send_signal(signal.SIGHUP)
+        wait_for(lambda: "SIGHUP ignored" in d.log(), "the warning")
+        assert d.proc.poll() is None
+        c.free("m", a.full_pages, a.swa_pages)
+        assert c.ping(b"still here").payload == b"still here"

@@ -69,18 +69,34 @@ def test_quickstart_against_the_default_daemon(make_daemon) -> None:
     assert run.stderr == ""
 
 
+def test_quickstart_names_the_models_when_its_model_is_not_served(make_daemon) -> None:
+    d = make_daemon({"models": [{"name": "ma"}], "admin": {"port": 0}})
+    run = run_script("--socket", d.socket)
+    assert run.returncode == 1 and "Traceback" not in run.stderr
+    assert "serves no model 'default' to this session; it serves ma: pass --model" in run.stderr
+    run = run_script("--socket", d.socket, "--model", "ma", "--seed", "3")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.startswith("model 'ma': page size 16")
+
+
 def test_quickstart_without_a_daemon(tmp_path: Path) -> None:
     run = run_script("--socket", str(tmp_path / "none.sock"))
     assert run.returncode == 1
     assert "no socket at" in run.stderr and "./scripts/run.sh" in run.stderr
 
 
+@pytest.mark.parametrize("service", [None, "/run/radixd", "/run/radixd:/run/other"])
 @pytest.mark.parametrize("runtime", ["/run/user/4242", None])
 def test_default_socket_is_the_daemons(monkeypatch: pytest.MonkeyPatch,
-                                       runtime: str | None) -> None:
-    """Run without --socket, the script finds a daemon started without a socket configured."""
-    if runtime is None:
-        monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
-    else:
-        monkeypatch.setenv("XDG_RUNTIME_DIR", runtime)
+                                       runtime: str | None, service: str | None) -> None:
+    """Run without --socket, the script finds a daemon started without a socket configured;
+    under systemd (``RUNTIME_DIRECTORY``, which the shipped unit's RuntimeDirectory= sets) the
+    socket is in the service's runtime directory, not under a /tmp that PrivateTmp= hides."""
+    for name, value in (("XDG_RUNTIME_DIR", runtime), ("RUNTIME_DIRECTORY", service)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
     assert default_socket() == default_socket_path()
+    if service is not None:
+        assert default_socket_path() == "/run/radixd/radixd.sock"

@@ -97,7 +97,14 @@ class AdminDaemon(Daemon):
 
     @property
     def token_file(self) -> Path:
-        return Path(self.config["admin"].get("token_file") or self.tmp / "admin.token")
+        """Where the daemon wrote its generated token: the file its endpoint file names (it
+        may not be the default when another daemon's socket shares the directory)."""
+        if self.config["admin"].get("token_file"):
+            return Path(self.config["admin"]["token_file"])
+        try:
+            return Path(json.loads(Path(self.socket + ".admin").read_text())["token_file"])
+        except (OSError, ValueError, KeyError, TypeError):  # stopped: the default
+            return Path(self.socket).parent / "admin.token"
 
     @property
     def token(self) -> str:

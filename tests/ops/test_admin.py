@@ -340,7 +340,10 @@ def test_views_tenants_sessions_models_stats(admin_daemon) -> None:
         assert set(stats["models"]["m"]) == {"page_size", "sliding_window", "policy", "pools",
                                              "nodes", "matches", "match_tokens",
                                              "hit_tokens", "hit_rate", "evictions", "tiers",
-                                             "segments"}
+                                             "segments", "keyed"}
+        keyed = stats["models"]["m"]["keyed"]  # the key-addressed store: all namespaces
+        assert keyed["pages"] == {"full": 0, "swa": 0} and keyed["pins"] == 0
+        assert keyed["counters"]["kv_lookups"] == 0
         tiers = stats["models"]["m"]["tiers"]  # the host tier is on by default
         assert tiers["host_pages_capacity"] == 4095 and tiers["load_failures"] == 0
         assert stats["l3"] is None  # no l3.url configured
