@@ -360,6 +360,10 @@ class KeyedTier:
             for i, h in todo[:fit]:
                 slots[i] = self._take(kind, h, ns)
                 taken[keys[i]] = (slots[i], h)
+        except OSError as exc:  # a segment got no fresh memory (EMFILE, ENOMEM): no room
+            log.warning("keyed %s: a host segment for namespace %r got no memory (%s); %d "
+                        "keys declined", kind, ns, exc.strerror or exc, fit - len(taken))
+            fit = len(taken)
         except BaseException:  # no pin holds them yet: give them back before the error goes up
             self._free(kind, [slot for slot, _ in taken.values()])
             raise
@@ -571,12 +575,19 @@ class KeyedTier:
         if self._clears.get(ns, 0) != clears:  # read before a kv_clear: never brought back
             return 0
         clock = self.cache.tree.clock
+        stored = 0
         for k, h, v in found[:fit]:  # on the loop: a slot is never visible before it is full
-            slot = self._take(kind, h, ns)
+            try:
+                slot = self._take(kind, h, ns)
+            except OSError as exc:  # a segment got no fresh memory: the rest are misses
+                log.warning("keyed %s: a host segment for namespace %r got no memory (%s)",
+                            kind, ns, exc.strerror or exc)
+                break
             pool.write_page_bytes(slot, v.payload)
             self.pages.add_stored(ns, kind, k, slot, h, clock)
-        self.count(ns, "kv_l3_fetched", fit)
-        return fit
+            stored += 1
+        self.count(ns, "kv_l3_fetched", stored)
+        return stored
 
     # ------------------------------------------------------------------ checking and reporting
 

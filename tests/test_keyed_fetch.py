@@ -173,3 +173,43 @@ def test_a_key_whose_cleared_page_a_write_still_reads_is_a_miss_until_it_ends(
             host.close()
 
     asyncio.run(run())
+
+
+def test_a_fetch_whose_segment_gets_no_fresh_memory_stores_what_it_could(prefix: str) -> None:
+    """Isolated host pools: a fetch's second segment cannot get a fresh memfd (EMFILE, faked
+    through the allocator's ``on_assign``). The first key arrives, the rest are misses, no
+    internal error, and the store stays consistent."""
+    async def run() -> None:
+        cache = ModelCache(PROFILE)
+        host = HostTier(PROFILE, 7, 4, pin_memory=False, segment_pages=1)
+        cache.host = host
+        kv = KeyedTier(cache, host, {}, "tiny")
+        r = kv.reserve("s1", "a", "full", [b"k0", b"k1", b"k2"], 64)
+        kv.commit("s1", r.pin)
+        kv.clear("a")  # segments free, last served by "a": "b" gets fresh memory for each
+        try:
+            pages = await only_in_redis(kv, prefix, [b"x", b"y", b"z"], ns="b")
+            alloc = host.full.allocator
+            renew, calls = alloc.on_assign, []
+
+            def no_fresh_memory_the_second_time(seg: int) -> None:
+                calls.append(seg)
+                if len(calls) == 2:
+                    raise OSError(24, "Too many open files")
+                assert renew is not None
+                renew(seg)
+
+            alloc.on_assign = no_fresh_memory_the_second_time
+            assert await kv.fetch("b", "full", [b"x", b"y", b"z"], 2.0) == 1
+            alloc.on_assign = renew
+            got = kv.lookup("s2", "b", "full", [b"x", b"y", b"z"], False, 64)
+            assert got.present == b"\x01\x00\x00"
+            assert bytes(host.full.page_bytes(got.slots[0])) == pages[b"x"]
+            assert kv.stats("b")["kv_l3_fetched"] == 1
+            assert kv.check({"s1", "s2"}) == [] and host.audit({"full": set(), "swa": set()}) == []
+        finally:
+            if kv.l3 is not None:
+                await kv.l3.aclose()
+            host.close()
+
+    asyncio.run(run())
