@@ -123,7 +123,7 @@ def _image(entry: ModelEntry, index: int, state_dir: str | None) -> ModelImage:
                 used["swa"].extend(s for s in n.host_swa if s)
     if entry.keyed is not None:
         for page in entry.keyed.pages.pages.values():
-            img.keyed.append(KeyedRecord(page.ns, page.kind, page.key, page.slot))
+            img.keyed.append(KeyedRecord(page.ns, page.kind, page.key, page.slot, page.in_l3))
             used[page.kind].append(page.slot)
     img.l3_ledger = [L3LedgerRecord(ns, h, pool, n)
                      for ns, values in entry.tiers.l3_ledger.entries().items()  # type: ignore
@@ -314,7 +314,7 @@ class _Restorer:
                 continue
             self.host.keyed[rec.kind].add(slot)
             keyed.pages.add_stored(rec.ns, rec.kind, rec.key, slot, h,  # type: ignore[union-attr]
-                                   self.tree.clock)
+                                   self.tree.clock, in_l3=rec.in_l3)
             self.kept += 1
 
     def run(self) -> None:

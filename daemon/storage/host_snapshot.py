@@ -93,6 +93,9 @@ class KeyedRecord(msgspec.Struct, array_like=True):
     kind: str
     key: bytes
     slot: int
+    # whether Redis has the page (under write-back an eviction must write one that it has not);
+    # absent in snapshots of versions before it: taken as written, as those were restored
+    in_l3: bool = True
 
 
 class L3LedgerRecord(msgspec.Struct, array_like=True):

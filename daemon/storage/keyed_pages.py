@@ -219,12 +219,13 @@ class KeyedPages:
         del self.order[page.kind][pid]
         self._count(page.ns, page.kind, -1)
 
-    def add_stored(self, ns: str, kind: str, key: bytes, slot: Slot, h: bytes, stamp: int
-                   ) -> KeyedPage:
-        """A page that arrived stored (fetched from Redis): no reservation in between."""
+    def add_stored(self, ns: str, kind: str, key: bytes, slot: Slot, h: bytes, stamp: int,
+                   in_l3: bool = True) -> KeyedPage:
+        """A page that arrived stored: fetched from Redis, or restored by a warm restart (in
+        Redis or not, as it was): no reservation in between."""
         self.changes += 1
         pid = (ns, kind, key)
-        page = KeyedPage(ns, kind, key, slot, h, stamp, in_l3=True)
+        page = KeyedPage(ns, kind, key, slot, h, stamp, in_l3=in_l3)
         self.pages[pid] = page
         self.order[kind][pid] = page
         self._count(ns, kind, 1)

@@ -252,3 +252,40 @@ def test_cold_nodes_host_slot_ids_kept_as_runs_load_and_restart_byte_exact(
     finally:
         e2.close()
     d2.check()
+
+
+def test_a_keyed_page_never_written_to_redis_is_written_back_after_a_restart(
+        make_daemon, tmp_path: Path, prefix: str) -> None:
+    """Under write-back a keyed page goes to Redis when host evicts it. Restored pages came
+    back marked as in Redis, so one never written was then lost on eviction (a review found
+    it): the snapshot keeps the mark."""
+    import torch
+
+    def config() -> dict[str, Any]:
+        c = l3_config(SHARED_URL, prefix, host_pages=16, host_swa_pages=8)
+        c["l3"]["write_policy"] = "write_back"
+        c["server"] = {"state_dir": str(tmp_path / "s")}
+        return c
+
+    d1 = make_daemon(config())
+    with Client(d1.socket) as c:
+        pools = c.kv_attach("m")
+        r = c.kv_reserve("m", [b"precious"])
+        page = torch.randint(0, 256, (pools.page_nbytes["full"],), dtype=torch.uint8)
+        pools.full[r.slots[0]].copy_(page)
+        c.kv_commit("m", r.pin)
+        assert c.stats("m").models["m"]["kv_l3_write_pages"] == 0  # write-back: not yet
+    _stop(d1)
+    d2 = make_daemon(config())
+    with Client(d2.socket) as c:
+        pools = c.kv_attach("m")
+        assert c.kv_lookup("m", [b"precious"], pin=False).present == b"\x01"  # restored
+        for i in range(3):  # 15 usable host slots: the restored page is the oldest to go
+            r = c.kv_reserve("m", [b"other-%d-%d" % (i, j) for j in range(8)])
+            c.kv_commit("m", r.pin)
+        wait_for(lambda: c.kv_lookup("m", [b"precious"], pin=False).present == b"\x00"
+                 and c.stats("m").models["m"]["kv_l3_write_pages"] >= 1, "its eviction")
+        got = c.kv_lookup("m", [b"precious"], fetch=True, timeout_s=5)
+        assert got.present == b"\x01" and got.fetched == 1
+        assert torch.equal(pools.full[got.slots[0]], page)
+        c.kv_release("m", got.pin)
