@@ -17,7 +17,12 @@ from daemon.storage.host_tier import HostTier
 from daemon.storage.keyed_pages import keyed_hash
 from daemon.storage.redis_tier import RedisTier
 from tests.redis_procs import SHARED_URL
-from tests.test_keyed_store_model import PROFILE, host_only_node
+from tests.test_keyed_store_model import (
+    PROFILE,
+    host_only_node,
+    no_fresh_memory_the_second_time,
+    store_of_freed_segments,
+)
 
 
 def store_held(host_pages: int, quotas: dict[str, int]) -> tuple[KeyedTier, HostTier, list[int]]:
@@ -180,28 +185,12 @@ def test_a_fetch_whose_segment_gets_no_fresh_memory_stores_what_it_could(prefix:
     through the allocator's ``on_assign``). The first key arrives, the rest are misses, no
     internal error, and the store stays consistent."""
     async def run() -> None:
-        cache = ModelCache(PROFILE)
-        host = HostTier(PROFILE, 7, 4, pin_memory=False, segment_pages=1)
-        cache.host = host
-        kv = KeyedTier(cache, host, {}, "tiny")
-        r = kv.reserve("s1", "a", "full", [b"k0", b"k1", b"k2"], 64)
-        kv.commit("s1", r.pin)
-        kv.clear("a")  # segments free, last served by "a": "b" gets fresh memory for each
+        kv, host = store_of_freed_segments()
         try:
             pages = await only_in_redis(kv, prefix, [b"x", b"y", b"z"], ns="b")
-            alloc = host.full.allocator
-            renew, calls = alloc.on_assign, []
-
-            def no_fresh_memory_the_second_time(seg: int) -> None:
-                calls.append(seg)
-                if len(calls) == 2:
-                    raise OSError(24, "Too many open files")
-                assert renew is not None
-                renew(seg)
-
-            alloc.on_assign = no_fresh_memory_the_second_time
+            renew = no_fresh_memory_the_second_time(host)
             assert await kv.fetch("b", "full", [b"x", b"y", b"z"], 2.0) == 1
-            alloc.on_assign = renew
+            renew()
             got = kv.lookup("s2", "b", "full", [b"x", b"y", b"z"], False, 64)
             assert got.present == b"\x01\x00\x00"
             assert bytes(host.full.page_bytes(got.slots[0])) == pages[b"x"]

@@ -9,6 +9,8 @@ under its key, and, isolated, lies in a segment its namespace holds."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import hypothesis.strategies as st
 import pytest
 from hypothesis import settings
@@ -194,33 +196,47 @@ TestKeyedStore = KeyedStore.TestCase
 TestKeyedStore.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
 
 
-def test_a_reservation_whose_segment_gets_no_fresh_memory_declines_the_rest() -> None:
-    """A segment changing namespace needs a new memfd; when that fails (EMFILE, ENOMEM: faked
-    through the allocator's ``on_assign``), the keys left are declined as for want of room (no
-    internal error): the slots taken before stay reserved, the failed segment stays free, and
-    once the pin ends the next reservation gets the whole pool."""
+def store_of_freed_segments() -> tuple[KeyedTier, HostTier]:
+    """Isolated host pools (one slot a segment) whose segments are all free, last served by
+    namespace "a": another namespace gets fresh memory for each one it takes."""
     cache = ModelCache(PROFILE)
     host = HostTier(PROFILE, 7, 4, pin_memory=False, segment_pages=1)
     cache.host = host
     kv = KeyedTier(cache, host, {}, "tiny")
     r = kv.reserve("s1", "a", "full", [b"k%d" % i for i in range(6)], 64)
     kv.commit("s1", r.pin)
-    kv.clear("a")  # every segment free, last served by "a"
+    kv.clear("a")
+    return kv, host
+
+
+def no_fresh_memory_the_second_time(host: HostTier) -> Callable[[], None]:
+    """The second full host segment to change namespace gets no new memfd (EMFILE), as the
+    allocator's ``on_assign`` would report it; returns what puts the real one back."""
     alloc = host.full.allocator
     renew, calls = alloc.on_assign, []
 
-    def no_fresh_memory_the_second_time(seg: int) -> None:
+    def fail(seg: int) -> None:
         calls.append(seg)
         if len(calls) == 2:
             raise OSError(24, "Too many open files")
         assert renew is not None
         renew(seg)
 
-    alloc.on_assign = no_fresh_memory_the_second_time
+    alloc.on_assign = fail
+    return lambda: setattr(alloc, "on_assign", renew)
+
+
+def test_a_reservation_whose_segment_gets_no_fresh_memory_declines_the_rest() -> None:
+    """A segment changing namespace needs a new memfd; when that fails (EMFILE, ENOMEM: faked
+    through the allocator's ``on_assign``), the keys left are declined as for want of room (no
+    internal error): the slots taken before stay reserved, the failed segment stays free, and
+    once the pin ends the next reservation gets the whole pool."""
+    kv, host = store_of_freed_segments()
+    renew = no_fresh_memory_the_second_time(host)
     part = kv.reserve("s2", "b", "full", [b"x0", b"x1", b"x2"], 64)
     assert part.full == 2 and part.slots[0] and not any(part.slots[1:]) and part.pin
     assert kv.stats("b")["kv_declined"] == 2
-    alloc.on_assign = renew
+    renew()
     assert kv.check({"s1", "s2"}) == [] and host.audit({"full": set(), "swa": set()}) == []
     kv.release("s2", part.pin)
     assert host.keyed["full"] == set() and host.full.available_to("b") == 6
