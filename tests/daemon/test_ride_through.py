@@ -130,6 +130,44 @@ def test_a_request_in_flight_starts_over_and_never_writes_old_pages(make_daemon,
     d2.check()
 
 
+def test_a_request_the_restart_did_not_reach_never_uses_the_new_sessions_ids(
+        make_daemon, tmp_path: Path) -> None:
+    """Two requests on one client; the restart cuts request B's call only. Request A, never
+    told, kept ids the new session numbers afresh: its check_writable passed on B's new pages,
+    its commit was accepted, and its abort freed B's pages and receipt (as a review found). A
+    now raises SessionRestarted before sending anything, and its abort sends nothing."""
+    d1 = make_daemon(_config(tmp_path), name="before")
+    with Client(d1.socket, reconnect=FAST) as c:
+        c.attach("m")
+        a = RequestLifecycle(c, "m", seq(3, base=100), label="A")
+        b = RequestLifecycle(c, "m", seq(3, base=200), label="B")
+        for lc in (a, b):
+            lc.admit()
+            lc.reserve(3 * P)
+        d2 = _restart(make_daemon, d1, tmp_path)
+        with pytest.raises(SessionRestarted):
+            b.commit(3 * P)
+        b.restart()
+        b.admit()
+        b.reserve(3 * P)
+        assert set(a.full_table) & set(b.full_table)  # the new session reused the ids
+        for step in (lambda: a.check_writable(0, 3 * P), lambda: a.commit(3 * P),
+                     lambda: a.reserve(4 * P), lambda: a.decode_step(3 * P, 4 * P),
+                     lambda: a.finish(3 * P)):
+            with pytest.raises(SessionRestarted, match="call restart"):
+                step()
+        a.abort()  # nothing to give back: it all went with the old session
+        held = c.stats("m").models["m"]
+        assert held["held_full_pages"] == 3 and held["tree_full_pages"] == 0  # B's, intact
+        b.check_writable(0, 3 * P)
+        b.computed_len = 3 * P
+        assert b.finish().inserted_len == 3 * P
+        a.restart()
+        assert a.admit().prefix_len == 0  # A starts over in the new session
+        a.abort()
+    d2.check()
+
+
 def test_a_restart_during_many_calls_raises_once_then_serves(make_daemon, tmp_path: Path) -> None:
     """Calls in a loop while the daemon restarts: exactly one SessionRestarted, then every call
     works; the policy's waiting covers the time the successor takes to start."""

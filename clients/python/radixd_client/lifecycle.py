@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .client import pages
+from .errors import SessionRestarted
 from .protocol import InsertResult
 
 __all__ = ["Admission", "NotWritable", "RequestLifecycle", "out_of_window_edge"]
@@ -143,6 +144,18 @@ class RequestLifecycle:
         # The protocol operation under way or last made: names the step an error came from.
         self.last_op = ""
         self._last_free = 0
+        # the client's session the pages and receipt belong to (its count of sessions opened
+        # again): another request's call may have met the restart, not this one's
+        self._session = _restarts(client)
+
+    def _check_session(self) -> None:
+        """SessionRestarted, nothing sent, when the client reconnected since this request took
+        what it holds: the new session numbers pages and receipts afresh, so the old ids may
+        be another request's now."""
+        if _restarts(self.client) != self._session:
+            raise SessionRestarted(f"{self.label}: its pages and receipt belonged to the "
+                                   "daemon session the client has lost (another call met the "
+                                   "restart); call restart(), then admit()")
 
     # -- admission --------------------------------------------------------------------------
 
@@ -155,6 +168,9 @@ class RequestLifecycle:
         error the request keeps what it took: :meth:`abort` gives it back.
         """
         c, name, adm = self.client, self.model, self.admission
+        if not self.full_table and self.receipt is None:  # holds nothing yet: any session
+            self._session = _restarts(c)
+        self._check_session()
         prompt = self.tokens.tobytes()
         if self.use_l3:
             self.last_op = "prefetch"
@@ -192,6 +208,7 @@ class RequestLifecycle:
     def reserve(self, end: int) -> None:
         """Make the page tables cover positions ``[0, end)``, allocating what is missing."""
         need = _ceil_div(end, self.page_size) - len(self.full_table)
+        self._check_session()
         if need > 0:
             self.last_op = "alloc"
             self._take(self.client.alloc(self.model, need), need)
@@ -211,6 +228,7 @@ class RequestLifecycle:
     def check_writable(self, start: int, end: int) -> None:
         """Refuse (NotWritable) unless the pages of positions ``[start, end)`` are this
         request's own; call it before every forward pass that writes KV."""
+        self._check_session()
         P = self.page_size
         for j in range(start // P, _ceil_div(end, P)):
             full = self.full_table[j] if j < len(self.full_table) else 0
@@ -259,6 +277,7 @@ class RequestLifecycle:
     def free_out_of_window(self, length: int) -> int:
         """``free`` the SWA pages :meth:`out_of_window` takes (in prefill, where nothing else
         shares the round trip); returns how many."""
+        self._check_session()
         ids = self.out_of_window(length)
         if ids:
             self.last_op = "free"
@@ -279,6 +298,7 @@ class RequestLifecycle:
         locked prefix once it is all out, keeping the receipt for the full KV) and allocates
         the missing pages. Frees go first so their pages can serve the alloc.
         """
+        self._check_session()
         free_ids: list[int] = []
         if self.window is not None and length - self._last_free >= self.swa_free_interval:
             free_ids = self.out_of_window(length)
@@ -328,6 +348,7 @@ class RequestLifecycle:
         aligned pages go to the tree, the lock moves to the new end, and the tables switch to
         the canonical ids, since the daemon freed the duplicates and may already have handed
         them to someone else (protocol 8.2)."""
+        self._check_session()
         toks, full, swa, prev, frontier = self._insert_args(end)
         self.last_op = "cache_unfinished"
         res: InsertResult = self.client.cache_unfinished(
@@ -350,6 +371,7 @@ class RequestLifecycle:
     def finish(self, end: int | None = None) -> InsertResult:
         """``cache_finished`` with ``tokens[:end]`` (default ``computed_len``: the last sampled
         token has no KV yet); afterwards the request holds nothing."""
+        self._check_session()
         end = self.computed_len if end is None else end
         toks, full, swa, prev, frontier = self._insert_args(end)
         # pages reserved past ``end`` (a decode step allocated ahead, an engine that stopped
@@ -381,8 +403,9 @@ class RequestLifecycle:
         full, swa = sorted(self.writable_full), sorted(self.writable_swa)
         receipt = self.receipt
         self._forget()
-        if not full and not swa and receipt is None:
-            return
+        if (not full and not swa and receipt is None) or _restarts(self.client) != self._session:
+            return  # nothing held, or all of it went with the old session: the ids may be
+            # another request's in the new one
         self.last_op = "abort"
         with self.client.batch(stop_on_error=False) as b:
             freed = b.free(self.model, full, swa) if full or swa else None
@@ -406,6 +429,7 @@ class RequestLifecycle:
         self.swa_evicted_len = self.swa_pages_freed = self.finished_inserted_len = 0
         self.swa_released = False
         self.last_op = ""
+        self._session = _restarts(self.client)
 
     def _forget(self) -> None:
         self.receipt = None
@@ -418,3 +442,9 @@ class RequestLifecycle:
     def done(self) -> bool:
         """Whether the request has handed everything back (finished or aborted)."""
         return self.closed
+
+
+def _restarts(client: Any) -> int:
+    """How many sessions the client has opened again after losing one (0 for a client that
+    never reconnects)."""
+    return int(getattr(client, "restarts", 0))
