@@ -33,20 +33,20 @@ import hashlib
 import logging
 import time
 from array import array
+from collections import Counter
 from collections.abc import Awaitable, Callable, Hashable, Iterator
 from typing import Any
 
 from radixd_client import protocol as P
 
-from .gpu.allocator import AUDIT_STEP_SLOTS
 from .model_cache import ModelCache
 from .storage.codec import encode_page
 from .storage.copies import in_thread
 from .storage.host_pool import HostPool
 from .storage.host_tier import HostTier
+from .storage.keyed_audit import keyed_pool_audit_steps
 from .storage.keyed_pages import KeyedPage, KeyedPages, KvPin, keyed_hash
 from .storage.redis_tier import RedisTier
-from .tree import chunked
 
 log = logging.getLogger("radixd.keyed")
 
@@ -98,6 +98,10 @@ class KeyedTier:
         self.l3_forget = l3_forget
         self._clears: dict[str, int] = {}  # kv_clear calls per namespace: a fetch spanning one
         # stores nothing it read before it
+        # Redis deletes of cleared pages, run by the writer after the batch it is writing (which
+        # may hold them), and their ids until they are done: a fetch never brings them back
+        self._deletes: list[tuple[str, list[bytes]]] = []
+        self._unwanted: Counter[bytes] = Counter()
         # L3 names a keyed page by its host hash salted with the model's name (as the tiers do
         # for tree pages: two models of one layout must not share values)
         self._l3_salt = b"radixd-l3-keyed\x00" + model.encode() + b"\x00"
@@ -421,13 +425,19 @@ class KeyedTier:
                 else:
                     keep.append(item)
             self._l3_queue[:] = keep
-        if self.l3 is not None and gone:  # a write already under way deletes after itself
+        if self.l3 is not None and gone:
             for kind in P.KV_POOLS:
                 ids = [self.l3_id(p.hash) for p in gone if p.kind == kind]
-                if ids:
-                    asyncio.get_running_loop().create_task(self.l3.delete(ids, kind))
-                    if self.l3_forget is not None:
-                        self.l3_forget(ns, [(i, kind) for i in ids])
+                if not ids:
+                    continue
+                self._unwanted.update(ids)
+                if self._wake is not None:  # after the write under way, which may hold them
+                    self._deletes.append((kind, ids))
+                    self._wake.set()
+                else:
+                    asyncio.get_running_loop().create_task(self._delete(kind, ids))
+                if self.l3_forget is not None:
+                    self.l3_forget(ns, [(i, kind) for i in ids])
         return gone
 
     # ------------------------------------------------------------------ L3 (Redis)
@@ -456,7 +466,8 @@ class KeyedTier:
 
     async def drain(self, deadline: float) -> None:
         """Finish queued Redis writes by ``deadline`` (time.monotonic(); shutdown)."""
-        while (self._l3_queue or self._writing) and time.monotonic() < deadline:
+        while (self._l3_queue or self._deletes or self._writing) and \
+                time.monotonic() < deadline:
             if self._wake is not None:
                 self._wake.set()
             await asyncio.sleep(0.01)
@@ -477,7 +488,11 @@ class KeyedTier:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            while self._l3_queue:
+            while self._l3_queue or self._deletes:
+                while self._deletes:
+                    await self._delete(*self._deletes.pop(0))
+                if not self._l3_queue:
+                    break
                 batch = self._l3_queue[:L3_WRITE_BATCH]
                 del self._l3_queue[:L3_WRITE_BATCH]
                 self._writing = True
@@ -502,12 +517,6 @@ class KeyedTier:
                         await self.l3_charge([
                             (page.ns, l3id, kind, len(v)) for (kind, _, l3id, _, _, page), v
                             in zip(batch, values, strict=True) if not page.cleared])
-                    late: dict[str, list[bytes]] = {}  # cleared while they were written
-                    for kind, _, l3id, _, _, page in batch:
-                        if page.cleared:
-                            late.setdefault(kind, []).append(l3id)
-                    for kind, ids in late.items():
-                        await self.l3.delete(ids, kind)
                 except asyncio.CancelledError:
                     raise
                 except Exception:
@@ -516,6 +525,22 @@ class KeyedTier:
                         self.count(page.ns, "kv_l3_write_failures")
                 finally:
                     self._writing = False
+
+    async def _delete(self, kind: str, ids: list[bytes]) -> None:
+        """Delete cleared pages' values from Redis (fail-soft); fetches may read them again
+        once it is done."""
+        assert self.l3 is not None
+        try:
+            await self.l3.delete(ids, kind)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("deleting cleared keyed pages from Redis failed")
+        finally:
+            self._unwanted.subtract(ids)
+            for i in ids:
+                if self._unwanted[i] <= 0:
+                    del self._unwanted[i]
 
     def _encode(self, batch: list[tuple[str, int, bytes, bytes, bytes | None, KeyedPage]]
                 ) -> list[bytes]:
@@ -539,18 +564,19 @@ class KeyedTier:
         if not missing:
             return 0
         hashes = [keyed_hash(ns, self.fingerprint, kind, k) for k in missing]
+        ids = [self.l3_id(h) for h in hashes]
         clears = self._clears.get(ns, 0)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         try:
             values = await asyncio.wait_for(
-                self.l3.get_pages([self.l3_id(h) for h in hashes], kind, self.fingerprint,
-                                  page_keys=missing), timeout_s)
+                self.l3.get_pages(ids, kind, self.fingerprint, page_keys=missing), timeout_s)
         except asyncio.TimeoutError:
             self.count(ns, "kv_l3_fetch_timeouts")
             return 0
-        found = [(k, h, v) for k, h, v in zip(missing, hashes, values, strict=True)
-                 if v is not None and self._clears.get(ns, 0) == clears]
+        found = [(k, h, v) for k, h, i, v in zip(missing, hashes, ids, values, strict=True)
+                 if v is not None and self._clears.get(ns, 0) == clears
+                 and i not in self._unwanted]
         pool = self.host.pool(kind)
         waited_out = False
         while True:
@@ -606,98 +632,7 @@ class KeyedTier:
         checker never holds a request back for a whole store (daemon/checker.py)."""
         yield from self.pages.audit_steps(live_owners, v)
         for kind in P.KV_POOLS:
-            yield from self._check_pool_steps(kind, v)
-
-    def _keyed_slots(self, kind: str) -> Iterator[tuple[str, int, KeyedPage | None] | None]:
-        """(namespace, slot, page) of every stored page of ``kind``, then (namespace, slot,
-        None) of every reserved key of ``kind``, read lazily; None for each page or pin of the
-        other kind, so that a chunk of this is a bounded piece of work whatever the kind."""
-        for page in self.pages.pages.values():
-            yield (page.ns, page.slot, page) if page.kind == kind else None
-        for pin in self.pages.pins.values():
-            if pin.kind != kind or pin.reserved is None:
-                yield None
-                continue
-            for slot, _ in pin.reserved.values():
-                yield pin.ns, slot, None
-
-    def _check_pool_steps(self, kind: str, v: list[str]) -> Iterator[None]:
-        """The part of :meth:`check_steps` about the host pool of ``kind``: the slots' marks
-        are a bytearray, not a set, so that no step rehashes a table the pool's size."""
-        pool = self.host.full if kind == "full" else self.host.swa
-        keyed = self.host.keyed[kind]
-        if pool is None:
-            for chunk in chunked(self._keyed_slots(kind), AUDIT_STEP_SLOTS):
-                if any(x is not None for x in chunk):
-                    v.append(f"keyed {kind} pages but no {kind} host pool")
-                    return
-                yield
-            return
-        cap = pool.capacity
-        hashes = pool.slot_hashes()
-        refs = pool.reference_counts()
-        marks = bytearray(cap)  # 1: a keyed page's or a reservation's slot
-        odd: set[int] = set()  # ... such slots outside the pool
-        stored = reserved = 0
-        twice = False
-        free: list[int] = []  # keyed slots the pool does not hold
-        distinct_held = 0
-        wrong_hash: KeyedPage | None = None
-        misplaced: dict[str, set[int]] = {}  # isolation: namespace -> segments it does not hold
-        alloc = pool.allocator if self.host.isolated else None
-        for chunk in chunked(self._keyed_slots(kind), AUDIT_STEP_SLOTS):
-            by_ns: dict[str, list[int]] = {}
-            for item in chunk:
-                if item is None:
-                    continue
-                ns, slot, page = item
-                if page is None:
-                    reserved += 1
-                else:
-                    stored += 1
-                    if wrong_hash is None and hashes.get(slot) != page.hash:
-                        wrong_hash = page
-                if alloc is not None:
-                    by_ns.setdefault(ns, []).append(slot)
-                if 0 <= slot < cap:
-                    if marks[slot]:
-                        twice = True
-                        continue
-                    marks[slot] = 1
-                elif slot in odd:
-                    twice = True
-                    continue
-                else:
-                    odd.add(slot)
-                if slot in refs:
-                    distinct_held += 1
-                else:
-                    free.append(slot)
-            if alloc is not None:
-                for ns, slots in by_ns.items():
-                    alloc.misplaced(slots, ns, misplaced.setdefault(ns, set()))
-            yield
-        if twice:
-            v.append(f"keyed {kind}: a host slot is held by two keyed pages or reservations")
-        n_mine = len(free) + distinct_held
-        agree = n_mine == len(keyed)
-        for chunk in chunked(keyed, AUDIT_STEP_SLOTS):
-            agree = agree and all(0 <= s < cap and marks[s] or s in odd for s in chunk)
-            yield
-        if not agree:  # the report: a rare path, in one step
-            mine = {x[1] for x in self._keyed_slots(kind) if x is not None}
-            v.append(f"keyed {kind}: slots {sorted(mine ^ keyed)[:10]} disagree with the host "
-                     "tier's keyed set")
-        if free:
-            v.append(f"keyed {kind}: slots {sorted(free)[:10]} are free in the pool")
-        others = pool.used - distinct_held  # the tree's host pages, copies in flight, readers
-        if pool.available + others + stored + reserved != pool.usable:
-            v.append(f"keyed {kind}: free {pool.available} + tree and copies {others} + keyed "
-                     f"{stored} + reserved {reserved} != capacity {pool.usable}")
-        if wrong_hash is not None:
-            v.append(f"keyed page {wrong_hash.key!r}: slot {wrong_hash.slot} holds another hash")
-        for ns, segs in misplaced.items():
-            v += pool.allocator.audit_owners(ns, f"keyed {kind} slots", segs)
+            yield from keyed_pool_audit_steps(self.pages, self.host, kind, v)
 
     def stats(self, ns: str) -> dict[str, int]:
         """The namespace's keyed pages, pins and counters (a tenant's ``stats``)."""

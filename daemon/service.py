@@ -612,8 +612,8 @@ class Service(ServiceQueries, ServiceChecks):
             raise ServiceError(P.Code.BAD_ARGUMENT,
                                f"timeout_ms must be between 0 and 600000, got {r.timeout_ms!r}")
         timeout = (r.timeout_ms or self.config.l3.prefetch_timeout_ms) / 1000
-        if r.pin:  # refused before Redis is asked when even a single key would not fit
-            keyed.check_pins(s.id, 1, self.config.server.max_locks_per_session)
+        if r.pin:  # refused before Redis is asked: the distinct keys named, at most, are pinned
+            keyed.check_pins(s.id, len(set(r.keys)), self.config.server.max_locks_per_session)
         fetched = await keyed.fetch(s.tenant.namespace, r.pool, r.keys, timeout)
         if s.id not in self.sessions:  # the session ended meanwhile: nothing to pin for
             raise ServiceError(P.Code.SHUTTING_DOWN, "the session ended during the fetch")

@@ -12,6 +12,7 @@ cannot free them under the copy.
 from __future__ import annotations
 
 import itertools
+import logging
 from array import array
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -19,6 +20,8 @@ from dataclasses import dataclass, field
 from .gpu.allocator import OutOfPages
 from .model_cache import ModelCache, Watch
 from .tree import LoadPlan, Namespace, Node, Pin, page_keys
+
+log = logging.getLogger("radixd.tiers")
 
 _load_ids = itertools.count(1)
 
@@ -82,6 +85,10 @@ def reserve_host(mc: ModelCache, ns: Namespace, kind: str, want: int,
     try:
         return host.take(kind, want, ns.name)
     except (OutOfPages, ValueError):
+        return None
+    except OSError as exc:  # a host segment got no fresh memory (EMFILE, ENOMEM): no room
+        log.warning("%s host slots for namespace %r: a segment got no memory (%s); the copy "
+                    "is skipped", kind, ns.name, exc.strerror or exc)
         return None
 
 
@@ -148,12 +155,16 @@ def begin_backup(mc: ModelCache, nodes: Iterable[Node], quotas: dict[str, int]) 
     tree = mc.tree
     job = BackupJob()
     seen: set[int] = set()
-    for node in nodes:
-        if tree.nodes.get(node.id) is not node or node.full is None or node.host is not None:
-            continue
-        rec = plan_backup(mc, node, seen, quotas.get(node.ns.name, 0), job)
-        if rec is not None:
-            job.records.append(rec)
+    try:
+        for node in nodes:
+            if tree.nodes.get(node.id) is not node or node.full is None or node.host is not None:
+                continue
+            rec = plan_backup(mc, node, seen, quotas.get(node.ns.name, 0), job)
+            if rec is not None:
+                job.records.append(rec)
+    except BaseException:  # the slots of the records planned so far go back
+        finish_backup(mc, job, False)
+        raise
     return job
 
 

@@ -323,3 +323,29 @@ def test_room_counts_the_tree_host_slots_a_redis_write_still_reads() -> None:
         assert host.audit({"full": set(small.host), "swa": set()}) == []
     finally:
         host.close()
+
+
+def test_a_tree_backup_whose_segment_gets_no_fresh_memory_is_skipped_leaving_nothing() -> None:
+    """The tree's host copies take slots through ``reserve_host``: a segment that cannot get a
+    new memfd let the OSError out of the backup job, whose earlier nodes' pending slots (and
+    the namespace's pending count, which the host quota reads) then stayed taken for good (a
+    review found it). The copy is skipped instead; nothing stays pending."""
+    from daemon.tier_jobs import begin_backup, finish_backup
+
+    kv, host = store_of_freed_segments()
+    cache = kv.cache
+    nodes = []
+    for i in range(3):
+        toks = as_token_bytes(list(range(1000 * i + 1, 1000 * i + 1 + PROFILE.page_size)))
+        full, swa = cache.alloc("e", 1, "b")
+        cache.insert("e", "b", toks, full, swa)
+        nodes.append(cache.tree.nodes[cache.tree.match("b", toks).node_id])
+    renew = no_fresh_memory_the_second_time(host)
+    job = begin_backup(cache, nodes, {})
+    renew()
+    assert len(job.records) == 2  # the second node's copy was skipped
+    done = finish_backup(cache, job, True)
+    assert len(done) == 2 and not host.pending["full"] and not host.pending_full
+    in_tree = {"full": {s for _, fs, _ in done for s in fs},
+               "swa": {s for _, _, ss in done for s in ss if s}}
+    assert kv.check({"e"}) == [] and host.audit(in_tree) == []

@@ -26,9 +26,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from radixd_client import protocol as P
 
-import daemon.keyed_tier as keyed_tier_module
 import daemon.storage.host_pool as host_pool_module
 import daemon.storage.host_tier as host_tier_module
+import daemon.storage.keyed_audit as keyed_audit_module
 import daemon.storage.keyed_pages as keyed_pages_module
 from daemon.app import build_service
 from daemon.checker import Checker
@@ -53,7 +53,7 @@ NS = {"s1": "a", "s2": "b"}
 def step_size(n: int) -> Iterator[None]:
     """Audit steps of ``n`` slots (the daemon's is AUDIT_STEP_SLOTS): small pools then still
     span many steps, and every chunk boundary is crossed."""
-    modules = (host_pool_module, host_tier_module, keyed_pages_module, keyed_tier_module)
+    modules = (host_pool_module, host_tier_module, keyed_pages_module, keyed_audit_module)
     saved = [m.AUDIT_STEP_SLOTS for m in modules]
     for m in modules:
         m.AUDIT_STEP_SLOTS = n

@@ -216,6 +216,9 @@ def test_a_session_may_pin_at_most_max_locks_per_session_keys(make_daemon) -> No
         assert theirs
         other.kv_release("m", theirs)
         c.kv_release("m", pins.pop())
+        with pytest.raises(RadixdError) as info:  # a fetch counts every distinct key it names
+            c.kv_lookup("m", keys("a", "zz"), fetch=True, timeout_s=1)
+        assert info.value.code == Code.TOO_MANY_LOCKS
         many = c.kv_lookup("m", keys(*["a"] * 1000))  # one distinct key: one more held
         assert many.pin and stats(c)["kv_pins"] == 3
         with pytest.raises(RadixdError):
