@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import hashlib
 import hmac
 import importlib.resources
@@ -79,13 +80,14 @@ class AdminHandle:
 
     def __init__(self, url: str, port: int | None, runner: web.AppRunner,
                  unix_path: str | None, token_file: str | None, *,
-                 written: dict[str, str] | None = None):
+                 written: dict[str, str] | None = None, lock: int | None = None):
         self.url = url
         self.port = port
         self.token_file = token_file  # where a generated token was written (None: configured)
         self._runner = runner
         self._unix_path = unix_path
         self._written = dict(written or {})  # path -> what this daemon wrote there
+        self._lock = lock  # the claim on the token file (closed last: see stop)
 
     async def stop(self) -> None:
         """Stop serving, and remove the files this daemon wrote (the generated token, the
@@ -98,6 +100,9 @@ class AdminHandle:
                 os.unlink(self._unix_path)
         for path, text in self._written.items():
             remove_if_unchanged(path, text)
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
         log.info("admin endpoint stopped")
 
 
@@ -133,14 +138,14 @@ async def start_admin(config: Config, service: Service, state: ServerState, chec
 
     ``socket_path``: the engines' socket, beside which a generated token is written."""
     cfg = config.admin
-    digest, token_file, token_text = _token_digest(config, socket_path)
+    digest, token_file, token_text, lock = _token_digest(config, socket_path)
     app = web.Application(middlewares=[_middleware], client_max_size=64 * 1024)
     admin = _Admin(config, service, state, checker, digest)
     app[_ADMIN] = admin
     admin.routes(app)
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0)
-    await runner.setup()
     try:
+        await runner.setup()
         if cfg.unix_socket is not None:
             sock = bind_unix_socket(cfg.unix_socket, 0o660)
             url, port, unix_path = f"unix:{cfg.unix_socket}", None, cfg.unix_socket
@@ -155,6 +160,8 @@ async def start_admin(config: Config, service: Service, state: ServerState, chec
         await runner.cleanup()
         if token_file is not None:
             remove_if_unchanged(token_file, token_text)
+        if lock is not None:
+            os.close(lock)
         raise
     log.info("admin endpoint on %s", url)
     written = {token_file: token_text} if token_file is not None else {}
@@ -166,62 +173,68 @@ async def start_admin(config: Config, service: Service, state: ServerState, chec
         written[endpoint] = text
     except OSError as exc:  # only a convenience for radixd status --socket
         log.warning("cannot write the admin endpoint file %s: %s", endpoint, exc.strerror or exc)
-    return AdminHandle(url, port, runner, unix_path, token_file, written=written)
+    return AdminHandle(url, port, runner, unix_path, token_file, written=written, lock=lock)
 
 
-def _token_digest(config: Config, socket_path: str) -> tuple[bytes, str | None, str]:
+def _token_digest(config: Config, socket_path: str
+                  ) -> tuple[bytes, str | None, str, int | None]:
     """The SHA-256 digest of the bearer token, generating (and writing) one if none is set;
-    then also where it was written and the file's text (removed at a clean stop)."""
+    then also where it was written, the file's text (removed at a clean stop) and the lock
+    that claims the file while this daemon runs (:func:`_claim`)."""
     cfg = config.admin
     if cfg.token is not None:
-        return hashlib.sha256(cfg.token.encode()).digest(), None, ""
+        return hashlib.sha256(cfg.token.encode()).digest(), None, "", None
     if cfg.token_sha256 is not None:
-        return bytes.fromhex(cfg.token_sha256), None, ""
+        return bytes.fromhex(cfg.token_sha256), None, "", None
     # hex: a generated token never starts with '-', which a command line would read as a flag
     token = secrets.token_hex(32)
     path = admin_token_file(config, socket_path)
-    owner = _token_file_owner(path, socket_path)
-    if owner is not None:
-        if cfg.token_file is not None:
-            raise TokenFileError(errno.EEXIST, f"admin.token_file {path} is the token of the "
-                                               f"running daemon on {owner}: give this one "
-                                               "another admin.token_file")
-        # another daemon's sockets share the directory: its token stays, this one's goes
-        # beside this socket (the endpoint file names it, for radixd status)
-        log.info("%s holds the admin token of the running daemon on %s", path, owner)
-        path = f"{socket_path}.token"
+    try:
+        lock = _claim(path)
+        if lock is None and cfg.token_file is not None:
+            raise TokenFileError(errno.EEXIST, f"admin.token_file {path} is the token of "
+                                               "another running daemon: give this one another "
+                                               "admin.token_file")
+        if lock is None:  # another daemon's socket shares the directory: its token stays,
+            # this one's goes beside this socket (the endpoint file names it, for radixd status)
+            log.info("%s is the admin token of another running daemon", path)
+            path = f"{socket_path}.token"
+            lock = _claim(path)
+            if lock is None:
+                raise TokenFileError(errno.EEXIST, f"{path} is the admin token of another "
+                                                   "running daemon: set admin.token_file")
+    except TokenFileError:
+        raise
+    except OSError as exc:
+        raise TokenFileError(exc.errno, f"cannot write the admin token to {path} (its "
+                                        f"lock file): {exc.strerror or exc} (set "
+                                        "admin.token_file, or admin.token_sha256)") from None
     try:
         _write_secret(path, token + "\n")
     except OSError as exc:
+        os.close(lock)
         raise TokenFileError(exc.errno, f"cannot write the admin token to {path}: "
                                         f"{exc.strerror or exc} (set admin.token_file, or "
                                         "admin.token_sha256)") from None
     log.info("admin token generated and written to %s (mode 0600)", path)
-    return hashlib.sha256(token.encode()).digest(), path, token + "\n"
+    return hashlib.sha256(token.encode()).digest(), path, token + "\n", lock
 
 
-def _token_file_owner(path: str, socket_path: str) -> str | None:
-    """The socket of another running daemon whose endpoint file (``<socket>.admin``, in the
-    token file's directory) names ``path`` as its token file; None when none does."""
-    mine = os.path.realpath(admin_endpoint_file(socket_path))
-    for endpoint in Path(path).parent.glob("*.admin"):
-        try:
-            info = json.loads(endpoint.read_text(encoding="utf-8"))
-            pid = int(info["pid"])
-            theirs = info.get("token_file")
-        except (OSError, ValueError, TypeError, KeyError):
-            continue
-        if (os.path.realpath(endpoint) == mine or pid == os.getpid() or theirs is None
-                or os.path.realpath(theirs) != os.path.realpath(path)):
-            continue
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            continue  # a leftover of a daemon that did not stop cleanly
-        except PermissionError:
-            pass  # alive, another user's
-        return str(endpoint)[: -len(".admin")]
-    return None
+def _claim(path: str) -> int | None:
+    """An exclusive lock on ``<path>.lock``, held while this daemon runs (the fd; closing it
+    lets go): None when another running daemon holds it. The kernel drops it with the process,
+    so a daemon that died leaves no claim behind."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True, mode=0o750)
+    fd = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _write_secret(path: str, text: str, mode: int = 0o600) -> None:

@@ -409,6 +409,29 @@ def _probe_socket(path: str) -> None:
         sock.close()
 
 
+def _daemon_socket(config: Any, named: bool) -> str:
+    """The configured socket, where a daemon answers. A configuration that names no socket
+    means the daemon's default, which under the shipped systemd unit is its runtime directory's
+    (the daemon reads ``$RUNTIME_DIRECTORY``, an operator's shell has none): that one is tried
+    when nothing answers on this user's default."""
+    from .config import SERVICE_SOCKET
+
+    sock = config.server.socket
+    try:
+        _probe_socket(sock)
+    except AdminError:
+        if named or "socket" in config.server.model_fields_set or sock == SERVICE_SOCKET:
+            raise
+        try:
+            _probe_socket(SERVICE_SOCKET)
+        except AdminError:
+            pass
+        else:
+            return SERVICE_SOCKET
+        raise
+    return sock
+
+
 def _endpoint_info(socket_path: str) -> dict[str, Any] | None:
     """What the daemon on ``socket_path`` wrote about its admin endpoint, if that daemon still
     runs (a daemon killed without a clean stop leaves the file behind)."""
@@ -468,7 +491,7 @@ def _admin_client(args: argparse.Namespace) -> AdminClient | None:
         return None
     sock = config.server.socket
     if named or not args.admin:  # "no daemon" is the news, not a token file that is missing
-        _probe_socket(sock)
+        sock = _daemon_socket(config, bool(named))
     info = None if args.admin else _endpoint_info(sock)
     url = args.admin or (info["url"] if info else admin_url(config))
     try:

@@ -36,6 +36,10 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+#: The socket of the shipped systemd unit (RuntimeDirectory=radixd), and root's default.
+SERVICE_SOCKET = "/run/radixd/radixd.sock"
+
+
 def default_socket_path() -> str:
     """Under systemd with ``RuntimeDirectory=`` (the shipped unit), ``radixd.sock`` in it: a
     service user's own fallback would be under /tmp, which ``PrivateTmp=`` hides from engines.
@@ -44,7 +48,7 @@ def default_socket_path() -> str:
     if service:
         return str(Path(service) / "radixd.sock")
     if os.geteuid() == 0:
-        return "/run/radixd/radixd.sock"
+        return SERVICE_SOCKET
     runtime = os.environ.get("XDG_RUNTIME_DIR")
     base = Path(runtime) if runtime else Path(f"/tmp/radixd-{os.geteuid()}")
     return str(base / "radixd" / "radixd.sock")

@@ -230,6 +230,25 @@ def test_status_refuses_an_endpoint_that_answers_for_another_daemon(live, tmp_pa
     capsys.readouterr()
 
 
+def test_status_finds_the_service_socket_when_the_config_names_none(live, tmp_path: Path,
+                                                                    monkeypatch, capsys) -> None:
+    """Under the shipped unit a daemon whose configuration names no socket serves on its
+    runtime directory's (it reads $RUNTIME_DIRECTORY); an operator's shell has another default
+    (here: a RUNTIME_DIRECTORY where nothing runs), so status tries the service's socket."""
+    import daemon.config as config_module
+
+    d = live()
+    monkeypatch.setattr(config_module, "SERVICE_SOCKET", d.socket)
+    monkeypatch.setenv("RUNTIME_DIRECTORY", str(tmp_path / "nothing-here"))
+    cfg = tmp_path / "nosocket.toml"
+    cfg.write_text("[checker]\ninterval_s = 5\n")
+    assert cli.main(["status", "--config", str(cfg)]) == 0
+    assert f"instance {d.get_json('/v1/stats')['instance']}" in capsys.readouterr().out
+    cfg.write_text(f'[server]\nsocket = "{tmp_path}/named.sock"\n')  # named: no fallback
+    assert cli.main(["status", "--config", str(cfg)]) == cli.EXIT_FAILURE
+    assert f"no daemon at {tmp_path}/named.sock" in capsys.readouterr().err
+
+
 def test_check_against_a_live_daemon(live, capsys) -> None:
     d = live()
     _cache(d.socket, 2)
@@ -420,10 +439,14 @@ def test_daemons_whose_sockets_share_a_directory_keep_their_own_tokens(live, tmp
     for d in (a, b):
         assert cli.main(["status", "--socket", d.socket]) == 0
         assert f"instance {d.get_json('/v1/stats')['instance']}" in capsys.readouterr().out
-    configured = {"server": {"socket": str(shared / "c.sock")},
+    elsewhere = tmp_path / "elsewhere"  # an explicit token_file that a running daemon owns,
+    elsewhere.mkdir()  # named from another directory: refused, never overwritten
+    configured = {"server": {"socket": str(elsewhere / "c.sock")},
                   "admin": {"token_file": str(shared / "admin.token")}}
-    with pytest.raises(RuntimeError, match="is the token of the running daemon on"):
+    with pytest.raises(RuntimeError, match="is the token of another running daemon"):
         live(configured)
+    assert cli.main(["status", "--socket", a.socket]) == 0  # a's token still works
+    capsys.readouterr()
 
 
 def test_clean_stop_removes_the_token_file(live) -> None:
