@@ -413,3 +413,69 @@ def test_pools_that_cannot_be_mapped_again_are_closed_not_kept(make_daemon, tmp_
         old.pool("full")
     new.close()  # (its mappings' descriptors go now, not at some later test's collection)
     holder["d2"].check()
+
+
+def test_a_restart_that_cuts_the_pools_into_other_segments_closes_them(make_daemon,
+                                                                       tmp_path: Path) -> None:
+    """Same shape and dtype, another segment_pages: the rebind mapped the new daemon's segment
+    memfds at the old offsets (12 of 12 pages read back wrong through a fresh mapping, as a
+    review found). The pools are closed and named in attach_again."""
+    def config(segment_pages: int) -> dict[str, Any]:
+        return {"server": {"socket": str(tmp_path / "shared.sock")},
+                "models": [dict(SMALL_MODEL, segment_pages=segment_pages)]}
+
+    d1 = make_daemon(config(4), name="before")
+    c = Client(d1.socket, reconnect=FAST)
+    try:
+        pools = c.attach("m")
+        d1.check()
+        assert d1.stop() == 0
+        d2 = make_daemon(config(8), name="after")
+        with pytest.raises(SessionRestarted) as cut:
+            c.ping()
+        assert "segments of 8 pages, not 4" in cut.value.details["attach_again"]["m"]
+        assert pools.closed
+        fresh = c.attach("m")
+        ids = list(array("i", c.alloc("m", 12).full_pages))
+        for p in ids:
+            fresh.full[0, 0, p] = float(p)
+        with Client(d2.socket) as other:
+            theirs = other.attach("m")
+            assert [float(theirs.full[0, 0, p, 0, 0, 0]) for p in ids] == [float(p) for p in ids]
+    finally:
+        c.close()
+    d2.check()
+
+
+def test_a_timeout_reconnects_to_the_same_daemon_without_remapping(make_daemon,
+                                                                    tmp_path: Path) -> None:
+    """No answer in time closes the connection (the stream is out of step) and a reconnect
+    policy opens a new session; when it is the same daemon instance, the pools mapped here are
+    still its memory: nothing is closed or mapped again, host pools included."""
+    import signal
+
+    d = make_daemon(_config(tmp_path))
+    c = Client(d.socket, reconnect=FAST, timeout=0.5)
+    try:
+        pools, host = c.attach("m"), c.kv_attach("m")
+        instance = c.instance
+        d.proc.send_signal(signal.SIGSTOP)  # for 1.5 s: the call times out, the reconnect
+        resume = threading.Timer(1.5, d.proc.send_signal, (signal.SIGCONT,))  # waits it out
+        resume.start()
+        try:
+            with pytest.raises(SessionRestarted) as cut:
+                c.ping()
+        finally:
+            resume.join()
+        assert c.instance == instance and c.restarts == 1
+        assert cut.value.details["attach_again"] == {}
+        assert not pools.closed and not host.closed and c.attach("m") is pools
+        r = c.kv_reserve("m", [b"still-mapped"])
+        host.pool("full")[r.slots[0]] = 7
+        c.kv_commit("m", r.pin)
+        with Client(d.socket) as other:
+            got = other.kv_lookup("m", [b"still-mapped"])
+            assert int(other.kv_attach("m").full[got.slots[0]][0]) == 7
+            other.kv_release("m", got.pin)
+    finally:
+        c.close()

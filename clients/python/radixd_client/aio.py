@@ -208,6 +208,7 @@ class AsyncClient(Operations):
         assert policy is not None and path is not None
         self._fail("the daemon went away")
         old = getattr(self, "session", None)
+        old_instance = getattr(self, "instance", None)
         attempts = policy.attempts(path, self._loop.time)
         while True:
             try:
@@ -219,14 +220,16 @@ class AsyncClient(Operations):
         self._generation += 1
         self.restarts += 1
         unmapped = self._dropped  # (kept if this reconnect is cut too: reported by the next)
-        for model in live_models(self._attached):
+        # the same daemon (a timeout, a connection dropped): its pools are the ones mapped here
+        for model in live_models(self._attached) if self.instance != old_instance else ():
             try:
                 self._attached[model].rebind(*await self._attach_exclusive(model))
             except (ConnectionLost, ShuttingDown):
                 raise
             except (RadixdError, OSError) as err:  # (a PoolError too)
                 drop_unmappable(self._attached, model, err, unmapped)
-        forget_host_pools(self._kv_attached)  # the old daemon's: kv_attach again
+        if self.instance != old_instance:
+            forget_host_pools(self._kv_attached)  # the old daemon's: kv_attach again
         self._unmapped, self._dropped = unmapped, {}
         return restarted(cause, old, self, unmapped)
 

@@ -198,6 +198,7 @@ class Client(Operations):
         assert policy is not None and path is not None
         self._drop()
         old = getattr(self, "session", None)
+        old_instance = getattr(self, "instance", None)
         attempts = policy.attempts(path)
         while True:
             try:
@@ -207,7 +208,8 @@ class Client(Operations):
                 time.sleep(attempts.wait_after(exc))
         self.restarts += 1
         unmapped = self._dropped  # (kept if this reconnect is cut too: reported by the next)
-        for model in live_models(self._attached):
+        # the same daemon (a timeout, a connection dropped): its pools are the ones mapped here
+        for model in live_models(self._attached) if self.instance != old_instance else ():
             try:
                 self._attached[model].rebind(
                     *self._call_with_fds_once("attach", Attach(model=model)))
@@ -215,7 +217,8 @@ class Client(Operations):
                 raise
             except (RadixdError, OSError) as err:  # (a PoolError too)
                 drop_unmappable(self._attached, model, err, unmapped)
-        forget_host_pools(self._kv_attached)  # the old daemon's: kv_attach again
+        if self.instance != old_instance:
+            forget_host_pools(self._kv_attached)  # the old daemon's: kv_attach again
         self._dropped = {}
         return restarted(cause, old, self, unmapped)
 

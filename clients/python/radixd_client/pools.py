@@ -340,6 +340,11 @@ class AttachedPools:
                             f"process mapped {sorted(self.infos)}: attach again")
         for name, info in new.items():
             old = self.infos[name]
+            region = self._regions.get(name)
+            if region is not None and region.segment_pages != result.segment_pages:
+                raise PoolError(f"{self.model} {name} pool: the restarted daemon cuts it into "
+                                f"segments of {result.segment_pages} pages, not "
+                                f"{region.segment_pages}: attach again and rebuild the views")
             if (info.kind, list(info.shape), info.dtype) != (old.kind, list(old.shape),
                                                               old.dtype):
                 raise PoolError(f"{self.model} {name} pool: the restarted daemon's layout "
@@ -574,6 +579,9 @@ class KvHostPools:
         self.closed = False
 
     def pool(self, kind: str) -> torch.Tensor:
+        if self.closed:
+            raise PoolError(f"{self.model}: these host pools are closed (the daemon restarted: "
+                            "kv_attach again)")
         t = self.full if kind == "full" else self.swa if kind == "swa" else None
         if t is None:
             raise PoolError(f"{self.model}: no {kind!r} host pool")
@@ -595,8 +603,10 @@ class KvHostPools:
         self._regions = {}
 
     def __repr__(self) -> str:
+        shapes = {"full": self.full, "swa": self.swa}
         return f"<KvHostPools {self.model}: " + ", ".join(
-            f"{k}={n}B x {self.pool(k).shape[0]}" for k, n in self.page_nbytes.items()) + ">"
+            f"{k}={n}B x {t.shape[0]}" for k, n in self.page_nbytes.items()
+            if (t := shapes.get(k)) is not None) + (" closed" if self.closed else "") + ">"
 
 
 def attach_host_pools(model: str, result: KvAttachResult, fds: Sequence[int],
