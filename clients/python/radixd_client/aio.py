@@ -500,7 +500,12 @@ class AsyncClient(Operations):
                 fut.exception()  # failed with the connection: this raise reports it
             raise
         self._wake.set()
-        value = await fut
+        try:
+            value = await fut
+        except asyncio.CancelledError:  # the answer may have come, with descriptors: close them
+            if op in _FD_OPS and fut.done() and not fut.cancelled() and fut.exception() is None:
+                close_fds(fut.result()[1])
+            raise
         if (self._attached or self._kv_attached) and op not in _FD_OPS:
             from .pools import models_to_update  # segments this process has not mapped yet
 
