@@ -24,11 +24,9 @@ need it: importing this module (or the package) does not import torch.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import mmap
 import os
-import sys
 from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -38,7 +36,7 @@ import msgspec
 from .errors import PoolError
 from .fds import close_fds
 from .protocol import AttachResult, KvAttachResult, PoolInfo
-from .segments import SegmentedRegion, map_fixed_shared
+from .segments import SegmentedRegion, map_fixed_shared, shared_span
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import torch
@@ -154,10 +152,6 @@ def _check_description(description: Any, storage: str) -> tuple[torch.dtype, tup
 
 # ---------------------------------------------------------------------------- memfd pools
 
-# Before Python 3.13 an mmap object keeps a duplicate of the fd it maps, for as long as the
-# mapping lives (one descriptor per mapped pool); 3.13 can map without it.
-_NO_FD_COPY: dict[str, Any] = {"trackfd": False} if sys.version_info >= (3, 13) else {}
-
 def map_pool_fd(fd: int, description: Mapping[str, Any]) -> torch.Tensor:
     """Map a pool fd received from the daemon as the tensor its description describes.
 
@@ -176,14 +170,10 @@ def _map_fd(fd: int, expected: int, dtype: torch.dtype, shape: tuple[int, ...]) 
     size = os.fstat(fd).st_size
     if size < expected:
         raise PoolError(f"description.nbytes: {expected} bytes but the fd only holds {size}")
-    mapping = mmap.mmap(fd, expected, flags=mmap.MAP_SHARED,
-                        prot=mmap.PROT_READ | mmap.PROT_WRITE, **_NO_FD_COPY)
-    try:
-        return tensor_over(mapping, dtype, shape)
-    except BaseException:
-        with contextlib.suppress(BufferError):
-            mapping.close()
-        raise
+    import torch
+
+    raw = torch.frombuffer(shared_span(fd, expected), dtype=torch.uint8)  # keeps the span
+    return raw.view(dtype).view(shape)
 
 
 # ---------------------------------------------------------------------------- CUDA IPC pools

@@ -57,6 +57,16 @@ def _anonymous(addr: int | None, length: int) -> int:
     return _mmap(addr, length, flags | (_MAP_FIXED if addr is not None else 0), -1, 0)
 
 
+def shared_span(fd: int, length: int) -> ctypes.Array:
+    """``length`` bytes of ``fd`` mapped shared, as a buffer whose mapping goes when the last
+    view of it does. It keeps no descriptor: ``mmap.mmap`` keeps a copy of the fd before
+    Python 3.13, which kept a restarted daemon's old pool memory alive after its rebind."""
+    address = _mmap(None, length, mmap.MAP_SHARED, fd, 0)
+    span = type("_Span", (ctypes.c_uint8 * length,), {}).from_address(address)
+    weakref.finalize(span, _libc.munmap, address, length)
+    return span
+
+
 def map_fixed_shared(address: int, length: int, fd: int) -> None:
     """Map ``length`` bytes of ``fd`` shared at ``address``, over what was mapped there: a pool
     tensor keeps its address while the memory under it changes (a restarted daemon's pool)."""
