@@ -72,7 +72,8 @@ class Service(ServiceQueries, ServiceChecks):
         self.fd_store_max = 0
         self.limits = P.Limits(max_frame_bytes=config.server.max_frame_bytes,
                                max_tokens=config.server.max_tokens,
-                               max_inflight=config.server.max_inflight)
+                               max_inflight=config.server.max_inflight,
+                               max_locks_per_session=config.server.max_locks_per_session)
 
     def start_tiers(self) -> None:
         """Start the tiers' background workers (needs the running event loop)."""

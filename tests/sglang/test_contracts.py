@@ -105,3 +105,17 @@ def test_keys_are_hicachefiles_under_dp_attention(tmp_path, dp_rank: int) -> Non
     config = storage_config({"file_storage_path": str(tmp_path)}, tp_rank=1, tp_size=2,
                             dp_rank=dp_rank)
     assert key_suffix(config) == HiCacheFile(config).config_suffix == "_org-model_1_2"
+
+
+def test_gets_and_sets_fit_a_low_lock_limit(make_daemon) -> None:
+    """An operator's max_locks_per_session below a request's pages: every pinned lookup and
+    reservation was refused (too_many_locks: all misses); they go in runs the limit admits,
+    which hello's limits tell."""
+    d = make_daemon({"server": {"max_locks_per_session": 4}})
+    b, pool = backend(d, pages=24)
+    idx, keys = fill(pool, 10, 11)
+    assert b.batch_set_v1(keys, idx) == [True] * 10
+    dst = pool.alloc(10 * pool.page_size)
+    assert b.batch_get_v1(keys, dst) == [True] * 10
+    assert all(x.equal(y) for x, y in zip(pages_of(pool, dst), pages_of(pool, idx), strict=True))
+    b.close()

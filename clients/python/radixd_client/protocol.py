@@ -268,6 +268,9 @@ class Limits(Result):
     max_frame_bytes: int
     max_tokens: int
     max_inflight: int
+    # lock receipts per model, and keys pinned or reserved per model (0: not told, a daemon
+    # from before it)
+    max_locks_per_session: int = 0
 
 
 class HelloResult(Result):

@@ -269,7 +269,7 @@ class RadixdHiCacheStorage(HiCacheStorage):
         """Copy each present key's slot into SGLang's host page; a prefix of True."""
         view, slots = self._views[kind], self._slots[kind]
         hits = 0
-        for span in _spans(len(keys)):
+        for span in _spans(len(keys), _pinned(client)):
             chunk = keys[span]
             got = client.kv_lookup(self.model, self._keys(chunk), kind, pin=True, fetch=True,
                                    timeout_s=self.fetch_timeout_s)
@@ -289,7 +289,7 @@ class RadixdHiCacheStorage(HiCacheStorage):
              pages: Sequence[int]) -> list[bool]:
         """:meth:`_set_some` over chunks of at most radixd's keys per request."""
         ok: list[bool] = []
-        for span in _spans(len(keys)):
+        for span in _spans(len(keys), _pinned(client)):
             ok += self._set_some(client, kind, keys[span], pages[span])
         return ok
 
@@ -381,7 +381,7 @@ class RadixdHiCacheStorage(HiCacheStorage):
         """Flat pages (``get_dummy_flat_data_page``: K block then V block for page_first)."""
         def run(client: Client) -> list[torch.Tensor | None]:
             out: list[torch.Tensor | None] = [None] * len(keys)
-            for span in _spans(len(keys)):
+            for span in _spans(len(keys), _pinned(client)):
                 got = client.kv_lookup(self.model, self._keys(keys[span]), "full", pin=True,
                                        fetch=True, timeout_s=self.fetch_timeout_s)
                 try:
@@ -409,7 +409,7 @@ class RadixdHiCacheStorage(HiCacheStorage):
             if any(v.nbytes != slots.shape[1] for v in values):
                 return False
             stored = True
-            for span in _spans(len(keys)):
+            for span in _spans(len(keys), _pinned(client)):
                 r = client.kv_reserve(self.model, self._keys(keys[span]), "full")
                 for s, v in zip(r.slots, values[span], strict=True):
                     if s:
@@ -449,10 +449,17 @@ class RadixdHiCacheStorage(HiCacheStorage):
             self._copier.close()
 
 
-def _spans(n: int) -> Iterator[slice]:
-    """``n`` keys in runs of at most radixd's keys per request (docs/protocol.md 9.4)."""
-    for start in range(0, n, P.KV_MAX_KEYS):
-        yield slice(start, min(n, start + P.KV_MAX_KEYS))
+def _spans(n: int, most: int = P.KV_MAX_KEYS) -> Iterator[slice]:
+    """``n`` keys in runs of at most ``most`` (radixd's keys per request by default)."""
+    for start in range(0, n, most):
+        yield slice(start, min(n, start + most))
+
+
+def _pinned(client: Client) -> int:
+    """Most keys one pinned lookup or reservation may name: the session may pin at most
+    ``max_locks_per_session`` keys (hello's limits), and this backend holds one pin at a time."""
+    cap = client.limits.max_locks_per_session
+    return min(P.KV_MAX_KEYS, cap) if cap > 0 else P.KV_MAX_KEYS
 
 
 def _int_setting(extra: dict, name: str, default: int) -> int:
