@@ -10,16 +10,21 @@ shows what the setting gives up, and is how these tests fail on a daemon without
 
 from __future__ import annotations
 
+import asyncio
+import errno
 import json
 import os
 import subprocess
 import sys
 from array import array
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from radixd_client import Client
+from radixd_client import AsyncClient, Client, RequestLifecycle
+from radixd_client.errors import PageError, SegmentsNotMapped
+from radixd_client.segments import SegmentedRegion
 
 from .conftest import REPO, SMALL_MODEL
 
@@ -222,3 +227,98 @@ def test_bad_segment_settings_are_refused_with_the_key(bad, tmp_path: Path) -> N
     path.write_text("\n".join(lines) + "\n")
     with pytest.raises(ConfigError, match=r"models\[\"m\"\]\.(segment_pages|memory_isolation)"):
         load_config(path, env={})
+
+
+@pytest.fixture
+def maps_fail(monkeypatch: pytest.MonkeyPatch) -> Callable[[bool], None]:
+    """``maps_fail(True)``: this process can map no new segment (the ENOMEM or
+    ``vm.max_map_count`` an mmap meets when memory runs out, which a test cannot cause
+    on demand); ``maps_fail(False)`` lifts it."""
+    real = SegmentedRegion.map_segment
+
+    def failing(self: SegmentedRegion, segment: int, fd: int) -> None:
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+    def set_failing(on: bool) -> None:
+        monkeypatch.setattr(SegmentedRegion, "map_segment", failing if on else real)
+
+    return set_failing
+
+
+def test_a_result_whose_segments_cannot_be_mapped_keeps_what_the_call_took(
+        make_daemon, maps_fail) -> None:
+    """The daemon carried out the call: the error carries its result, so the caller can give
+    back the pages an alloc took and the receipt a match took (they were lost in a raise)."""
+    d = make_daemon(TENANTS)
+    with Client(d.socket, token="alice-token") as a, Client(d.socket, token="alice-token") as a2:
+        pools = a.attach("m")
+        before = dict(pools.segments)
+        maps_fail(True)
+        with pytest.raises(SegmentsNotMapped) as alloc_err:
+            a.alloc("m", 9)  # the namespace takes new segments
+        got = alloc_err.value.result
+        assert len(ids(got.full_pages)) == 9 and alloc_err.value.details["models"] == ["m"]
+        assert dict(pools.segments) == before  # nothing half mapped claims to be there
+        a.free("m", got.full_pages, got.swa_pages)  # held, and known: they go back
+        with pytest.raises(PageError):
+            a.free("m", got.full_pages, got.swa_pages)
+
+        more = a2.alloc("m", 9)
+        a2.insert("m", bytes(4 * P * 9), more.full_pages, more.swa_pages)
+        with pytest.raises(SegmentsNotMapped) as match_err:
+            a.match("m", bytes(4 * P * 9), lock=True)
+        m = match_err.value.result
+        assert m.prefix_len == 9 * P and m.receipt is not None
+        a.unlock("m", m.receipt)
+
+        maps_fail(False)  # the next result that names the generation maps it
+        m = a.match("m", bytes(4 * P * 9))
+        assert dict(pools.segments) != before and pools.generation == m.segments_gen
+    d.check()
+
+
+def test_a_lifecycle_whose_pages_cannot_be_mapped_only_aborts_and_gives_them_back(
+        make_daemon, maps_fail) -> None:
+    d = make_daemon(TENANTS)
+    with Client(d.socket, token="alice-token") as a:
+        a.attach("m")
+        lc = RequestLifecycle(a, "m", range(1, 9 * P + 1))
+        lc.admit()
+        maps_fail(True)
+        with pytest.raises(SegmentsNotMapped):
+            lc.reserve(9 * P)
+        held = list(lc.writable_full)
+        assert len(held) == 9
+        with pytest.raises(SegmentsNotMapped):  # no write into pages not mapped here
+            lc.check_writable(0, P)
+        with pytest.raises(SegmentsNotMapped):
+            lc.commit(P)
+        maps_fail(False)
+        lc.abort()
+        with pytest.raises(PageError):  # abort gave them back
+            a.free("m", held)
+    d.check()
+
+
+def test_an_async_batch_whose_segments_cannot_be_mapped_keeps_its_results(
+        make_daemon, maps_fail) -> None:
+    d = make_daemon(TENANTS)
+
+    async def run() -> None:
+        async with await AsyncClient.connect(d.socket, token="alice-token") as a:
+            await a.attach("m")
+            maps_fail(True)
+            with pytest.raises(SegmentsNotMapped):
+                async with a.batch() as b:
+                    got = b.alloc("m", 9)
+                    stats = b.stats()
+            assert stats.result() is not None
+            pages = got.result().full_pages
+            assert len(ids(pages)) == 9
+            maps_fail(False)
+            await a.free("m", pages, got.result().swa_pages)
+            with pytest.raises(PageError):
+                await a.free("m", pages)
+
+    asyncio.run(run())
+    d.check()

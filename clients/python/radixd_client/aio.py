@@ -29,6 +29,7 @@ from .errors import (
     ConnectFailed,
     ConnectionLost,
     RadixdError,
+    SegmentsNotMapped,
     SessionRestarted,
     ShuttingDown,
     TimedOut,
@@ -46,7 +47,7 @@ from .protocol import (
     ModelInfo,
     Request,
 )
-from .reconnect import Reconnect, drop_unmappable, forget_host_pools, live_models, restarted
+from .reconnect import Reconnect, drop_unmappable, models_to_remap, restarted
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from .pools import AttachedPools, KvHostPools
@@ -80,6 +81,9 @@ class AsyncClientBatch(BatchBuilder):
             return
         try:
             outcomes = await self._client._call("batch", self._request())
+        except SegmentsNotMapped as err:
+            self._distribute(err.result)  # it ran: the futures hold its results
+            raise
         except RadixdError as err:
             self._abandon(f"the batch failed as a whole ({err.code})", err)
             raise
@@ -220,16 +224,14 @@ class AsyncClient(Operations):
         self._generation += 1
         self.restarts += 1
         unmapped = self._dropped  # (kept if this reconnect is cut too: reported by the next)
-        # the same daemon (a timeout, a connection dropped): its pools are the ones mapped here
-        for model in live_models(self._attached) if self.instance != old_instance else ():
+        for model in models_to_remap(self._attached, self._kv_attached, old_instance,
+                                     self.instance):
             try:
                 self._attached[model].rebind(*await self._attach_exclusive(model))
             except (ConnectionLost, ShuttingDown):
                 raise
             except (RadixdError, OSError) as err:  # (a PoolError too)
                 drop_unmappable(self._attached, model, err, unmapped)
-        if self.instance != old_instance:
-            forget_host_pools(self._kv_attached)  # the old daemon's: kv_attach again
         self._unmapped, self._dropped = unmapped, {}
         return restarted(cause, old, self, unmapped)
 
@@ -507,13 +509,22 @@ class AsyncClient(Operations):
                 close_fds(fut.result()[1])
             raise
         if (self._attached or self._kv_attached) and op not in _FD_OPS:
-            from .pools import models_to_update  # segments this process has not mapped yet
-
-            for model in models_to_update(req, value, self._attached):
-                await self.attach(model)
-            for model in models_to_update(req, value, self._kv_attached, "host_segments_gen"):
-                await self.kv_attach(model)
+            await self._follow_segments(op, req, value)
         return value
+
+    async def _follow_segments(self, op: str, req: Request, value: Any) -> None:
+        """Map the segments a result names that this process has not mapped (protocol.md
+        4.3); if that fails, ``SegmentsNotMapped`` carries the result (see the sync client)."""
+        from .pools import segments_not_mapped, segments_to_follow
+
+        for attach_op, model in segments_to_follow(req, value, self._attached,
+                                                   self._kv_attached):
+            try:
+                await (self.attach if attach_op == "attach" else self.kv_attach)(model)
+            except (ConnectionLost, ShuttingDown):
+                raise  # the session, and what the call took with it, is gone
+            except (RadixdError, OSError, MemoryError) as err:
+                raise segments_not_mapped(op, attach_op, model, value, err) from err
 
     # -- batches, receipts, pools ---------------------------------------------------------------
 

@@ -27,6 +27,7 @@ from .errors import (
     ConnectFailed,
     ConnectionLost,
     RadixdError,
+    SegmentsNotMapped,
     SessionRestarted,
     ShuttingDown,
     TimedOut,
@@ -45,7 +46,7 @@ from .protocol import (
     Request,
     int32_array,
 )
-from .reconnect import Reconnect, drop_unmappable, forget_host_pools, live_models, restarted
+from .reconnect import Reconnect, drop_unmappable, models_to_remap, restarted
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from .pools import AttachedPools, KvHostPools
@@ -108,6 +109,9 @@ class ClientBatch(BatchBuilder):
             return
         try:
             outcomes = self._client._call("batch", self._request())
+        except SegmentsNotMapped as err:
+            self._distribute(err.result)  # it ran: the futures hold its results
+            raise
         except RadixdError as err:
             self._abandon(f"the batch failed as a whole ({err.code})", err)
             raise
@@ -208,8 +212,8 @@ class Client(Operations):
                 time.sleep(attempts.wait_after(exc))
         self.restarts += 1
         unmapped = self._dropped  # (kept if this reconnect is cut too: reported by the next)
-        # the same daemon (a timeout, a connection dropped): its pools are the ones mapped here
-        for model in live_models(self._attached) if self.instance != old_instance else ():
+        for model in models_to_remap(self._attached, self._kv_attached, old_instance,
+                                     self.instance):
             try:
                 self._attached[model].rebind(
                     *self._call_with_fds_once("attach", Attach(model=model)))
@@ -217,8 +221,6 @@ class Client(Operations):
                 raise
             except (RadixdError, OSError) as err:  # (a PoolError too)
                 drop_unmappable(self._attached, model, err, unmapped)
-        if self.instance != old_instance:
-            forget_host_pools(self._kv_attached)  # the old daemon's: kv_attach again
         self._dropped = {}
         return restarted(cause, old, self, unmapped)
 
@@ -276,20 +278,26 @@ class Client(Operations):
             self._broken(f"interrupted by {type(exc).__name__} in the middle of a call", exc)
             raise
         if reply.ok:
-            self._follow_segments(req, reply.value)
+            self._follow_segments(op, req, reply.value)
             return reply.value
         raise reply.value
 
-    def _follow_segments(self, req: Request, value: Any) -> None:
+    def _follow_segments(self, op: str, req: Request, value: Any) -> None:
         """A result naming a segment generation this process has not mapped: attach again
-        first, so that its pages are mapped when the caller reads them (protocol.md 4.3)."""
-        if self._attached or self._kv_attached:
-            from .pools import models_to_update
+        first, so that its pages are mapped when the caller reads them (protocol.md 4.3). If
+        that fails, ``SegmentsNotMapped`` carries the result, which the daemon has applied."""
+        if not (self._attached or self._kv_attached):
+            return
+        from .pools import segments_not_mapped, segments_to_follow
 
-            for model in models_to_update(req, value, self._attached):
-                self.attach(model)
-            for model in models_to_update(req, value, self._kv_attached, "host_segments_gen"):
-                self.kv_attach(model)
+        for attach_op, model in segments_to_follow(req, value, self._attached,
+                                                   self._kv_attached):
+            try:
+                (self.attach if attach_op == "attach" else self.kv_attach)(model)
+            except (ConnectionLost, ShuttingDown):
+                raise  # the session, and what the call took with it, is gone
+            except (RadixdError, OSError, MemoryError) as err:
+                raise segments_not_mapped(op, attach_op, model, value, err) from err
 
     # -- batches and receipts -------------------------------------------------------------------
 

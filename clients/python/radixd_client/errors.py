@@ -268,3 +268,24 @@ class PoolError(RadixdError, RuntimeError):
     """
 
     default_code = "pool_error"
+
+
+class SegmentsNotMapped(PoolError):
+    """The daemon carried out the call, but its result names pool segments that could not be
+    mapped into this process (out of memory, ``vm.max_map_count``, descriptors): there, the
+    pages of those segments are private zeros, not the pool, so nothing may be written to or
+    read from them.
+
+    ``result`` is what the call returned (for a batch, its ``(ok, result)`` outcomes, which its
+    futures also hold), so that what the call took is not lost: free the pages an ``alloc``
+    gave, unlock the receipt a ``match`` took (``RequestLifecycle`` records them, and its
+    ``abort`` gives them back). ``details["models"]`` names the models whose pools are behind.
+    The next result that names a new segment generation tries to map them again.
+    """
+
+    default_code = "segments_not_mapped"
+
+    def __init__(self, message: str = "", *, code: str | None = None,
+                 details: Mapping[str, Any] | None = None, result: Any = None) -> None:
+        super().__init__(message, code=code, details=details)
+        self.result = result

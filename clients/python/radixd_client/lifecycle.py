@@ -28,6 +28,10 @@ The caller drives it (the class never computes anything)::
         lc.computed_len = pos + 1
     lc.finish()                                 # cache_finished; or lc.abort() at any point
 
+A step whose result names pool segments this process could not map raises
+:class:`~radixd_client.errors.SegmentsNotMapped` after recording what the step took: from then on
+the request refuses every step but ``lc.abort()``, which gives it back.
+
 With a client that rides through daemon restarts (``Client(..., reconnect=Reconnect())``), any
 step may raise :class:`~radixd_client.errors.SessionRestarted`: call ``lc.restart()`` and go back
 to ``lc.admit()``, recomputing from the prefix it finds.
@@ -39,15 +43,17 @@ methods (a test double, an adapter over an in-process cache) can stand in for it
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from .client import pages
-from .errors import SessionRestarted
+from .errors import SegmentsNotMapped, SessionRestarted
 from .protocol import InsertResult
 
 __all__ = ["Admission", "NotWritable", "RequestLifecycle", "out_of_window_edge"]
+
+_R = TypeVar("_R")
 
 
 class NotWritable(RuntimeError):
@@ -147,11 +153,16 @@ class RequestLifecycle:
         # the client's session the pages and receipt belong to (its count of sessions opened
         # again): another request's call may have met the restart, not this one's
         self._session = _restarts(client)
+        # a step's result named segments this process could not map: only abort() goes on
+        self.not_mapped: SegmentsNotMapped | None = None
 
     def _check_session(self) -> None:
         """SessionRestarted, nothing sent, when the client reconnected since this request took
         what it holds: the new session numbers pages and receipts afresh, so the old ids may
-        be another request's now."""
+        be another request's now. SegmentsNotMapped again after a step met it: some of the
+        request's pages are not mapped here."""
+        if self.not_mapped is not None:
+            raise self.not_mapped
         if _restarts(self.client) != self._session:
             raise SessionRestarted(f"{self.label}: its pages and receipt belonged to the "
                                    "daemon session the client has lost (another call met the "
@@ -178,14 +189,14 @@ class RequestLifecycle:
             adm.prefetch_status, adm.l3_hit_len = pf.status, pf.l3_hit_len
             adm.fetched_len = pf.fetched_len
         self.last_op = "match"
-        m = c.match(name, prompt, lock=True)
+        m = self._applied(c.match, name, prompt, lock=True)
         self.receipt = m.receipt
         adm.device_hit_len, adm.host_hit_len = m.prefix_len, m.host_hit_len
         adm.full_hit_len = m.full_hit_len
         used: Any = m
         if m.host_hit_len > 0:
             self.last_op = "load"
-            loaded = c.load(name, prompt, lock=True)
+            loaded = self._applied(c.load, name, prompt, lock=True)
             adm.loaded_len = loaded.loaded_len
             keep, drop = (loaded, m) if loaded.prefix_len >= m.prefix_len else (m, loaded)
             self.receipt = keep.receipt
@@ -201,7 +212,22 @@ class RequestLifecycle:
         # A match gives SWA pages for the prefix's trailing window only; 0 before it.
         swa = list(pages(used.swa_pages)) if self.window is not None else []
         self.swa_table = [0] * (len(self.full_table) - len(swa)) + swa
+        self._raise_not_mapped()
         return adm
+
+    def _applied(self, call: Callable[..., _R], *args: Any, **kwargs: Any) -> _R:
+        """``call``'s result, also when the daemon carried it out but this process could not
+        map the segments it names: then the error is kept (:meth:`_raise_not_mapped` raises it
+        once the step has recorded what it took, so that :meth:`abort` gives that back)."""
+        try:
+            return call(*args, **kwargs)
+        except SegmentsNotMapped as err:
+            self.not_mapped = self.not_mapped or err
+            return err.result  # type: ignore[no-any-return]
+
+    def _raise_not_mapped(self) -> None:
+        if self.not_mapped is not None:
+            raise self.not_mapped
 
     # -- pages ------------------------------------------------------------------------------
 
@@ -211,7 +237,8 @@ class RequestLifecycle:
         self._check_session()
         if need > 0:
             self.last_op = "alloc"
-            self._take(self.client.alloc(self.model, need), need)
+            self._take(self._applied(self.client.alloc, self.model, need), need)
+            self._raise_not_mapped()
 
     def _take(self, res: Any, n: int) -> None:
         full = pages(res.full_pages)
@@ -320,19 +347,24 @@ class RequestLifecycle:
             elif release:
                 c.release_swa(name, self.receipt)
             else:
-                self._take(c.alloc(name, need), need)
+                self._take(self._applied(c.alloc, name, need), need)
+                self._raise_not_mapped()
             return
         self.last_op = "batch"
-        with c.batch() as b:
-            freed = b.free(name, swa_pages=free_ids) if free_ids else None
-            released = b.release_swa(name, self.receipt) if release else None
-            alloc = b.alloc(name, need) if need else None
+        try:
+            with c.batch() as b:
+                freed = b.free(name, swa_pages=free_ids) if free_ids else None
+                released = b.release_swa(name, self.receipt) if release else None
+                alloc = b.alloc(name, need) if need else None
+        except SegmentsNotMapped as err:  # it ran: the futures hold its results
+            self.not_mapped = self.not_mapped or err
         for op, fut in (("free", freed), ("release_swa", released), ("alloc", alloc)):
             if fut is not None:
                 self.last_op = op
                 fut.result()
         if alloc is not None:
             self._take(alloc.result(), need)
+        self._raise_not_mapped()
 
     # -- inserts ----------------------------------------------------------------------------
 
@@ -351,7 +383,7 @@ class RequestLifecycle:
         self._check_session()
         toks, full, swa, prev, frontier = self._insert_args(end)
         self.last_op = "cache_unfinished"
-        res: InsertResult = self.client.cache_unfinished(
+        res: InsertResult = self._applied(self.client.cache_unfinished,
             self.model, toks, full, swa, prev, frontier, self.receipt)
         lo = prev // self.page_size
         handed = range(lo, res.inserted_len // self.page_size)
@@ -366,6 +398,7 @@ class RequestLifecycle:
         self.cached_len = res.inserted_len
         self.swa_evicted_len = max(self.swa_evicted_len, self.cached_len)
         self.swa_released = False  # the new receipt pins the window at the new end
+        self._raise_not_mapped()
         return res
 
     def finish(self, end: int | None = None) -> InsertResult:
@@ -381,13 +414,17 @@ class RequestLifecycle:
         rest_swa = [p for p in self.swa_table[hi:] if p and p in self.writable_swa]
         self.last_op = "cache_finished"
         if not rest_full and not rest_swa:
-            res: InsertResult = self.client.cache_finished(
+            # (a result naming segments not mapped here leaves nothing to use: it is kept)
+            res: InsertResult = self._applied(self.client.cache_finished,
                 self.model, toks, full, swa, prev, frontier, self.receipt)
         else:
-            with self.client.batch() as b:  # on an error nothing is forgotten: abort() cleans
-                fin = b.cache_finished(self.model, toks, full, swa, prev, frontier,
-                                       self.receipt)
-                freed = b.free(self.model, rest_full, rest_swa)
+            try:  # on an error nothing is forgotten: abort() cleans
+                with self.client.batch() as b:
+                    fin = b.cache_finished(self.model, toks, full, swa, prev, frontier,
+                                           self.receipt)
+                    freed = b.free(self.model, rest_full, rest_swa)
+            except SegmentsNotMapped:
+                pass  # it ran (the futures hold its results) and left nothing to map here
             res = fin.result()
             self.last_op = "free"
             freed.result()

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from .errors import PoolError
+from .errors import PoolError, SegmentsNotMapped
 from .fds import close_fds
 from .protocol import AttachResult, KvAttachResult, PoolInfo
 from .segments import SegmentedRegion, map_fixed_shared, shared_span
@@ -481,6 +481,26 @@ def models_to_update(req: Any, value: Any, attached: Mapping[str, Any],
                 and pools.needs_update(getattr(v, field, 0))):
             out.append(model)
     return out
+
+
+def segments_to_follow(req: Any, value: Any, attached: Mapping[str, Any],
+                       kv_attached: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """``(op, model)`` for each mapping a call's result says is behind: ``("attach", model)``
+    for device pools, ``("kv_attach", model)`` for host pools (:func:`models_to_update`)."""
+    return ([("attach", m) for m in models_to_update(req, value, attached)]
+            + [("kv_attach", m)
+               for m in models_to_update(req, value, kv_attached, "host_segments_gen")])
+
+
+def segments_not_mapped(op: str, attach_op: str, model: str, value: Any,
+                        err: BaseException) -> SegmentsNotMapped:
+    """The error for a call whose follow-up ``attach_op`` of ``model`` failed: it carries the
+    call's result (``value``), which the daemon has applied, so that nothing it took is lost."""
+    return SegmentsNotMapped(
+        f"{op} was carried out, but the new pool segments of {model!r} its result names could "
+        f"not be mapped here ({attach_op}: {type(err).__name__}: {err}): the pages in them are "
+        "not usable in this process; give back what the call took (this error's result)",
+        details={"models": [model], "op": attach_op}, result=value)
 
 
 def attach_pools(model: str, result: AttachResult, fds: Sequence[int]) -> AttachedPools:

@@ -87,6 +87,18 @@ def live_models(attached: dict[str, Any]) -> list[str]:
     return list(attached)
 
 
+def models_to_remap(attached: dict[str, Any], kv_attached: dict[str, Any],
+                    old_instance: str | None, new_instance: str | None) -> list[str]:
+    """After a reconnect, the models whose device pools to map again in place. Reconnected to
+    the same daemon instance (a timeout, a dropped connection): none, and nothing is closed,
+    since the pools mapped here are its pools. To another instance: every live model, and the
+    host pools from ``kv_attach`` are closed (:func:`forget_host_pools`)."""
+    if new_instance == old_instance:
+        return []
+    forget_host_pools(kv_attached)
+    return live_models(attached)
+
+
 def forget_host_pools(kv_attached: dict[str, Any]) -> None:
     """After a restart: the host pools ``kv_attach`` mapped are the old daemon's, and their
     segment generations mean nothing to the new one. They stop following segments (the caller
