@@ -8,6 +8,10 @@
 # (which ignores tests/sglang). The SGLang run happens when no arguments are given, or when an
 # argument names tests/sglang (then only it runs, with the other arguments); RADIXD_SKIP_SGLANG=1
 # leaves it out. Either run failing fails the script.
+#
+# The whole main suite (no arguments) runs in parallel workers (pytest-xdist), one per core, at
+# most 4: on a 2-core machine that halves its time. RADIXD_TEST_WORKERS=N sets the count (1: one
+# process, as `./scripts/test.sh ARGS` always runs).
 set -euo pipefail
 # shellcheck source=scripts/_env.sh
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
@@ -21,7 +25,13 @@ for arg in "$@"; do
     [[ "${arg}" == tests/sglang* ]] && sglang_only=1
 done
 skip_sglang="${RADIXD_SKIP_SGLANG:-0}"
-unset RADIXD_SKIP_SGLANG  # the daemons the tests start refuse unknown RADIXD_* settings
+cores="$(nproc 2>/dev/null || echo 1)"
+workers="${RADIXD_TEST_WORKERS:-$((cores < 4 ? cores : 4))}"
+if ! [[ "${workers}" =~ ^[1-9][0-9]*$ ]]; then
+    echo "RADIXD_TEST_WORKERS must be a whole number of workers, 1 or more (got '${workers}')" >&2
+    exit 2
+fi
+unset RADIXD_SKIP_SGLANG RADIXD_TEST_WORKERS  # the daemons the tests start refuse unknown RADIXD_*
 if [[ "${skip_sglang}" != "1" ]] && { [[ $# -eq 0 ]] || [[ ${sglang_only} -eq 1 ]]; }; then
     radixd_sglang_venv
     sglang_args=("$@")
@@ -36,4 +46,7 @@ fi
 
 radixd_chromium
 radixd_systemd_tools
+if [[ $# -eq 0 ]] && [[ "${workers}" -gt 1 ]]; then
+    exec "${RADIXD_PY}" -m pytest -n "${workers}"
+fi
 exec "${RADIXD_PY}" -m pytest "$@"
