@@ -9,6 +9,7 @@ conservation (free + tree + held = capacity, no page in two places) on demand.
 
 from __future__ import annotations
 
+import logging
 from array import array
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -26,6 +27,7 @@ from .gpu.allocator import (
 from .gpu.page_runs import PageRuns, cold_after_tokens
 from .gpu.segments import PairedSegmentAllocator, audit_model_segments_steps
 from .holdings import Holders, Holding, is_load_owner
+from .page_sink import TreeSink
 from .tree import (
     DEFAULT_POLICY,
     HASH_BLOCK_TOKENS,
@@ -34,7 +36,6 @@ from .tree import (
     InsertResult,
     MatchResult,
     Node,
-    PageIds,
     PageMarks,
     Pin,
     RadixTree,
@@ -51,54 +52,13 @@ if TYPE_CHECKING:
 
 Owner = Hashable
 
+log = logging.getLogger("radixd.model_cache")
+
 
 class PageNotHeld(AllocatorError):
     """A page the caller named is not one it holds."""
 
     code = "page_not_held"
-
-
-class Watch:
-    """Device pages a background copy reads; those the tree frees meanwhile are tainted."""
-
-    __slots__ = ("full", "swa", "tainted_full", "tainted_swa")
-
-    def __init__(self, full: Iterable[int], swa: Iterable[int]) -> None:
-        self.full = set(full)
-        self.swa = set(swa)
-        self.tainted_full: set[int] = set()
-        self.tainted_swa: set[int] = set()
-
-
-class TreeSink:
-    """The tree's page sink: the allocators, plus the watches of copies in flight."""
-
-    def __init__(self, alloc: PairedSegmentAllocator) -> None:
-        self.alloc = alloc
-        self.watches: list[Watch] = []
-
-    def free_full(self, pages: PageIds) -> None:
-        if self.watches:  # a node's runs listed once, for every watch and for the free
-            pages = as_page_array(pages)
-            for w in self.watches:
-                w.tainted_full.update(w.full.intersection(pages))
-        self.alloc.free_full(pages)
-
-    def free_swa(self, pages: PageIds) -> None:
-        if self.watches:  # a node's runs listed once, for every watch and for the free
-            pages = as_page_array(pages)
-            for w in self.watches:
-                w.tainted_swa.update(w.swa.intersection(pages))
-        self.alloc.free_swa(pages)
-
-    def watch(self, full: Iterable[int], swa: Iterable[int]) -> Watch:
-        w = Watch(full, swa)
-        self.watches.append(w)
-        return w
-
-    def unwatch(self, w: Watch) -> tuple[set[int], set[int]]:
-        self.watches.remove(w)
-        return w.tainted_full, w.tainted_swa
 
 
 class ModelCache:
@@ -347,6 +307,9 @@ class ModelCache:
         except OutOfPages as exc:
             self.counters["alloc_failures"] += 1
             raise self.oom_error(n, namespace) from exc
+        except OSError as exc:
+            self.counters["alloc_failures"] += 1
+            raise self.no_segment_memory(n, namespace, exc) from exc
         self.counters["allocs"] += 1
         if n:
             self._hand_out(owner, full, swa, namespace)
@@ -366,8 +329,17 @@ class ModelCache:
         self._make_room(namespace, n_full, n_swa, "load")
         if any(self._short(key, n_full, n_swa)):
             raise self.oom_error(max(n_full, n_swa), namespace)  # the evictable pages were pinned
-        full = a.full.alloc(n_full, key)
-        swa = a.swa.alloc(n_swa, key) if n_swa else array("i")  # type: ignore[union-attr]
+        try:
+            full = a.full.alloc(n_full, key)
+        except OSError as exc:
+            raise self.no_segment_memory(max(n_full, n_swa), namespace, exc) from exc
+        try:
+            swa = a.swa.alloc(n_swa, key) if n_swa else array("i")  # type: ignore[union-attr]
+        except BaseException as exc:  # all or none: the full pages are nobody's yet
+            a.full.free(full)
+            if isinstance(exc, OSError):
+                raise self.no_segment_memory(max(n_full, n_swa), namespace, exc) from exc
+            raise
         self._hand_out(owner, full, swa, namespace)
         return full, swa
 
@@ -404,6 +376,18 @@ class ModelCache:
         if n > a.full.available_to(key) + self.tree.full_evictable:
             return False
         return a.swa is None or n <= a.swa.available_to(key) + self.tree.swa_evictable
+
+    def no_segment_memory(self, n: int, namespace: str, exc: OSError) -> OutOfPages:
+        """The refusal when a segment handed to ``namespace`` got no fresh memory (its new memfd
+        failed: EMFILE, ENOMEM): no room, like a short pool, never an internal error; nothing
+        was taken (the allocators are all or none)."""
+        log.warning("model %r: a segment for namespace %r got no fresh memory (%s): an "
+                    "allocation of %d pages refused", self.profile.name, namespace,
+                    exc.strerror or exc, n)
+        err = self.oom_error(n, namespace)
+        return OutOfPages(f"cannot allocate {n} pages: a pool segment for this namespace could "
+                          f"not get fresh memory ({exc.strerror or exc}); {err}",
+                          **err.counts, segment_memory=1)
 
     def oom_error(self, n: int, namespace: str = "") -> OutOfPages:
         a = self.alloc_state

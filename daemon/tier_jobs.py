@@ -18,7 +18,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from .gpu.allocator import OutOfPages
-from .model_cache import ModelCache, Watch
+from .model_cache import ModelCache
+from .page_sink import Watch
 from .tree import LoadPlan, Namespace, Node, Pin, page_keys
 
 log = logging.getLogger("radixd.tiers")
