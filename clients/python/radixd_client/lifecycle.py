@@ -191,6 +191,7 @@ class RequestLifecycle:
         self.last_op = "match"
         m = self._applied(c.match, name, prompt, lock=True)
         self.receipt = m.receipt
+        self._raise_not_mapped()  # (its receipt is recorded: abort() unlocks it)
         adm.device_hit_len, adm.host_hit_len = m.prefix_len, m.host_hit_len
         adm.full_hit_len = m.full_hit_len
         used: Any = m
@@ -414,7 +415,8 @@ class RequestLifecycle:
         rest_swa = [p for p in self.swa_table[hi:] if p and p in self.writable_swa]
         self.last_op = "cache_finished"
         if not rest_full and not rest_swa:
-            # (a result naming segments not mapped here leaves nothing to use: it is kept)
+            # (the request holds nothing afterwards: segments its result names that are not
+            # mapped here are no error for it)
             res: InsertResult = self._applied(self.client.cache_finished,
                 self.model, toks, full, swa, prev, frontier, self.receipt)
         else:
@@ -466,6 +468,7 @@ class RequestLifecycle:
         self.swa_evicted_len = self.swa_pages_freed = self.finished_inserted_len = 0
         self.swa_released = False
         self.last_op = ""
+        self.not_mapped = None
         self._session = _restarts(self.client)
 
     def _forget(self) -> None:
