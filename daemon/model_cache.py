@@ -329,15 +329,14 @@ class ModelCache:
         self._make_room(namespace, n_full, n_swa, "load")
         if any(self._short(key, n_full, n_swa)):
             raise self.oom_error(max(n_full, n_swa), namespace)  # the evictable pages were pinned
+        full = None
         try:
             full = a.full.alloc(n_full, key)
-        except OSError as exc:
-            raise self.no_segment_memory(max(n_full, n_swa), namespace, exc) from exc
-        try:
             swa = a.swa.alloc(n_swa, key) if n_swa else array("i")  # type: ignore[union-attr]
         except BaseException as exc:  # all or none: the full pages are nobody's yet
-            a.full.free(full)
-            if isinstance(exc, OSError):
+            if full is not None:
+                a.full.free(full)
+            if isinstance(exc, OSError):  # a segment got no fresh memory
                 raise self.no_segment_memory(max(n_full, n_swa), namespace, exc) from exc
             raise
         self._hand_out(owner, full, swa, namespace)

@@ -42,6 +42,7 @@ methods (a test double, an adapter over an in-process cache) can stand in for it
 
 from __future__ import annotations
 
+import contextlib
 from array import array
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -420,13 +421,11 @@ class RequestLifecycle:
             res: InsertResult = self._applied(self.client.cache_finished,
                 self.model, toks, full, swa, prev, frontier, self.receipt)
         else:
-            try:  # on an error nothing is forgotten: abort() cleans
-                with self.client.batch() as b:
-                    fin = b.cache_finished(self.model, toks, full, swa, prev, frontier,
-                                           self.receipt)
-                    freed = b.free(self.model, rest_full, rest_swa)
-            except SegmentsNotMapped:
-                pass  # it ran (the futures hold its results) and left nothing to map here
+            # on an error nothing is forgotten: abort() cleans. SegmentsNotMapped: it ran (the
+            # futures hold its results), and the request holds nothing afterwards
+            with contextlib.suppress(SegmentsNotMapped), self.client.batch() as b:
+                fin = b.cache_finished(self.model, toks, full, swa, prev, frontier, self.receipt)
+                freed = b.free(self.model, rest_full, rest_swa)
             res = fin.result()
             self.last_op = "free"
             freed.result()
