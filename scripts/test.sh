@@ -16,6 +16,14 @@ set -euo pipefail
 # shellcheck source=scripts/_env.sh
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 
+# refused before anything is installed
+cores="$(nproc 2>/dev/null || echo 1)"
+workers="${RADIXD_TEST_WORKERS:-$((cores < 4 ? cores : 4))}"
+if ! [[ "${workers}" =~ ^[1-9][0-9]*$ ]]; then
+    echo "RADIXD_TEST_WORKERS must be a whole number of workers, 1 or more (got '${workers}')" >&2
+    exit 2
+fi
+
 radixd_venv
 radixd_redis
 cd "${RADIXD_ROOT}"
@@ -25,12 +33,6 @@ for arg in "$@"; do
     [[ "${arg}" == tests/sglang* ]] && sglang_only=1
 done
 skip_sglang="${RADIXD_SKIP_SGLANG:-0}"
-cores="$(nproc 2>/dev/null || echo 1)"
-workers="${RADIXD_TEST_WORKERS:-$((cores < 4 ? cores : 4))}"
-if ! [[ "${workers}" =~ ^[1-9][0-9]*$ ]]; then
-    echo "RADIXD_TEST_WORKERS must be a whole number of workers, 1 or more (got '${workers}')" >&2
-    exit 2
-fi
 unset RADIXD_SKIP_SGLANG RADIXD_TEST_WORKERS  # the daemons the tests start refuse unknown RADIXD_*
 if [[ "${skip_sglang}" != "1" ]] && { [[ $# -eq 0 ]] || [[ ${sglang_only} -eq 1 ]]; }; then
     radixd_sglang_venv
