@@ -148,7 +148,8 @@ def build_model(config: Config, mc: ModelConfig, pools: Any) -> ModelEntry:
         host_pages=mc.host_pages if pools is not None else 0,
         l3=bool(pools is not None and mc.host_pages and mc.l3 and config.l3.url))
     cache = ModelCache(profile, pools=pools, policy=mc.eviction_policy,
-                       segment_pages=mc.segments(profile))
+                       segment_pages=mc.segments(profile),
+                       long_runs_in_use=config.server.long_runs_in_use)
     return ModelEntry(mc.name, cache, info, pools)
 
 

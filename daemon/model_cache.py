@@ -24,7 +24,7 @@ from .gpu.allocator import (
     has_duplicates,
     nonzero_ids,
 )
-from .gpu.page_runs import PageRuns, cold_after_tokens
+from .gpu.page_runs import IN_USE_MIN, NEVER_IN_USE, PageRuns, cold_after_tokens
 from .gpu.segments import PairedSegmentAllocator, audit_model_segments_steps
 from .holdings import Holders, Holding, is_load_owner
 from .page_sink import TreeSink
@@ -67,10 +67,12 @@ class ModelCache:
     def __init__(
         self, profile: ModelProfile, *, pools: KVPools | None = None, policy: str = DEFAULT_POLICY,
         segment_pages: int | None = None, hash_block_tokens: int = HASH_BLOCK_TOKENS,
+        long_runs_in_use: bool = True,
     ) -> None:
         """``segment_pages``: pages per segment, each serving one namespace (memory isolation,
         daemon.gpu.segments); None: one segment per pool that every namespace shares.
-        ``hash_block_tokens``: see :class:`RadixTree` (tests only)."""
+        ``hash_block_tokens``: see :class:`RadixTree` (tests only). ``long_runs_in_use``: the
+        config key ``server.long_runs_in_use`` (daemon.gpu.page_runs.IN_USE_MIN)."""
         self.profile = profile
         self.pools = pools
         self.isolated = segment_pages is not None
@@ -86,7 +88,7 @@ class ModelCache:
             layout_fingerprint=profile.layout_fingerprint(),
             policy=policy,
             hash_block_tokens=hash_block_tokens,
-            page_ids=PageRuns(),
+            page_ids=PageRuns(in_use_min=IN_USE_MIN if long_runs_in_use else NEVER_IN_USE),
         )
         self.tree.compact_after = cold_after_tokens(profile.full_pages, profile.page_size)
         self.swa_enabled = self.tree.swa_enabled

@@ -159,6 +159,7 @@ def test_sliding_window_0_describes_a_model_without_swa() -> None:
     ({"server": {"malloc_trim_interval_s": -1}}, "server.malloc_trim_interval_s"),
     ({"server": {"idle_compaction": "sometimes"}}, "server.idle_compaction"),
     ({"server": {"idle_compaction": 2}}, "server.idle_compaction"),
+    ({"server": {"long_runs_in_use": "yes please"}}, "server.long_runs_in_use"),
     ({"models": [{"name": "m", "host_segment_pages": -1}]}, 'models["m"].host_segment_pages'),
 ])
 def test_the_newer_keys_refuse_bad_values_by_name(overrides: dict, key: str) -> None:

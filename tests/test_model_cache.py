@@ -517,15 +517,34 @@ def test_page_ids_of_another_int_type_are_read_as_int32():
 # ---------------------------------------------------------------------- page runs
 
 
+def test_page_one_nodes_in_use_keep_long_runs_unless_configured_not_to():
+    """``server.long_runs_in_use``: on (the default), a node that takes 1,024 page ids or more
+    in one run keeps a range from its insert on, and a match lists it back exactly; off, it
+    keeps the array until it is cold."""
+    profile = ModelProfile(
+        name="m", page_size=1, num_full_layers=1, num_kv_heads=1, head_dim=1, full_pages=6000,
+        sliding_window=128, num_swa_layers=1, swa_pages=6000, dtype="float32", device="cpu")
+    toks = as_token_bytes(range(1, 2001))
+    for on, form in ((True, range), (False, array)):
+        cache = ModelCache(profile, long_runs_in_use=on)
+        f, w = cache.alloc(1, 2000)
+        cache.cache_finished(1, NS, toks, f, w, 0, 0, None)
+        node = next(n for n in cache.tree.iter_nodes() if n.parent is not None)
+        assert type(node.full) is form and type(node.swa) is form
+        m, _ = cache.match(1, NS, toks)
+        assert m.full_pages.tolist() == f.tolist() and m.swa_pages.tolist() == w.tolist()[-128:]
+        assert cache.check() == []
+
+
 def test_page_one_cold_nodes_are_kept_as_runs_and_listed_back_exactly():
     """At a page of one token the tree keeps a cold node's pages by their runs (the daemon's
     codec, daemon/gpu/page_runs.py, run while it is idle); matches list them back in order,
-    a node used again goes back to an array, evictions give back exactly those pages, and the
+    a node of one run used again stays one, evictions give back exactly those pages, and the
     conservation check stays clean throughout."""
     profile = ModelProfile(
         name="m", page_size=1, num_full_layers=1, num_kv_heads=1, head_dim=1, full_pages=6000,
         sliding_window=128, num_swa_layers=1, swa_pages=6000, dtype="float32", device="cpu")
-    cache = ModelCache(profile)
+    cache = ModelCache(profile, long_runs_in_use=False)  # (the runs of nodes in use: below)
     tree = cache.tree
     assert tree.compact_after == 6000 // 2
 
@@ -558,7 +577,8 @@ def test_page_one_cold_nodes_are_kept_as_runs_and_listed_back_exactly():
     m1, _ = cache.match(1, NS, a_toks)
     assert m1.prefix_len == 2000 and m1.full_pages.tolist() == f.tolist()
     assert m1.swa_pages.tolist() == w.tolist()[-128:]
-    assert set(forms().values()) == {"array"} and tree.stats["expanded_nodes"] == 1
+    # (one run stays a range when used again: listed with one numpy call, never expanded)
+    assert forms()[tail.id] == "range" and tree.stats["expanded_nodes"] == 0
     assert cache.check() == []
     # compacted again (the threshold at 0: everything is cold); evictions give the runs back
     tree.compact_after = 0

@@ -24,16 +24,37 @@ RUN_MIN = 128
 #: page, and a list of many short runs is no allocator's
 IDS_PER_RUN = 16
 
+#: the most runs a node in use keeps by their bounds (PageRuns.in_use): a match lists them with
+#: a vector call each, about what a copy of their array costs, at a few bytes a run against 4 a
+#: page. At a page of one token an allocation is one run from a fresh pool and usually two once
+#: freed runs are handed out again (those of the SWA pages a decode gave back, say)
+IN_USE_RUNS = 4
+
+#: ids from which a node in use keeps its runs (PageRuns.in_use): the look and each listing cost
+#: about a microsecond whatever the length, and what they save is 4 bytes a page. At a page of
+#: 16 tokens a 4k sequence is 256 ids (1 KB): kept from 128, its insert took 1.3x and its match
+#: 1.25x the time for 4% less metadata (tree_bench); at a page of one token a node is thousands
+IN_USE_MIN = 1024
+#: ``in_use_min`` of a codec that leaves every list of a node in use as it is
+#: (``server.long_runs_in_use = false``)
+NEVER_IN_USE = 2**62
+
 #: a node is cold, and its ids kept as runs, once new content of 1 / COLD_SHARE of the full pool
-#: has arrived since it was last used (RadixTree.compact_after): hot nodes keep arrays, which a
-#: match lists with one copy instead of a vector call per run. An eighth compacted more, but a
+#: has arrived since it was last used (RadixTree.compact_after): a node in use keeps a list of
+#: more than IN_USE_RUNS runs as an array, which a match lists with one copy instead of a vector
+#: call per run. An eighth compacted more, but a
 #: working set that cycles through the pool then had its nodes compacted and expanded again
 #: round after round (bench/daemon_cpu_bench.py at page 1, one client: 1.08-1.10x the CPU per
 #: operation; at a half: 0.98x)
 COLD_SHARE = 2
 
-#: grown by repetition, a new array is filled in place: ``frombytes`` into an empty one took
-#: several times as long for a long list (measured for 32k ids)
+#: ids up to which a join appends each part to an empty array (numpy lists a run into a
+#: temporary): for a short list that is about half the time of filling an array made whole in
+#: place, and for a long one several times it (the temporaries are large allocations: 158
+#: against 6 microseconds for 32k ids); the two took the same at about 6k ids
+APPEND_MAX = 6144
+
+#: grown by repetition, a new array is filled in place (see APPEND_MAX)
 _ZERO = array("i", [0])
 
 
@@ -101,56 +122,81 @@ class PageRunList:
 
 class PageRuns:
     """Keeps a list of ``min_ids`` or more ids that is one run as a ``range``, and one of a few
-    runs (``IDS_PER_RUN`` ids or more each, on average) as a :class:`PageRunList`."""
+    runs (``IDS_PER_RUN`` ids or more each, on average) as a :class:`PageRunList`; a node in use
+    keeps them so from ``in_use_min`` ids (:data:`IN_USE_MIN`)."""
 
-    def __init__(self, min_ids: int = RUN_MIN, ids_per_run: int = IDS_PER_RUN) -> None:
+    def __init__(self, min_ids: int = RUN_MIN, ids_per_run: int = IDS_PER_RUN,
+                 in_use_min: int = IN_USE_MIN) -> None:
         if min_ids < 2 or ids_per_run < 2:
             raise ValueError(f"min_ids and ids_per_run must be at least 2, got {min_ids} and "
                              f"{ids_per_run}")
         self.min_ids = min_ids
         self.ids_per_run = ids_per_run
+        self.in_use_min = max(min_ids, in_use_min)
         self._iota_ids = np.zeros(0, np.int32)
 
     def compact(self, ids: array) -> array | range | PageRunList:
         n = len(ids)
         if n < self.min_ids:
             return ids
-        first = ids[0]
         x = np.frombuffer(ids, dtype=np.int32)
         breaks = x[1:] - x[:-1] != 1
         n_breaks = int(np.count_nonzero(breaks))
-        if not n_breaks:
-            return range(first, first + n)
         if (n_breaks + 1) * self.ids_per_run > n:
             return ids  # (counted first: listing the breaks of a list of no runs costs more)
-        cuts = np.flatnonzero(breaks) + 1  # where a run begins, but the first
-        starts = array("i", [first])
-        starts.frombytes(x[cuts].tobytes())
-        ends = array("i")
-        ends.frombytes(cuts.astype(np.int32).tobytes())
-        ends.append(n)
-        return PageRunList(starts, ends)
+        return _runs(ids, np.flatnonzero(breaks) + 1)
+
+    def in_use(self, ids: Sequence[int]) -> Sequence[int]:
+        kind = type(ids)
+        if kind is range or (kind is PageRunList
+                             and len(ids.starts) <= IN_USE_RUNS):  # type: ignore[attr-defined]
+            return ids
+        if kind is not array:
+            return self.join([ids])
+        n = len(ids)
+        if n < self.in_use_min:
+            return ids
+        first = ids[0]
+        x = np.frombuffer(ids, dtype=np.int32)
+        if ids[-1] - first == n - 1 and (x[1:] > x[:-1]).all():  # one run (the usual case)
+            return range(first, first + n)
+        cuts = np.flatnonzero(x[1:] - x[:-1] != 1) + 1  # where a run begins, but the first
+        if len(cuts) >= IN_USE_RUNS or (len(cuts) + 1) * self.ids_per_run > n:
+            return ids
+        return _runs(ids, cuts)
 
     def join(self, parts: Sequence[Sequence[int]]) -> array:
+        total = 0
+        for p in parts:
+            total += len(p)
+        if total > APPEND_MAX:
+            return self._fill(parts, total)
         out = array("i")
-        for p in parts:  # hot nodes hold arrays: the usual join is plain copies
-            if type(p) is not array:
-                return self._join_runs(parts)
-            out += p
+        for p in parts:
+            kind = type(p)
+            if kind is array:
+                out += p
+            elif kind is range:  # (a node's runs rise by one)
+                out.frombytes(np.arange(p.start, p.stop, dtype=np.int32).tobytes())
+            elif len(p.starts) <= IN_USE_RUNS:  # type: ignore[attr-defined]
+                for r in p.runs():  # type: ignore[attr-defined]
+                    out.frombytes(np.arange(r.start, r.stop, dtype=np.int32).tobytes())
+            else:
+                out += page_run_array(p)  # type: ignore[arg-type]
         return out
 
-    def _join_runs(self, parts: Sequence[Sequence[int]]) -> array:
-        total = sum(len(p) for p in parts)
+    def _fill(self, parts: Sequence[Sequence[int]], total: int) -> array:
+        """A long join: one array of ``total`` ids, each part written into it in place."""
         out = _ZERO * total
         ids = np.frombuffer(out, dtype=np.int32)
         iota = self._iota(total)
         pos = 0
         for p in parts:
             k = len(p)
-            if type(p) is range or type(p) is PageRunList:
-                np.add(iota[:k], _offsets(p), out=ids[pos : pos + k])  # type: ignore[arg-type]
-            elif k:
+            if type(p) is array:
                 ids[pos : pos + k] = p
+            elif k:
+                np.add(iota[:k], _offsets(p), out=ids[pos : pos + k])  # type: ignore[arg-type]
             pos += k
         return out
 
@@ -160,6 +206,20 @@ class PageRuns:
         if len(self._iota_ids) < k:
             self._iota_ids = np.arange(max(k, 2 * len(self._iota_ids)), dtype=np.int32)
         return self._iota_ids[:k]
+
+
+def _runs(ids: array, cuts: np.ndarray) -> range | PageRunList:
+    """``ids`` (distinct, ascending between ``cuts``, the positions where a run begins but
+    the first) kept as one run or by its runs' bounds."""
+    first = ids[0]
+    if not len(cuts):
+        return range(first, first + len(ids))
+    starts = array("i", [first])
+    starts.frombytes(np.frombuffer(ids, dtype=np.int32)[cuts].tobytes())
+    ends = array("i")
+    ends.frombytes(cuts.astype(np.int32).tobytes())
+    ends.append(len(ids))
+    return PageRunList(starts, ends)
 
 
 def _offsets(runs: range | PageRunList) -> int | np.ndarray:

@@ -27,14 +27,22 @@ PageIds = Sequence[int]
 
 
 class PageIdCodec(Protocol):
-    """How the tree stores the page ids of cold nodes and the host slot ids of every node, and
-    how it lists them for its callers."""
+    """How the tree stores the page ids of cold nodes, the long runs of nodes in use and the host
+    slot ids of every node, and how it lists them for its callers."""
 
     #: lists shorter than this are always kept as arrays (the tree does not offer them)
     min_ids: int
 
     def compact(self, ids: array) -> PageIds:
         """``ids`` (distinct page ids, owned by the tree from now on) as the tree keeps them."""
+        ...
+
+    def in_use(self, ids: PageIds) -> PageIds:
+        """What a node in use keeps for ``ids`` (owned by the tree from now on): ``ids`` when
+        a match lists them cheaply (an array; in the codec's forms, one run or a few), else
+        their array. For an array it looks for those runs: cheap enough for an operation's
+        path (a comparison, at most one vector pass), and at a page of one token an array
+        costs 4 bytes a token where a node's runs cost a few bytes in all."""
         ...
 
     def join(self, parts: Sequence[PageIds]) -> array:
@@ -72,6 +80,9 @@ class PlainPageIds:
     min_ids = sys.maxsize
 
     def compact(self, ids: array) -> PageIds:
+        return ids
+
+    def in_use(self, ids: PageIds) -> PageIds:
         return ids
 
     def join(self, parts: Sequence[PageIds]) -> array:

@@ -50,6 +50,10 @@ from .results import (
 )
 from .tiering import Tiering
 
+#: page-id forms a node in use keeps whatever the codec: an array, and one run (a ``range``,
+#: listed by one vector call); other forms are the codec's to keep or list again (``in_use``)
+_LISTED_AS_IS = (array, range)
+
 __all__ = ["CollectingSink", "EvictResult", "HostSink", "InsertResult", "MatchResult", "Namespace",
            "PageSink", "RadixTree"]
 
@@ -284,8 +288,8 @@ class RadixTree(Matching, Insertion, Locking, Eviction, Tiering):
         if n.ts == self._clock:
             return  # nothing was inserted since its last touch: its position stands
         n.ts = self._clock
-        if (n.full is not None and type(n.full) is not array) or (
-                n.swa is not None and type(n.swa) is not array):
+        if (n.full is not None and type(n.full) not in _LISTED_AS_IS) or (
+                n.swa is not None and type(n.swa) not in _LISTED_AS_IS):
             self._expand(n)
         if n.full_entry is not None or n.host_entry is not None:
             self._requeue(n)
@@ -293,11 +297,24 @@ class RadixTree(Matching, Insertion, Locking, Eviction, Tiering):
     # ------------------------------------------------------------------ page ids, hot and cold
 
     def _dense_ids(self, n: Node) -> None:
-        """``n`` now keeps (some of) its device page ids as arrays: a candidate for
-        :meth:`compact_cold` if the codec would look at lists that long. Ids of nodes gone
+        """``n`` has just taken (some of) its device page ids as arrays: kept in the codec's
+        form for a node in use where it has one (``in_use``: a run or a few), and a node left
+        with an array is a candidate for :meth:`compact_cold` if the codec would look at lists
+        that long."""
+        codec = self.page_ids
+        if len(n.full) < codec.min_ids:  # type: ignore[arg-type]
+            return
+        if type(n.full) is array:
+            n.full = codec.in_use(n.full)
+        if n.swa is not None and type(n.swa) is array:
+            n.swa = codec.in_use(n.swa)
+        self._cold_candidate(n)
+
+    def _cold_candidate(self, n: Node) -> None:
+        """Note ``n`` for :meth:`compact_cold` if it keeps an array. Ids of nodes gone
         meanwhile are dropped once they could be half of the candidates (a daemon that is never
         idle never compacts, and its list must not grow with every node ever made)."""
-        if len(n.full) < self.page_ids.min_ids:  # type: ignore[arg-type]
+        if type(n.full) is not array and type(n.swa) is not array:
             return
         dense = self._dense
         dense.append(n.id)
@@ -306,15 +323,18 @@ class RadixTree(Matching, Insertion, Locking, Eviction, Tiering):
             self._dense = deque(dict.fromkeys(i for i in dense if i in nodes))
 
     def _expand(self, n: Node) -> None:
-        """A node in use again keeps its ids as arrays: every match and insert through it lists
-        them, which costs a vector call per run form and a copy per array."""
+        """A node in use again keeps what a match lists cheaply (``in_use``): every match and
+        insert through it lists its ids, which costs a vector call per run and a copy per
+        array, so a list of many runs goes back to an array."""
         codec = self.page_ids
-        if type(n.full) is not array:
-            n.full = codec.join([n.full])  # type: ignore[list-item]
-        if n.swa is not None and type(n.swa) is not array:
-            n.swa = codec.join([n.swa])
-        self.stats["expanded_nodes"] += 1
-        self._dense_ids(n)
+        full, swa = n.full, n.swa
+        if type(full) not in _LISTED_AS_IS:
+            n.full = codec.in_use(full)  # type: ignore[arg-type]
+        if swa is not None and type(swa) not in _LISTED_AS_IS:
+            n.swa = codec.in_use(swa)
+        if n.full is not full or n.swa is not swa:
+            self.stats["expanded_nodes"] += 1
+            self._cold_candidate(n)
 
     def compact_cold(self, look: int = 16, most: int = 1) -> int:
         """Hand the page ids of nodes unused for ``compact_after`` tokens of churn to the codec

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from radixd_client import AsyncClient, Client, RequestLifecycle
-from radixd_client.errors import PageError, SegmentsNotMapped
+from radixd_client import AsyncClient, Client, Reconnect, RequestLifecycle
+from radixd_client.errors import ConnectFailed, PageError, ReceiptError, SegmentsNotMapped
 from radixd_client.segments import SegmentedRegion
 
 from .conftest import REPO, SMALL_MODEL
@@ -322,3 +322,73 @@ def test_an_async_batch_whose_segments_cannot_be_mapped_keeps_its_results(
 
     asyncio.run(run())
     d.check()
+
+
+def test_locked_gives_back_the_receipt_of_a_match_it_cannot_hand_over(make_daemon,
+                                                                      maps_fail) -> None:
+    """``locked()`` whose match names segments this process cannot map: the block never runs
+    (its pages are not usable here) and nobody else holds the receipt, so ``locked`` releases
+    it before the error goes on, in both clients; a second unlock of it is refused."""
+    d = make_daemon(TENANTS)
+
+    def cache_new_segments(c: Client, first: int) -> bytes:
+        toks = array("i", range(first, first + 9 * P)).tobytes()
+        got = c.alloc("m", 9)  # more than the namespace's segments hold: new ones
+        c.insert("m", toks, got.full_pages, got.swa_pages)
+        return toks
+
+    with Client(d.socket, token="alice-token") as a, Client(d.socket, token="alice-token") as a2:
+        a.attach("m")
+        maps_fail(True)
+        toks = cache_new_segments(a2, 1)
+        with pytest.raises(SegmentsNotMapped) as err:
+            with a.locked("m", toks):
+                pytest.fail("the block ran with pages this process has not mapped")
+        receipt = err.value.result.receipt
+        assert receipt is not None and err.value.result.prefix_len == 9 * P
+        with pytest.raises(ReceiptError):
+            a.unlock("m", receipt)  # locked() gave it back
+        maps_fail(False)
+
+        async def run() -> None:
+            async with await AsyncClient.connect(d.socket, token="alice-token") as b:
+                await b.attach("m")
+                maps_fail(True)
+                more = cache_new_segments(a2, 10 * P)
+                with pytest.raises(SegmentsNotMapped) as aerr:
+                    async with b.locked("m", more):
+                        pytest.fail("the block ran with pages this process has not mapped")
+                areceipt = aerr.value.result.receipt
+                assert areceipt is not None
+                with pytest.raises(ReceiptError):
+                    await b.unlock("m", areceipt)
+                maps_fail(False)
+
+        asyncio.run(run())
+    d.check()
+
+
+def test_a_session_gone_during_the_follow_up_attach_is_not_segments_not_mapped(
+        make_daemon, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The daemon dies while the client maps the segments a result named, and does not come
+    back within the reconnect policy: the call raises ``ConnectFailed`` (the session, and what
+    the call took, are gone), not ``SegmentsNotMapped`` offering a result nobody can give back."""
+    d = make_daemon(TENANTS)
+    a = Client(d.socket, token="alice-token",
+               reconnect=Reconnect(max_wait_s=1.0, initial_backoff_s=0.05, max_backoff_s=0.2))
+    a.attach("m")
+    with Client(d.socket, token="alice-token") as a2:
+        got = a2.alloc("m", 9)
+        toks = bytes(4 * P * 9)
+        a2.insert("m", toks, got.full_pages, got.swa_pages)
+    real_attach = a.attach
+
+    def attach_after_the_daemon_died(model: str) -> object:
+        d.check()
+        assert d.stop() == 0
+        return real_attach(model)
+
+    monkeypatch.setattr(a, "attach", attach_after_the_daemon_died)
+    with pytest.raises(ConnectFailed, match="did not come back"):
+        a.match("m", toks, lock=True)
+    a.close()

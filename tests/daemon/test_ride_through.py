@@ -230,6 +230,34 @@ def test_closing_the_client_is_not_a_reason_to_reconnect(make_daemon, tmp_path: 
     assert not isinstance(lost.value, SessionRestarted) and c.restarts == 0
 
 
+def test_closing_an_async_client_while_it_reconnects_fails_its_calls_as_connection_lost(
+        make_daemon, tmp_path: Path) -> None:
+    """A call waiting for the reconnect when the client is closed was not cancelled: it raises
+    ConnectionLost (the session it was made for is gone), not the CancelledError of the
+    reconnect that close() stopped."""
+    import asyncio
+
+    from radixd_client import AsyncClient
+
+    d = make_daemon(_config(tmp_path))
+
+    async def main() -> None:
+        c = await AsyncClient.connect(d.socket, reconnect=FAST)
+        d.check()
+        assert d.stop() == 0  # gone, and not coming back
+        call = asyncio.create_task(c.ping(b"cut"))
+        await asyncio.sleep(0.3)
+        assert c._reconnecting is not None and not c._reconnecting.done()
+        await c.close()
+        with pytest.raises(ConnectionLost) as lost:
+            await asyncio.wait_for(call, 10)
+        assert not isinstance(lost.value, SessionRestarted) and c.closed
+        with pytest.raises(ConnectionLost):
+            await c.ping(b"later")
+
+    asyncio.run(main())
+
+
 def test_the_backoff_doubles_with_jitter_up_to_its_cap() -> None:
     import random
 

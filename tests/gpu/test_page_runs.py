@@ -7,11 +7,18 @@ from __future__ import annotations
 from array import array
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from daemon.gpu.allocator import PageAllocator, as_page_array
-from daemon.gpu.page_runs import RUN_MIN, PageRunList, PageRuns
+from daemon.gpu.page_runs import (
+    APPEND_MAX,
+    IN_USE_MIN,
+    IN_USE_RUNS,
+    RUN_MIN,
+    PageRunList,
+    PageRuns,
+)
 from daemon.gpu.segments import SegmentedAllocator
 from daemon.tree import (
     CollectingSink,
@@ -46,6 +53,9 @@ def test_the_daemon_default_leaves_short_lists_alone():
     short = array("i", range(1, RUN_MIN))
     assert PageRuns().compact(short) is short
     assert PageRuns().compact(array("i", range(1, RUN_MIN + 1))) == range(1, RUN_MIN + 1)
+    in_use = array("i", range(1, IN_USE_MIN))  # a node in use: arrays up to IN_USE_MIN ids
+    assert PageRuns().in_use(in_use) is in_use
+    assert PageRuns().in_use(array("i", range(1, IN_USE_MIN + 1))) == range(1, IN_USE_MIN + 1)
 
 
 def test_bad_minimums_are_refused():
@@ -82,6 +92,26 @@ def test_kept_runs_read_slice_and_index_as_their_list(runs, data):
             kept[bad]
 
 
+@given(runs_st)
+@example([(1, 1), (5, 1), (9, 1)])  # runs shorter than ids_per_run: kept as the array
+@example([(1, 3), (7, 3), (20, 3), (30, 3), (40, 3)])  # more runs than IN_USE_RUNS
+def test_a_node_in_use_keeps_a_run_or_a_few_and_they_list_back_exactly(runs):
+    ids = _ids(runs)
+    codec = PageRuns(2, 2, 2)
+    kept = codec.in_use(array("i", ids))
+    breaks = sum(b != a + 1 for a, b in zip(ids, ids[1:], strict=False))
+    if len(ids) < 2 or breaks >= IN_USE_RUNS or 2 * (breaks + 1) > len(ids):  # 2: ids_per_run
+        assert type(kept) is array
+    else:
+        assert type(kept) is (range if not breaks else PageRunList)
+        assert codec.in_use(kept) is kept  # used again: kept as it is
+    assert list(kept) == ids and codec.join([kept]).tolist() == ids
+    many = codec.compact(array("i", ids))
+    if type(many) is PageRunList and len(many.starts) > IN_USE_RUNS:
+        back = codec.in_use(many)  # a cold list of many runs, used again
+        assert type(back) is array and back.tolist() == ids
+
+
 parts_st = st.lists(
     st.one_of(
         st.lists(st.integers(1, 2**31 - 1), max_size=20).map(lambda x: array("i", x)),
@@ -91,6 +121,21 @@ parts_st = st.lists(
     ),
     max_size=6,
 )
+
+
+def test_a_long_join_lists_every_form_in_order():
+    """Past APPEND_MAX ids a join fills one array in place: every form, in order."""
+    codec = PageRuns(2, 2)
+    many = codec.compact(array("i", [p for k in range(IN_USE_RUNS + 3)
+                                     for p in range(100 * k + 1, 100 * k + 51)]))
+    few = codec.compact(array("i", [*range(9001, 9101), *range(8001, 8101)]))
+    assert type(many) is PageRunList and len(many.starts) > IN_USE_RUNS
+    assert type(few) is PageRunList and len(few.starts) <= IN_USE_RUNS
+    parts = [array("i", range(20001, 20101)), range(30001, 30001 + APPEND_MAX), few, many,
+             range(0), array("i")]
+    got = codec.join(parts)
+    assert type(got) is array and got.tolist() == [p for part in parts for p in part]
+    assert all(got is not part for part in parts)
 
 
 @given(parts_st)
@@ -143,25 +188,36 @@ def test_a_segment_check_of_runs_names_the_segments_they_touch():
 
 
 def _tree(min_ids: int = 2) -> RadixTree:
-    tree = RadixTree(1, 2, CollectingSink(), policy="lru", page_ids=PageRuns(min_ids, 2))
+    tree = RadixTree(1, 2, CollectingSink(), policy="lru",
+                     page_ids=PageRuns(min_ids, 2, min_ids))
     tree.compact_after = 0
     return tree
 
 
-def test_a_node_whose_swa_ids_alone_were_compacted_is_expanded_when_used():
+def test_a_node_keeps_a_run_or_a_few_from_its_insert_and_many_runs_go_back_to_an_array():
+    """A node in use keeps what a match lists cheaply: one run as a range and up to
+    IN_USE_RUNS runs by their bounds from the insert on; a list of more runs stays an array,
+    goes to runs once cold, and back to an array when the node is used again."""
     tree = _tree()
-    toks = as_token_bytes(range(1, 9))
-    full = array("i", range(1, 17, 2))  # no run: stays an array
-    swa = array("i", range(101, 109))  # one run
+    runs = IN_USE_RUNS + 1
+    toks = as_token_bytes(range(1, 2 * runs + 1))
+    full = array("i", [p for k in range(runs) for p in (4 * k + 1, 4 * k + 2)])  # runs of two
+    swa = array("i", range(101, 101 + 2 * runs))  # one run
     tree.insert("ns", toks, full, swa)
-    assert tree.compact_cold(8, 8) == 1
     node = next(n for n in tree.iter_nodes() if n.parent is not None)
+    assert type(node.full) is array and node.swa == range(101, 101 + 2 * runs)
+    assert tree.compact_cold(8, 8) == 1
+    assert type(node.full) is PageRunList and len(node.full.starts) == runs
+    assert tree.stats["expanded_nodes"] == 0
+    few = array("i", [40, 41, 42, 60, 61, 62])  # two runs
+    few_toks = as_token_bytes(range(50, 56))
+    tree.insert("ns", few_toks, few, array("i", range(140, 146)))  # the clock moves
+    other = tree.match("ns", few_toks)
+    assert other.full_pages.tolist() == few.tolist()
+    assert type(tree.nodes[other.node_id].full) is PageRunList
+    m = tree.match("ns", toks)  # touches the first node: its five runs go back to an array
+    assert m.full_pages.tolist() == full.tolist() and m.swa_pages.tolist() == swa[-2:].tolist()
     assert type(node.full) is array and type(node.swa) is range
-    tree.insert("ns", as_token_bytes(range(50, 54)), array("i", [40, 41, 42, 43]),
-                array("i", [140, 141, 142, 143]))  # the clock moves: the next match touches
-    m = tree.match("ns", toks)
-    assert m.full_pages.tolist() == full.tolist() and m.swa_pages.tolist() == [107, 108]
-    assert type(node.full) is array and type(node.swa) is array
     assert tree.stats["expanded_nodes"] == 1 and check_tree(tree) == []
 
 
@@ -171,19 +227,18 @@ def test_host_slot_ids_are_kept_as_runs_and_read_back_exactly():
     lists them in order once the device copy is evicted, and a host eviction gives back exactly
     those slots."""
     sink = CollectingSink()
-    tree = RadixTree(1, None, sink, host_sink=sink, policy="lru", page_ids=PageRuns(2, 2))
+    tree = RadixTree(1, None, sink, host_sink=sink, policy="lru",
+                     page_ids=PageRuns(2, 2, 2))
     tree.compact_after = 0
     toks = as_token_bytes(range(1, 9))
     tree.insert("ns", toks, array("i", range(1, 9)), array("i"))
     node = next(n for n in tree.iter_nodes() if n.parent is not None)
     tree.set_host(node.id, array("i", [*range(201, 205), *range(301, 305)]))  # two runs
-    assert type(node.full) is array and type(node.host) is PageRunList
-    assert tree.compact_cold(8, 8) == 1
     assert type(node.full) is range and type(node.host) is PageRunList
     tree.insert("ns", as_token_bytes(range(50, 54)), array("i", [40, 41, 42, 43]),
                 array("i"))  # the clock moves: the next match touches
     assert tree.match("ns", toks).full_pages.tolist() == list(range(1, 9))
-    assert type(node.full) is array and type(node.host) is PageRunList
+    assert type(node.full) is range and type(node.host) is PageRunList
     assert check_tree(tree) == []
     # a sequence that leaves the first after 6 tokens splits it inside the second run
     tree.insert("ns", toks[: 6 * 4] + as_token_bytes([77, 78]), array("i", [9, 10]),

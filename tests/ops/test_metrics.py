@@ -269,8 +269,8 @@ def test_cold_nodes_page_ids_are_compacted_while_idle_and_expanded_when_used(
         admin_daemon) -> None:
     """At a page of one token a cold node's page ids are kept as their runs while the daemon is
     idle (the compacted count in /metrics), and a match through it lists the same ids as before
-    and brings the node back to an array (the expanded count). The teardown's full check covers
-    the pages' accounting."""
+    and brings a node of more runs than one in use keeps back to an array (the expanded count).
+    The teardown's full check covers the pages' accounting."""
     page1 = {**SMALL_MODEL, "page_size": 1, "sliding_window": 32, "full_pages": 4000,
              "swa_pages": 4000, "host_pages": 0}
     d = admin_daemon({"admin": {"token": ADMIN_TOKEN}, "models": [page1]})
@@ -279,8 +279,10 @@ def test_cold_nodes_page_ids_are_compacted_while_idle_and_expanded_when_used(
         pages = []
         for s in seqs:  # 2800 tokens of churn: the first sequence is cold (after 4000 / 2)
             a = c.alloc("m", 400)
-            c.insert("m", s, a.full_pages, a.swa_pages)
-            pages.append(bytes(a.full_pages))
+            ids = array("i", a.full_pages)  # five runs of 80, the last first: an array in use
+            full = array("i", [p for k in range(4, -1, -1) for p in ids[80 * k:80 * (k + 1)]])
+            c.insert("m", s, full.tobytes(), a.swa_pages)
+            pages.append(full.tobytes())
         deadline = time.monotonic() + 30
         while True:
             _, samples = parse_metrics(d.get("/metrics").text)

@@ -107,7 +107,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.cache = ModelCache(profile, segment_pages=segment_pages,
                                 hash_block_tokens=hash_block)
         self.tree = self.cache.tree
-        self.tree.page_ids = PageRuns(run_min, 2)  # runs from 2 ids each on average
+        self.tree.page_ids = PageRuns(run_min, 2, run_min)  # runs from 2 ids each on average
         self.tree.compact_after = cold_after * page_size
         self.idle = idle
         self.model: dict[str, dict[bytes, list[int]]] = {ns: {} for ns in NAMESPACES}

@@ -187,7 +187,7 @@ class TierMachine(RuleBasedStateMachine):
         self.hsink = CollectingSink()
         self.tree = TwoPhaseTree(page_size, window, self.sink, host_sink=self.hsink,
                                  policy=policy, hash_block_tokens=hash_block,
-                                 page_ids=PageRuns(run_min, 2) if run_min else None)
+                                 page_ids=PageRuns(run_min, 2, run_min) if run_min else None)
         self.tree.compact_after = cold_after * page_size
         self.tree.swa_lead_min = swa_lead_min
         self.idle = idle

@@ -203,6 +203,12 @@ class AsyncClient(Operations):
         task = self._reconnecting
         try:
             return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            # close() stopped the reconnect: this call was not cancelled, its session is gone
+            cancelling = getattr(asyncio.current_task(), "cancelling", None)  # (3.11+)
+            if task.cancelled() and not (cancelling is not None and cancelling()):
+                raise self._lost() from None
+            raise
         finally:
             if task.done() and self._reconnecting is task:
                 self._reconnecting = None
@@ -515,13 +521,13 @@ class AsyncClient(Operations):
     async def _follow_segments(self, op: str, req: Request, value: Any) -> None:
         """Map the segments a result names that this process has not mapped (protocol.md
         4.3); if that fails, ``SegmentsNotMapped`` carries the result (see the sync client)."""
-        from .pools import segments_not_mapped, segments_to_follow
+        from .pools import SESSION_GONE, segments_not_mapped, segments_to_follow
 
         for attach_op, model in segments_to_follow(req, value, self._attached,
                                                    self._kv_attached):
             try:
                 await (self.attach if attach_op == "attach" else self.kv_attach)(model)
-            except (ConnectionLost, ShuttingDown):
+            except SESSION_GONE:
                 raise  # the session, and what the call took with it, is gone
             except (RadixdError, OSError, MemoryError) as err:
                 raise segments_not_mapped(op, attach_op, model, value, err) from err
@@ -536,7 +542,14 @@ class AsyncClient(Operations):
     async def locked(self, model: str, tokens: Any) -> AsyncIterator[MatchResult]:
         """``match(lock=True)``, then ``unlock`` of its receipt (if any) when the block ends
         (set ``m.receipt = None`` inside the block if the receipt was handed on)."""
-        m = await self.match(model, tokens, lock=True)
+        try:
+            m = await self.match(model, tokens, lock=True)
+        except SegmentsNotMapped as err:  # (its receipt is released: see the sync client)
+            receipt = getattr(err.result, "receipt", None)
+            if receipt is not None and not self.closed:
+                with contextlib.suppress(RadixdError):
+                    await self.unlock(model, receipt)
+            raise
         try:
             yield m
         except BaseException:

@@ -288,13 +288,13 @@ class Client(Operations):
         that fails, ``SegmentsNotMapped`` carries the result, which the daemon has applied."""
         if not (self._attached or self._kv_attached):
             return
-        from .pools import segments_not_mapped, segments_to_follow
+        from .pools import SESSION_GONE, segments_not_mapped, segments_to_follow
 
         for attach_op, model in segments_to_follow(req, value, self._attached,
                                                    self._kv_attached):
             try:
                 (self.attach if attach_op == "attach" else self.kv_attach)(model)
-            except (ConnectionLost, ShuttingDown):
+            except SESSION_GONE:
                 raise  # the session, and what the call took with it, is gone
             except (RadixdError, OSError, MemoryError) as err:
                 raise segments_not_mapped(op, attach_op, model, value, err) from err
@@ -312,8 +312,17 @@ class Client(Operations):
         If the block hands the receipt on (for example as ``cache_unfinished(receipt=...)``,
         which moves or drops the lock), set ``m.receipt = None`` so that it is not released twice.
         If the block raises, an error from the unlock is suppressed in favour of the block's.
+        A match whose segments cannot be mapped here (``SegmentsNotMapped``) never reaches the
+        block: its receipt is released before the error goes on.
         """
-        m = self.match(model, tokens, lock=True)
+        try:
+            m = self.match(model, tokens, lock=True)
+        except SegmentsNotMapped as err:
+            receipt = getattr(err.result, "receipt", None)
+            if receipt is not None and self._sock is not None:
+                with contextlib.suppress(RadixdError):
+                    self.unlock(model, receipt)
+            raise
         try:
             yield m
         except BaseException:

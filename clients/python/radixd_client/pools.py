@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from .errors import PoolError, SegmentsNotMapped
+from .errors import ConnectFailed, ConnectionLost, PoolError, SegmentsNotMapped, ShuttingDown
 from .fds import close_fds
 from .protocol import AttachResult, KvAttachResult, PoolInfo
 from .segments import SegmentedRegion, map_fixed_shared, shared_span
@@ -490,6 +490,12 @@ def segments_to_follow(req: Any, value: Any, attached: Mapping[str, Any],
     return ([("attach", m) for m in models_to_update(req, value, attached)]
             + [("kv_attach", m)
                for m in models_to_update(req, value, kv_attached, "host_segments_gen")])
+
+
+#: what a follow-up attach raises as it is, not as ``SegmentsNotMapped``: the session, and what
+#: the call took with it, is gone (``ConnectFailed``: a reconnect the daemon did not answer in
+#: time), so the result it would carry names nothing the caller could give back
+SESSION_GONE = (ConnectionLost, ShuttingDown, ConnectFailed)
 
 
 def segments_not_mapped(op: str, attach_op: str, model: str, value: Any,
