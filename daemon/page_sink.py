@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from .gpu.allocator import as_page_array
+from .gpu.allocator import freed_pages
 from .gpu.segments import PairedSegmentAllocator
 from .tree import PageIds
 
@@ -31,14 +31,14 @@ class TreeSink:
 
     def free_full(self, pages: PageIds) -> None:
         if self.watches:  # a node's runs listed once, for every watch and for the free
-            pages = as_page_array(pages)
+            pages = freed_pages(pages)
             for w in self.watches:
                 w.tainted_full.update(w.full.intersection(pages))
         self.alloc.free_full(pages)
 
     def free_swa(self, pages: PageIds) -> None:
         if self.watches:  # a node's runs listed once, for every watch and for the free
-            pages = as_page_array(pages)
+            pages = freed_pages(pages)
             for w in self.watches:
                 w.tainted_swa.update(w.swa.intersection(pages))
         self.alloc.free_swa(pages)

@@ -321,7 +321,7 @@ class TierManager:
         if running is None or node.full is None:
             return
         job, copy = running
-        if job.finished or job.watch is None or not any(p in job.watch.full for p in node.full):
+        if job.finished or job.watch is None or job.watch.full.isdisjoint(node.full):
             return
         ok = True
         try:

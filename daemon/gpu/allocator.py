@@ -107,6 +107,14 @@ def as_page_array(pages: Iterable[int]) -> array:
     return array("i", pages)
 
 
+def freed_pages(pages: Iterable[int]) -> array | range:
+    """What a free works on: a run (a node's ``range``) as it is, which it checks and marks a
+    slice at a time, else an int32 array (:func:`as_page_array`)."""
+    if type(pages) is range and pages.step == 1:
+        return pages
+    return as_page_array(pages)
+
+
 def page_ids(pages: array) -> np.ndarray:
     """An int32 array of page ids as a numpy array over the same memory (no copy). Drop it
     before the array is resized: an exported array refuses to grow."""
@@ -227,11 +235,14 @@ class FreePages:
         corruption the audit reports before it reads the list)."""
         return not start <= self.fresh <= self.stop == stop
 
-    def put(self, pages: array) -> None:
+    def put(self, pages: array | range) -> None:
         """``pages`` back on the list, last first: a run freed ascending goes out ascending
         again (copies move a run of consecutive pages as one block; one that came back reversed
         would be a block per page)."""
-        self.back.extend(pages[::-1])
+        if type(pages) is range:  # (listed in numpy, not a Python step per id)
+            self.back += descending_ids(pages.start, len(pages))
+        else:
+            self.back.extend(pages[::-1])
 
     @property
     def listed_bytes(self) -> int:
@@ -257,22 +268,30 @@ class FreePages:
 _ONES = b"\x01" * (64 * AUDIT_STEP_PAGES)
 
 
-def set_states(state: bytearray, pages: array, value: int) -> None:
-    """``state[p] = value`` for every page of ``pages`` (valid ids)."""
-    if len(pages) < VECTOR_MIN:
+def set_states(state: bytearray, pages: array | range, value: int) -> None:
+    """``state[p] = value`` for every page of ``pages`` (valid ids; a run as one slice)."""
+    if type(pages) is range:
+        state[pages.start:pages.stop] = bytes((value,)) * len(pages)
+    elif len(pages) < VECTOR_MIN:
         for p in pages:
             state[p] = value
     else:
         np.frombuffer(state, dtype=np.uint8)[page_ids(pages)] = value
 
 
-def check_allocated(name: str, state: bytearray, pages: array) -> bool:
+def check_allocated(name: str, state: bytearray, pages: array | range) -> bool:
     """Raise unless every page is a page of the pool marked used in ``state`` (one byte a page,
     page 0 the padding page) and listed once: the validation of a free, before any change. A
-    long list is checked in numpy first; only one that fails is walked page by page, for the
-    message about its first bad page. Returns whether the list is one of ``VECTOR_MIN`` ids or
-    more that rises strictly (:func:`ascends`), which the free goes on to use."""
+    long list is checked in numpy first, a run (a node's ``range``) by counting its state bytes
+    in C; only one that fails is walked page by page, for the message about its first bad page.
+    Returns whether the list is a run or one of ``VECTOR_MIN`` ids or more that rises strictly
+    (:func:`ascends`), which the free goes on to use."""
     cap = len(state)
+    if type(pages) is range:
+        if 0 < pages.start and pages.stop <= cap and state.count(
+                _USED, pages.start, pages.stop) == len(pages):
+            return True
+        pages = page_run_array(pages)
     if len(pages) >= VECTOR_MIN:
         ids = page_ids(pages)
         once = ascends(ids)
@@ -332,7 +351,7 @@ class PageAllocator:
         check_allocated(self.name, self._state, as_page_array(pages))
 
     def free(self, pages: Iterable[int]) -> None:
-        pages = as_page_array(pages)
+        pages = freed_pages(pages)
         check_allocated(self.name, self._state, pages)
         set_states(self._state, pages, _FREE)
         self._free.put(pages)

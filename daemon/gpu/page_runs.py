@@ -157,9 +157,10 @@ class PageRuns:
         if n < self.in_use_min:
             return ids
         first = ids[0]
-        x = np.frombuffer(ids, dtype=np.int32)
-        if ids[-1] - first == n - 1 and (x[1:] > x[:-1]).all():  # one run (the usual case)
+        if ids[-1] - first == n - 1 and ids.tobytes() == np.arange(
+                first, first + n, dtype=np.int32).tobytes():  # one run (the usual case)
             return range(first, first + n)
+        x = np.frombuffer(ids, dtype=np.int32)
         cuts = np.flatnonzero(x[1:] - x[:-1] != 1) + 1  # where a run begins, but the first
         if len(cuts) >= IN_USE_RUNS or (len(cuts) + 1) * self.ids_per_run > n:
             return ids

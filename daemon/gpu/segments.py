@@ -25,6 +25,7 @@ import math
 import mmap
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from itertools import pairwise
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -42,6 +43,7 @@ from daemon.gpu.allocator import (
     as_page_array,
     ascending,
     check_allocated,
+    freed_pages,
     marked_free,
     outside,
     page_ids,
@@ -325,7 +327,7 @@ class SegmentedAllocator:
 
     def free(self, pages: Iterable[int]) -> None:
         """Pages back to their segments; a segment left empty goes back to the free list."""
-        pages = as_page_array(pages)
+        pages = freed_pages(pages)
         rising = check_allocated(self.name, self._state, pages)
         set_states(self._state, pages, _FREE)
         emptied: set[int] = set()
@@ -353,15 +355,20 @@ class SegmentedAllocator:
             self._free_segments.append(seg)
             self._free_segment_pages += k
 
-    def _by_segment(self, pages: array, rising: bool) -> list[tuple[int, array]]:
+    def _by_segment(self, pages: array | range, rising: bool
+                    ) -> list[tuple[int, array | range]]:
         """``pages`` split by segment, each part in its pages' order, the parts in the order of
         their first page (the order in which a page-by-page loop opens segments). ``rising``:
         the pages rise strictly (as ``check_allocated`` found), so the parts are slices."""
         if self.num_segments == 1:
             return [(0, pages)] if len(pages) else []
+        sp = self.segment_pages
+        if type(pages) is range:  # a run: its parts are runs
+            cuts = range(pages.start - pages.start % sp + sp, pages.stop, sp)
+            bounds = [pages.start, *cuts, pages.stop]
+            return [(a // sp, range(a, b)) for a, b in pairwise(bounds) if b > a]
         if len(pages) < VECTOR_MIN:
             parts: dict[int, array] = {}
-            sp = self.segment_pages
             for p in pages:
                 part = parts.get(p // sp)
                 if part is None:
@@ -369,7 +376,6 @@ class SegmentedAllocator:
                 part.append(p)
             return list(parts.items())
         ids = page_ids(pages)
-        sp = self.segment_pages
         first, last = int(ids[0]) // sp, int(ids[-1]) // sp
         if rising and last - first <= len(ids):
             if first == last:

@@ -54,6 +54,26 @@ def test_double_free_is_refused():
     assert state(a) == before and a.audit() == []
 
 
+def test_a_run_frees_as_a_range_and_a_bad_run_frees_nothing():
+    """A node's run comes back as a ``range``: checked by counting its state bytes, marked as a
+    slice, listed onto the free list in order; a run with a page not allocated (double free,
+    the padding page, past the pool) is refused naming that page, and nothing changes."""
+    a = PageAllocator(300)
+    got = a.alloc(200)
+    assert got.tolist() == list(range(1, 201))
+    a.free(range(51, 151))
+    assert a.available == 199 and a.audit() == []
+    assert a.alloc(100).tolist() == list(range(51, 151))  # back in the order they went out
+    a.free(range(120, 151))
+    before = state(a)
+    for bad, page in ((range(100, 130), 120), (range(0, 5), 0), (range(190, 310), 201)):
+        with pytest.raises(AllocatorError, match=f"page {page} "):
+            a.free(bad)
+        assert state(a) == before and a.audit() == []
+    a.free(range(0))  # nothing
+    assert state(a) == before
+
+
 def test_failed_free_of_a_page_listed_twice_frees_nothing():
     a = PageAllocator(8)
     p, q = a.alloc(2)

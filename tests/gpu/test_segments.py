@@ -64,6 +64,33 @@ class SegmentMachine(RuleBasedStateMachine):
         self.a.free(array("i", pages))
         self.held[ns].difference_update(pages)
 
+    @precondition(lambda self: any(self.held.values()))
+    @rule(data=st.data())
+    def free_run(self, data: st.DataObject) -> None:
+        """A node's run comes back as a ``range`` (checked and marked a slice at a time, split
+        by segment arithmetic), maybe across segments."""
+        ns = data.draw(st.sampled_from([n for n in NAMESPACES if self.held[n]]))
+        start = data.draw(st.sampled_from(sorted(self.held[ns])))
+        stop = start + 1
+        while stop in self.held[ns] and data.draw(st.booleans()):
+            stop += 1
+        self.a.free(range(start, stop))
+        self.held[ns].difference_update(range(start, stop))
+
+    @rule(start=st.integers(-2, 25), length=st.integers(0, 8))
+    def bad_run_free_changes_nothing(self, start: int, length: int) -> None:
+        run = range(start, start + length)
+        held = set().union(*self.held.values())
+        if length and all(p in held for p in run):
+            return
+        before = self.a.free_set()
+        if not length:
+            self.a.free(run)  # nothing to free: nothing changes
+        else:
+            with pytest.raises(AllocatorError):
+                self.a.free(run)
+        assert self.a.free_set() == before
+
     @rule(p=st.integers(-2, 25))
     def bad_free_changes_nothing(self, p: int) -> None:
         if any(p in h for h in self.held.values()):
