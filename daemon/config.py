@@ -90,8 +90,8 @@ class ServerConfig(_Section):
                                                      "1,024 pages or more that are one to four "
                                                      "ascending runs as their runs while in use "
                                                      "too (7.3 instead of 10.7 B/token of "
-                                                     "metadata at page 1, for 5-17% more daemon "
-                                                     "CPU per operation there); false: only "
+                                                     "metadata at page 1, for a few microseconds "
+                                                     "more per match there); false: only "
                                                      "cold nodes' (idle_compaction)")
     state_dir: str | None = Field(None, description="directory (tmpfs: /run or /dev/shm) where a "
                                                     "graceful stop saves the host tier and the "

@@ -147,11 +147,9 @@ class PageRuns:
         return _runs(ids, np.flatnonzero(breaks) + 1)
 
     def in_use(self, ids: Sequence[int]) -> Sequence[int]:
-        kind = type(ids)
-        if kind is range or (kind is PageRunList
-                             and len(ids.starts) <= IN_USE_RUNS):  # type: ignore[attr-defined]
+        if _few(ids):
             return ids
-        if kind is not array:
+        if type(ids) is not array:
             return self.join([ids])
         n = len(ids)
         if n < self.in_use_min:
@@ -174,14 +172,10 @@ class PageRuns:
             return self._fill(parts, total)
         out = array("i")
         for p in parts:
-            kind = type(p)
-            if kind is array:
+            if type(p) is array:
                 out += p
-            elif kind is range:  # (a node's runs rise by one)
-                out.frombytes(np.arange(p.start, p.stop, dtype=np.int32).tobytes())
-            elif len(p.starts) <= IN_USE_RUNS:  # type: ignore[attr-defined]
-                for r in p.runs():  # type: ignore[attr-defined]
-                    out.frombytes(np.arange(r.start, r.stop, dtype=np.int32).tobytes())
+            elif _few(p):  # (a node's runs rise by one)
+                _append_runs(out, p)  # type: ignore[arg-type]
             else:
                 out += page_run_array(p)  # type: ignore[arg-type]
         return out
@@ -215,6 +209,10 @@ def _runs(ids: array, cuts: np.ndarray) -> range | PageRunList:
     first = ids[0]
     if not len(cuts):
         return range(first, first + len(ids))
+    if len(cuts) < IN_USE_RUNS:  # (a few: Python beats numpy's cost per call)
+        at = cuts.tolist()
+        return PageRunList(array("i", [first, *(ids[c] for c in at)]),
+                           array("i", [*at, len(ids)]))
     starts = array("i", [first])
     starts.frombytes(np.frombuffer(ids, dtype=np.int32)[cuts].tobytes())
     ends = array("i")
@@ -229,13 +227,30 @@ def _offsets(runs: range | PageRunList) -> int | np.ndarray:
     if type(runs) is range:
         return runs.start
     ends = np.frombuffer(runs.ends, dtype=np.int32)
-    lengths = np.diff(ends, prepend=0)
+    lengths = ends.copy()
+    lengths[1:] -= ends[:-1]
     return np.repeat(np.frombuffer(runs.starts, dtype=np.int32) - (ends - lengths), lengths)
+
+
+def _few(pages: Sequence[int]) -> bool:
+    """Whether ``pages`` is one run or a few (:data:`IN_USE_RUNS`): listed an ``arange`` each."""
+    return type(pages) is range or (type(pages) is PageRunList
+                                    and len(pages.starts) <= IN_USE_RUNS)  # type: ignore[attr-defined]
+
+
+def _append_runs(out: array, pages: range | PageRunList) -> None:
+    """The ids of one run or a few appended to ``out``, an ``arange`` each."""
+    for r in (pages,) if type(pages) is range else pages.runs():  # type: ignore[union-attr]
+        out.frombytes(np.arange(r.start, r.stop, dtype=np.int32).tobytes())
 
 
 def page_run_array(pages: range | PageRunList) -> array:
     """The ids of a run or of runs as a new int32 array (what the allocators' frees take)."""
     n = len(pages)
+    if n <= APPEND_MAX and _few(pages):
+        out = array("i")
+        _append_runs(out, pages)
+        return out
     out = _ZERO * n
     if n:
         base = np.arange(n, dtype=np.int32)
