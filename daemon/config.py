@@ -91,8 +91,9 @@ class ServerConfig(_Section):
                                                      "ascending runs as their runs while in use "
                                                      "too (7.3 instead of 10.7 B/token of "
                                                      "metadata at page 1, for a few microseconds "
-                                                     "more per match there); false: only "
-                                                     "cold nodes' (idle_compaction)")
+                                                     "more per match there); false: a node "
+                                                     "takes them as arrays, kept as runs once "
+                                                     "cold (idle_compaction)")
     state_dir: str | None = Field(None, description="directory (tmpfs: /run or /dev/shm) where a "
                                                     "graceful stop saves the host tier and the "
                                                     "next start restores it (warm restart); "

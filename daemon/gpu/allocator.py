@@ -110,7 +110,7 @@ def as_page_array(pages: Iterable[int]) -> array:
 def freed_pages(pages: Iterable[int]) -> array | range:
     """What a free works on: a run (a node's ``range``) as it is, which it checks and marks a
     slice at a time, else an int32 array (:func:`as_page_array`)."""
-    if type(pages) is range and pages.step == 1:
+    if type(pages) is range and pages.step == 1 and len(pages):
         return pages
     return as_page_array(pages)
 
@@ -270,8 +270,8 @@ _ONES = b"\x01" * (64 * AUDIT_STEP_PAGES)
 
 def set_states(state: bytearray, pages: array | range, value: int) -> None:
     """``state[p] = value`` for every page of ``pages`` (valid ids; a run as one slice)."""
-    if type(pages) is range:
-        state[pages.start:pages.stop] = bytes((value,)) * len(pages)
+    if type(pages) is range:  # (a run of valid ids: start >= 0, step 1)
+        state[pages.start:pages.start + len(pages)] = bytes((value,)) * len(pages)
     elif len(pages) < VECTOR_MIN:
         for p in pages:
             state[p] = value

@@ -174,10 +174,12 @@ class PageRuns:
         for p in parts:
             if type(p) is array:
                 out += p
-            elif _few(p):  # (a node's runs rise by one)
+            elif _few(p):
                 _append_runs(out, p)  # type: ignore[arg-type]
-            else:
+            elif _runs_of(p):
                 out += page_run_array(p)  # type: ignore[arg-type]
+            else:
+                out.extend(p)
         return out
 
     def _fill(self, parts: Sequence[Sequence[int]], total: int) -> array:
@@ -188,10 +190,10 @@ class PageRuns:
         pos = 0
         for p in parts:
             k = len(p)
-            if type(p) is array:
-                ids[pos : pos + k] = p
-            elif k:
+            if k and _runs_of(p):
                 np.add(iota[:k], _offsets(p), out=ids[pos : pos + k])  # type: ignore[arg-type]
+            elif k:
+                ids[pos : pos + k] = p
             pos += k
         return out
 
@@ -232,10 +234,16 @@ def _offsets(runs: range | PageRunList) -> int | np.ndarray:
     return np.repeat(np.frombuffer(runs.starts, dtype=np.int32) - (ends - lengths), lengths)
 
 
+def _runs_of(pages: Sequence[int]) -> bool:
+    """Whether ``pages`` is one of this codec's forms: a run (a ``range`` rising by one) or a
+    :class:`PageRunList` (any other sequence is listed as it is)."""
+    return (type(pages) is range and pages.step == 1) or type(pages) is PageRunList
+
+
 def _few(pages: Sequence[int]) -> bool:
     """Whether ``pages`` is one run or a few (:data:`IN_USE_RUNS`): listed an ``arange`` each."""
-    return type(pages) is range or (type(pages) is PageRunList
-                                    and len(pages.starts) <= IN_USE_RUNS)  # type: ignore[attr-defined]
+    return (type(pages) is range and pages.step == 1) or (
+        type(pages) is PageRunList and len(pages.starts) <= IN_USE_RUNS)  # type: ignore[attr-defined]
 
 
 def _append_runs(out: array, pages: range | PageRunList) -> None:

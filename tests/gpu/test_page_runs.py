@@ -118,6 +118,10 @@ parts_st = st.lists(
         st.tuples(st.integers(1, 2**31 - 200), st.integers(0, 150)).map(
             lambda t: range(t[0], t[0] + t[1])),
         runs_st.map(lambda r: PageRuns(2, 2).compact(array("i", _ids(r)))),
+        # any other int sequence the codec protocol admits: listed as it is
+        st.lists(st.integers(1, 2**31 - 1), max_size=20),
+        st.tuples(st.integers(1, 10**6), st.integers(0, 40), st.integers(2, 5)).map(
+            lambda t: range(t[0], t[0] + t[1] * t[2], t[2])),
     ),
     max_size=6,
 )
@@ -132,7 +136,7 @@ def test_a_long_join_lists_every_form_in_order():
     assert type(many) is PageRunList and len(many.starts) > IN_USE_RUNS
     assert type(few) is PageRunList and len(few.starts) <= IN_USE_RUNS
     parts = [array("i", range(20001, 20101)), range(30001, 30001 + APPEND_MAX), few, many,
-             range(0), array("i")]
+             range(0), array("i"), [7, 5, 3], range(60001, 60101, 3)]
     got = codec.join(parts)
     assert type(got) is array and got.tolist() == [p for part in parts for p in part]
     assert all(got is not part for part in parts)
