@@ -25,9 +25,10 @@ RUN_MIN = 128
 IDS_PER_RUN = 16
 
 #: the most runs a node in use keeps by their bounds (PageRuns.in_use): a match lists them with
-#: a vector call each, about what a copy of their array costs, at a few bytes a run against 4 a
-#: page. At a page of one token an allocation is one run from a fresh pool and usually two once
-#: freed runs are handed out again (those of the SWA pages a decode gave back, say)
+#: one numpy call each (about a microsecond, several times the copy of their array), at a few
+#: bytes a run against 4 a page. At a page of one token an allocation is one run from a fresh
+#: pool and usually two once freed runs are handed out again (those of the SWA pages a decode
+#: gave back, say)
 IN_USE_RUNS = 4
 
 #: ids from which a node in use keeps its runs (PageRuns.in_use): the look and each listing cost
@@ -170,17 +171,7 @@ class PageRuns:
             total += len(p)
         if total > APPEND_MAX:
             return self._fill(parts, total)
-        out = array("i")
-        for p in parts:
-            if type(p) is array:
-                out += p
-            elif _few(p):
-                _append_runs(out, p)  # type: ignore[arg-type]
-            elif _runs_of(p):
-                out += page_run_array(p)  # type: ignore[arg-type]
-            else:
-                out.extend(p)
-        return out
+        return _appended(parts)
 
     def _fill(self, parts: Sequence[Sequence[int]], total: int) -> array:
         """A long join: one array of ``total`` ids, each part written into it in place."""
@@ -246,19 +237,46 @@ def _few(pages: Sequence[int]) -> bool:
         type(pages) is PageRunList and len(pages.starts) <= IN_USE_RUNS)  # type: ignore[attr-defined]
 
 
-def _append_runs(out: array, pages: range | PageRunList) -> None:
-    """The ids of one run or a few appended to ``out``, an ``arange`` each."""
-    for r in (pages,) if type(pages) is range else pages.runs():  # type: ignore[union-attr]
-        out.frombytes(np.arange(r.start, r.stop, dtype=np.int32).tobytes())
+def _run_bytes(lo: int, hi: int) -> bytes:
+    """The ids ``lo .. hi - 1`` as int32 bytes."""
+    return np.arange(lo, hi, dtype=np.int32).tobytes()
+
+
+def _appended(parts: Sequence[Sequence[int]]) -> array:
+    """The ids of ``parts`` appended to an empty array in order: a run or a few with one
+    ``arange`` each, runs that follow on from one another across parts (the nodes a match
+    lists are often pieces of one allocation) with one in all."""
+    out = array("i")
+    lo = hi = 0  # a run not listed yet
+    for p in parts:
+        if _few(p):
+            for r in (p,) if type(p) is range else p.runs():  # type: ignore[attr-defined]
+                if r.start == hi and hi > lo:
+                    hi = r.stop
+                    continue
+                if hi > lo:
+                    out.frombytes(_run_bytes(lo, hi))
+                lo, hi = r.start, r.stop
+            continue
+        if hi > lo:
+            out.frombytes(_run_bytes(lo, hi))
+            lo = hi = 0
+        if type(p) is array:
+            out += p
+        elif _runs_of(p):
+            out += page_run_array(p)  # type: ignore[arg-type]
+        else:
+            out.extend(p)
+    if hi > lo:
+        out.frombytes(_run_bytes(lo, hi))
+    return out
 
 
 def page_run_array(pages: range | PageRunList) -> array:
     """The ids of a run or of runs as a new int32 array (what the allocators' frees take)."""
     n = len(pages)
     if n <= APPEND_MAX and _few(pages):
-        out = array("i")
-        _append_runs(out, pages)
-        return out
+        return _appended((pages,))
     out = _ZERO * n
     if n:
         base = np.arange(n, dtype=np.int32)

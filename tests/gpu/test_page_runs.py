@@ -127,6 +127,17 @@ parts_st = st.lists(
 )
 
 
+def test_runs_that_follow_on_across_parts_are_listed_exactly():
+    """A join lists runs that continue one another (pieces of one allocation, split into
+    nodes) as one; arrays, empty runs and breaks in between end such a run."""
+    codec = PageRuns(2, 2)
+    few = codec.compact(array("i", [*range(9, 20), *range(40, 60)]))
+    assert type(few) is PageRunList
+    parts = [range(1, 5), range(5, 9), few, range(60, 70), array("i", [3]), range(70, 71),
+             range(0), range(71, 80), range(200, 210), [5, 6], range(210, 211)]
+    assert codec.join(parts).tolist() == [p for part in parts for p in part]
+
+
 def test_a_long_join_lists_every_form_in_order():
     """Past APPEND_MAX ids a join fills one array in place: every form, in order."""
     codec = PageRuns(2, 2)
