@@ -166,12 +166,18 @@ class PageRuns:
         return _runs(ids, cuts)
 
     def join(self, parts: Sequence[Sequence[int]]) -> array:
+        out = array("i")
+        for p in parts:  # all arrays (short nodes, as at page 64): plain copies
+            if type(p) is not array:
+                return self._join_runs(parts)
+            out += p
+        return out
+
+    def _join_runs(self, parts: Sequence[Sequence[int]]) -> array:
         total = 0
         for p in parts:
             total += len(p)
-        if total > APPEND_MAX:
-            return self._fill(parts, total)
-        return _appended(parts)
+        return self._fill(parts, total) if total > APPEND_MAX else _appended(parts)
 
     def _fill(self, parts: Sequence[Sequence[int]], total: int) -> array:
         """A long join: one array of ``total`` ids, each part written into it in place."""
@@ -249,7 +255,7 @@ def _appended(parts: Sequence[Sequence[int]]) -> array:
     out = array("i")
     lo = hi = 0  # a run not listed yet
     for p in parts:
-        if _few(p):
+        if type(p) is not array and _few(p):
             for r in (p,) if type(p) is range else p.runs():  # type: ignore[attr-defined]
                 if r.start == hi and hi > lo:
                     hi = r.stop
