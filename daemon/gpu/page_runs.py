@@ -177,22 +177,9 @@ class PageRuns:
         total = 0
         for p in parts:
             total += len(p)
-        return self._fill(parts, total) if total > APPEND_MAX else _appended(parts)
-
-    def _fill(self, parts: Sequence[Sequence[int]], total: int) -> array:
-        """A long join: one array of ``total`` ids, each part written into it in place."""
-        out = _ZERO * total
-        ids = np.frombuffer(out, dtype=np.int32)
-        iota = self._iota(total)
-        pos = 0
-        for p in parts:
-            k = len(p)
-            if k and _runs_of(p):
-                np.add(iota[:k], _offsets(p), out=ids[pos : pos + k])  # type: ignore[arg-type]
-            elif k:
-                ids[pos : pos + k] = p
-            pos += k
-        return out
+        if total > APPEND_MAX:
+            return _filled(parts, total, self._iota(total))
+        return _appended(parts)
 
     def _iota(self, k: int) -> np.ndarray:
         """0..k-1 as int32, kept (4 bytes per id of the longest list joined) so that listing a
@@ -239,8 +226,8 @@ def _runs_of(pages: Sequence[int]) -> bool:
 
 def _few(pages: Sequence[int]) -> bool:
     """Whether ``pages`` is one run or a few (:data:`IN_USE_RUNS`): listed an ``arange`` each."""
-    return (type(pages) is range and pages.step == 1) or (
-        type(pages) is PageRunList and len(pages.starts) <= IN_USE_RUNS)  # type: ignore[attr-defined]
+    return _runs_of(pages) and (
+        type(pages) is range or len(pages.starts) <= IN_USE_RUNS)  # type: ignore[attr-defined]
 
 
 def _run_bytes(lo: int, hi: int) -> bytes:
@@ -283,8 +270,20 @@ def page_run_array(pages: range | PageRunList) -> array:
     n = len(pages)
     if n <= APPEND_MAX and _few(pages):
         return _appended((pages,))
-    out = _ZERO * n
-    if n:
-        base = np.arange(n, dtype=np.int32)
-        np.add(base, _offsets(pages), out=np.frombuffer(out, dtype=np.int32))
+    return _filled((pages,), n, np.arange(n, dtype=np.int32))
+
+
+def _filled(parts: Sequence[Sequence[int]], total: int, iota: np.ndarray) -> array:
+    """A long list: one array of ``total`` ids, each part written into it in place (a run or
+    runs as one addition to ``iota``, ``0 .. total - 1`` or longer)."""
+    out = _ZERO * total
+    ids = np.frombuffer(out, dtype=np.int32)
+    pos = 0
+    for p in parts:
+        k = len(p)
+        if k and _runs_of(p):
+            np.add(iota[:k], _offsets(p), out=ids[pos : pos + k])  # type: ignore[arg-type]
+        elif k:
+            ids[pos : pos + k] = p
+        pos += k
     return out
