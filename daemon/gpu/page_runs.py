@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from array import array
 from bisect import bisect_left, bisect_right
-from collections.abc import Iterator, Sequence
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -54,6 +55,17 @@ COLD_SHARE = 2
 #: place, and for a long one several times it (the temporaries are large allocations: 158
 #: against 6 microseconds for 32k ids); the two took the same at about 6k ids
 APPEND_MAX = 6144
+
+#: bytes of listed runs a codec keeps for the next joins (PageRuns.join), the least recently
+#: listed dropped first: listing a run costs an ``arange`` (about a microsecond whatever its
+#: length, several times the copy of an array), and the runs a match lists again and again are
+#: those of hot prefixes (system prompts, the turns of a conversation in progress). 256 KB is
+#: 64k ids, 16 sequences of 4k tokens at a page of one token: at a million cached tokens it adds
+#: at most a quarter byte per token to what the runs save (4 bytes)
+LISTED_BYTES = 512 * 1024
+#: what a kept listing costs besides its ids (its bytes object, key and dict slot), counted
+#: against LISTED_BYTES so that many short runs cannot hold more than the budget says
+LISTED_ENTRY_BYTES = 160
 
 #: grown by repetition, a new array is filled in place (see APPEND_MAX)
 _ZERO = array("i", [0])
@@ -127,14 +139,27 @@ class PageRuns:
     keeps them so from ``in_use_min`` ids (:data:`IN_USE_MIN`)."""
 
     def __init__(self, min_ids: int = RUN_MIN, ids_per_run: int = IDS_PER_RUN,
-                 in_use_min: int = IN_USE_MIN) -> None:
+                 in_use_min: int = IN_USE_MIN, listed_bytes: int = LISTED_BYTES) -> None:
         if min_ids < 2 or ids_per_run < 2:
             raise ValueError(f"min_ids and ids_per_run must be at least 2, got {min_ids} and "
                              f"{ids_per_run}")
+        if listed_bytes < 0:
+            raise ValueError(f"listed_bytes must be at least 0, got {listed_bytes}")
         self.min_ids = min_ids
         self.ids_per_run = ids_per_run
         self.in_use_min = max(min_ids, in_use_min)
         self._iota_ids = np.zeros(0, np.int32)
+        self.listed_max = listed_bytes
+        self.listed_bytes = 0
+        #: a run -> its ids as int32 bytes, least recently listed first. Keyed by value (a
+        #: ``range`` hashes and compares by its bounds): a run's listing never changes, whichever
+        #: node holds it, and a node split or evicted leaves nothing stale behind
+        self._listed: OrderedDict[range, bytes] = OrderedDict()
+
+    @property
+    def listed_runs(self) -> int:
+        """How many runs' listings are kept for the next matches (join_matched)."""
+        return len(self._listed)
 
     def compact(self, ids: array) -> array | range | PageRunList:
         n = len(ids)
@@ -166,20 +191,53 @@ class PageRuns:
         return _runs(ids, cuts)
 
     def join(self, parts: Sequence[Sequence[int]]) -> array:
-        out = array("i")
-        for p in parts:  # all arrays (short nodes, as at page 64): plain copies
-            if type(p) is not array:
-                return self._join_runs(parts)
-            out += p
-        return out
+        total = 0
+        plain = True  # all arrays (short nodes, as at page 64): plain copies
+        for p in parts:
+            total += len(p)
+            plain = plain and type(p) is array
+        if plain or total <= APPEND_MAX:
+            return _appended(parts)
+        return _filled(parts, total, self._iota(total))
 
-    def _join_runs(self, parts: Sequence[Sequence[int]]) -> array:
+    def join_matched(self, parts: Sequence[Sequence[int]]) -> array:
+        """Runs are copied from the listings kept of earlier matches (LISTED_BYTES), the least
+        recently used dropped first; a list of more than APPEND_MAX ids, or with a part of
+        several runs, is joined as :meth:`join` joins it."""
+        out = array("i")
         total = 0
         for p in parts:
             total += len(p)
-        if total > APPEND_MAX:
-            return _filled(parts, total, self._iota(total))
-        return _appended(parts)
+            if total > APPEND_MAX:
+                return self.join(parts)
+            kind = type(p)
+            if kind is array:
+                out += p  # type: ignore[operator]
+            elif kind is range and p.step == 1:  # type: ignore[attr-defined]
+                out.frombytes(self._listing(p))  # type: ignore[arg-type]
+            elif kind is PageRunList and len(p.starts) <= IN_USE_RUNS:  # type: ignore[attr-defined]
+                for r in p.runs():  # type: ignore[attr-defined]
+                    out.frombytes(self._listing(r))
+            else:
+                return self.join(parts)
+        return out
+
+    def _listing(self, run: range) -> bytes:
+        """The ids of ``run`` as int32 bytes, kept while LISTED_BYTES allows, the oldest
+        listing dropped first (not the least recently used: moving an entry on every hit costs
+        a match more than the listings it would keep)."""
+        listed = self._listed
+        got = listed.get(run)
+        if got is not None:
+            return got
+        got = _run_bytes(run.start, run.stop)
+        cost = len(got) + LISTED_ENTRY_BYTES
+        if cost <= self.listed_max:
+            self.listed_bytes += cost
+            while self.listed_bytes > self.listed_max:
+                self.listed_bytes -= len(listed.popitem(last=False)[1]) + LISTED_ENTRY_BYTES
+            listed[run] = got
+        return got
 
     def _iota(self, k: int) -> np.ndarray:
         """0..k-1 as int32, kept (4 bytes per id of the longest list joined) so that listing a
@@ -238,28 +296,33 @@ def _run_bytes(lo: int, hi: int) -> bytes:
 def _appended(parts: Sequence[Sequence[int]]) -> array:
     """The ids of ``parts`` appended to an empty array in order: a run or a few with one
     ``arange`` each, runs that follow on from one another across parts (the nodes a match
-    lists are often pieces of one allocation) with one in all."""
+    lists are often pieces of one allocation) as one in all."""
     out = array("i")
     lo = hi = 0  # a run not listed yet
     for p in parts:
-        if type(p) is not array and _few(p):
-            for r in (p,) if type(p) is range else p.runs():  # type: ignore[attr-defined]
-                if r.start == hi and hi > lo:
-                    hi = r.stop
-                    continue
-                if hi > lo:
-                    out.frombytes(_run_bytes(lo, hi))
-                lo, hi = r.start, r.stop
-            continue
-        if hi > lo:
-            out.frombytes(_run_bytes(lo, hi))
-            lo = hi = 0
-        if type(p) is array:
-            out += p
-        elif _runs_of(p):
-            out += page_run_array(p)  # type: ignore[arg-type]
+        kind = type(p)
+        if kind is range and p.step == 1:  # (the checks inline: a match runs this)
+            runs: Iterable[range] = (p,)
+        elif kind is PageRunList and len(p.starts) <= IN_USE_RUNS:  # type: ignore[attr-defined]
+            runs = p.runs()  # type: ignore[attr-defined]
         else:
-            out.extend(p)
+            if hi > lo:
+                out.frombytes(_run_bytes(lo, hi))
+                lo = hi = 0
+            if kind is array:
+                out += p  # type: ignore[operator]
+            elif kind is PageRunList:
+                out += page_run_array(p)  # type: ignore[arg-type]
+            else:
+                out.extend(p)
+            continue
+        for r in runs:
+            if r.start == hi and hi > lo:
+                hi = r.stop
+                continue
+            if hi > lo:
+                out.frombytes(_run_bytes(lo, hi))
+            lo, hi = r.start, r.stop
     if hi > lo:
         out.frombytes(_run_bytes(lo, hi))
     return out

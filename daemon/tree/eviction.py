@@ -40,8 +40,9 @@ class Eviction:
         best_entry = None
         for ns in self.namespaces.values():
             q = getattr(ns, kind)
-            if q.peek() is not None and (best_entry is None or q.heap[0][:2] < best_entry[:2]):
-                best, best_entry = q, q.heap[0]
+            top = q.top()
+            if top is not None and (best_entry is None or top[:2] < best_entry[:2]):
+                best, best_entry = q, top
         return best.pop() if best is not None else None
 
     def evict(self, full_pages: int = 0, swa_pages: int = 0, reason: str = "explicit",

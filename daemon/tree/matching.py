@@ -85,7 +85,7 @@ class Matching:
             self._touch_window(usable)
         for n in usable:
             n.hits += 1
-        full_pages = self.page_ids.join([n.full for n in usable])
+        full_pages = self.page_ids.join_matched([n.full for n in usable])
         swa_pages = self._window_swa(usable) if swa else EMPTY
         prefix_len = best.depth
         host_len = 0
@@ -116,7 +116,7 @@ class Matching:
             parts.append(s if len(s) <= need else s[len(s) - need :])
             need -= len(s)
         parts.reverse()
-        return self.page_ids.join(parts)
+        return self.page_ids.join_matched(parts)
 
     def is_usable_end(self, node: Node) -> bool:
         """Whether a match may end at ``node`` (docs/design.md, the SWA rule of a match)."""

@@ -49,6 +49,11 @@ class PageIdCodec(Protocol):
         """One new int32 array of the ids of ``parts`` in order (never one of the parts)."""
         ...
 
+    def join_matched(self, parts: Sequence[PageIds]) -> array:
+        """:meth:`join` for what a match gives out: the same lists come back match after match
+        (hot prefixes), and the codec may keep their listings to serve the next one."""
+        ...
+
 
 #: a run of zero bytes: the regular expression engine counts them in a tight C loop, several
 #: times faster than ``bytes.lstrip`` (which looks each byte up in its set of bytes to strip)
@@ -87,6 +92,8 @@ class PlainPageIds:
 
     def join(self, parts: Sequence[PageIds]) -> array:
         return concat_pages(parts)
+
+    join_matched = join
 
 
 class LeadingZeros:

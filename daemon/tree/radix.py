@@ -153,7 +153,7 @@ class RadixTree(Matching, Insertion, Locking, Eviction, Tiering):
             root.full = EMPTY
             root.swa = EMPTY if self.swa_enabled else None
             root.host = EMPTY
-            ns = Namespace(name, seed, root)
+            ns = Namespace(name, seed, root, self.policy)
             root.ns = ns
             self.namespaces[name] = ns
             self.nodes[root.id] = root
@@ -287,12 +287,11 @@ class RadixTree(Matching, Insertion, Locking, Eviction, Tiering):
     def _touch(self, n: Node) -> None:
         if n.ts == self._clock:
             return  # nothing was inserted since its last touch: its position stands
-        n.ts = self._clock
+        n.ts = self._clock  # its queue entries stay: a key that rose is seen when it reaches the
+        # top of its queue (daemon/tree/lru.py)
         if (n.full is not None and type(n.full) not in _LISTED_AS_IS) or (
                 n.swa is not None and type(n.swa) not in _LISTED_AS_IS):
             self._expand(n)
-        if n.full_entry is not None or n.host_entry is not None:
-            self._requeue(n)
 
     # ------------------------------------------------------------------ page ids, hot and cold
 
@@ -376,10 +375,7 @@ class RadixTree(Matching, Insertion, Locking, Eviction, Tiering):
             if need <= 0 or n.swa is None:
                 break
             need -= len(n.tokens) // pb
-            if n.swa_ts != clock:
-                n.swa_ts = clock
-                if n.swa_entry is not None:
-                    self._requeue(n)
+            n.swa_ts = clock  # (its queue entry stays, as in _touch)
 
     # ------------------------------------------------------------------ structure
 

@@ -11,6 +11,7 @@ from typing import Protocol
 from .lru import EvictionQueue
 from .node import Node, Receipt
 from .page_ids import PageIds
+from .policy import EvictionPolicy
 
 
 class PageSink(Protocol):
@@ -102,13 +103,13 @@ class Namespace:
     __slots__ = ("name", "seed", "root", "full_q", "swa_q", "host_q", "full_pages", "swa_pages",
                  "host_pages")
 
-    def __init__(self, name: str, seed: bytes, root: Node) -> None:
+    def __init__(self, name: str, seed: bytes, root: Node, policy: EvictionPolicy) -> None:
         self.name = name
         self.seed = seed
         self.root = root
-        self.full_q = EvictionQueue("full_entry")
-        self.swa_q = EvictionQueue("swa_entry")
-        self.host_q = EvictionQueue("host_entry")
+        self.full_q = EvictionQueue("full_entry", policy.full_key)
+        self.swa_q = EvictionQueue("swa_entry", policy.swa_key)
+        self.host_q = EvictionQueue("host_entry", policy.host_key)
         self.full_pages = 0  # device pages of this namespace's nodes
         self.swa_pages = 0
         self.host_pages = 0

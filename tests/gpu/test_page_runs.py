@@ -15,6 +15,7 @@ from daemon.gpu.page_runs import (
     APPEND_MAX,
     IN_USE_MIN,
     IN_USE_RUNS,
+    LISTED_ENTRY_BYTES,
     RUN_MIN,
     PageRunList,
     PageRuns,
@@ -148,19 +149,49 @@ def test_a_long_join_lists_every_form_in_order():
     assert type(few) is PageRunList and len(few.starts) <= IN_USE_RUNS
     parts = [array("i", range(20001, 20101)), range(30001, 30001 + APPEND_MAX), few, many,
              range(0), array("i"), [7, 5, 3], range(60001, 60101, 3)]
-    got = codec.join(parts)
-    assert type(got) is array and got.tolist() == [p for part in parts for p in part]
-    assert all(got is not part for part in parts)
+    for join in (codec.join, codec.join_matched):
+        got = join(parts)
+        assert type(got) is array and got.tolist() == [p for part in parts for p in part]
+        assert all(got is not part for part in parts)
+    assert codec.listed_runs == 0  # a long list is filled in place: no listing is kept
+
+
+def test_a_match_keeps_the_listings_of_its_runs_within_the_budget():
+    """join_matched keeps each run's listing for the next match, by the run's bounds (whatever
+    object holds them), up to LISTED_BYTES, the oldest listing dropped first."""
+    n = 1000
+    cost = 4 * n + LISTED_ENTRY_BYTES
+    codec = PageRuns(listed_bytes=3 * cost)
+    runs = [range(1 + k * n, 1 + (k + 1) * n) for k in range(4)]
+    assert codec.join_matched(runs[:1]).tolist() == list(runs[0])
+    assert (codec.listed_runs, codec.listed_bytes) == (1, cost)
+    again = range(runs[0].start, runs[0].stop)  # another object with the same bounds
+    assert codec.join_matched([again, runs[1]]).tolist() == [*runs[0], *runs[1]]
+    assert (codec.listed_runs, codec.listed_bytes) == (2, 2 * cost)
+    assert codec.join_matched(runs[2:]).tolist() == [*runs[2], *runs[3]]  # runs[0] dropped
+    assert (codec.listed_runs, codec.listed_bytes) == (3, 3 * cost)
+    two = codec.compact(array("i", [*runs[3], *range(90_001, 90_001 + n)]))
+    assert type(two) is PageRunList  # a part of a few runs: each run's listing kept alike
+    assert codec.join_matched([two]).tolist() == list(two)
+    assert codec.listed_runs == 3 and codec.listed_bytes <= 3 * cost
+    assert codec.join([runs[1]]).tolist() == list(runs[1])  # a plain join keeps nothing new
+    none = PageRuns(listed_bytes=0)
+    assert none.join_matched(runs[:2]).tolist() == [*runs[0], *runs[1]]
+    assert (none.listed_runs, none.listed_bytes) == (0, 0)
+    with pytest.raises(ValueError, match="listed_bytes"):
+        PageRuns(listed_bytes=-1)
 
 
 @given(parts_st)
 def test_join_lists_every_id_in_order_in_a_new_array(parts):
     want = [p for part in parts for p in part]
-    for codec in (PageRuns(2), PlainPageIds()):
-        got = codec.join(parts)
-        assert isinstance(got, array) and got.typecode == "i"
-        assert got.tolist() == want
-        assert all(got is not p for p in parts)
+    # (a budget of a few hundred bytes keeps a listing or two and drops them again)
+    for codec in (PageRuns(2), PageRuns(2, listed_bytes=600), PlainPageIds()):
+        for join in (codec.join, codec.join_matched, codec.join_matched):
+            got = join(parts)
+            assert isinstance(got, array) and got.typecode == "i"
+            assert got.tolist() == want
+            assert all(got is not p for p in parts)
     assert concat_pages(parts).tolist() == want
     for p in parts:
         assert as_page_array(p).tolist() == list(p)
