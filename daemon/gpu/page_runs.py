@@ -63,6 +63,8 @@ APPEND_MAX = 6144
 #: 64k ids, 16 sequences of 4k tokens at a page of one token: at a million cached tokens it adds
 #: at most a quarter byte per token to what the runs save (4 bytes)
 LISTED_BYTES = 512 * 1024
+#: once LISTED_BYTES are kept, one new listing in this many replaces the oldest (PageRuns._listing)
+LISTED_ADMIT = 8
 #: what a kept listing costs besides its ids (its bytes object, key and dict slot), counted
 #: against LISTED_BYTES so that many short runs cannot hold more than the budget says
 LISTED_ENTRY_BYTES = 160
@@ -155,11 +157,13 @@ class PageRuns:
         #: ``range`` hashes and compares by its bounds): a run's listing never changes, whichever
         #: node holds it, and a node split or evicted leaves nothing stale behind
         self._listed: OrderedDict[range, bytes] = OrderedDict()
+        self._refused = 0  # listings not kept since the budget was full (see _listing)
 
     @property
-    def listed_runs(self) -> int:
-        """How many runs' listings are kept for the next matches (join_matched)."""
-        return len(self._listed)
+    def kept_listings(self) -> tuple[range, ...]:
+        """The runs whose listings are kept for the next matches (join_matched), oldest
+        first."""
+        return tuple(self._listed)
 
     def compact(self, ids: array) -> array | range | PageRunList:
         n = len(ids)
@@ -223,20 +227,27 @@ class PageRuns:
         return out
 
     def _listing(self, run: range) -> bytes:
-        """The ids of ``run`` as int32 bytes, kept while LISTED_BYTES allows, the oldest
-        listing dropped first (not the least recently used: moving an entry on every hit costs
-        a match more than the listings it would keep)."""
+        """The ids of ``run`` as int32 bytes, kept while LISTED_BYTES allows. Once the budget
+        is full, one new listing in LISTED_ADMIT is kept, in place of the oldest: runs matched
+        in turn that need more than the budget (many conversations at page 1) would otherwise
+        each push out the one matched next and never be found, at a dictionary's work per miss;
+        so they turn over slowly and some of them are found."""
         listed = self._listed
         got = listed.get(run)
         if got is not None:
             return got
         got = _run_bytes(run.start, run.stop)
         cost = len(got) + LISTED_ENTRY_BYTES
-        if cost <= self.listed_max:
-            self.listed_bytes += cost
-            while self.listed_bytes > self.listed_max:
+        if cost > self.listed_max:
+            return got
+        if self.listed_bytes + cost > self.listed_max:
+            self._refused += 1
+            if self._refused % LISTED_ADMIT:
+                return got
+            while self.listed_bytes + cost > self.listed_max:
                 self.listed_bytes -= len(listed.popitem(last=False)[1]) + LISTED_ENTRY_BYTES
-            listed[run] = got
+        self.listed_bytes += cost
+        listed[run] = got
         return got
 
     def _iota(self, k: int) -> np.ndarray:

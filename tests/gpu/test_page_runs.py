@@ -15,6 +15,7 @@ from daemon.gpu.page_runs import (
     APPEND_MAX,
     IN_USE_MIN,
     IN_USE_RUNS,
+    LISTED_ADMIT,
     LISTED_ENTRY_BYTES,
     RUN_MIN,
     PageRunList,
@@ -153,31 +154,35 @@ def test_a_long_join_lists_every_form_in_order():
         got = join(parts)
         assert type(got) is array and got.tolist() == [p for part in parts for p in part]
         assert all(got is not part for part in parts)
-    assert codec.listed_runs == 0  # a long list is filled in place: no listing is kept
+    assert not codec.kept_listings  # a long list is filled in place: no listing is kept
 
 
 def test_a_match_keeps_the_listings_of_its_runs_within_the_budget():
     """join_matched keeps each run's listing for the next match, by the run's bounds (whatever
-    object holds them), up to LISTED_BYTES, the oldest listing dropped first."""
+    object holds them), up to LISTED_BYTES; once that is full, one new listing in LISTED_ADMIT
+    replaces the oldest."""
     n = 1000
     cost = 4 * n + LISTED_ENTRY_BYTES
-    codec = PageRuns(listed_bytes=3 * cost)
-    runs = [range(1 + k * n, 1 + (k + 1) * n) for k in range(4)]
+    codec = PageRuns(listed_bytes=2 * cost)
+    runs = [range(1 + k * n, 1 + (k + 1) * n) for k in range(LISTED_ADMIT + 3)]
     assert codec.join_matched(runs[:1]).tolist() == list(runs[0])
-    assert (codec.listed_runs, codec.listed_bytes) == (1, cost)
+    assert (len(codec.kept_listings), codec.listed_bytes) == (1, cost)
     again = range(runs[0].start, runs[0].stop)  # another object with the same bounds
     assert codec.join_matched([again, runs[1]]).tolist() == [*runs[0], *runs[1]]
-    assert (codec.listed_runs, codec.listed_bytes) == (2, 2 * cost)
-    assert codec.join_matched(runs[2:]).tolist() == [*runs[2], *runs[3]]  # runs[0] dropped
-    assert (codec.listed_runs, codec.listed_bytes) == (3, 3 * cost)
-    two = codec.compact(array("i", [*runs[3], *range(90_001, 90_001 + n)]))
-    assert type(two) is PageRunList  # a part of a few runs: each run's listing kept alike
+    assert (len(codec.kept_listings), codec.listed_bytes) == (2, 2 * cost)
+    for k in range(2, LISTED_ADMIT + 2):  # the budget is full: the 8th new run is kept
+        assert codec.join_matched([runs[k]]).tolist() == list(runs[k])
+        assert codec.listed_bytes == 2 * cost
+        want = (runs[0], runs[1]) if k < LISTED_ADMIT + 1 else (runs[1], runs[k])
+        assert codec.kept_listings == want  # (the 8th in place of the oldest)
+    two = codec.compact(array("i", [*runs[-1], *range(90_001, 90_001 + n)]))
+    assert type(two) is PageRunList  # a part of a few runs: each run listed alike
     assert codec.join_matched([two]).tolist() == list(two)
-    assert codec.listed_runs == 3 and codec.listed_bytes <= 3 * cost
-    assert codec.join([runs[1]]).tolist() == list(runs[1])  # a plain join keeps nothing new
+    assert codec.listed_bytes <= 2 * cost
+    assert codec.join([runs[-1]]).tolist() == list(runs[-1])
     none = PageRuns(listed_bytes=0)
     assert none.join_matched(runs[:2]).tolist() == [*runs[0], *runs[1]]
-    assert (none.listed_runs, none.listed_bytes) == (0, 0)
+    assert (len(none.kept_listings), none.listed_bytes) == (0, 0)
     with pytest.raises(ValueError, match="listed_bytes"):
         PageRuns(listed_bytes=-1)
 
