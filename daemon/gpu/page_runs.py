@@ -56,12 +56,12 @@ COLD_SHARE = 2
 #: against 6 microseconds for 32k ids); the two took the same at about 6k ids
 APPEND_MAX = 6144
 
-#: bytes of listed runs a codec keeps for the next joins (PageRuns.join), the least recently
-#: listed dropped first: listing a run costs an ``arange`` (about a microsecond whatever its
-#: length, several times the copy of an array), and the runs a match lists again and again are
-#: those of hot prefixes (system prompts, the turns of a conversation in progress). 256 KB is
-#: 64k ids, 16 sequences of 4k tokens at a page of one token: at a million cached tokens it adds
-#: at most a quarter byte per token to what the runs save (4 bytes)
+#: bytes of listed runs a codec keeps for the next matches (PageRuns.join_matched), the oldest
+#: dropped first: listing a run costs an ``arange`` (about a microsecond whatever its length,
+#: several times the copy of an array), and the runs a match lists again and again are those of
+#: hot prefixes (system prompts, the turns of a conversation in progress). 512 KB is 128k ids,
+#: 32 sequences of 4k tokens at a page of one token: at a million cached tokens it adds at most
+#: half a byte per token to what the runs save (4 bytes a page)
 LISTED_BYTES = 512 * 1024
 #: once LISTED_BYTES are kept, one new listing in this many replaces the oldest (PageRuns._listing)
 LISTED_ADMIT = 8
@@ -153,7 +153,7 @@ class PageRuns:
         self._iota_ids = np.zeros(0, np.int32)
         self.listed_max = listed_bytes
         self.listed_bytes = 0
-        #: a run -> its ids as int32 bytes, least recently listed first. Keyed by value (a
+        #: a run -> its ids as int32 bytes, the oldest first. Keyed by value (a
         #: ``range`` hashes and compares by its bounds): a run's listing never changes, whichever
         #: node holds it, and a node split or evicted leaves nothing stale behind
         self._listed: OrderedDict[range, bytes] = OrderedDict()
@@ -205,9 +205,10 @@ class PageRuns:
         return _filled(parts, total, self._iota(total))
 
     def join_matched(self, parts: Sequence[Sequence[int]]) -> array:
-        """Runs are copied from the listings kept of earlier matches (LISTED_BYTES), the least
-        recently used dropped first; a list of more than APPEND_MAX ids, or with a part of
-        several runs, is joined as :meth:`join` joins it."""
+        """Runs are copied from the listings kept of earlier matches (see :meth:`_listing`),
+        one run at a time; a list of more than APPEND_MAX ids, or with a part of more than
+        IN_USE_RUNS runs, is joined as :meth:`join` joins it. (Not the oldest listing moved
+        to the back on a hit: that costs a match more than the listings it would keep.)"""
         out = array("i")
         total = 0
         for p in parts:
