@@ -80,23 +80,27 @@ def _check_pair(pool: Pool, host: HostPool) -> None:
         )
 
 
-def _ids(values: Sequence[int] | torch.Tensor, limit: int, what: str) -> torch.Tensor:
-    """``values`` as an int64 CPU tensor, checked to be distinct and within 1..limit-1."""
-    if isinstance(values, array) and values.typecode == "i" and len(values):
-        # the ids' bytes as they are (as_tensor reads an array item by item: a fifth of a
-        # millisecond for a copy of a thousand pages)
-        ids = torch.frombuffer(values, dtype=torch.int32).to(torch.int64)
+def _ids(values: Sequence[int] | torch.Tensor, limit: int, what: str) -> np.ndarray:
+    """``values`` as a new int64 array, checked to be distinct and within 1..limit-1. In numpy:
+    a copy at page 1 checks thousands of ids, and each of the check's few vector calls costs
+    several microseconds in torch whatever its size, a few times numpy's (at page 1 the checks
+    were a fifth of a request's daemon CPU with write-through copies)."""
+    if isinstance(values, torch.Tensor):
+        raw: np.ndarray = values.reshape(-1).to(device="cpu", dtype=torch.int64).numpy()
+    elif isinstance(values, array) and values.typecode == "i":
+        raw = np.frombuffer(values, dtype=np.int32)  # the ids' bytes as they are (no Python int
+        # per id); only read here, then copied by astype below
     else:
-        ids = torch.as_tensor(values, dtype=torch.int64, device="cpu").reshape(-1)
-    if ids.numel():
-        lo, hi = int(ids.min()), int(ids.max())
+        raw = np.asarray(values, dtype=np.int64).reshape(-1)
+    if len(raw):
+        lo, hi = int(raw.min()), int(raw.max())
         if lo < 1 or hi >= limit:
             bad = lo if lo < 1 else hi
             raise CopyError(f"{what}: {bad} is out of range 1..{limit - 1}")
-        ranked = ids.sort().values
-        if bool((ranked[1:] == ranked[:-1]).any()):
+        ranked = np.sort(raw)
+        if (ranked[1:] == ranked[:-1]).any():
             raise CopyError(f"{what}: an id is listed twice")
-    return ids
+    return raw.astype(np.int64)
 
 
 def _prepare(
@@ -106,32 +110,33 @@ def _prepare(
 
     Device rows are listed in batch order, each page's ``layers x 2`` rows together (that is
     page-first). A slot run ``(i, k, h)`` covers batch positions ``i..k-1``, whose slots are
-    consecutive, and starts at host row ``h``.
+    consecutive, and starts at host row ``h``. (Laid out in numpy, for the reason of
+    :func:`_ids`; the row numbers and slots are handed out as tensors over the same memory.)
     """
     _check_pair(pool, host)
     pages = _ids(page_ids, pool.num_pages, "page_ids")
     slot_ids = _ids(slots, host.capacity, "slots")
-    if pages.numel() != slot_ids.numel():
-        raise CopyError(f"{pages.numel()} page ids but {slot_ids.numel()} slots")
+    if len(pages) != len(slot_ids):
+        raise CopyError(f"{len(pages)} page ids but {len(slot_ids)} slots")
     per_page = pool.num_layers * 2
     row = math.prod(pool.shape[3:])
     device_rows = pool.buffer.view(per_page * pool.num_pages, row)
     host_rows = host.buffer.view(host.capacity * per_page, row)
-    j = torch.arange(per_page, dtype=torch.int64) * pool.num_pages
+    j = np.arange(per_page, dtype=np.int64) * pool.num_pages
     rows = (pages[:, None] + j[None, :]).reshape(-1)
     runs: list[tuple[int, int, int]] = []
-    n = slot_ids.numel()
+    n = len(slot_ids)
     if n:
-        breaks = (torch.nonzero(slot_ids[1:] != slot_ids[:-1] + 1).reshape(-1) + 1).tolist()
+        breaks = (np.flatnonzero(slot_ids[1:] != slot_ids[:-1] + 1) + 1).tolist()
         starts = [0, *breaks]
-        # the runs' first slots in one gather: a tensor indexed once per run cost about a
+        # the runs' first slots in one gather: an array indexed once per run cost about a
         # millisecond per copy at page 1, where a copy's slots are hundreds of short runs
         firsts = slot_ids[starts].tolist()
         runs = [
             (i, k, first * per_page)
             for i, k, first in zip(starts, [*breaks, n], firsts, strict=True)
         ]
-    return rows, device_rows, host_rows, runs, slot_ids
+    return torch.from_numpy(rows), device_rows, host_rows, runs, torch.from_numpy(slot_ids)
 
 
 # -- copies -----------------------------------------------------------------------------------
