@@ -17,7 +17,9 @@ from array import array
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from .gpu.allocator import OutOfPages
+import numpy as np
+
+from .gpu.allocator import OutOfPages, nonzero_ids, page_ids
 from .model_cache import ModelCache
 from .page_sink import Watch
 from .tree import LoadPlan, Namespace, Node, Pin, page_keys
@@ -131,10 +133,10 @@ def plan_backup(mc: ModelCache, node: Node, exclude: set[int], quota: int = 0,
     swa_slots = array("i", bytes(4 * off))
     swa_read = array("i", bytes(4 * off))
     got_swa = reserve_host(mc, node.ns, "swa", len(swa_pos)) if swa_pos else None
-    if got_swa is not None:
-        for i, s, d in zip(swa_pos, got_swa, dev_swa, strict=True):
-            swa_slots[i] = s
-            swa_read[i] = d
+    if got_swa is not None:  # (placed in numpy: a window is a hundred pages at page 1)
+        at = np.array(swa_pos, dtype=np.intp)
+        np.frombuffer(swa_slots, dtype=np.int32)[at] = page_ids(got_swa)
+        np.frombuffer(swa_read, dtype=np.int32)[at] = page_ids(dev_swa)
     dev_full = tree.page_ids.join([n.full for n in chain])  # type: ignore[misc]
     if job is not None:
         job.dev_full += dev_full
@@ -211,7 +213,7 @@ def finish_backup(mc: ModelCache, job: BackupJob, ok: bool) -> list[tuple[Node, 
             if (ok and clean and left == 0 and n.host is None and n.full is not None
                     and n.parent.host is not None and tree.nodes.get(n.id) is n):
                 host.filled("full", fs, n.ns.name)
-                host.filled("swa", (s for s in ss if s))
+                host.filled("swa", nonzero_ids(ss))
                 tree.set_host(n.id, fs, ss if any(ss) else None)
                 done.append((n, fs, ss))
             else:
