@@ -293,9 +293,6 @@ class _FakeBatch:
         def result(self) -> Any:
             return self.value
 
-        def done(self) -> bool:
-            return True
-
         def exception(self) -> None:
             return None
 
