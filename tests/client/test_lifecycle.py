@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 from radixd_client import Client, pages
-from radixd_client.errors import PageError, ReceiptError
+from radixd_client.errors import ReceiptError
 from radixd_client.lifecycle import NotWritable, RequestLifecycle
 
 from tests.harness import daemon_conftest
@@ -194,81 +194,3 @@ def test_finish_frees_pages_reserved_past_the_end(client: Client) -> None:
     s = stats(client)
     assert (s["held_full_pages"], s["held_swa_pages"]) == (0, 0), s
     assert lc.done
-
-
-class RefusedFrees:
-    """Fault injection: the next ``free`` the client sends (alone or in a batch) also names a
-    page outside the pool, so the real daemon refuses all of it and the pages stay held, as
-    they would after any refused free."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, client: Client) -> None:
-        self.left = 1
-        self.refused_in = ""  # "client" or "batch": which free was refused
-        for owner, name in ((client, "client"), (type(client.batch()), "batch")):
-            real = owner.free
-
-            def free(*args: Any, _real: Any = real, _name: str = name, **kw: Any) -> Any:
-                if self.left and kw.get("swa_pages"):
-                    self.left -= 1
-                    self.refused_in = _name
-                    kw["swa_pages"] = [*kw["swa_pages"], 10**6]
-                return _real(*args, **kw)
-
-            monkeypatch.setattr(owner, "free", free)
-
-
-def decode_until_a_free(lc: RequestLifecycle, first: int) -> None:
-    """Decode steps until one frees SWA pages (and fails with the injected refusal)."""
-    tok = first
-    while True:
-        lc.append(tok)
-        pos = len(lc.tokens) - 1
-        try:
-            lc.decode_step(pos, pos + 1)
-        except PageError:
-            return
-        lc.computed_len = pos + 1
-        tok += 1
-
-
-@pytest.mark.parametrize("ending", ["finish", "abort"])
-@pytest.mark.parametrize("interval, path", [(3, "client"), (1, "batch")])
-def test_swa_pages_whose_free_was_refused_are_given_back_when_the_request_ends(
-        client: Client, monkeypatch: pytest.MonkeyPatch, ending: str, interval: int, path: str
-        ) -> None:
-    """A decode step takes out-of-window SWA pages out of the tables before its round trip; if
-    the daemon refuses that free (here by fault injection), the session still holds them and
-    the request owes them: finish or abort gives them back, so the session ends up holding
-    nothing. Every 3 tokens, the free that fails is sent alone; every token, in a batch with
-    the next page's alloc (a page leaves the window as the next one is needed)."""
-    lc = RequestLifecycle(client, "m", list(range(400, 406)), swa_free_interval=interval)
-    lc.admit()
-    prefill(lc, 8)
-    refused = RefusedFrees(monkeypatch, lc.client)
-    decode_until_a_free(lc, 500)
-    assert refused.refused_in == path
-    assert lc.owed_swa and not lc.owed_swa & set(lc.swa_table)
-    held = stats(client)["held_swa_pages"]
-    assert held >= len(lc.owed_swa)  # refused: still the session's
-    if ending == "finish":
-        lc.finish()
-    else:
-        lc.abort()
-    s = stats(client)
-    assert (s["held_full_pages"], s["held_swa_pages"]) == (0, 0), s
-    assert not lc.owed_swa
-
-
-def test_out_of_window_pages_freed_in_prefill_are_owed_when_the_free_is_refused(
-        client: Client, monkeypatch: pytest.MonkeyPatch) -> None:
-    lc = RequestLifecycle(client, "m", list(range(600, 640)))
-    lc.admit()
-    lc.reserve(32)
-    lc.computed_len = 32
-    RefusedFrees(monkeypatch, lc.client)
-    with pytest.raises(PageError):
-        lc.free_out_of_window(32)
-    assert len(lc.owed_swa) == (32 - W) // P
-    lc.abort()
-    s = stats(client)
-    assert (s["held_full_pages"], s["held_swa_pages"]) == (0, 0), s

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import contextlib
 from array import array
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -140,9 +140,6 @@ class RequestLifecycle:
         # the only ones its forward passes may write into (protocol 8.9).
         self.writable_full: set[int] = set()
         self.writable_swa: set[int] = set()
-        #: SWA pages taken out of the tables whose ``free`` did not go through: still this
-        #: session's, given back by :meth:`finish` or :meth:`abort`
-        self.owed_swa: set[int] = set()
         self.computed_len = 0  # tokens[:computed_len] have their KV written (caller-maintained)
         self.cached_len = 0  # [0, cached_len) is in the tree, locked by `receipt`
         self.receipt: int | None = None
@@ -313,20 +310,8 @@ class RequestLifecycle:
         ids = self.out_of_window(length)
         if ids:
             self.last_op = "free"
-            with self._owed_unless_freed(ids):
-                self.client.free(self.model, swa_pages=ids)
+            self.client.free(self.model, swa_pages=ids)
         return len(ids)
-
-    @contextlib.contextmanager
-    def _owed_unless_freed(self, ids: list[int]) -> Iterator[None]:
-        """The tables no longer hold ``ids``: if their ``free`` fails, the session still does,
-        and they are owed until the request ends (without this, a free the daemon refused left
-        them held for the rest of the session, by nobody)."""
-        try:
-            yield
-        except BaseException:
-            self.owed_swa.update(ids)
-            raise
 
     def _release_due(self, length: int) -> bool:
         return (self.window is not None and self.free_swa and not self.swa_released
@@ -360,8 +345,7 @@ class RequestLifecycle:
         if len(calls) == 1:
             self.last_op = calls[0][0] if calls[0][0] != "release" else "release_swa"
             if free_ids:
-                with self._owed_unless_freed(free_ids):
-                    c.free(name, swa_pages=free_ids)
+                c.free(name, swa_pages=free_ids)
             elif release:
                 c.release_swa(name, self.receipt)
             else:
@@ -369,7 +353,6 @@ class RequestLifecycle:
                 self._raise_not_mapped()
             return
         self.last_op = "batch"
-        freed = None
         try:
             with c.batch() as b:
                 freed = b.free(name, swa_pages=free_ids) if free_ids else None
@@ -377,9 +360,6 @@ class RequestLifecycle:
                 alloc = b.alloc(name, need) if need else None
         except SegmentsNotMapped as err:  # it ran: the futures hold its results
             self.not_mapped = self.not_mapped or err
-        finally:
-            if freed is not None and (not freed.done() or freed.exception() is not None):
-                self.owed_swa.update(free_ids)
         for op, fut in (("free", freed), ("release_swa", released), ("alloc", alloc)):
             if fut is not None:
                 self.last_op = op
@@ -434,7 +414,6 @@ class RequestLifecycle:
         hi = _ceil_div(end, self.page_size)
         rest_full = [p for p in self.full_table[hi:] if p in self.writable_full]
         rest_swa = [p for p in self.swa_table[hi:] if p and p in self.writable_swa]
-        rest_swa += sorted(self.owed_swa)
         self.last_op = "cache_finished"
         if not rest_full and not rest_swa:
             # (the request holds nothing afterwards: segments its result names that are not
@@ -459,7 +438,7 @@ class RequestLifecycle:
         (the KV may be incomplete). Safe to call twice; errors come from the daemon only."""
         if self.closed:
             return
-        full, swa = sorted(self.writable_full), sorted(self.writable_swa | self.owed_swa)
+        full, swa = sorted(self.writable_full), sorted(self.writable_swa)
         receipt = self.receipt
         self._forget()
         if (not full and not swa and receipt is None) or _restarts(self.client) != self._session:
@@ -496,7 +475,6 @@ class RequestLifecycle:
         self.full_table, self.swa_table = [], []
         self.writable_full.clear()
         self.writable_swa.clear()
-        self.owed_swa.clear()
         self.closed = True
 
     @property
