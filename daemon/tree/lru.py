@@ -8,9 +8,9 @@ outnumber live ones.
 A use of a node (a match or an insert through it) only raises its key: the node's timestamp
 moves, its entry stays where it was. An entry's key is therefore at most its node's key, and
 :meth:`EvictionQueue.pop` takes the least entry whose key is still its node's, queueing the
-others again by their keys now: the same victim as an eager queue, for one heap operation per
-refreshed node that reaches the top instead of one per use (a match touches every node on its
-path; few of them are ever evicted).
+others again by their keys now: a victim of the same least key as an eager queue's (between
+equal keys the order may differ), for one heap operation per refreshed node that reaches the
+top instead of one per use (a match touches every node on its path; few are ever evicted).
 """
 
 from __future__ import annotations
