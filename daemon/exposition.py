@@ -129,6 +129,11 @@ class Collector:
             "Tree nodes whose page ids changed form: compacted (a cold node's ids kept as their "
             "runs, while the daemon is idle) or expanded (back to an array when used again).",
             ("model", "direction"))
+        listings = reg.gauge(
+            "radixd_tree_page_id_listing_bytes",
+            "Bytes of page-id listings of runs kept for the next matches (at most 512 KiB a "
+            "model): a match through a kept run copies it instead of listing it again.",
+            ("model",))
         for v in views:
             matches.add_metric([v.name], v.matches)
             match_tokens.add_metric([v.name], v.match_tokens)
@@ -142,6 +147,7 @@ class Collector:
             nodes.add_metric([v.name], v.nodes)
             compactions.add_metric([v.name, "compacted"], v.compacted_nodes)
             compactions.add_metric([v.name, "expanded"], v.expanded_nodes)
+            listings.add_metric([v.name], v.listing_bytes)
 
         _tier_families(reg, service, views)
         _keyed_families(reg, views)

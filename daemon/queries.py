@@ -87,6 +87,9 @@ class ModelView(msgspec.Struct):
     # nodes whose page ids went to their compact form while cold, and back when used again
     compacted_nodes: int = 0
     expanded_nodes: int = 0
+    # bytes of the page-id listings the codec keeps for the next matches (0: a codec that keeps
+    # none)
+    listing_bytes: int = 0
     keyed: KeyedView | None = None  # None: no key-addressed store (no host tier)
 
     @property
@@ -220,7 +223,8 @@ class ServiceQueries:
             match_tokens=c["match_tokens"], hit_tokens=c["hit_tokens"], evictions=evictions,
             tiers=_tier_view(entry), segments=_segment_view(cache),
             compacted_nodes=tree.stats["compacted_nodes"],
-            expanded_nodes=tree.stats["expanded_nodes"], keyed=_keyed_view(entry))
+            expanded_nodes=tree.stats["expanded_nodes"],
+            listing_bytes=getattr(tree.page_ids, "listed_bytes", 0), keyed=_keyed_view(entry))
 
     def model_views(self) -> list[ModelView]:
         return [self.model_view(m) for m in self.models]
