@@ -91,7 +91,11 @@ def _ids(values: Sequence[int] | torch.Tensor, limit: int, what: str) -> np.ndar
         raw = np.frombuffer(values, dtype=np.int32)  # the ids' bytes as they are (no Python int
         # per id); only read here, then copied by astype below
     else:
-        raw = np.asarray(values, dtype=np.int64).reshape(-1)
+        raw = np.asarray(values).reshape(-1)
+        if not len(raw):
+            raw = raw.astype(np.int64)
+        elif raw.dtype.kind not in "iu":  # (strings, floats, ints past 64 bits: never ids)
+            raise CopyError(f"{what}: ids must be integers, got {raw.dtype} values")
     if len(raw):
         lo, hi = int(raw.min()), int(raw.max())
         if lo < 1 or hi >= limit:

@@ -545,6 +545,9 @@ def test_copy_rejects_mismatches() -> None:
             host_to_device(host, [1, 2], kv.full, [3, 3])
         with pytest.raises(CopyError, match="slots"):
             device_to_host(kv.full, [1, 2], host, [1])
+        for bad in (["3"], [1.5], [2**70]):  # not ids: refused, not converted
+            with pytest.raises(CopyError, match="integers"):
+                device_to_host(kv.full, bad, host, [1])
         other = make_profile(head_dim=16)
         with HostPool(other, 3, "full", pin_memory=False) as wrong:
             with pytest.raises(CopyError, match="page shapes"):
