@@ -224,7 +224,7 @@ class ServiceQueries:
             tiers=_tier_view(entry), segments=_segment_view(cache),
             compacted_nodes=tree.stats["compacted_nodes"],
             expanded_nodes=tree.stats["expanded_nodes"],
-            listing_bytes=getattr(tree.page_ids, "listed_bytes", 0), keyed=_keyed_view(entry))
+            listing_bytes=tree.page_ids.listed_bytes, keyed=_keyed_view(entry))
 
     def model_views(self) -> list[ModelView]:
         return [self.model_view(m) for m in self.models]

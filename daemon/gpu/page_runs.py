@@ -215,16 +215,14 @@ class PageRuns:
             total += len(p)
             if total > APPEND_MAX:
                 return self.join(parts)
-            kind = type(p)
-            if kind is array:
+            if type(p) is array:
                 out += p  # type: ignore[operator]
-            elif kind is range and p.step == 1:  # type: ignore[attr-defined]
-                out.frombytes(self._listing(p))  # type: ignore[arg-type]
-            elif kind is PageRunList and len(p.starts) <= IN_USE_RUNS:  # type: ignore[attr-defined]
-                for r in p.runs():  # type: ignore[attr-defined]
-                    out.frombytes(self._listing(r))
-            else:
+                continue
+            runs = _few_runs(p)
+            if runs is None:
                 return self.join(parts)
+            for r in runs:
+                out.frombytes(self._listing(r))
         return out
 
     def _listing(self, run: range) -> bytes:
@@ -294,10 +292,20 @@ def _runs_of(pages: Sequence[int]) -> bool:
     return (type(pages) is range and pages.step == 1) or type(pages) is PageRunList
 
 
+def _few_runs(pages: Sequence[int]) -> Iterable[range] | None:
+    """The runs of ``pages`` when it is one run or a few (:data:`IN_USE_RUNS`), which are
+    listed an ``arange`` each; None for any other list."""
+    kind = type(pages)
+    if kind is range:
+        return (pages,) if pages.step == 1 else None  # type: ignore[attr-defined]
+    if kind is PageRunList and len(pages.starts) <= IN_USE_RUNS:  # type: ignore[attr-defined]
+        return pages.runs()  # type: ignore[attr-defined]
+    return None
+
+
 def _few(pages: Sequence[int]) -> bool:
     """Whether ``pages`` is one run or a few (:data:`IN_USE_RUNS`): listed an ``arange`` each."""
-    return _runs_of(pages) and (
-        type(pages) is range or len(pages.starts) <= IN_USE_RUNS)  # type: ignore[attr-defined]
+    return _few_runs(pages) is not None
 
 
 def _run_bytes(lo: int, hi: int) -> bytes:
@@ -312,18 +320,14 @@ def _appended(parts: Sequence[Sequence[int]]) -> array:
     out = array("i")
     lo = hi = 0  # a run not listed yet
     for p in parts:
-        kind = type(p)
-        if kind is range and p.step == 1:  # (the checks inline: a match runs this)
-            runs: Iterable[range] = (p,)
-        elif kind is PageRunList and len(p.starts) <= IN_USE_RUNS:  # type: ignore[attr-defined]
-            runs = p.runs()  # type: ignore[attr-defined]
-        else:
+        runs = None if type(p) is array else _few_runs(p)
+        if runs is None:
             if hi > lo:
                 out.frombytes(_run_bytes(lo, hi))
                 lo = hi = 0
-            if kind is array:
+            if type(p) is array:
                 out += p  # type: ignore[operator]
-            elif kind is PageRunList:
+            elif type(p) is PageRunList:
                 out += page_run_array(p)  # type: ignore[arg-type]
             else:
                 out.extend(p)

@@ -32,6 +32,8 @@ class PageIdCodec(Protocol):
 
     #: lists shorter than this are always kept as arrays (the tree does not offer them)
     min_ids: int
+    #: bytes of listings the codec keeps for the next matches (join_matched); 0 if none
+    listed_bytes: int
 
     def compact(self, ids: array) -> PageIds:
         """``ids`` (distinct page ids, owned by the tree from now on) as the tree keeps them."""
@@ -83,6 +85,7 @@ class PlainPageIds:
     """The tree's default codec: ids kept as the caller gave them."""
 
     min_ids = sys.maxsize
+    listed_bytes = 0
 
     def compact(self, ids: array) -> PageIds:
         return ids
