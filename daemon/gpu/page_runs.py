@@ -69,6 +69,12 @@ LISTED_ADMIT = 8
 #: against LISTED_BYTES so that many short runs cannot hold more than the budget says
 LISTED_ENTRY_BYTES = 160
 
+#: ids from which PageRuns.id_verdict tells a few runs apart by their bounds (about 8
+#: microseconds whatever their length) rather than sorting the ids (9 at 1k, 30 at 3k)
+VERDICT_RUNS_MIN = 512
+#: the most runs PageRuns.id_verdict tells apart by their bounds; a list of more is sorted
+VERDICT_RUNS = 64
+
 #: grown by repetition, a new array is filled in place (see APPEND_MAX)
 _ZERO = array("i", [0])
 
@@ -225,6 +231,34 @@ class PageRuns:
                 out.frombytes(self._listing(r))
         return out
 
+    def id_verdict(self, ids: Sequence[int]) -> tuple[bool, bool]:
+        """An allocator's list is one run or a few (see the module's docstring): one run is
+        proved by comparing bytes with its listing, a few by their bounds, which overlap
+        nowhere when no id is there twice; any other ``array('i')`` is sorted, and what is not
+        one (or is shorter than ``min_ids``: the tree scans those itself) takes min() and a
+        set. In tree_bench's inserts at a page of one token (3k ids) this took 3 microseconds
+        at the median, where the tree's byte scan took 19; at a page of 64 tokens (48 ids)
+        numpy's calls cost more than that scan."""
+        n = len(ids)
+        if type(ids) is not array or ids.typecode != "i" or n < self.min_ids:
+            if min(ids) <= 0:
+                return False, False
+            return True, len(set(ids)) == n
+        first = ids[0]
+        if first > 0 and ids[-1] - first == n - 1 and ids.tobytes() == _run_bytes(
+                first, first + n):
+            return True, True
+        x = np.frombuffer(ids, dtype=np.int32)
+        if n >= VERDICT_RUNS_MIN:
+            if int(x.min()) <= 0:
+                return False, False
+            cuts = np.flatnonzero(x[1:] - x[:-1] != 1)  # (ids > 0: no difference overflows)
+            if len(cuts) < VERDICT_RUNS:
+                return True, _runs_disjoint(ids, cuts.tolist())
+        x = np.sort(x)
+        positive = bool(x[0] > 0)
+        return positive, positive and bool((x[1:] != x[:-1]).all())
+
     def _listing(self, run: range) -> bytes:
         """The ids of ``run`` as int32 bytes, kept while LISTED_BYTES allows. Once the budget
         is full, one new listing in LISTED_ADMIT is kept, in place of the oldest: runs matched
@@ -273,6 +307,14 @@ def _runs(ids: array, cuts: np.ndarray) -> range | PageRunList:
     ends.frombytes(cuts.astype(np.int32).tobytes())
     ends.append(len(ids))
     return PageRunList(starts, ends)
+
+
+def _runs_disjoint(ids: array, cuts: list[int]) -> bool:
+    """Whether the ascending runs of ``ids`` that end at ``cuts`` (and at its end) overlap
+    nowhere: their bounds, sorted (a few: Python beats numpy's cost per call)."""
+    spans = sorted(zip([ids[0], *(ids[c + 1] for c in cuts)], [*(ids[c] for c in cuts), ids[-1]],
+                       strict=True))
+    return all(a[1] < b[0] for a, b in zip(spans, spans[1:], strict=False))
 
 
 def _offsets(runs: range | PageRunList) -> int | np.ndarray:

@@ -24,7 +24,8 @@ from .invariants import (
     chunked,
 )
 from .node import Node, Pin, Receipt
-from .page_ids import PageIdCodec, PageIds, PlainPageIds, concat_pages
+from .page_ids import PageIdCodec, PageIds, concat_pages
+from .plain_ids import PlainPageIds
 from .policy import DEFAULT_POLICY, POLICIES
 from .radix import RadixTree
 from .results import (

@@ -177,16 +177,16 @@ class Insertion:
                 raise BadArgument(f"swa_pages has {got} ids; pages [{prev}, {n}) need {want}")
             if trusted:
                 return prev, f
-            # whole-list checks read the ids as bytes (daemon.tree.id_checks): at a page of one
-            # token a request carries thousands of ids, and a Python step per id (a set, min())
-            # was most of an insert
+            # whole-list checks: at a page of one token a request carries thousands of ids, and
+            # a Python step per id (a set, min()) was most of an insert; the codec's verdict
+            # reads them as bytes (daemon.tree.id_checks) or with vector code
             k = max(0, min(f - prev, want))  # the caller's pages below the SWA frontier
             if k and not all_zero(swa_pages[:k]):
                 j = next(j for j in range(k) if swa_pages[j] != 0)
                 raise BadArgument(f"swa_pages[{j}] must be 0: page {prev + j} is below "
                                   f"swa_evicted_len={swa_evicted_len}")
             if k < want:
-                positive, distinct = page_id_verdict(swa_pages[k:])
+                positive, distinct = self._id_verdict(swa_pages[k:])
                 if not positive:
                     j = next(j for j in range(k, want) if swa_pages[j] <= 0)
                     raise BadArgument(f"swa_pages[{j}] must be a page id: page {prev + j} is at "
@@ -195,9 +195,15 @@ class Insertion:
                     raise BadArgument("swa_pages must be distinct page ids")
         elif swa_pages:
             raise BadArgument("this model has no sliding-window layers: swa_pages must be empty")
-        if want and not trusted and page_id_verdict(full_pages) != (True, True):
+        if want and not trusted and self._id_verdict(full_pages) != (True, True):
             raise BadArgument("full_pages must be distinct page ids > 0")
         return prev, f
+
+    def _id_verdict(self, ids: Any) -> tuple[bool, bool]:
+        """``(every id > 0, no id twice)``: a long list by the codec (it may read it with
+        vector code), a short one by the byte scan, which costs less there than vector calls."""
+        codec = self.page_ids
+        return codec.id_verdict(ids) if len(ids) >= codec.min_ids else page_id_verdict(ids)
 
     def _merge_into_device(
         self, child: Node, i: int, e: int, f: int, cf: array, cs: array | None,

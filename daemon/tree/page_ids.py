@@ -15,7 +15,6 @@ keeps every list as given.
 from __future__ import annotations
 
 import re
-import sys
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import chain, repeat
@@ -30,7 +29,8 @@ class PageIdCodec(Protocol):
     """How the tree stores the page ids of cold nodes, the long runs of nodes in use and the host
     slot ids of every node, and how it lists them for its callers."""
 
-    #: lists shorter than this are always kept as arrays (the tree does not offer them)
+    #: lists shorter than this are always kept as arrays (the tree does not offer them), and
+    #: checked by the tree itself (it asks :meth:`id_verdict` about longer ones only)
     min_ids: int
     #: bytes of listings the codec keeps for the next matches (join_matched); 0 if none
     listed_bytes: int
@@ -56,6 +56,13 @@ class PageIdCodec(Protocol):
         (hot prefixes), and the codec may keep their listings to serve the next one."""
         ...
 
+    def id_verdict(self, ids: Sequence[int]) -> tuple[bool, bool]:
+        """``(every id > 0, no id twice)`` of a list of ``min_ids`` ids or more that a caller
+        hands the tree (the second False whenever the first is): at a page of one token an
+        insert brings thousands of ids, and the codec may read an ``array('i')`` of them with
+        vector code."""
+        ...
+
 
 #: a run of zero bytes: the regular expression engine counts them in a tight C loop, several
 #: times faster than ``bytes.lstrip`` (which looks each byte up in its set of bytes to strip)
@@ -79,24 +86,6 @@ def concat_pages(parts: Iterable[PageIds]) -> array:
         else:
             out.extend(p)
     return out
-
-
-class PlainPageIds:
-    """The tree's default codec: ids kept as the caller gave them."""
-
-    min_ids = sys.maxsize
-    listed_bytes = 0
-
-    def compact(self, ids: array) -> PageIds:
-        return ids
-
-    def in_use(self, ids: PageIds) -> PageIds:
-        return ids
-
-    def join(self, parts: Sequence[PageIds]) -> array:
-        return concat_pages(parts)
-
-    join_matched = join
 
 
 class LeadingZeros:

@@ -37,7 +37,8 @@ from .insertion import Insertion
 from .locks import Locking
 from .matching import Matching
 from .node import EMPTY, Node, Pin, Receipt
-from .page_ids import LEAD_MIN, PageIdCodec, PlainPageIds, host_swa_ids
+from .page_ids import LEAD_MIN, PageIdCodec, host_swa_ids
+from .plain_ids import PlainPageIds
 from .policy import DEFAULT_POLICY, EvictionPolicy, make_policy
 from .results import (
     CollectingSink,

@@ -12,7 +12,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from daemon.tree import BadArgument, block_hashes, check_tree
+from daemon.gpu.page_runs import RUN_MIN, VERDICT_RUNS, VERDICT_RUNS_MIN, PageRuns
+from daemon.tree import (
+    BadArgument,
+    CollectingSink,
+    PlainPageIds,
+    RadixTree,
+    block_hashes,
+    check_tree,
+)
 from daemon.tree.id_checks import (
     RUNS_MIN,
     all_page_ids,
@@ -90,6 +98,8 @@ def _plain_verdict(ids: list[int]) -> tuple[bool, bool]:
 def test_run_scan_gives_the_plain_verdicts(ids: list[int]) -> None:
     arr = array("i", ids)
     assert page_id_verdict(arr) == _plain_verdict(ids) == page_id_verdict(ids)
+    for codec in (PlainPageIds(), PageRuns()):  # what the tree asks (its insert's checks)
+        assert codec.id_verdict(arr) == _plain_verdict(ids) == codec.id_verdict(ids)
     assert distinct_ids(arr) == (len(set(ids)) == len(ids)) == distinct_ids(ids)
     live = [p for p in ids if p]
     assert distinct_nonzero(arr) == (len(set(live)) == len(live)) == distinct_nonzero(ids)
@@ -106,6 +116,47 @@ def test_distinct_nonzero_with_leading_zeros(zeros: int, ids: list[int]) -> None
     arr = array("i", [0] * zeros + ids)
     live = [p for p in ids if p]
     assert distinct_nonzero(arr) == (len(set(live)) == len(live))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 2**31 - 5000), st.integers(1, 1200)), min_size=1,
+                max_size=VERDICT_RUNS + 4),
+       st.sampled_from(["as is", "repeat", "overlap", "zero", "negative", "shuffle"]),
+       st.data())
+def test_the_vector_verdict_of_ascending_runs(runs: list[tuple[int, int]], how: str,
+                                              data: st.DataObject) -> None:
+    """PageRuns' verdict over the lists allocators hand out (ascending runs, around the number
+    of runs where it sorts instead), spoiled in the ways that must be refused."""
+    ids = [p for lo, n in runs for p in range(lo, lo + n)]
+    i = data.draw(st.integers(0, len(ids) - 1))
+    if how == "repeat":
+        ids[i] = ids[data.draw(st.integers(0, len(ids) - 1))]
+    elif how == "overlap":  # a run that starts inside another
+        ids += range(ids[i], ids[i] + data.draw(st.integers(1, 40)))
+    elif how in ("zero", "negative"):
+        ids[i] = 0 if how == "zero" else -data.draw(st.integers(1, 2**31))
+    elif how == "shuffle":
+        ids = data.draw(st.permutations(ids))
+    assert PageRuns().id_verdict(array("i", ids)) == _plain_verdict(ids)
+
+
+def test_the_vector_verdict_takes_each_way() -> None:
+    """One run (long, short), a few, many and shorter lists (sorted), and short lists (min and a
+    set), each right and wrong."""
+    codec = PageRuns()
+    one = list(range(9, 9 + VERDICT_RUNS_MIN + 5))
+    short_run = list(range(70_000, 70_000 + RUN_MIN))
+    few = list(range(5_000, 5_300)) + list(range(100, 400)) + list(range(9_000, 9_300))
+    many = [p for k in range(VERDICT_RUNS + 1) for p in range(1000 * k + 1, 1000 * k + 9)]
+    sorted_ = list(range(VERDICT_RUNS_MIN - 1, 0, -1))
+    short = list(range(RUN_MIN - 1, 0, -1))
+    for ids in (one, short_run, few, many, sorted_, short):
+        assert codec.id_verdict(array("i", ids)) == (True, True)
+        assert codec.id_verdict(array("i", ids + ids[-1:])) == (True, False)
+        assert codec.id_verdict(array("i", [*ids, 0])) == (False, False)
+        assert codec.id_verdict(array("i", [-5, *ids])) == (False, False)
+    assert codec.id_verdict(array("i", few[:-1] + [150])) == (True, False)  # inside a run
+    assert codec.id_verdict(array("q", one)) == (True, True)  # not int32: the plain way
 
 
 def test_run_scan_reads_allocator_runs() -> None:
@@ -195,10 +246,12 @@ def test_checked_insert_still_refuses_bad_ids(P: int, bad: int) -> None:
     assert check_tree(tree) == []
 
 
+@pytest.mark.parametrize("codec", [PlainPageIds, PageRuns])
 @pytest.mark.parametrize("P", [1, 4])
-def test_long_id_lists_are_refused_with_the_same_messages(P: int) -> None:
-    """Lists long enough for the run scan: a repeated or a bad id is refused as before."""
-    tree, _ = make_tree(P)
+def test_long_id_lists_are_refused_with_the_same_messages(P: int, codec: type) -> None:
+    """Lists long enough for the run scan (or the daemon's codec's numpy): a repeated or a bad
+    id is refused as before."""
+    tree = RadixTree(P, 2 * P, CollectingSink(), policy="lru", page_ids=codec())
     n = 2 * RUNS_MIN
     toks = seq(P, list(range(1, n + 1)))
     good = array("i", range(n, 0, -1))
