@@ -545,6 +545,48 @@ class RedisTier:
         self._stats["set_failures"] += len(items) - stored
         return stored
 
+    async def counter(self, name: str, at_least: int = 0) -> int | None:
+        """The integer under ``<key_prefix><name>`` (0 when the key is absent), or None when
+        Redis does not answer or holds something else there. An absent key is set to
+        ``at_least`` first (``SET NX``), so that a counter Redis lost (a restart, an eviction)
+        comes back where its caller knew it, for the other callers too."""
+        key = self.key_prefix + name
+
+        async def body() -> int | None:
+            replies = await self._pipeline(
+                lambda p: [p.set(key, at_least, nx=True), p.get(key)] if at_least
+                else [p.get(key)])
+            self._reply_errors(replies)
+            reply = replies[-1]
+            if reply is None:
+                return 0
+            try:
+                return int(reply)
+            except (TypeError, ValueError):
+                self._stats["errors"] += 1
+                return None
+
+        return await self._guarded(body, lambda: None)
+
+    async def raise_counter(self, name: str, at_least: int) -> int | None:
+        """Add one to the integer under ``<key_prefix><name>``; an absent one (never set, or
+        lost by Redis) first becomes ``at_least - 1``, so that it comes back where its caller
+        knew it. Plain ``SET NX`` and ``INCRBY`` (no script: an ACL for the daemon's keys need not
+        allow scripting). Returns the new value, or None when Redis does not answer."""
+        key = self.key_prefix + name
+
+        async def body() -> int | None:
+            replies = await self._pipeline(
+                lambda p: [p.set(key, at_least - 1, nx=True), p.incr(key)])
+            self._reply_errors(replies)
+            reply = replies[1]
+            if self._is_error(reply) or not isinstance(reply, int):
+                self._stats["errors"] += 1
+                return None
+            return reply
+
+        return await self._guarded(body, lambda: None)
+
     async def delete(self, hashes: Sequence[bytes], pool: str = "full") -> int:
         """Remove these pages of this pool; returns how many keys existed (0 when unreachable)."""
         keys = [self.key(h, pool) for h in hashes]

@@ -340,9 +340,11 @@ def test_a_fetch_waits_for_the_slots_redis_writes_still_read(make_daemon, tmp_pa
 
 
 def redis_keys(key_prefix: str) -> int:
+    """The page values under the prefix (not the namespaces' clear generations)."""
     raw = redis_sync.Redis.from_url(SHARED_URL)
     try:
-        return sum(1 for _ in raw.scan_iter(match=key_prefix + ":*"))
+        return sum(1 for k in raw.scan_iter(match=key_prefix + ":*")
+                   if not k.startswith(f"{key_prefix}:kvgen:".encode()))
     finally:
         raw.close()
 
@@ -451,6 +453,69 @@ def test_a_clear_right_after_a_commit_leaves_nothing_in_redis(make_daemon, prefi
                  "the writes to settle")
         got = c.kv_lookup("m", keys(*names), fetch=True, timeout_s=5)
         assert got.present == bytes(6) and got.fetched == 0
+
+
+def gone_from_host(c: Client, pools, names: list[str]) -> dict[str, torch.Tensor]:
+    """Store ``names`` four at a time in a host pool of 16 slots: the oldest are evicted and,
+    once written, live in Redis only; returns what each stored key's page holds."""
+    stored: dict[str, torch.Tensor] = {}
+    for i in range(0, len(names), 4):
+        stored |= store(c, pools, names[i:i + 4], i)
+    wait_for(lambda: stats(c)["kv_l3_write_pages"] == len(stored), "the Redis writes")
+    assert stats(c)["kv_evicted"] > 0
+    return stored
+
+
+def test_a_clear_leaves_no_page_readable_in_redis_those_gone_from_host_included(
+        make_daemon, prefix: str) -> None:
+    """Pages evicted from host live on in Redis; a clear dropped only those on host and deleted
+    only their values, so a fetch brought the others back after it: the KV of before the
+    clear (after a weight update, stale KV). The clear raises the namespace's generation in
+    Redis, which names every keyed value: nothing written before it is found, by this daemon
+    or by one started later on the same Redis; what is stored after it is."""
+    cfg = l3_config(SHARED_URL, prefix, host_pages=16, host_swa_pages=8)
+    d = make_daemon(cfg)
+    names = [f"k{i}" for i in range(24)]
+    with Client(d.socket) as c:
+        pools = c.kv_attach("m")
+        stored = gone_from_host(c, pools, names)
+        on_host = stats(c)["kv_pages"]
+        assert c.kv_clear("m").removed == on_host < len(stored)
+        got = c.kv_lookup("m", keys(*names), fetch=True, timeout_s=5)
+        assert got.present == bytes(len(names)) and got.fetched == 0 and not got.pin
+        after = store(c, pools, ["new"], 99)
+        wait_for(lambda: stats(c)["kv_l3_write_pages"] == len(stored) + 1, "the new write")
+    later = make_daemon(cfg, name="later")  # another daemon on the same Redis
+    with Client(later.socket) as c:
+        pools = c.kv_attach("m")
+        assert read(c, pools, names + ["new"], fetch=True).keys() == {"new"}
+        assert torch.equal(read(c, pools, ["new"])["new"], after["new"])
+
+
+def test_a_clear_that_cannot_reach_redis_keeps_the_namespace_from_reading_it(
+        make_daemon, tmp_path) -> None:
+    """This Redis refuses the clear's raise of the generation (INCRBY disabled). Until the raise
+    lands, nothing of the namespace is read from Redis, so the values of before the clear that
+    it could not make unreadable are not found; nor is anything written under the old
+    generation (a failed write, counted)."""
+    srv = Server(free_port(), tmp_path, "--rename-command", "INCRBY", "")
+    srv.start()
+    try:
+        cfg = l3_config(srv.url, "noincr", host_pages=16, host_swa_pages=8)
+        cfg["l3"]["drain_timeout_s"] = 0.2  # the raise never lands: the stop need not wait
+        d = make_daemon(cfg)
+        names = [f"k{i}" for i in range(24)]
+        with Client(d.socket) as c:
+            pools = c.kv_attach("m")
+            stored = gone_from_host(c, pools, names)
+            c.kv_clear("m")
+            got = c.kv_lookup("m", keys(*names), fetch=True, timeout_s=2)
+            assert got.present == bytes(len(names)) and got.fetched == 0
+            store(c, pools, ["new"], 9)
+            wait_for(lambda: stats(c)["kv_l3_write_failures"] == 1, "the refused write")
+            assert stats(c)["kv_l3_write_pages"] == len(stored)
+    finally:
+        srv.kill()
 
 
 def test_cleared_pages_no_longer_count_against_the_l3_quota(make_daemon, prefix: str) -> None:

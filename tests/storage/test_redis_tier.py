@@ -115,6 +115,39 @@ async def test_round_trip_byte_exact(shared) -> None:
 
 
 @pytest.mark.asyncio
+async def test_counters_count_up_and_never_fall_below_the_floor(shared) -> None:
+    """What a kv_clear's generation rests on (daemon/keyed_tier.py): an absent counter reads 0,
+    a raise adds one (to the floor less one if the counter is absent), and a key that holds
+    something else reads as no answer rather than a wrong number."""
+    tier, raw = shared
+    assert await tier.counter("gen") == 0
+    assert await tier.raise_counter("gen", 1) == 1
+    assert await tier.raise_counter("gen", 1) == 2
+    assert await tier.raise_counter("gen", 10) == 3  # it is there: counted on
+    raw.delete(tier.key_prefix + "gen")  # Redis lost it
+    assert await tier.raise_counter("gen", 10) == 10  # back where its caller knew it
+    assert await tier.counter("gen") == 10 == int(raw.get(tier.key_prefix + "gen"))
+    assert await tier.counter("gen", 4) == 10  # there: read as it is
+    raw.delete(tier.key_prefix + "gen")
+    assert await tier.counter("gen", 4) == 4 == int(raw.get(tier.key_prefix + "gen"))
+    raw.set(tier.key_prefix + "odd", b"not a number")
+    assert await tier.counter("odd") is None
+    assert await tier.raise_counter("odd", 1) is None
+    assert raw.get(tier.key_prefix + "odd") == b"not a number"
+
+
+@pytest.mark.asyncio
+async def test_counters_of_a_redis_that_does_not_answer_are_none() -> None:
+    tier = RedisTier(f"redis://127.0.0.1:{free_port()}/0", key_prefix=_prefix(),
+                     op_timeout=OP_TIMEOUT, connect_timeout=OP_TIMEOUT)
+    try:
+        assert await tier.counter("gen") is None
+        assert await tier.raise_counter("gen", 1) is None
+    finally:
+        await tier.aclose()
+
+
+@pytest.mark.asyncio
 async def test_exists_prefix_counts_leading_run_only(shared) -> None:
     tier, _ = shared
     hs = _hashes(30, b"lead")
