@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import time
 from array import array
@@ -45,6 +44,7 @@ from .storage.copies import in_thread
 from .storage.host_pool import HostPool
 from .storage.host_tier import HostTier
 from .storage.keyed_audit import keyed_pool_audit_steps
+from .storage.keyed_names import KeyedNames
 from .storage.keyed_pages import KeyedPage, KeyedPages, KvPin, keyed_hash
 from .storage.redis_tier import RedisTier
 
@@ -54,15 +54,9 @@ log = logging.getLogger("radixd.keyed")
 L3_WRITE_BATCH = 64
 #: Most keyed pages waiting for Redis (each holds its host slot): past it the oldest are dropped.
 MAX_L3_QUEUE = 4096
-#: a kv_clear's raise of its namespace's generation in Redis is tried again after this many
-#: seconds, doubling up to the most, until Redis answers (the namespace's fetches miss meanwhile)
-RAISE_RETRY_S = 0.05
-RAISE_RETRY_MAX_S = 5.0
-#: how long the L3 writer waits for a clear's raise before counting the namespace's pages of its
-#: batch as failed writes (a value written under the old generation would be unreadable)
-RAISE_WAIT_S = 1.0
-#: (pool kind, held host slot or 0, key, the page's bytes when no slot holds them, the page)
-L3Item = tuple[str, int, bytes, bytes | None, KeyedPage]
+#: (pool kind, held host slot or 0, key, the page's bytes when no slot holds them, the
+#: namespace's kv_clear count when it was queued, the page)
+L3Item = tuple[str, int, bytes, bytes | None, int, KeyedPage]
 #: The store's counters, model-wide and per namespace (operations.md, "Tiers in /v1/stats").
 KV_COUNTERS = (
     "kv_lookups", "kv_lookup_keys", "kv_hit_keys", "kv_reserved", "kv_committed", "kv_aborted",
@@ -111,17 +105,8 @@ class KeyedTier:
         # may hold them), and their ids until they are done: a fetch never brings them back
         self._deletes: list[tuple[str, list[bytes]]] = []
         self._unwanted: Counter[bytes] = Counter()
-        # L3 names a keyed page by its host hash salted with the model's name (as the tiers do
-        # for tree pages: two models of one layout must not share values)
-        self._l3_salt = b"radixd-l3-keyed\x00" + model.encode() + b"\x00"
-        self._gen_salt = b"radixd-l3-keyed-gen\x00" + model.encode() + b"\x00"
-        #: each namespace's clear generation, as last read from (or raised in) Redis: it is part
-        #: of every keyed page's name there (l3_id), so that a kv_clear, which raises it, leaves
-        #: no value written before it readable, those of pages long gone from host included
-        self._gens: dict[str, int] = {}
-        # a clear's raise that has not reached Redis yet, per namespace: nothing of it is read
-        # from or written to Redis meanwhile (one raise covers the clears that come meanwhile)
-        self._raising: dict[str, asyncio.Task] = {}
+        #: the pages' names in Redis, under each namespace's kv_clear generation
+        self.names = KeyedNames(model)
         self._l3_queue: list[L3Item] = []
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
@@ -194,7 +179,7 @@ class KeyedTier:
         encoded by the writer under the generation Redis holds then."""
         if evicted and self.l3 is not None and self.l3_policy == "write_back" and not page.in_l3:
             payload = bytes(self.host.pool(page.kind).page_bytes(page.slot))
-            self._queue((page.kind, 0, page.key, payload, page))
+            self._queue((page.kind, 0, page.key, payload, self._clears.get(page.ns, 0), page))
         self.pages.remove(page)
         self._free(page.kind, [page.slot])
 
@@ -404,7 +389,8 @@ class KeyedTier:
         if self.l3 is not None and self.l3_policy == "write_through":
             for page in pages:  # the slot is held (a reader) until its value is encoded
                 if self.host.hold(page.kind, (page.slot,)):
-                    self._queue((page.kind, page.slot, page.key, None, page))
+                    self._queue((page.kind, page.slot, page.key, None,
+                                 self._clears.get(page.ns, 0), page))
         return pages
 
     def release(self, owner: Hashable, pin_id: int) -> None:
@@ -425,17 +411,18 @@ class KeyedTier:
         """Drop the namespace's unpinned keyed pages and their Redis copies (in the background,
         fail-soft), and raise its generation in Redis, which leaves every value of it written
         before unreadable, those of pages no longer on host included; returns the pages."""
-        gen = self._gens.get(ns)
+        gen = self.names.known(ns)
         gone = [p for p in self.pages.pages.values() if p.ns == ns and not p.pins]
         self._clears[ns] = self._clears.get(ns, 0) + 1
         for page in gone:
             page.cleared = True
             self._drop(page)
         self.count(ns, "kv_cleared", len(gone))
-        if gone and self._l3_queue:  # writes not begun would bring the pages back to Redis
+        if self._l3_queue:  # the namespace's writes not begun are of before the clear (pages
+            # evicted since included): written now, they would be read again
             keep = []
             for item in self._l3_queue:
-                if item[-1].cleared:
+                if item[-1].ns == ns:
                     if item[1]:
                         self.host.unhold(item[0], (item[1],))
                 else:
@@ -445,10 +432,10 @@ class KeyedTier:
             for page in self.pages.pages.values():  # pinned, so kept: their values are gone
                 if page.ns == ns:
                     page.in_l3 = False
-            self._raise_gen(ns)
+            self.names.raise_gen(self.l3, ns)
         if self.l3 is not None and gone and gen is not None:
             for kind in P.KV_POOLS:
-                ids = [self.l3_id(p.hash, gen) for p in gone if p.kind == kind]
+                ids = [self.names.page_id(p.hash, gen) for p in gone if p.kind == kind]
                 if not ids:
                     continue
                 self._unwanted.update(ids)
@@ -463,66 +450,10 @@ class KeyedTier:
 
     # ------------------------------------------------------------------ L3 (Redis)
 
-    def l3_id(self, page_hash: bytes, gen: int) -> bytes:
-        """A keyed page's name in Redis under its namespace's clear generation ``gen``
-        (protocol.md 9.4; generation 0 adds nothing, the name before generations)."""
-        h = hashlib.sha256(self._l3_salt + page_hash)
-        if gen:
-            h.update(gen.to_bytes(8, "little"))
-        return h.digest()
-
-    def gen_name(self, ns: str) -> str:
-        """The Redis key (after the key prefix) of the namespace's clear generation."""
-        return "kvgen:" + hashlib.sha256(self._gen_salt + ns.encode()).hexdigest()
-
-    async def _gen(self, ns: str) -> int | None:
-        """The namespace's clear generation, read from Redis (another daemon sharing it may
-        have raised it); never lower than this daemon knew it, and put back in Redis if Redis
-        lost it. None while a clear's raise has not reached Redis, or when Redis does not
-        answer: nothing of the namespace is read from or written to Redis then."""
-        assert self.l3 is not None
-        if ns in self._raising:
-            return None
-        got = await self.l3.counter(self.gen_name(ns), self._gens.get(ns, 0))
-        if got is None or ns in self._raising:
-            return None
-        gen = self._gens[ns] = max(got, self._gens.get(ns, 0))
-        return gen
-
-    def _raise_gen(self, ns: str) -> None:
-        if ns not in self._raising:
-            self._raising[ns] = asyncio.get_running_loop().create_task(
-                self._raise_in_redis(ns), name=f"radixd-kv-clear-{self.model}")
-
-    async def _gen_to_write(self, ns: str) -> int | None:
-        """:meth:`_gen` for the writer, which waits a little for a raise under way."""
-        task = self._raising.get(ns)
-        if task is not None:
-            await asyncio.wait((task,), timeout=RAISE_WAIT_S)
-        return await self._gen(ns)
-
-    async def _raise_in_redis(self, ns: str) -> None:
-        """Raise the namespace's generation in Redis, trying again until Redis answers."""
-        assert self.l3 is not None
-        delay = RAISE_RETRY_S
-        try:
-            while True:
-                floor = self._gens.get(ns, 0) + 1
-                got = await self.l3.raise_counter(self.gen_name(ns), floor)
-                if got is not None:  # (lower than the floor: another daemon counted it again)
-                    self._gens[ns] = max(got, floor)
-                    if delay > RAISE_RETRY_S:
-                        log.info("keyed %s: the kv_clear of namespace %r reached Redis",
-                                 self.model, ns)
-                    return
-                if delay == RAISE_RETRY_S:
-                    log.warning("keyed %s: Redis does not answer; the kv_clear of namespace %r "
-                                "is tried again until it does, and its pages are not read from "
-                                "Redis meanwhile", self.model, ns)
-                await asyncio.sleep(delay)
-                delay = min(2 * delay, RAISE_RETRY_MAX_S)
-        finally:
-            del self._raising[ns]
+    @property
+    def l3_queued(self) -> int:
+        """Pages waiting for the Redis writer (the batch it is writing not counted)."""
+        return len(self._l3_queue)
 
     def _queue(self, item: L3Item) -> None:
         self._l3_queue.append(item)
@@ -539,20 +470,20 @@ class KeyedTier:
     def start(self) -> None:
         """Start the L3 writer (on the running loop) when the model writes to Redis."""
         if self.l3 is not None:
+            self.names.start(self.l3)
             self._wake = asyncio.Event()
             self._task = asyncio.create_task(self._writer(), name=f"radixd-kv-l3-{self.model}")
 
     async def drain(self, deadline: float) -> None:
         """Finish queued Redis writes by ``deadline`` (time.monotonic(); shutdown)."""
-        while (self._l3_queue or self._deletes or self._writing or self._raising) and \
+        while (self._l3_queue or self._deletes or self._writing or self.names.raising) and \
                 time.monotonic() < deadline:
             if self._wake is not None:
                 self._wake.set()
             await asyncio.sleep(0.01)
 
     async def aclose(self) -> None:
-        for task in list(self._raising.values()):
-            task.cancel()
+        self.names.cancel()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -578,20 +509,21 @@ class KeyedTier:
                 self._writing = True
                 try:
                     try:  # named under the generations Redis holds now (a clear raises them)
-                        gens = {ns: await self._gen_to_write(ns)
+                        gens = {ns: await self.names.to_write(self.l3, ns)
                                 for ns in {i[-1].ns for i in batch}}
-                        # a page cleared meanwhile is not written: the generation read after
-                        # its clear would make it readable (one cleared later was read before)
-                        named = [(item, self.l3_id(item[-1].hash, gen)) for item in batch
+                        # nothing queued before a clear of its namespace is written: named
+                        # under a generation read after the clear, it would be read again (one
+                        # cleared from here on is named under the one before, never read again)
+                        named = [(item, self.names.page_id(item[-1].hash, gen)) for item in batch
                                  if (gen := gens[item[-1].ns]) is not None
-                                 and not item[-1].cleared]
+                                 and item[4] == self._clears.get(item[-1].ns, 0)]
                         values = await in_thread(self._encode, named)
                     finally:
                         for kind, slot, *_ in batch:
                             if slot:
                                 self.host.unhold(kind, (slot,))
-                    for *_, page in batch:
-                        if gens[page.ns] is None and not page.cleared:
+                    for *_, clears, page in batch:
+                        if gens[page.ns] is None and clears == self._clears.get(page.ns, 0):
                             self.count(page.ns, "kv_l3_write_failures")
                     written = await self.l3.set_pages(values)
                     whole = written == len(values)
@@ -599,14 +531,17 @@ class KeyedTier:
                         # each namespace counts all its pages of the batch as failures
                         self.counters["kv_l3_write_pages"] += written
                         self.counters["kv_l3_write_failures"] += len(values) - written
-                    for (*_, page), _ in named:
-                        page.in_l3 = page.in_l3 or whole
+                    for (*_, clears, page), _ in named:  # (cleared meanwhile: a dead value)
+                        current = clears == self._clears.get(page.ns, 0)
+                        page.in_l3 = page.in_l3 or (whole and current)
                         self.count(page.ns, "kv_l3_write_pages" if whole
                                    else "kv_l3_write_failures", model=whole)
                     if whole and self.l3_charge is not None:
                         await self.l3_charge([
-                            (page.ns, l3id, kind, len(v)) for ((kind, *_, page), l3id), v
-                            in zip(named, values, strict=True) if not page.cleared])
+                            (page.ns, l3id, kind, len(v))
+                            for ((kind, *_, clears, page), l3id), v in zip(named, values,
+                                                                          strict=True)
+                            if clears == self._clears.get(page.ns, 0)])
                 except asyncio.CancelledError:
                     raise
                 except Exception:
@@ -637,7 +572,7 @@ class KeyedTier:
         return [encode_page(pool=kind, page_hash=l3id, fingerprint=self.fingerprint, key=key,
                             payload=payload if payload is not None
                             else self.host.pool(kind).page_bytes(slot))
-                for (kind, slot, key, payload, _), l3id in named]
+                for (kind, slot, key, payload, *_), l3id in named]
 
     async def fetch(self, ns: str, kind: str, keys: list[bytes], timeout_s: float) -> int:
         """Bring the keys only Redis holds into host (verified values; any mismatch is a miss),
@@ -658,10 +593,10 @@ class KeyedTier:
         deadline = loop.time() + timeout_s
 
         async def read() -> tuple[list[bytes], list[Any]] | None:
-            gen = await self._gen(ns)
+            gen = await self.names.current(self.l3, ns)  # type: ignore[arg-type]
             if gen is None:
                 return None
-            ids = [self.l3_id(h, gen) for h in hashes]
+            ids = [self.names.page_id(h, gen) for h in hashes]
             return ids, await self.l3.get_pages(ids, kind, self.fingerprint, page_keys=missing)
 
         try:

@@ -125,6 +125,7 @@ def _image(entry: ModelEntry, index: int, state_dir: str | None) -> ModelImage:
         for page in entry.keyed.pages.pages.values():
             img.keyed.append(KeyedRecord(page.ns, page.kind, page.key, page.slot, page.in_l3))
             used[page.kind].append(page.slot)
+        img.kv_gens, img.kv_clearing = entry.keyed.names.state()
     img.l3_ledger = [L3LedgerRecord(ns, h, pool, n)
                      for ns, values in entry.tiers.l3_ledger.entries().items()  # type: ignore
                      for h, pool, n in values]
@@ -332,6 +333,8 @@ class _Restorer:
             self.keyed_pages()
         else:
             self.dropped += len(self.img.keyed)
+        if self.entry.keyed is not None:  # a clear not yet in Redis is raised there at start
+            self.entry.keyed.names.restore(self.img.kv_gens, self.img.kv_clearing)
 
 
 def _image_pages(img: ModelImage) -> int:

@@ -49,8 +49,8 @@ async def only_in_redis(kv: KeyedTier, prefix: str, keys: list[bytes], ns: str =
     for i, k in enumerate(keys):
         payload = bytes([i + 1]) * kv.host.full.page_nbytes
         h = keyed_hash(ns, kv.fingerprint, "full", k)
-        values.append(encode_page(pool="full", page_hash=kv.l3_id(h, 0), fingerprint=kv.fingerprint,
-                                  key=k, payload=payload))
+        values.append(encode_page(pool="full", page_hash=kv.names.page_id(h, 0),
+                                  fingerprint=kv.fingerprint, key=k, payload=payload))
         pages[k] = payload
     assert await kv.l3.set_pages(values) == len(keys)
     return pages

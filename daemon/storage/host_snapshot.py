@@ -114,6 +114,10 @@ class ModelImage(msgspec.Struct):
     tree: list[TreeNodeRecord] = []
     keyed: list[KeyedRecord] = []
     l3_ledger: list[L3LedgerRecord] = []
+    #: the keyed pages' kv_clear generations known per namespace, and the namespaces whose
+    #: clear had not reached Redis yet (daemon/storage/keyed_names.py)
+    kv_gens: dict[str, int] = {}
+    kv_clearing: list[str] = []
 
 
 class HostSnapshot(msgspec.Struct):

@@ -14,9 +14,10 @@ import redis as redis_sync
 from radixd_client import Client
 
 from daemon.cli import format_status
-from tests.redis_procs import SHARED_URL
+from tests.redis_procs import SHARED_URL, free_port
 
 from .conftest import SMALL_MODEL
+from .test_keyed_store import gone_from_host
 from .test_tiers import (
     Engine,
     P,
@@ -289,3 +290,36 @@ def test_a_keyed_page_never_written_to_redis_is_written_back_after_a_restart(
         assert got.present == b"\x01" and got.fetched == 1
         assert torch.equal(pools.full[got.slots[0]], page)
         c.kv_release("m", got.pin)
+
+
+def test_a_clear_the_stop_could_not_record_in_redis_is_recorded_at_the_next_start(
+        make_daemon, tmp_path: Path, prefix: str) -> None:
+    """A kv_clear whose raise of the generation has not reached Redis when the daemon stops
+    (Redis unreachable): the saved state names it and the next start raises it, before any
+    fetch reads the values of before the clear. It used to be forgotten, and those values
+    (of pages evicted from host before the clear) were served again."""
+    def config(url: str) -> dict[str, Any]:
+        c = l3_config(url, prefix, host_pages=16, host_swa_pages=8)
+        c["server"] = {"state_dir": str(tmp_path / "s")}
+        c["l3"]["drain_timeout_s"] = 0.2
+        return c
+
+    names = [f"k{i}" for i in range(24)]
+    d1 = make_daemon(config(SHARED_URL))
+    with Client(d1.socket) as c:
+        gone_from_host(c, c.kv_attach("m"), names)  # some pages live in Redis only
+    _stop(d1)
+    d2 = make_daemon(config(f"redis://127.0.0.1:{free_port()}/0"))  # Redis out of reach
+    with Client(d2.socket) as c:
+        assert c.kv_clear("m").removed > 0
+    _stop(d2)
+    d3 = make_daemon(config(SHARED_URL))
+    raw = redis_sync.Redis.from_url(SHARED_URL)
+    try:
+        wait_for(lambda: [raw.get(k) for k in raw.scan_iter(match=f"{prefix}:kvgen:*")]
+                 == [b"1"], "the clear recorded in Redis")
+    finally:
+        raw.close()
+    with Client(d3.socket) as c:
+        got = c.kv_lookup("m", [n.encode() for n in names], fetch=True, timeout_s=5)
+        assert got.present == bytes(len(names)) and got.fetched == 0

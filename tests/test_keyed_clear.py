@@ -1,0 +1,110 @@
+"""kv_clear against the keyed store's Redis writer, in process over a real host tier and the shared
+Redis server, at the moments a daemon cannot be made to hit on demand: a write-back queued, or in
+the writer's batch, when the clear comes; a clear that arrives while a batch is on its way to
+Redis. Nothing written before a clear may be read after it (docs/protocol.md 9.4)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+
+import pytest
+
+from daemon.keyed_tier import L3_WRITE_BATCH, KeyedTier
+from daemon.model_cache import ModelCache
+from daemon.storage.host_tier import HostTier
+from daemon.storage.redis_tier import RedisTier
+from tests.redis_procs import SHARED_URL
+from tests.test_keyed_store_model import PROFILE
+
+
+def run_store(prefix: str, host_pages: int, policy: str,
+              body: Callable[[KeyedTier, HostTier], Awaitable[None]],
+              charge: Callable[[list], Awaitable[int]] | None = None) -> None:
+    async def run() -> None:
+        cache = ModelCache(PROFILE)
+        host = HostTier(PROFILE, host_pages, 4, pin_memory=False)
+        cache.host = host
+        kv = KeyedTier(cache, host, {}, "tiny", l3_policy=policy, l3_charge=charge,
+                       l3=RedisTier(SHARED_URL, key_prefix=prefix + ":", op_timeout=2.0))
+        kv.start()
+        try:
+            await body(kv, host)
+            assert kv.check({"s1", "s2", "s3"}) == []
+        finally:
+            await kv.aclose()
+            await kv.l3.aclose()  # type: ignore[union-attr]
+            host.close()
+
+    asyncio.run(run())
+
+
+def commit(kv: KeyedTier, host: HostTier, owner: str, ns: str, keys: list[bytes], fill: int
+           ) -> None:
+    r = kv.reserve(owner, ns, "full", keys, 1000)
+    for s in r.slots:
+        host.full.write_page_bytes(s, bytes([fill]) * host.full.page_nbytes)
+    kv.commit(owner, r.pin)
+
+
+async def fetched(kv: KeyedTier, keys: list[bytes]) -> int:
+    """How many of ``keys`` a fetch in namespace "a" brings from Redis (the lookup agrees)."""
+    n = await kv.fetch("a", "full", keys, 2.0)
+    got = kv.lookup("s3", "a", "full", keys, False, 1000)
+    assert got.present.count(1) == n
+    return n
+
+
+@pytest.mark.parametrize("where", ["queued", "in the writer's batch"])
+def test_write_backs_of_before_a_clear_are_never_read_after_it(prefix: str, where: str) -> None:
+    """Under write-back an evicted page's bytes wait for the writer. Evicted before the clear,
+    such a page is no longer on host, so the clear did not mark it; it was written after the
+    clear under the new generation, and a fetch served its old bytes (a review found it)."""
+    n = 1 if where == "queued" else L3_WRITE_BATCH + 1
+    keys = [b"old%03d" % i for i in range(n)]
+
+    async def body(kv: KeyedTier, host: HostTier) -> None:
+        commit(kv, host, "s1", "a", keys, 7)
+        # namespace "b" takes the whole pool: every page of "a" is evicted, its write queued
+        commit(kv, host, "s2", "b", [b"new%03d" % i for i in range(n)], 9)
+        if where != "queued":
+            await asyncio.sleep(0)  # the writer takes a batch and waits for Redis
+            assert kv.l3_queued == 1
+        kv.clear("a")
+        await kv.drain(time.monotonic() + 5)
+        assert await fetched(kv, keys) == 0
+
+    run_store(prefix, n + 1, "write_back", body)
+
+
+def test_a_page_kept_by_a_clear_during_its_write_is_not_taken_as_in_redis(prefix: str) -> None:
+    """A pinned page survives a clear. When the clear comes while its write is on the way, the
+    value lands under the generation of before: unreadable, so the page still owes Redis a
+    value, and the quota is not charged for the dead one."""
+    charged: list = []
+
+    async def charge(items: list) -> int:
+        charged.extend(items)
+        return 0
+
+    async def body(kv: KeyedTier, host: HostTier) -> None:
+        real = kv.l3.set_pages  # type: ignore[union-attr]
+
+        async def clear_on_the_way(values: list[bytes]) -> int:
+            kv.clear("a")
+            return await real(values)
+
+        kv.l3.set_pages = clear_on_the_way  # type: ignore[union-attr,method-assign]
+        commit(kv, host, "s1", "a", [b"p"], 5)
+        pin = kv.lookup("s1", "a", "full", [b"p"], True, 64).pin
+        await kv.drain(time.monotonic() + 5)
+        page = kv.pages.get("a", "full", b"p")
+        assert page is not None and not page.in_l3 and charged == []
+        kv.l3.set_pages = real  # type: ignore[union-attr,method-assign]
+        kv.release("s1", pin)
+        kv.clear("a")
+        await kv.drain(time.monotonic() + 5)
+        assert await fetched(kv, [b"p"]) == 0
+
+    run_store(prefix, 4, "write_through", body, charge)
