@@ -54,6 +54,8 @@ log = logging.getLogger("radixd.keyed")
 L3_WRITE_BATCH = 64
 #: Most keyed pages waiting for Redis (each holds its host slot): past it the oldest are dropped.
 MAX_L3_QUEUE = 4096
+#: the longest a shutdown's drain waits for a kv_clear's raise that has not reached Redis
+RAISE_DRAIN_S = 0.5
 #: (pool kind, held host slot or 0, key, the page's bytes when no slot holds them, the
 #: namespace's kv_clear count when it was queued, the page)
 L3Item = tuple[str, int, bytes, bytes | None, int, KeyedPage]
@@ -475,11 +477,16 @@ class KeyedTier:
             self._task = asyncio.create_task(self._writer(), name=f"radixd-kv-l3-{self.model}")
 
     async def drain(self, deadline: float) -> None:
-        """Finish queued Redis writes by ``deadline`` (time.monotonic(); shutdown)."""
-        while (self._l3_queue or self._deletes or self._writing or self.names.raising) and \
+        """Finish queued Redis writes by ``deadline`` (time.monotonic(); shutdown), and give a
+        clear's raise under way a moment more (RAISE_DRAIN_S: one that Redis does not take
+        would hold the other models' drains back; a saved host state carries it over)."""
+        while (self._l3_queue or self._deletes or self._writing) and \
                 time.monotonic() < deadline:
             if self._wake is not None:
                 self._wake.set()
+            await asyncio.sleep(0.01)
+        deadline = min(deadline, time.monotonic() + RAISE_DRAIN_S)
+        while self.names.raising and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
 
     async def aclose(self) -> None:

@@ -80,8 +80,9 @@ def test_write_backs_of_before_a_clear_are_never_read_after_it(prefix: str, wher
 
 def test_a_page_kept_by_a_clear_during_its_write_is_not_taken_as_in_redis(prefix: str) -> None:
     """A pinned page survives a clear. When the clear comes while its write is on the way, the
-    value lands under the generation of before: unreadable, so the page still owes Redis a
-    value, and the quota is not charged for the dead one."""
+    value lands under the generation of before, where no one reads it: the page is not taken as
+    in Redis (under write-back its eviction writes it again), and the quota is not charged for
+    the dead value."""
     charged: list = []
 
     async def charge(items: list) -> int:

@@ -456,13 +456,15 @@ def test_a_clear_right_after_a_commit_leaves_nothing_in_redis(make_daemon, prefi
 
 
 def gone_from_host(c: Client, pools, names: list[str]) -> dict[str, torch.Tensor]:
-    """Store ``names`` four at a time in a host pool of 16 slots: the oldest are evicted and,
-    once written, live in Redis only; returns what each stored key's page holds."""
+    """Store ``names`` four at a time in a host pool of 16 slots, each four written before the
+    next (a slot a write still reads is not evicted: the next keys would be declined): the
+    oldest are evicted and live in Redis only; returns what each stored key's page holds."""
     stored: dict[str, torch.Tensor] = {}
     for i in range(0, len(names), 4):
         stored |= store(c, pools, names[i:i + 4], i)
-    wait_for(lambda: stats(c)["kv_l3_write_pages"] == len(stored), "the Redis writes")
-    assert stats(c)["kv_evicted"] > 0
+        written = len(stored)
+        wait_for(lambda w=written: stats(c)["kv_l3_write_pages"] == w, "the Redis writes")
+    assert len(stored) == len(names) and stats(c)["kv_evicted"] > 0
     return stored
 
 
