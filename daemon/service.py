@@ -601,8 +601,24 @@ class Service(ServiceQueries, ServiceChecks):
 
     @mutating
     def kv_clear(self, s: Session, r: P.KvClear) -> P.KvClearResult:
+        """In a batch: the answer does not wait for Redis to record the clear."""
         _, keyed = self._keyed(s, r.model)
-        return P.KvClearResult(removed=len(keyed.clear(s.tenant.namespace)))
+        ns = s.tenant.namespace
+        removed = len(keyed.clear(ns))
+        return P.KvClearResult(removed=removed,
+                               l3_cleared=keyed.l3 is None or keyed.names.raised(ns))
+
+    @mutating_async
+    async def kv_clear_wait(self, s: Session, r: P.KvClear) -> P.KvClearResult:
+        """``kv_clear`` on its own: the answer waits (``l3.op_timeout_ms``, twice) for Redis to
+        record it, and says whether it did; an engine that clears stale KV (new weights) must
+        know when Redis still holds it readable."""
+        res = self.kv_clear(s, r)
+        _, keyed = self._keyed(s, r.model)
+        if not res.l3_cleared:
+            res.l3_cleared = await keyed.names.wait_raised(
+                s.tenant.namespace, 2 * self.config.l3.op_timeout_ms / 1000)
+        return res
 
     @mutating_async
     async def kv_lookup_fetch(self, s: Session, r: P.KvLookup) -> P.KvLookupResult:
@@ -628,7 +644,8 @@ class Service(ServiceQueries, ServiceChecks):
         """Whether a (top-level) request runs as a task that may wait (a copy, Redis)."""
         return op in Service.ASYNC_HANDLERS and (op != "kv_lookup" or req.fetch)
 
-    ASYNC_HANDLERS = {"load": load, "prefetch": prefetch, "kv_lookup": kv_lookup_fetch}
+    ASYNC_HANDLERS = {"load": load, "prefetch": prefetch, "kv_lookup": kv_lookup_fetch,
+                      "kv_clear": kv_clear_wait}
     #: operations whose response carries file descriptors (SCM_RIGHTS)
     FD_HANDLERS = {"attach": attach, "kv_attach": kv_attach}
 

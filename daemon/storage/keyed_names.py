@@ -88,6 +88,17 @@ class KeyedNames:
             self._raising[ns] = asyncio.get_running_loop().create_task(
                 self._raise_in_redis(l3, ns), name=f"radixd-kv-clear-{self.model}")
 
+    def raised(self, ns: str) -> bool:
+        """Whether no raise of ``ns`` is under way or waiting for the next start."""
+        return ns not in self._raising and ns not in self._at_start
+
+    async def wait_raised(self, ns: str, timeout: float) -> bool:
+        """:meth:`raised`, after waiting at most ``timeout`` seconds for a raise under way."""
+        task = self._raising.get(ns)
+        if task is not None:
+            await asyncio.wait((task,), timeout=timeout)
+        return self.raised(ns)
+
     async def _raise_in_redis(self, l3: RedisTier, ns: str) -> None:
         delay = RAISE_RETRY_S
         try:

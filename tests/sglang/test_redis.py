@@ -94,4 +94,6 @@ def test_redis_down_is_a_miss_and_host_keeps_serving(make_daemon) -> None:
     assert b.batch_get_v1(keys_b, dst_b) == [True] * 7
     for got, want in zip(pages_of(pool, dst_b), pages_of(pool, idx_b), strict=True):
         assert torch.equal(got, want)
+    # host is cleared, but Redis did not record the clear: SGLang is told to clear again later
+    assert b.clear() is False and b.batch_exists(keys_b) == 0
     b.close()

@@ -423,8 +423,9 @@ class RadixdHiCacheStorage(HiCacheStorage):
     # ---- the rest --------------------------------------------------------------------------
 
     def clear(self) -> bool:
-        """Drop this tenant's keyed pages of the model (host and Redis)."""
-        return self._guarded("clear", False, lambda c: (c.kv_clear(self.model), True)[1])
+        """Drop this tenant's keyed pages of the model (host and Redis); False when Redis has
+        not recorded the clear (it is down: clear again once it answers)."""
+        return self._guarded("clear", False, lambda c: c.kv_clear(self.model).l3_cleared)
 
     def _record(self, what: str, pages: int, seconds: float, page_nbytes: int) -> None:
         if not self._keep_metrics:
