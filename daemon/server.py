@@ -324,7 +324,8 @@ class Connection(asyncio.Protocol):
         self._process_soon()
 
     def _process_soon(self) -> None:
-        """Go on with the frames that waited behind a load, prefetch or attach, from the event
+        """Go on with the frames that waited behind an operation that waits (a load, prefetch,
+        fetching kv_lookup or kv_clear) or an attach, from the event
         loop rather than from inside the finished task, through one more frame (_resume), as
         data_received does: every frame is then decoded at the same stack depth, so the
         decoder's nesting limit (protocol.md 3.2) is the same for all."""
@@ -428,8 +429,8 @@ class Server:
         self.compact_seconds = 0.0  # in _compact_idle
         self.socket_path = config.server.socket
         self.admin: Any = None  # what start_admin returned (it has an async stop())
-        #: operations that wait (load, prefetch, a fetching kv_lookup) in flight, by task: the
-        #: model each one uses
+        #: operations that wait (load, prefetch, a fetching kv_lookup, kv_clear) in flight, by
+        #: task: the model each one uses
         self.async_ops: dict[asyncio.Task, str] = {}
         self._auth_logged_at = -AUTH_LOG_INTERVAL_S  # monotonic time of the last line
         self._auth_suppressed = 0

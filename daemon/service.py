@@ -34,6 +34,9 @@ from .warm_restart import RestartReport, save_host_fdstore, save_host_state
 
 log = logging.getLogger("radixd.service")
 T = TypeVar("T")
+#: the longest a kv_clear waits for Redis to record it: below the clients' request timeouts (the
+#: SGLang backend's is 5 s), whatever l3.op_timeout_ms is
+CLEAR_WAIT_S = 2.0
 
 
 class ServiceError(Exception):
@@ -610,14 +613,14 @@ class Service(ServiceQueries, ServiceChecks):
 
     @mutating_async
     async def kv_clear_wait(self, s: Session, r: P.KvClear) -> P.KvClearResult:
-        """``kv_clear`` on its own: the answer waits (``l3.op_timeout_ms``, twice) for Redis to
-        record it, and says whether it did; an engine that clears stale KV (new weights) must
-        know when Redis still holds it readable."""
+        """``kv_clear`` on its own: the answer waits (twice ``l3.op_timeout_ms``, CLEAR_WAIT_S
+        at most) for Redis to record it and says whether it did: an engine that clears stale
+        KV (new weights) must know when Redis may still hold it readable."""
         res = self.kv_clear(s, r)
         _, keyed = self._keyed(s, r.model)
         if not res.l3_cleared:
             res.l3_cleared = await keyed.names.wait_raised(
-                s.tenant.namespace, 2 * self.config.l3.op_timeout_ms / 1000)
+                s.tenant.namespace, min(2 * self.config.l3.op_timeout_ms / 1000, CLEAR_WAIT_S))
         return res
 
     @mutating_async

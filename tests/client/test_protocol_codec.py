@@ -201,3 +201,12 @@ def test_hello_always_carries_the_protocol_version() -> None:
     body = msgspec.msgpack.decode(P.encode_body(P.Hello()))
     assert body["version"] == P.PROTOCOL_VERSION == 1
     assert body["op"] == "hello"
+
+
+def test_a_kv_clear_answer_from_a_daemon_before_l3_cleared_says_nothing() -> None:
+    """An older daemon's answer has no ``l3_cleared``: None (it does not say), not True, so a
+    caller cannot take an unrecorded clear for a recorded one."""
+    old = P.decode_result("kv_clear", msgspec.msgpack.encode({"removed": 3}))
+    assert old.removed == 3 and old.l3_cleared is None
+    assert P.decode_result("kv_clear", msgspec.msgpack.encode(
+        {"removed": 0, "l3_cleared": False})).l3_cleared is False

@@ -240,7 +240,7 @@ def test_session_death_releases_pins_and_reservations(make_daemon) -> None:
         wait_for(lambda: stats(keep)["kv_pins"] == 0, "the session's pins to end")
         assert read(keep, pools, ["a", "b", "c"]).keys() == {"a"}
         cleared = keep.kv_clear("m")
-        assert cleared.removed == 1 and cleared.l3_cleared  # no Redis: nothing to record
+        assert cleared.removed == 1 and cleared.l3_cleared is True  # no Redis: nothing to record
 
 
 def test_eviction_is_shared_with_tree_host_pages_and_spares_pins(make_daemon) -> None:
@@ -447,7 +447,7 @@ def test_a_clear_right_after_a_commit_leaves_nothing_in_redis(make_daemon, prefi
                 b._call("kv_commit", KvCommit(model="m", pin=r.pin))
                 cleared = b._call("kv_clear", KvClear(model="m"))
             # in a batch the answer does not wait for Redis to record the clear
-            assert cleared.result().removed == 2 and not cleared.result().l3_cleared
+            assert cleared.result().removed == 2 and cleared.result().l3_cleared is False
         wait_for(lambda: admin_stats(d)["models"]["m"]["keyed"]["counters"]["kv_cleared"] == 6,
                  "the clears")
         store(c, pools, ["after"], 9)  # a later write: once it is in Redis, so is all before
@@ -485,7 +485,7 @@ def test_a_clear_leaves_no_page_readable_in_redis_those_gone_from_host_included(
         stored = gone_from_host(c, pools, names)
         on_host = stats(c)["kv_pages"]
         cleared = c.kv_clear("m")
-        assert cleared.removed == on_host < len(stored) and cleared.l3_cleared
+        assert cleared.removed == on_host < len(stored) and cleared.l3_cleared is True
         got = c.kv_lookup("m", keys(*names), fetch=True, timeout_s=5)
         assert got.present == bytes(len(names)) and got.fetched == 0 and not got.pin
         after = store(c, pools, ["new"], 99)
@@ -513,7 +513,7 @@ def test_a_clear_that_cannot_reach_redis_keeps_the_namespace_from_reading_it(
         with Client(d.socket) as c:
             pools = c.kv_attach("m")
             stored = gone_from_host(c, pools, names)
-            assert not c.kv_clear("m").l3_cleared  # the engine is told: clear again later
+            assert c.kv_clear("m").l3_cleared is False  # the engine is told: clear again later
             got = c.kv_lookup("m", keys(*names), fetch=True, timeout_s=2)
             assert got.present == bytes(len(names)) and got.fetched == 0
             store(c, pools, ["new"], 9)

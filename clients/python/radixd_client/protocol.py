@@ -408,8 +408,9 @@ class KvReserveResult(Result):
 class KvClearResult(Result):
     removed: int
     # Redis has recorded the clear: nothing of before it can be read from there any more (true
-    # without Redis). In a batch the answer does not wait for Redis (protocol.md 9.4)
-    l3_cleared: bool = True
+    # without Redis). In a batch the answer does not wait for Redis (protocol.md 9.4). None: a
+    # daemon from before the field, which does not say
+    l3_cleared: bool | None = None
 
 
 class StatsResult(Result):

@@ -425,7 +425,9 @@ class RadixdHiCacheStorage(HiCacheStorage):
     def clear(self) -> bool:
         """Drop this tenant's keyed pages of the model (host and Redis); False when Redis has
         not recorded the clear (it is down: clear again once it answers)."""
-        return self._guarded("clear", False, lambda c: c.kv_clear(self.model).l3_cleared)
+        # (None: a radixd from before the answer said; it cleared what it knew, as ever)
+        return self._guarded("clear", False,
+                             lambda c: c.kv_clear(self.model).l3_cleared is not False)
 
     def _record(self, what: str, pages: int, seconds: float, page_nbytes: int) -> None:
         if not self._keep_metrics:
