@@ -287,7 +287,9 @@ def test_a_restore_from_the_fd_store_discards_an_older_state_dir_snapshot(make_d
     old = {p.name: p.read_bytes() for p in state.iterdir()}
     assert INDEX_NAME in old
     d1 = make_daemon(cfg, **store.launch())  # restores state_dir (and consumes it)
-    cache_until_on_host(d1, [seq(6)])
+    # the restored pages count too: waiting for the new ones alone was met by the restored six
+    # until the new copies landed (then never: a loaded machine timed out)
+    cache_until_on_host(d1, [seq(6, base=7000), seq(6)])
     assert d1.stop() == 0, d1.log()[-3000:]
     store.pump()
     assert INDEX_FD in store.fds
