@@ -422,20 +422,15 @@ class KeyedTier:
         self.count(ns, "kv_cleared", len(gone))
         if self._l3_queue:  # the namespace's writes not begun are of before the clear (pages
             # evicted since included): written now, they would be read again
-            keep = []
-            for item in self._l3_queue:
-                if item[-1].ns == ns:
-                    if item[1]:
-                        self.host.unhold(item[0], (item[1],))
-                else:
-                    keep.append(item)
-            self._l3_queue[:] = keep
-        if self.l3 is not None:
-            for page in self.pages.pages.values():  # pinned, so kept: their values are gone
-                if page.ns == ns:
-                    page.in_l3 = False
-            self.names.raise_gen(self.l3, ns)
-        if self.l3 is not None and gone and gen is not None:
+            self._let_go([item for item in self._l3_queue if item[-1].ns == ns])
+            self._l3_queue[:] = [item for item in self._l3_queue if item[-1].ns != ns]
+        if self.l3 is None:
+            return gone
+        for page in self.pages.pages.values():  # pinned, so kept: their values are gone
+            if page.ns == ns:
+                page.in_l3 = False
+        self.names.raise_gen(self.l3, ns)
+        if gone and gen is not None:
             for kind in P.KV_POOLS:
                 ids = [self.names.page_id(p.hash, gen) for p in gone if p.kind == kind]
                 if not ids:
@@ -457,13 +452,18 @@ class KeyedTier:
         """Pages waiting for the Redis writer (the batch it is writing not counted)."""
         return len(self._l3_queue)
 
+    def _let_go(self, items: list[L3Item]) -> None:
+        """The host slots that queued writes held (to read them) are held no more."""
+        for kind, slot, *_ in items:
+            if slot:
+                self.host.unhold(kind, (slot,))
+
     def _queue(self, item: L3Item) -> None:
         self._l3_queue.append(item)
         if len(self._l3_queue) > MAX_L3_QUEUE:
             drop = len(self._l3_queue) - MAX_L3_QUEUE
-            for kind, slot, *_, page in self._l3_queue[:drop]:
-                if slot:
-                    self.host.unhold(kind, (slot,))
+            self._let_go(self._l3_queue[:drop])
+            for *_, page in self._l3_queue[:drop]:
                 self.count(page.ns, "kv_l3_write_failures")
             del self._l3_queue[:drop]
         if self._wake is not None:
@@ -496,9 +496,7 @@ class KeyedTier:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
             self._task = None
-        for kind, slot, *_ in self._l3_queue:
-            if slot:
-                self.host.unhold(kind, (slot,))
+        self._let_go(self._l3_queue)
         self._l3_queue.clear()
 
     async def _writer(self) -> None:
@@ -526,9 +524,7 @@ class KeyedTier:
                                  and item[4] == self._clears.get(item[-1].ns, 0)]
                         values = await in_thread(self._encode, named)
                     finally:
-                        for kind, slot, *_ in batch:
-                            if slot:
-                                self.host.unhold(kind, (slot,))
+                        self._let_go(batch)
                     for *_, clears, page in batch:
                         if gens[page.ns] is None and clears == self._clears.get(page.ns, 0):
                             self.count(page.ns, "kv_l3_write_failures")

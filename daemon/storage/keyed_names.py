@@ -76,9 +76,7 @@ class KeyedNames:
 
     async def to_write(self, l3: RedisTier, ns: str) -> int | None:
         """:meth:`current` for a write batch, which waits a little for a raise under way."""
-        task = self._raising.get(ns)
-        if task is not None:
-            await asyncio.wait((task,), timeout=RAISE_WAIT_S)
+        await self.wait_raised(ns, RAISE_WAIT_S)
         return await self.current(l3, ns)
 
     def raise_gen(self, l3: RedisTier, ns: str) -> None:
