@@ -108,6 +108,7 @@ def test_bad_input_is_refused_with_a_code_and_changes_nothing(make_daemon) -> No
             return info.value.code
 
         assert code(c.kv_lookup, "nope", keys("a")) == Code.UNKNOWN_MODEL
+        assert code(c.kv_clear, "nope") == Code.UNKNOWN_MODEL  # (refused before any wait)
         assert code(c.kv_reserve, "m", [b""]) == Code.BAD_ARGUMENT
         assert code(c.kv_reserve, "m", [b"x" * 129]) == Code.BAD_ARGUMENT
         assert code(c.kv_lookup, "m", [b"x" * 129]) == Code.BAD_ARGUMENT
@@ -426,6 +427,8 @@ def test_kv_attach_raw_frame_without_fds_reader_still_answers(make_daemon) -> No
     try:
         r = raw.call(KvAttach(id=7, model="m"))
         assert not r.ok and r.error.code == Code.BAD_ARGUMENT
+        r = raw.call(KvClear(id=8, model="m"))  # a waiting operation, refused as plainly
+        assert not r.ok and r.error.code == Code.BAD_ARGUMENT and r.id == 8
     finally:
         raw.close()
 
