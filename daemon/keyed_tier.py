@@ -512,6 +512,7 @@ class KeyedTier:
                 batch = self._l3_queue[:L3_WRITE_BATCH]
                 del self._l3_queue[:L3_WRITE_BATCH]
                 self._writing = True
+                uncounted = [item[-1] for item in batch]  # (a failure counts these alone)
                 try:
                     try:  # named under the generations Redis holds now (a clear raises them)
                         gens = {ns: await self.names.to_write(self.l3, ns)
@@ -528,6 +529,7 @@ class KeyedTier:
                     for *_, clears, page in batch:
                         if gens[page.ns] is None and clears == self._clears.get(page.ns, 0):
                             self.count(page.ns, "kv_l3_write_failures")
+                    uncounted = [item[-1] for item, _ in named]
                     written = await self.l3.set_pages(values)
                     whole = written == len(values)
                     if not whole:  # which failed is unknown: none is marked as in Redis, and
@@ -539,6 +541,7 @@ class KeyedTier:
                         page.in_l3 = page.in_l3 or (whole and current)
                         self.count(page.ns, "kv_l3_write_pages" if whole
                                    else "kv_l3_write_failures", model=whole)
+                    uncounted = []
                     if whole and self.l3_charge is not None:
                         await self.l3_charge([
                             (page.ns, l3id, kind, len(v))
@@ -549,7 +552,7 @@ class KeyedTier:
                     raise
                 except Exception:
                     log.exception("keyed L3 write failed")
-                    for *_, page in batch:
+                    for page in uncounted:
                         self.count(page.ns, "kv_l3_write_failures")
                 finally:
                     self._writing = False

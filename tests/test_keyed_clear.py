@@ -109,3 +109,23 @@ def test_a_page_kept_by_a_clear_during_its_write_is_not_taken_as_in_redis(prefix
         assert await fetched(kv, [b"p"]) == 0
 
     run_store(prefix, 4, "write_through", body, charge)
+
+
+def test_a_batch_that_fails_after_its_pages_were_counted_counts_each_page_once(
+        prefix: str) -> None:
+    """The L3 ledger's charge runs after a batch's pages are counted as written. A failure there
+    (injected: the ledger's own Redis calls fail only with Redis gone, which would fail the write
+    first) is logged and counts the pages that were not counted yet, none here: before, each
+    page counted as written and as failed."""
+    async def charge(items: list) -> int:
+        raise RuntimeError("injected: the L3 ledger failed")
+
+    async def body(kv: KeyedTier, host: HostTier) -> None:
+        commit(kv, host, "s1", "a", [b"p", b"q"], 5)
+        await kv.drain(time.monotonic() + 5)
+        assert kv.counters["kv_l3_write_pages"] == 2
+        assert kv.counters["kv_l3_write_failures"] == 0
+        assert kv.ns_counters["a"]["kv_l3_write_failures"] == 0
+        assert all(page.in_l3 for page in (kv.pages.get("a", "full", k) for k in (b"p", b"q")))
+
+    run_store(prefix, 4, "write_through", body, charge)
