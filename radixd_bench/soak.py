@@ -4,16 +4,23 @@ It starts everything it needs in a scratch directory: its own radixd (a CPU mode
 device pools about a third of the working set, host tier about half, Redis write-through, a state
 directory so a restart keeps the host tier, two tenants with quotas) and its own redis-server on
 a spare loopback port (never the one on 6379). Client processes (:mod:`radixd_bench.soak_worker`)
-run whole request lifecycles and verify every hit byte for byte. Meanwhile it SIGKILLs a random
-client every ``kill_every_s`` (and starts a new one), SIGKILLs Redis and starts it empty every
-``redis_kill_every_s``, and restarts the daemon (SIGTERM, start again) at ``restart_at_s``.
+run whole request lifecycles and verify every hit byte for byte; after each request they use
+keyed pages (:mod:`radixd_bench.soak_keyed`: stored, looked up with Redis fetches, verified, and
+checked for pages served again after a ``kv_clear``). Meanwhile it SIGKILLs a random client
+every ``kill_every_s`` (and starts a new one), SIGKILLs Redis and starts it empty every
+``redis_kill_every_s``, and restarts the daemon (SIGTERM, start again) at ``restart_at_s``. A
+client that dies by itself (an exception the client library or the daemon should not have
+caused) is started again and counted.
 
 At the end (all clients gone) it asks the daemon for a full invariant check and for its pool
-usage: pages still held by sessions are leaks. It prints the daemon's operations, requests,
-verified pages, mismatches, violations, leaks, failed requests by code, requests restarted by the
+usage (pages still held by sessions are leaks) and keyed pins (pins left are leaks), then stops
+it with SIGTERM, which runs the check at rest (no lock, pin or keyed pin may be left), and reads
+its log for violations. It prints the daemon's operations, requests, verified pages, mismatches,
+the keyed pages' figures, violations, leaks, failed requests by code, requests restarted by the
 daemon restart, the daemon's RSS with the slope of a linear fit over the last three quarters of
 the run (MiB/h), its open descriptors, and Redis breaker openings and dropped writes. Exit 1 if
-mismatches, violations or leaks are not all zero.
+mismatches (of either kind), stale keyed pages, violations, leaks or client crashes are not all
+zero.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from .options import BenchError
+from .soak_keyed import KEYED_COUNTS, KeyedOptions
 from .soak_worker import worker_main
 from .unix_http import UnixHTTPConnection
 
@@ -60,6 +68,7 @@ class SoakOptions:
     prefill_chunk: int = 128
     seed: int = 0
     workdir: str | None = None  # default: a temporary directory, removed at the end
+    keyed: KeyedOptions | None = field(default_factory=KeyedOptions)  # None: no keyed pages
 
 
 @dataclass
@@ -81,6 +90,11 @@ def _config(work: Path, redis_port: int, opts: SoakOptions) -> str:
     pages_per_doc = -(-(opts.doc_tokens + opts.suffix_tokens + opts.output_tokens) // P)
     working_set = len(_TENANTS) * opts.docs_per_tenant * pages_per_doc
     full = max(working_set // 3, opts.clients * (pages_per_doc + 2) + 16)
+    # the host tier: about half the tree's working set, plus half the clients' keyed keys (the
+    # keyed pages and the tree's host copies share one eviction order, protocol.md 9.4)
+    kv = opts.keyed
+    kv_full, kv_swa = (opts.clients * kv.full_keys // 2, opts.clients * kv.swa_keys // 2) \
+        if kv is not None else (0, 0)
     tenants = "\n".join(
         f'[[tenants]]\nname = "{ns}"\ntoken = "{tok}"\nnamespace = "{ns}"\n'
         f"quota_full_pages = {full * 2 // 3}\n" for ns, tok in _TENANTS)
@@ -109,8 +123,8 @@ dtype = "float32"
 device = "cpu"
 full_pages = {full}
 swa_pages = {max(full // 2, opts.clients * 8 + 16)}
-host_pages = {max(2, working_set // 2)}
-host_swa_pages = {max(2, working_set // 4)}
+host_pages = {max(2, working_set // 2 + kv_full)}
+host_swa_pages = {max(2, working_set // 4 + kv_swa)}
 {tenants}"""
 
 
@@ -224,8 +238,8 @@ def run_soak(opts: SoakOptions, progress: Any = None) -> dict[str, Any]:
     results = ctx.Queue()
     docs = _docs(opts)
     totals: dict[str, Any] = {"requests": 0, "verified_pages": 0, "mismatches": 0,
-                              "restarted": 0, "failed": {}}
-    events = {"client_kills": 0, "redis_kills": 0, "daemon_restarts": 0}
+                              "restarted": 0, "failed": {}, **dict.fromkeys(KEYED_COUNTS, 0)}
+    events = {"client_kills": 0, "client_crashes": 0, "redis_kills": 0, "daemon_restarts": 0}
     restart_at = opts.restart_at_s if opts.restart_at_s is not None else opts.duration_s / 2
     # a SIGTERM (the operator's kill, a CI timeout) unwinds through the cleanup below, so that
     # no client, Redis or daemon of the soak outlives it
@@ -241,7 +255,8 @@ def run_soak(opts: SoakOptions, progress: Any = None) -> dict[str, Any]:
         ns, tok = _TENANTS[slot % len(_TENANTS)]
         p = ctx.Process(target=worker_main, daemon=True, args=(
             slot, str(work / "radixd.sock"), tok, _MODEL, docs[ns], opts.seed * 1000 + serial,
-            opts.suffix_tokens, opts.output_tokens, opts.prefill_chunk, stop, results))
+            opts.suffix_tokens, opts.output_tokens, opts.prefill_chunk, stop, results, ns,
+            opts.keyed))
         p.start()
         procs[slot] = p
 
@@ -251,7 +266,7 @@ def run_soak(opts: SoakOptions, progress: Any = None) -> dict[str, Any]:
                 _, c = results.get_nowait()
             except queue.Empty:
                 return
-            for k in ("requests", "verified_pages", "mismatches", "restarted"):
+            for k in ("requests", "verified_pages", "mismatches", "restarted", *KEYED_COUNTS):
                 totals[k] += c[k]
             for code, n in c["failed"].items():
                 totals["failed"][code] = totals["failed"].get(code, 0) + n
@@ -275,6 +290,11 @@ def run_soak(opts: SoakOptions, progress: Any = None) -> dict[str, Any]:
                 d.rss.append((now - t0, rss))
             if d.fds_start is None and now - d.started > 5:
                 d.fds_start = _fds(d.proc.pid)
+            for slot, p in list(procs.items()):
+                if not p.is_alive():  # it died by itself (its traceback is on stderr)
+                    p.join()
+                    spawn(slot)
+                    events["client_crashes"] += 1
             if now >= next_kill:
                 slot = rng.randrange(opts.clients)
                 procs[slot].kill()
@@ -353,25 +373,42 @@ def _final(work: Path, d: _Daemon, totals: dict[str, Any], events: dict[str, int
     time.sleep(1.0)  # the sessions of the killed and stopped clients close
     stats = _admin(work, "GET", "/v1/stats")
     held = sum(pool["held"] for m in stats["models"].values() for pool in m["pools"].values())
+    # keyed pins and reservations end with their session, however it ends: any left is a leak
+    keyed = [m["keyed"] for m in stats["models"].values() if m.get("keyed")]
+    keyed_pins = sum(k["pins"] for k in keyed)
     check = _admin(work, "POST", "/v1/check")
-    log_text = (work / "radixd.log").read_text(errors="replace")
+    fds_end = _fds(d.proc.pid)
+    # the stop runs the check at rest (no lock, tree pin, host slot or keyed pin left) and
+    # logs what it finds, as the background checker does
+    d.proc.send_signal(signal.SIGTERM)
+    try:
+        final_exit = d.proc.wait(60)
+    except subprocess.TimeoutExpired:
+        final_exit = None
     violations = list(check.get("violations", []))
-    if "invariant violations" in log_text:
-        violations.append("the daemon's log reports invariant violations (background check)")
+    log_text = (work / "radixd.log").read_text(errors="replace")
+    violations += [f"the daemon's log: {line.strip()[:300]}" for line in log_text.splitlines()
+                   if "invariant violations" in line][:20]
+    if final_exit != 0:
+        violations.append(f"the daemon's final stop: exit code {final_exit}")
     l3 = stats.get("l3") or {}
     rss = d.rss
+    bad = (totals["mismatches"], totals["keyed_mismatches"], totals["keyed_stale"], held,
+           keyed_pins, events["client_crashes"])
     return {
         **totals, **events, "restart": restart,
         "ops": stats["ops_total"] + restart.get("ops_before", 0),
-        "violations": violations, "leaked_pages": held, "sessions_left": stats["sessions"],
+        "violations": violations, "leaked_pages": held, "leaked_keyed_pins": keyed_pins,
+        "keyed_pages_left": sum(sum(k["pages"].values()) for k in keyed),
+        "sessions_left": stats["sessions"],
         "rss_mib_start": round(rss[0][1], 1) if rss else None,
         "rss_mib_end": round(rss[-1][1], 1) if rss else None,
         "rss_slope_mib_per_h": (round(s, 1) if (s := slope_mib_per_hour(rss)) is not None
                                 else None),
-        "fds_start": d.fds_start, "fds_end": _fds(d.proc.pid),
+        "fds_start": d.fds_start, "fds_end": fds_end, "final_exit_code": final_exit,
         "redis_breaker_opens": l3.get("breaker_opens"),
         "redis_dropped_writes": l3.get("set_failures"),
-        "ok": totals["mismatches"] == 0 and not violations and held == 0,
+        "ok": not any(bad) and not violations,
     }
 
 
@@ -384,11 +421,21 @@ def format_report(r: dict[str, Any]) -> str:
         f"{r['options']['clients']} clients)",
         f"  ops {r['ops']}, requests {r['requests']}, verified pages {r['verified_pages']}, "
         f"mismatches {r['mismatches']}",
-        f"  invariant violations {len(r['violations'])}, leaked pages {r['leaked_pages']}",
+        f"  keyed pages: {r['keyed_rounds']} rounds, stored {r['keyed_stored']}, verified "
+        f"{r['keyed_verified']} ({r['keyed_verified_after_restart']} written before the "
+        f"daemon restart; {r['keyed_fetched']} fetched from Redis), mismatches "
+        f"{r['keyed_mismatches']}, stale {r['keyed_stale']} of {r['keyed_stale_checks']} "
+        f"lookups that could have served one (after a clear Redis did not confirm, allowed: "
+        f"{r['keyed_stale_unconfirmed']}), declined {r['keyed_declined']}",
+        f"  keyed clears {r['keyed_clears']} ({r['keyed_clears_confirmed']} confirmed by "
+        f"Redis); keyed pages left {r['keyed_pages_left']}",
+        f"  invariant violations {len(r['violations'])}, leaked pages {r['leaked_pages']}, "
+        f"leaked keyed pins {r['leaked_keyed_pins']}",
         f"  failed requests by code: {failed}; restarted by the daemon restart or a lost "
         f"connection: {r['restarted']}",
         f"  faults: {r['client_kills']} client kills, {r['redis_kills']} Redis kills, "
-        f"{r['daemon_restarts']} daemon restarts",
+        f"{r['daemon_restarts']} daemon restarts; clients that died by themselves: "
+        f"{r['client_crashes']}",
         f"  restart: stopped in {rs.get('stop_s')} s, SIGTERM to serving "
         f"{rs.get('sigterm_to_serving_s')} s, host pages kept "
         f"{rs.get('host_pages_kept')}, dropped {rs.get('host_pages_dropped')}",

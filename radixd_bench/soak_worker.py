@@ -30,6 +30,8 @@ from radixd_client.errors import (
 )
 from radixd_client.lifecycle import RequestLifecycle
 
+from .soak_keyed import KEYED_COUNTS, KeyedOptions, KeyedSoak
+
 __all__ = ["PageVerifier", "expected_values", "worker_main"]
 
 _MOD = 1 << 24
@@ -110,15 +112,20 @@ def _connect(socket_path: str, token: str, name: str) -> Client:
 
 
 def worker_main(index: int, socket_path: str, token: str, model: str, docs: list[list[int]],
-                seed: int, suffix: int, output: int, chunk: int, stop: Any, results: Any) -> None:
-    """Run requests until ``stop`` is set; put a counts dict on ``results`` after each one."""
+                seed: int, suffix: int, output: int, chunk: int, stop: Any, results: Any,
+                namespace: str = "", keyed: KeyedOptions | None = None) -> None:
+    """Run requests (each followed by a round of keyed pages, with ``keyed``) until ``stop`` is
+    set; put a counts dict on ``results`` after each one. ``namespace``: the tenant's, which
+    the keyed pages' values are derived from."""
     rng = random.Random(seed)
     name = f"radixd-soak-{index}"
     client: Client | None = None
     pages: PageVerifier | None = None
+    kv = (KeyedSoak(model, namespace, f"{index}.{seed}", keyed, random.Random(~seed))
+          if keyed is not None else None)
     while not stop.is_set():
-        counts = {"requests": 0, "verified_pages": 0, "mismatches": 0, "restarted": 0,
-                  "failed": {}}
+        counts: dict[str, Any] = {"requests": 0, "verified_pages": 0, "mismatches": 0,
+                                  "restarted": 0, "failed": {}, **dict.fromkeys(KEYED_COUNTS, 0)}
         try:
             if client is None:
                 client = _connect(socket_path, token, name)
@@ -128,6 +135,8 @@ def worker_main(index: int, socket_path: str, token: str, model: str, docs: list
             out = [rng.randrange(1, 30000) for _ in range(output)]
             _serve(client, pages, model, prompt, out, chunk, counts)
             counts["requests"] = 1
+            if kv is not None:
+                kv.round(client, counts)
         except SessionRestarted:
             counts["restarted"] = 1  # the client is on the successor, its pools mapped again
         except (ConnectionLost, ShuttingDown, ConnectFailed):

@@ -1,5 +1,6 @@
 """``radixd bench soak`` for two minutes: clients, Redis and the daemon itself killed or restarted
-under load, every hit verified, and nothing mismatched, violated or leaked at the end."""
+under load, every hit verified (tree pages, and keyed pages also against the clients' clears),
+and nothing mismatched, stale, violated or leaked at the end."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from radixd_bench.soak_keyed import KeyedOptions, KeyedSoak, keyed_page
 from radixd_bench.soak_worker import PageVerifier, expected_values
 
 REPO = Path(__file__).resolve().parents[2]
@@ -42,6 +44,76 @@ def test_the_page_check_catches_one_wrong_value() -> None:
     assert pages.verify("full", table, [*tokens[:7], 4], 0, 8) == (2, 1)
 
 
+class _Cleared:
+    """What a ``kv_clear`` answers, as far as the keyed check reads it."""
+
+    def __init__(self, l3_cleared: bool | None) -> None:
+        self.removed = 0
+        self.l3_cleared = l3_cleared
+
+
+class _Clears:
+    """A session whose next ``kv_clear`` answers ``l3_cleared`` as told, or is cut (None)."""
+
+    def __init__(self) -> None:
+        self.answer: _Cleared | None = None
+
+    def kv_clear(self, model: str) -> _Cleared:
+        if self.answer is None:
+            raise ConnectionError("cut")
+        return self.answer
+
+
+def test_the_keyed_check_tells_verified_mismatched_and_stale_pages_apart() -> None:
+    """A keyed page says which epoch it claims; the check accepts only this key's page of an
+    epoch it was written at, and calls an intact page of before a confirmed clear stale, of
+    before an unconfirmed one (Redis did not say it recorded the clear, or no answer came)
+    tolerated, until a later clear is confirmed."""
+    import random
+
+    nbytes = 256
+    kv = KeyedSoak("m", "a", "t", KeyedOptions(), random.Random(0))
+    k, other = kv.key("full", 1), kv.key("full", 2)
+    kv.written[("full", k)] = {0: None}
+    kv.written[("full", other)] = {0: None}
+    page = keyed_page("a", "full", k, 0, nbytes)
+    assert kv.classify("full", k, page.clone()) == "verified"
+    # any byte off, another key's page, another namespace's or kind's, a slot never written
+    for i in (0, 4, 12, nbytes - 1):
+        bad = page.clone()
+        bad[i] ^= 1
+        assert kv.classify("full", k, bad) == "mismatch", i
+    assert kv.classify("full", k, keyed_page("a", "full", other, 0, nbytes)) == "mismatch"
+    assert kv.classify("full", k, keyed_page("b", "full", k, 0, nbytes)) == "mismatch"
+    kv.written[("swa", k)] = {0: None}
+    assert kv.classify("swa", k, page.clone()) == "mismatch"
+    assert kv.classify("full", k, torch.zeros(nbytes, dtype=torch.uint8)) == "mismatch"
+    # an intact page of an epoch the key was never written at is not this key's page either
+    assert kv.classify("full", k, keyed_page("a", "full", k, 1, nbytes)) == "mismatch"
+
+    session = _Clears()
+    session.answer = _Cleared(False)  # Redis did not record it: the old page may come back
+    kv.clear(session, counts := {"keyed_clears": 0, "keyed_clears_confirmed": 0})
+    assert (kv.epoch, kv.floor) == (1, 0)
+    assert kv.classify("full", k, page.clone()) == "unconfirmed"
+    session.answer = None
+    with pytest.raises(ConnectionError):  # no answer: as unconfirmed, but the epoch moves on
+        kv.clear(session, counts)
+    assert (kv.epoch, kv.floor) == (2, 0)
+    kv.written[("full", k)][2] = None
+    newer = keyed_page("a", "full", k, 2, nbytes)
+    assert kv.classify("full", k, newer.clone()) == "verified"
+    session.answer = _Cleared(True)
+    kv.clear(session, counts)
+    assert (kv.epoch, kv.floor) == (3, 3) and counts == {"keyed_clears": 3,
+                                                         "keyed_clears_confirmed": 1}
+    assert kv.classify("full", k, page.clone()) == "stale"
+    assert kv.classify("full", k, newer.clone()) == "stale"
+    bad = newer.clone()
+    bad[100] ^= 1
+    assert kv.classify("full", k, bad) == "mismatch"  # wrong bytes are a mismatch, never stale
+
+
 @pytest.mark.soak
 def test_a_two_minute_soak_has_no_mismatch_violation_or_leak(tmp_path: Path) -> None:
     out = tmp_path / "soak.json"
@@ -54,14 +126,22 @@ def test_a_two_minute_soak_has_no_mismatch_violation_or_leak(tmp_path: Path) -> 
     r = json.loads(out.read_text())
     summary = proc.stdout + proc.stderr
     assert r["mismatches"] == 0, summary
+    assert r["keyed_mismatches"] == 0 and r["keyed_stale"] == 0, summary
     assert r["violations"] == [], summary
-    assert r["leaked_pages"] == 0, summary
+    assert r["leaked_pages"] == 0 and r["leaked_keyed_pins"] == 0, summary
+    assert r["client_crashes"] == 0 and r["final_exit_code"] == 0, summary
     assert proc.returncode == 0, summary
     assert r["verified_pages"] > 100, summary  # hits happened and were read back
     assert r["client_kills"] >= 4 and r["redis_kills"] >= 2 and r["daemon_restarts"] == 1
     assert r["restart"]["old_exit_code"] == 0, summary
     assert r["restart"]["host_pages_kept"] > 0, summary  # the warm restart kept the host tier
     assert r["requests"] > 100, summary
+    # keyed pages were stored, served and read back, some of them from Redis and some written
+    # before the daemon restart; clears happened, and Redis confirmed some (so the stale check
+    # had a floor to check against)
+    assert r["keyed_stored"] > 500 and r["keyed_verified"] > 500, summary
+    assert r["keyed_fetched"] > 0 and r["keyed_verified_after_restart"] > 0, summary
+    assert r["keyed_clears_confirmed"] >= 3 and r["keyed_stale_checks"] > 100, summary
 
 
 def _session_members(sid: int) -> list[int]:
