@@ -30,6 +30,15 @@ def write_json(path: str, figures: dict[str, Any]) -> None:
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
+def tree_env(root: str) -> dict[str, str]:
+    """This process's environment for a Python process that runs source tree ``root``: the tree
+    and its client library first on PYTHONPATH, what the caller's PYTHONPATH held (packages
+    installed there) after them."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [root, os.path.join(root, "clients", "python"),
+         *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])}
+
+
 class DaemonProcess:
     """A radixd in a scratch directory, serving ``config`` (TOML, where ``{socket}`` and
     ``{admin}`` stand for the engines' and the admin endpoint's socket paths; an admin endpoint
@@ -43,13 +52,8 @@ class DaemonProcess:
         cfg = os.path.join(self.dir, "radixd.toml")
         with open(cfg, "w") as fh:
             fh.write(config.format(socket=self.socket, admin=self.admin))
-        # the source tree first; what the caller's PYTHONPATH held (packages installed there)
-        # after it
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            [root, os.path.join(root, "clients", "python"),
-             *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])}
         self.proc = subprocess.Popen([sys.executable, "-m", "daemon.cli", "serve", "--config", cfg],
-                                     cwd=root, env=env)
+                                     cwd=root, env=tree_env(root))
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             try:

@@ -4,7 +4,8 @@ checkout against a baseline git ref, in the same run.
 daemon_cpu_bench reads the daemon's CPU per operation over a real socket, where each request
 also pays the event loop's wake-up and two syscalls (its ``ping`` floor). This benchmark takes
 that part away, to show what is left: one process builds the daemon as ``radixd serve`` does
-(rpc_bench's configuration, host tier on), opens a session on a server connection
+(rpc_bench's configuration, host tier on, its background copies started, on uvloop), opens a
+session on a server connection
 (``daemon.server.Connection``, the asyncio Protocol the socket feeds) and hands it each request's
 frame with ``data_received``, as the event loop would after a read, collecting the response from
 a transport that only keeps what is written. Each call is timed alone (``perf_counter_ns``); the
@@ -13,7 +14,8 @@ figures are p50 and mean microseconds per operation.
 The workload is daemon_cpu_bench's default one (rpc_bench's mixed engine request: match+lock,
 alloc, cache_finished), from one session: eight cached prefixes of 256 tokens, 512 requests of
 256 + 128 tokens, each sent once before the timed rounds, so that every timed request is a full
-hit (a match of 6 pages, an empty alloc, a cache_finished inserting nothing). A ``ping`` of 8
+hit (a match of 6 pages, an empty alloc, a cache_finished inserting nothing); the timed rounds
+start once the host tier has copied what those first requests inserted. A ``ping`` of 8
 bytes before each request measures the path without any operation's own work: frame split,
 decode, dispatch, metrics, encode, the write.
 
@@ -46,7 +48,7 @@ import shutil  # noqa: E402
 import subprocess  # noqa: E402
 from array import array  # noqa: E402
 
-from bench._common import export_ref, write_json  # noqa: E402
+from bench._common import export_ref, tree_env, write_json  # noqa: E402
 from bench.rpc_bench import MODEL, PAGE, _prefixes, _requests, config  # noqa: E402
 
 #: the operations timed, in the order a request sends them (request_path_worker.py)
@@ -55,6 +57,8 @@ OPS = ("ping", "match", "alloc", "cache_finished")
 MIXED = ("match", "alloc", "cache_finished")
 #: run as a script: its folder, not this tree, first on its path (see its docstring)
 WORKER = os.path.join(_ROOT, "bench", "request_path_worker.py")
+#: one worker's whole run (a daemon's build, the warm-up, the host tier settling, the rounds)
+WORKER_TIMEOUT_S = 600
 
 
 def workload(seed: int = 1) -> tuple[list[bytes], list[bytes]]:
@@ -64,20 +68,22 @@ def workload(seed: int = 1) -> tuple[list[bytes], list[bytes]]:
     return [array("i", p).tobytes() for p in prefixes], _requests(rng, prefixes)
 
 
-def _side(root: str, rounds: int, cpu: int | None) -> dict[str, float]:
+def run_side(root: str, rounds: int, cpu: int | None) -> dict[str, float]:
     """One worker process on ``root``'s daemon (bench/request_path_worker.py); its figures."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [root, os.path.join(root, "clients", "python"),
-         *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])}
     prefixes, requests = workload()
     job = {"config": config(), "model": MODEL, "page": PAGE, "prefixes": prefixes,
            "requests": requests, "rounds": rounds, "cpu": cpu}
-    got = subprocess.run([sys.executable, WORKER], input=pickle.dumps(job), capture_output=True,
-                         env=env, cwd=root)
-    if got.returncode:
-        raise RuntimeError(f"the worker on {root} failed:\n"
+    try:
+        got = subprocess.run([sys.executable, WORKER], input=pickle.dumps(job),
+                             capture_output=True, env=tree_env(root), cwd=root,
+                             timeout=WORKER_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"the worker on {root} took more than {WORKER_TIMEOUT_S} s") from None
+    lines = got.stdout.decode(errors="replace").strip().splitlines()
+    if got.returncode or not lines:
+        raise RuntimeError(f"the worker on {root} failed (exit {got.returncode}):\n"
                            f"{got.stderr.decode(errors='replace')[-4000:]}")
-    figures = json.loads(got.stdout.decode().strip().splitlines()[-1])
+    figures = json.loads(lines[-1])
     source = figures.pop("source")
     if os.path.realpath(source) != os.path.realpath(root):  # a baseline measuring this tree
         raise RuntimeError(f"the worker for {root} ran the daemon of {source}")
@@ -112,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         sides = [("base", base_root), ("this", _ROOT)]
         for i in range(args.rounds):  # in turns, each side first every other round
             for side, root in sides[::-1] if i % 2 else sides:
-                for k, v in _side(root, args.requests_rounds, cpu).items():
+                for k, v in run_side(root, args.requests_rounds, cpu).items():
                     best[side][k] = min(v, best[side].get(k, v))
     finally:
         shutil.rmtree(base_root, ignore_errors=True)

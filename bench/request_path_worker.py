@@ -1,7 +1,9 @@
 """One side of bench/request_path_bench.py, in a process of its own: the daemon of the source
 tree that PYTHONPATH starts with, fed one session's requests without a socket. The job comes
 pickled on stdin and the figures go out as one line of JSON, so that this process imports nothing
-of the tree that runs the benchmark (its bench package included) before that tree's daemon."""
+of the tree that runs the benchmark (its bench package included) before that tree's daemon; that
+daemon is imported only once the process is on its CPU, so that the threads its imports start
+(torch's) are there too."""
 
 from __future__ import annotations
 
@@ -15,13 +17,8 @@ import tempfile
 import time
 from typing import Any
 
-from radixd_client import protocol as P
-from radixd_client.connection import ClientConnection
-
-import daemon
-from daemon.app import build
-from daemon.config import load_config
-from daemon.server import Connection, tune_gc
+#: how long the host tier may take to copy what the warm-up inserted
+SETTLE_S = 60.0
 
 
 class KeptWrites:
@@ -46,14 +43,35 @@ class KeptWrites:
         pass
 
 
-async def _run(job: dict[str, Any]) -> dict[str, float]:
+async def _settled(service: Any) -> None:
+    """Wait until the host tier has copied what was inserted (no backup queued or landing, twice
+    in a row), as a serving daemon's would have before the timed requests."""
+    deadline = time.monotonic() + SETTLE_S
+    quiet = 0
+    while quiet < 2:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the host tier did not settle in {SETTLE_S:.0f} s")
+        await asyncio.sleep(0.05)
+        tiers = [e.tiers.stats() for e in service.models.values() if e.tiers is not None]
+        busy = any(t["backup_queue"] or t["host_pages_pending"] for t in tiers)
+        quiet = 0 if busy else quiet + 1
+
+
+async def _run(job: dict[str, Any], scratch: str) -> dict[str, float]:
+    from radixd_client import protocol as P
+    from radixd_client.connection import ClientConnection
+
+    from daemon.app import build
+    from daemon.config import load_config
+    from daemon.server import Connection, tune_gc
+
     model, page = job["model"], job["page"]
-    scratch = tempfile.mkdtemp(prefix="radixd-request-path-")
     path = os.path.join(scratch, "radixd.toml")
     with open(path, "w", encoding="utf-8") as fh:
         fh.write(job["config"].format(socket=os.path.join(scratch, "radixd.sock"), admin=None))
     server = build(load_config(path)).server
     server.loop = asyncio.get_running_loop()
+    server.service.start_tiers()  # as serve() does: the host tier copies what is inserted
     tune_gc()
     conn, transport, client = Connection(server), KeptWrites(), ClientConnection()
     conn.connection_made(transport)  # type: ignore[arg-type]
@@ -88,10 +106,10 @@ async def _run(job: dict[str, Any]) -> dict[str, float]:
                                 swa_pages=a.swa_pages))
     for tokens in job["requests"]:  # each one cached: the timed rounds are full hits
         request(tokens, False)
+    await _settled(server.service)
     for _ in range(job["rounds"]):
         for tokens in job["requests"]:
             request(tokens, True)
-    shutil.rmtree(scratch, ignore_errors=True)
     out: dict[str, float] = {}
     for op, ts in times.items():
         ts.sort()
@@ -103,10 +121,22 @@ async def _run(job: dict[str, Any]) -> dict[str, float]:
 def measure(job: dict[str, Any]) -> dict[str, Any]:
     """``job``: ``config`` (rpc_bench's, ``{socket}`` to fill), ``model``, ``page``,
     ``prefixes`` and ``requests`` (int32 token bytes), ``rounds``, ``cpu`` (None: any). The
-    figures, and under ``source`` the tree whose daemon gave them."""
+    figures, and under ``source`` the tree whose daemon gave them. On uvloop, as the daemon."""
     if job["cpu"] is not None:
         os.sched_setaffinity(0, {job["cpu"]})
-    return {**asyncio.run(_run(job)),
+    import daemon
+
+    try:
+        import uvloop
+    except ImportError:  # (a daemon dependency; asyncio's own loop would do)
+        uvloop = None
+    scratch = tempfile.mkdtemp(prefix="radixd-request-path-")
+    try:
+        run = uvloop.run if uvloop is not None else asyncio.run
+        figures = run(_run(job, scratch))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return {**figures,
             "source": os.path.dirname(os.path.dirname(os.path.abspath(daemon.__file__)))}
 
 

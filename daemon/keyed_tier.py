@@ -512,7 +512,7 @@ class KeyedTier:
                 batch = self._l3_queue[:L3_WRITE_BATCH]
                 del self._l3_queue[:L3_WRITE_BATCH]
                 self._writing = True
-                uncounted = [item[-1] for item in batch]  # (a failure counts these alone)
+                uncounted, named_all = batch, False  # what a failure counts (see below)
                 try:
                     try:  # named under the generations Redis holds now (a clear raises them)
                         gens = {ns: await self.names.to_write(self.l3, ns)
@@ -529,7 +529,7 @@ class KeyedTier:
                     for *_, clears, page in batch:
                         if gens[page.ns] is None and clears == self._clears.get(page.ns, 0):
                             self.count(page.ns, "kv_l3_write_failures")
-                    uncounted = [item[-1] for item, _ in named]
+                    uncounted, named_all = [item for item, _ in named], True
                     written = await self.l3.set_pages(values)
                     whole = written == len(values)
                     if not whole:  # which failed is unknown: none is marked as in Redis, and
@@ -552,8 +552,10 @@ class KeyedTier:
                     raise
                 except Exception:
                     log.exception("keyed L3 write failed")
-                    for page in uncounted:
-                        self.count(page.ns, "kv_l3_write_failures")
+                    for *_, clears, page in uncounted:  # as the path it left would have:
+                        # named pages whatever a clear did meanwhile, others unless overtaken
+                        if named_all or clears == self._clears.get(page.ns, 0):
+                            self.count(page.ns, "kv_l3_write_failures")
                 finally:
                     self._writing = False
 

@@ -20,7 +20,7 @@ the keyed pages' figures, violations, leaks, failed requests by code, requests r
 daemon restart, the daemon's RSS with the slope of a linear fit over the last three quarters of
 the run (MiB/h), its open descriptors, and Redis breaker openings and dropped writes. Exit 1 if
 mismatches (of either kind), stale keyed pages, violations, leaks or client crashes are not all
-zero.
+zero, or a stop of the daemon (the restart's or the last) does not exit 0.
 """
 
 from __future__ import annotations
@@ -394,7 +394,7 @@ def _final(work: Path, d: _Daemon, totals: dict[str, Any], events: dict[str, int
     l3 = stats.get("l3") or {}
     rss = d.rss
     bad = (totals["mismatches"], totals["keyed_mismatches"], totals["keyed_stale"], held,
-           keyed_pins, events["client_crashes"])
+           keyed_pins, events["client_crashes"], restart.get("old_exit_code") not in (0, None))
     return {
         **totals, **events, "restart": restart,
         "ops": stats["ops_total"] + restart.get("ops_before", 0),
@@ -424,9 +424,9 @@ def format_report(r: dict[str, Any]) -> str:
         f"  keyed pages: {r['keyed_rounds']} rounds, stored {r['keyed_stored']}, verified "
         f"{r['keyed_verified']} ({r['keyed_verified_after_restart']} written before the "
         f"daemon restart; {r['keyed_fetched']} fetched from Redis), mismatches "
-        f"{r['keyed_mismatches']}, stale {r['keyed_stale']} of {r['keyed_stale_checks']} "
-        f"lookups that could have served one (after a clear Redis did not confirm, allowed: "
-        f"{r['keyed_stale_unconfirmed']}), declined {r['keyed_declined']}",
+        f"{r['keyed_mismatches']}, stale {r['keyed_stale']} ({r['keyed_stale_checks']} keys "
+        f"looked up that could have served one; after a clear whose answer never came, "
+        f"allowed: {r['keyed_stale_unconfirmed']}), declined {r['keyed_declined']}",
         f"  keyed clears {r['keyed_clears']} ({r['keyed_clears_confirmed']} confirmed by "
         f"Redis); keyed pages left {r['keyed_pages_left']}",
         f"  invariant violations {len(r['violations'])}, leaked pages {r['leaked_pages']}, "

@@ -13,14 +13,15 @@ and classified:
   byte differs, another key's or namespace's page, zeros), or an epoch at which the client never
   reserved this key;
 - **stale**: the page is whole, but its epoch is below the client's *floor*: written before a
-  ``kv_clear`` of this client whose answer said ``l3_cleared`` true. The client holds no pin and
-  no reservation when it clears and every commit of before has been answered, so no page of its
-  keys stored before that clear may be served again, from host or from Redis (whose clear
-  generation the daemon raised);
-- **stale after an unconfirmed clear** (tolerated, counted): written before a clear whose answer
-  did not say ``l3_cleared`` true (false, missing, or lost with the connection) and at or above
-  the floor. Such a clear may not have reached Redis (protocol.md 9.4), or not the daemon at
-  all, so the page may legitimately come back until a later clear is confirmed;
+  ``kv_clear`` of this client that was answered. The client holds no pin and no reservation
+  when it clears and every commit of before has been answered, so no page of its keys stored
+  before that clear may be served again, from host or from Redis, whatever ``l3_cleared`` said
+  (protocol.md 9.4): the clear drops the host pages at once, and until Redis has recorded it
+  the daemon reads nothing of the namespace from Redis; the soak's daemon keeps a state
+  directory and stops with SIGTERM, so a raise still pending at its restart is carried over;
+- **stale after a clear whose answer never came** (tolerated, counted): written before such a
+  clear (the connection was cut) and at or above the floor. The clear may not have reached the
+  daemon, so the page may legitimately come back until a later clear is answered;
 - otherwise **verified**.
 
 The epoch is raised after every clear attempt, whatever its outcome, so pages written after an
@@ -103,8 +104,7 @@ class KeyedSoak:
         self.rng = rng
         #: the epoch of the pages written now: one more after every kv_clear attempt
         self.epoch = 0
-        #: the least epoch a served page may carry: raised to ``epoch`` by a clear whose answer
-        #: said l3_cleared
+        #: the least epoch a served page may carry: raised to ``epoch`` by an answered clear
         self.floor = 0
         #: (kind, key) -> {epoch at which a slot was reserved for it (and written): the daemon
         #: instance that gave the slot}
@@ -118,6 +118,8 @@ class KeyedSoak:
     # ------------------------------------------------------------------ verdicts
 
     def key(self, kind: str, i: int) -> bytes:
+        """Key ``i`` of pool ``kind``: no other client's, nor this client's in another session
+        on the same daemon instance (see the module)."""
         return f"soak/{self.ident}/{self.space}/{kind}/{i}".encode()
 
     def classify(self, kind: str, key: bytes, page: Any) -> str:
@@ -216,15 +218,16 @@ class KeyedSoak:
         return self.written[(kind, key)][epoch] != self.instance
 
     def clear(self, client: Any, counts: dict[str, Any]) -> None:
-        """``kv_clear`` of the namespace; a confirmed one (``l3_cleared``) raises the floor to
-        the new epoch: every page of this client's written before it is stale from now on."""
+        """``kv_clear`` of the namespace; an answered one raises the floor to the new epoch:
+        every page of this client's written before it is stale from now on (the module says
+        why, whatever ``l3_cleared`` said; those that said true are counted apart)."""
         counts["keyed_clears"] += 1
         try:
             cleared = client.kv_clear(self.model)
         finally:
             self.epoch += 1  # whatever the outcome: later pages are told apart from earlier
+        self.floor = self.epoch
         if cleared.l3_cleared is True:
-            self.floor = self.epoch
             counts["keyed_clears_confirmed"] += 1
 
 

@@ -129,3 +129,54 @@ def test_a_batch_that_fails_after_its_pages_were_counted_counts_each_page_once(
         assert all(page.in_l3 for page in (kv.pages.get("a", "full", k) for k in (b"p", b"q")))
 
     run_store(prefix, 4, "write_through", body, charge)
+
+
+def two_namespaces(kv: KeyedTier, host: HostTier) -> None:
+    """Two pages of namespace "a" and two of "b", queued for the writer's next batch."""
+    commit(kv, host, "s1", "a", [b"a1", b"a2"], 5)
+    commit(kv, host, "s2", "b", [b"b1", b"b2"], 6)
+
+
+def failures(kv: KeyedTier) -> tuple[int, int, int]:
+    return (kv.ns_counters["a"]["kv_l3_write_failures"],
+            kv.ns_counters["b"]["kv_l3_write_failures"], kv.counters["kv_l3_write_failures"])
+
+
+def test_a_write_that_fails_counts_a_page_without_a_generation_once(prefix: str) -> None:
+    """Namespace "a" has no generation to write under (Redis did not answer for it: injected),
+    so its pages count as failures before the write; then the write itself fails (injected).
+    Before, "a"'s pages counted twice."""
+    async def body(kv: KeyedTier, host: HostTier) -> None:
+        real = kv.names.to_write
+
+        async def none_for_a(l3: RedisTier, ns: str) -> int | None:
+            return None if ns == "a" else await real(l3, ns)
+
+        async def fail(values: list[bytes]) -> int:
+            raise ConnectionError("injected: the write failed")
+
+        kv.names.to_write = none_for_a  # type: ignore[method-assign]
+        kv.l3.set_pages = fail  # type: ignore[union-attr,method-assign]
+        two_namespaces(kv, host)
+        await kv.drain(time.monotonic() + 5)
+        assert failures(kv) == (2, 2, 4)
+
+    run_store(prefix, 6, "write_through", body)
+
+
+def test_a_batch_that_fails_before_naming_does_not_count_what_a_clear_overtook(
+        prefix: str) -> None:
+    """A clear of "a" lands while the writer asks Redis for the generations, and then that
+    fails (both injected): "a"'s pages were dropped by the clear, not failed, as on the path
+    where nothing fails; "b"'s failed."""
+    async def body(kv: KeyedTier, host: HostTier) -> None:
+        async def clear_a_then_fail(l3: RedisTier, ns: str) -> int | None:
+            kv.clear("a")
+            raise ConnectionError("injected: Redis went away")
+
+        kv.names.to_write = clear_a_then_fail  # type: ignore[method-assign]
+        two_namespaces(kv, host)
+        await kv.drain(time.monotonic() + 5)
+        assert failures(kv) == (0, 2, 2)
+
+    run_store(prefix, 6, "write_through", body)

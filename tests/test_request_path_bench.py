@@ -13,16 +13,28 @@ import pytest
 from bench import request_path_bench as rpb
 
 
-@pytest.mark.parametrize("argv", [["--rounds", "0"], ["--requests-rounds", "0"],
-                                  ["--rounds", "x"], ["--cpu", "9999"]])
-def test_counts_below_one_are_a_usage_error(argv: list[str], capsys) -> None:
+@pytest.mark.parametrize(("argv", "option"), [
+    (["--rounds", "0"], "--rounds"), (["--requests-rounds", "0"], "--requests-rounds"),
+    (["--rounds", "x"], "--rounds"), (["--cpu", "9999"], "--cpu")])
+def test_bad_counts_and_cpus_are_a_usage_error_naming_the_option(
+        argv: list[str], option: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         rpb.main(["--baseline", "HEAD", *argv])
     assert exc.value.code == 2
-    assert "--" in capsys.readouterr().err
+    assert option in capsys.readouterr().err.splitlines()[-1]  # the error line, not the usage
 
 
-def test_a_run_against_head_gives_every_operation_on_both_sides(tmp_path: Path, capsys) -> None:
+def test_a_worker_that_runs_another_trees_daemon_is_refused(tmp_path: Path) -> None:
+    """The baseline's figures must be the baseline's: a worker asked for one tree whose daemon
+    came from another (here: a tree without the daemon, so this checkout's is imported) is an
+    error, not a figure."""
+    (tmp_path / "clients" / "python").mkdir(parents=True)
+    with pytest.raises(RuntimeError, match="ran the daemon of"):
+        rpb.run_side(str(tmp_path), 1, None)
+
+
+def test_a_run_against_head_gives_every_operation_on_both_sides(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "figures.json"
     assert rpb.main(["--baseline", "HEAD", "--rounds", "1", "--requests-rounds", "1",
                      "--json", str(out)]) == 0

@@ -66,9 +66,9 @@ class _Clears:
 
 def test_the_keyed_check_tells_verified_mismatched_and_stale_pages_apart() -> None:
     """A keyed page says which epoch it claims; the check accepts only this key's page of an
-    epoch it was written at, and calls an intact page of before a confirmed clear stale, of
-    before an unconfirmed one (Redis did not say it recorded the clear, or no answer came)
-    tolerated, until a later clear is confirmed."""
+    epoch it was written at, and calls an intact page of before an answered clear stale (Redis
+    told or not), of before one whose answer never came tolerated, until a later clear is
+    answered."""
     import random
 
     nbytes = 256
@@ -92,14 +92,15 @@ def test_the_keyed_check_tells_verified_mismatched_and_stale_pages_apart() -> No
     assert kv.classify("full", k, keyed_page("a", "full", k, 1, nbytes)) == "mismatch"
 
     session = _Clears()
-    session.answer = _Cleared(False)  # Redis did not record it: the old page may come back
-    kv.clear(session, counts := {"keyed_clears": 0, "keyed_clears_confirmed": 0})
+    counts = {"keyed_clears": 0, "keyed_clears_confirmed": 0}
+    with pytest.raises(ConnectionError):  # no answer: it may not have reached the daemon, so
+        kv.clear(session, counts)  # the old page may come back; the epoch moves on
     assert (kv.epoch, kv.floor) == (1, 0)
     assert kv.classify("full", k, page.clone()) == "unconfirmed"
-    session.answer = None
-    with pytest.raises(ConnectionError):  # no answer: as unconfirmed, but the epoch moves on
-        kv.clear(session, counts)
-    assert (kv.epoch, kv.floor) == (2, 0)
+    session.answer = _Cleared(False)  # answered, Redis not told yet: nothing of before is
+    kv.clear(session, counts)  # served again all the same (protocol.md 9.4)
+    assert (kv.epoch, kv.floor) == (2, 2)
+    assert kv.classify("full", k, page.clone()) == "stale"
     kv.written[("full", k)][2] = None
     newer = keyed_page("a", "full", k, 2, nbytes)
     assert kv.classify("full", k, newer.clone()) == "verified"
@@ -137,8 +138,8 @@ def test_a_two_minute_soak_has_no_mismatch_violation_or_leak(tmp_path: Path) -> 
     assert r["restart"]["host_pages_kept"] > 0, summary  # the warm restart kept the host tier
     assert r["requests"] > 100, summary
     # keyed pages were stored, served and read back, some of them from Redis and some written
-    # before the daemon restart; clears happened, and Redis confirmed some (so the stale check
-    # had a floor to check against)
+    # before the daemon restart; clears were answered (each raises the floor the stale check
+    # reads), and Redis confirmed some
     assert r["keyed_stored"] > 500 and r["keyed_verified"] > 500, summary
     assert r["keyed_fetched"] > 0 and r["keyed_verified_after_restart"] > 0, summary
     assert r["keyed_clears_confirmed"] >= 3 and r["keyed_stale_checks"] > 100, summary
