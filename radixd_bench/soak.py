@@ -423,7 +423,8 @@ def format_report(r: dict[str, Any]) -> str:
         f"mismatches {r['mismatches']}",
         f"  keyed pages: {r['keyed_rounds']} rounds, stored {r['keyed_stored']}, verified "
         f"{r['keyed_verified']} ({r['keyed_verified_after_restart']} written before the "
-        f"daemon restart; {r['keyed_fetched']} fetched from Redis), mismatches "
+        f"daemon restart; {r['keyed_fetched']} fetched from Redis), of the shared keys "
+        f"{r['keyed_shared_verified']}, mismatches "
         f"{r['keyed_mismatches']}, stale {r['keyed_stale']} ({r['keyed_stale_checks']} keys "
         f"looked up that could have served one; after a clear whose answer never came, "
         f"allowed: {r['keyed_stale_unconfirmed']}), declined {r['keyed_declined']}",

@@ -24,6 +24,12 @@ and classified:
   daemon, so the page may legitimately come back until a later clear is answered;
 - otherwise **verified**.
 
+Some rounds use **shared keys** instead: the same few key names in every client, of every
+tenant. Their pages carry no epoch (one page per namespace, kind and key, whoever writes it), so
+any client of a namespace can check them, and a tenant served another tenant's page for the same
+key (from host, or fetched from Redis) sees a mismatch: the soak checks that namespaces stay apart
+under its faults. They are not checked for staleness (other clients clear them).
+
 The epoch is raised after every clear attempt, whatever its outcome, so pages written after an
 attempt are always told apart from those written before it. Clears by other clients of the same
 namespace drop this client's pages too (fewer hits), but only the client's own clears raise its
@@ -43,17 +49,19 @@ import zlib
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["KEYED_COUNTS", "KeyedOptions", "KeyedSoak", "keyed_page"]
+__all__ = ["KEYED_COUNTS", "SHARED_EPOCH", "KeyedOptions", "KeyedSoak", "keyed_page"]
 
 #: the counts a client reports for its keyed pages (summed by the soak)
 KEYED_COUNTS = (
     "keyed_rounds", "keyed_stored", "keyed_verified", "keyed_verified_after_restart",
     "keyed_mismatches", "keyed_stale", "keyed_stale_unconfirmed", "keyed_stale_checks",
-    "keyed_fetched",
+    "keyed_fetched", "keyed_shared_verified",
     "keyed_declined", "keyed_clears", "keyed_clears_confirmed")
 
 _MAGIC = 0x504B5852  # b"RXKP" little-endian
 _WORDS_HEADER = 3
+#: the epoch in a shared key's page (see the module): none of a client's own epochs
+SHARED_EPOCH = -1
 
 
 @dataclass
@@ -64,6 +72,8 @@ class KeyedOptions:
     swa_keys: int = 16  # keys of the SWA host pool (0: none)
     batch: int = 8  # keys per lookup (and reservation of those missing)
     swa_share: float = 0.25  # share of the rounds on the SWA pool
+    shared_keys: int = 8  # keys every client of every tenant uses (0: none)
+    shared_share: float = 0.25  # share of the rounds on the shared keys
     fetch_share: float = 0.5  # share of the lookups that fetch from Redis
     fetch_timeout_s: float = 1.0
     clear_every: int = 120  # a kv_clear every this many rounds, on average (0: never)
@@ -122,6 +132,19 @@ class KeyedSoak:
         on the same daemon instance (see the module)."""
         return f"soak/{self.ident}/{self.space}/{kind}/{i}".encode()
 
+    @staticmethod
+    def shared_key(kind: str, i: int) -> bytes:
+        """Shared key ``i`` of pool ``kind``: the same name in every client and tenant."""
+        return f"soak/shared/{kind}/{i}".encode()
+
+    def classify_shared(self, kind: str, key: bytes, page: Any) -> str:
+        """``shared`` for this namespace's page of a shared key, else ``mismatch`` (another
+        tenant's page, any byte off)."""
+        import torch
+
+        mine = keyed_page(self.ns, kind, key, SHARED_EPOCH, page.numel())
+        return "shared" if torch.equal(page, mine) else "mismatch"
+
     def classify(self, kind: str, key: bytes, page: Any) -> str:
         """``verified``, ``mismatch``, ``stale`` or ``unconfirmed`` for a page served for
         ``key`` (the module docstring says which is which). ``page``: its bytes
@@ -166,9 +189,10 @@ class KeyedSoak:
             self.clear(client, counts)
             return
         kind = "swa" if o.swa_keys and self.rng.random() < o.swa_share else "full"
-        universe = o.swa_keys if kind == "swa" else o.full_keys
-        keys = [self.key(kind, i) for i in self.rng.sample(range(universe),
-                                                            min(o.batch, universe))]
+        shared = bool(o.shared_keys) and self.rng.random() < o.shared_share
+        universe = o.shared_keys if shared else o.swa_keys if kind == "swa" else o.full_keys
+        name = self.shared_key if shared else self.key
+        keys = [name(kind, i) for i in self.rng.sample(range(universe), min(o.batch, universe))]
         fetch = self.rng.random() < o.fetch_share
         got = client.kv_lookup(self.model, keys, kind, pin=True, fetch=fetch,
                                timeout_s=o.fetch_timeout_s)
@@ -176,6 +200,10 @@ class KeyedSoak:
         try:
             pool = self._pools.pool(kind)
             for key, present, slot in zip(keys, got.present, got.slots, strict=True):
+                if shared:
+                    if present:
+                        counts[_COUNT_OF[self.classify_shared(kind, key, pool[slot])]] += 1
+                    continue
                 epochs = self.written.get((kind, key))
                 if epochs and max(epochs) < self.floor:
                     counts["keyed_stale_checks"] += 1  # whatever is served for it is stale
@@ -189,10 +217,12 @@ class KeyedSoak:
                 client.kv_release(self.model, got.pin)
         missing = [k for k, p in zip(keys, got.present, strict=True) if not p]
         if missing:
-            self.store(client, kind, missing, counts)
+            self.store(client, kind, missing, counts, shared)
 
-    def store(self, client: Any, kind: str, keys: list[bytes], counts: dict[str, Any]) -> None:
-        """Reserve ``keys``, write each page given a slot at the current epoch, commit."""
+    def store(self, client: Any, kind: str, keys: list[bytes], counts: dict[str, Any],
+              shared: bool = False) -> None:
+        """Reserve ``keys``, write each page given a slot at the current epoch (``shared``
+        keys: the epoch-free page), commit."""
         r = client.kv_reserve(self.model, keys, kind)
         counts["keyed_declined"] += r.full + r.busy
         if not r.pin:
@@ -203,8 +233,10 @@ class KeyedSoak:
             if slot:
                 # recorded before the commit: a commit carried out whose answer is lost (a
                 # restart) leaves a page this client must recognise
-                self.written.setdefault((kind, key), {})[self.epoch] = self.instance
-                pool[slot].copy_(keyed_page(self.ns, kind, key, self.epoch, pool.shape[1]))
+                if not shared:
+                    self.written.setdefault((kind, key), {})[self.epoch] = self.instance
+                epoch = SHARED_EPOCH if shared else self.epoch
+                pool[slot].copy_(keyed_page(self.ns, kind, key, epoch, pool.shape[1]))
                 stored += 1
         client.kv_commit(self.model, r.pin)
         counts["keyed_stored"] += stored
@@ -232,4 +264,5 @@ class KeyedSoak:
 
 
 _COUNT_OF = {"verified": "keyed_verified", "mismatch": "keyed_mismatches",
-             "stale": "keyed_stale", "unconfirmed": "keyed_stale_unconfirmed"}
+             "stale": "keyed_stale", "unconfirmed": "keyed_stale_unconfirmed",
+             "shared": "keyed_shared_verified"}

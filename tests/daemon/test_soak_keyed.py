@@ -66,3 +66,25 @@ def test_a_page_another_session_pinned_through_the_clear_is_counted_stale(make_d
         kv.round(c, counts)
         assert counts["keyed_stale"] == 1 and counts["keyed_stale_checks"] == 4, counts
         assert counts["keyed_mismatches"] == 0 and counts["keyed_stored"] == 4 + 3, counts
+
+
+def test_two_tenants_on_the_shared_keys_each_get_their_own_pages(make_daemon,
+                                                                 prefix: str) -> None:
+    """The shared keys have the same names in both tenants: each stores and reads back its own
+    namespace's page, from host and fetched from Redis (few host slots), never the other's."""
+    d = make_daemon({**l3_config(SHARED_URL, prefix, host_pages=6, host_swa_pages=4),
+                     "tenants": [{"name": "t1", "token": "one"}, {"name": "t2", "token": "two"}]})
+    opts = KeyedOptions(full_keys=4, swa_keys=0, shared_keys=8, shared_share=1.0, batch=4,
+                        fetch_share=1.0, fetch_timeout_s=2.0, clear_every=0)
+    with Client(d.socket, token="one") as a, Client(d.socket, token="two") as b:
+        assert a.namespace != b.namespace
+        sides = [(c, KeyedSoak("m", c.namespace, ident, opts, random.Random(i)),
+                  dict.fromkeys(KEYED_COUNTS, 0))
+                 for i, (c, ident) in enumerate(((a, "a"), (b, "b")))]
+        for _ in range(40):
+            for c, kv, counts in sides:
+                kv.round(c, counts)
+        for _, _, counts in sides:
+            assert counts["keyed_mismatches"] == 0, counts
+            assert counts["keyed_shared_verified"] > 10 and counts["keyed_fetched"] > 0, counts
+            assert counts["keyed_verified"] == 0  # (only shared keys were used)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from radixd_bench.soak_keyed import KeyedOptions, KeyedSoak, keyed_page
+from radixd_bench.soak_keyed import SHARED_EPOCH, KeyedOptions, KeyedSoak, keyed_page
 from radixd_bench.soak_worker import PageVerifier, expected_values
 
 REPO = Path(__file__).resolve().parents[2]
@@ -113,6 +113,14 @@ def test_the_keyed_check_tells_verified_mismatched_and_stale_pages_apart() -> No
     bad = newer.clone()
     bad[100] ^= 1
     assert kv.classify("full", k, bad) == "mismatch"  # wrong bytes are a mismatch, never stale
+    # a shared key's page is the namespace's, whatever the epoch: another tenant's is a mismatch
+    shared = kv.shared_key("full", 0)
+    mine = keyed_page("a", "full", shared, SHARED_EPOCH, nbytes)
+    assert kv.classify_shared("full", shared, mine.clone()) == "shared"
+    assert kv.classify_shared("full", shared,
+                              keyed_page("b", "full", shared, SHARED_EPOCH, nbytes)) == "mismatch"
+    mine[7] ^= 1
+    assert kv.classify_shared("full", shared, mine) == "mismatch"
 
 
 @pytest.mark.soak
@@ -143,6 +151,7 @@ def test_a_two_minute_soak_has_no_mismatch_violation_or_leak(tmp_path: Path) -> 
     assert r["keyed_stored"] > 500 and r["keyed_verified"] > 500, summary
     assert r["keyed_fetched"] > 0 and r["keyed_verified_after_restart"] > 0, summary
     assert r["keyed_clears_confirmed"] >= 3 and r["keyed_stale_checks"] > 100, summary
+    assert r["keyed_shared_verified"] > 100, summary  # both tenants' pages of the same keys
 
 
 def _session_members(sid: int) -> list[int]:
