@@ -41,6 +41,7 @@ if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
 import argparse  # noqa: E402
+import functools  # noqa: E402
 import json  # noqa: E402
 import pickle  # noqa: E402
 import random  # noqa: E402
@@ -61,6 +62,7 @@ WORKER = os.path.join(_ROOT, "bench", "request_path_worker.py")
 WORKER_TIMEOUT_S = 600
 
 
+@functools.cache  # the same for every worker of the run
 def workload(seed: int = 1) -> tuple[list[bytes], list[bytes]]:
     """(prefixes to cache, requests) as int32 token bytes: daemon_cpu_bench's client 0's."""
     rng = random.Random(seed)

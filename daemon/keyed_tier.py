@@ -452,6 +452,10 @@ class KeyedTier:
         """Pages waiting for the Redis writer (the batch it is writing not counted)."""
         return len(self._l3_queue)
 
+    def _uncleared(self, ns: str, clears: int) -> bool:
+        """Whether no kv_clear of ``ns`` came since its count of clears was ``clears``."""
+        return self._clears.get(ns, 0) == clears
+
     def _let_go(self, items: list[L3Item]) -> None:
         """The host slots that queued writes held (to read them) are held no more."""
         for kind, slot, *_ in items:
@@ -522,12 +526,12 @@ class KeyedTier:
                         # cleared from here on is named under the one before, never read again)
                         named = [(item, self.names.page_id(item[-1].hash, gen)) for item in batch
                                  if (gen := gens[item[-1].ns]) is not None
-                                 and item[4] == self._clears.get(item[-1].ns, 0)]
+                                 and self._uncleared(item[-1].ns, item[4])]
                         values = await in_thread(self._encode, named)
                     finally:
                         self._let_go(batch)
                     for *_, clears, page in batch:
-                        if gens[page.ns] is None and clears == self._clears.get(page.ns, 0):
+                        if gens[page.ns] is None and self._uncleared(page.ns, clears):
                             self.count(page.ns, "kv_l3_write_failures")
                     uncounted, named_all = [item for item, _ in named], True
                     written = await self.l3.set_pages(values)
@@ -537,7 +541,7 @@ class KeyedTier:
                         self.counters["kv_l3_write_pages"] += written
                         self.counters["kv_l3_write_failures"] += len(values) - written
                     for (*_, clears, page), _ in named:  # (cleared meanwhile: a dead value)
-                        current = clears == self._clears.get(page.ns, 0)
+                        current = self._uncleared(page.ns, clears)
                         page.in_l3 = page.in_l3 or (whole and current)
                         self.count(page.ns, "kv_l3_write_pages" if whole
                                    else "kv_l3_write_failures", model=whole)
@@ -547,14 +551,14 @@ class KeyedTier:
                             (page.ns, l3id, kind, len(v))
                             for ((kind, *_, clears, page), l3id), v in zip(named, values,
                                                                           strict=True)
-                            if clears == self._clears.get(page.ns, 0)])
+                            if self._uncleared(page.ns, clears)])
                 except asyncio.CancelledError:
                     raise
                 except Exception:
                     log.exception("keyed L3 write failed")
                     for *_, clears, page in uncounted:  # as the path it left would have:
                         # named pages whatever a clear did meanwhile, others unless overtaken
-                        if named_all or clears == self._clears.get(page.ns, 0):
+                        if named_all or self._uncleared(page.ns, clears):
                             self.count(page.ns, "kv_l3_write_failures")
                 finally:
                     self._writing = False
@@ -616,7 +620,7 @@ class KeyedTier:
             return 0
         ids, values = got
         found = [(k, h, v) for k, h, i, v in zip(missing, hashes, ids, values, strict=True)
-                 if v is not None and self._clears.get(ns, 0) == clears
+                 if v is not None and self._uncleared(ns, clears)
                  and i not in self._unwanted]
         pool = self.host.pool(kind)
         waited_out = False
@@ -639,7 +643,7 @@ class KeyedTier:
                 await asyncio.wait_for(self.host.unheld(), max(0.0, deadline - loop.time()))
             except asyncio.TimeoutError:
                 waited_out = True  # once more, for what the other sessions changed meanwhile
-        if self._clears.get(ns, 0) != clears:  # read before a kv_clear: never brought back
+        if not self._uncleared(ns, clears):  # read before a kv_clear: never brought back
             return 0
         clock = self.cache.tree.clock
         stored = 0
