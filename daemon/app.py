@@ -277,6 +277,12 @@ def run(config: Config) -> int:
         log.warning("uvloop not available; using the default asyncio loop")
     notifier = Notifier.from_env()
     preflight(config)  # ConfigError before anything is allocated or bound (exit 2)
+    if config.server.state_dir:  # before its state is read: held until this process ends
+        from .storage.host_snapshot import lock_state_dir
+
+        problem = lock_state_dir(config.server.state_dir)
+        if problem:
+            raise ConfigError(f"server.state_dir: {problem}")
     hide_descriptors()  # the pools' memfds: not through /proc/<pid>/fd (memory isolation)
     notifier.status("allocating KV pools")
     with notifier.extending_timeout():  # large pools can take longer than TimeoutStartSec

@@ -296,10 +296,14 @@ class KeyedTier:
                           f"{self.model!r} name {held} keys, and this request {want} more; the "
                           f"limit is {limit}: release some first", limit=limit)
 
-    def lookup(self, owner: Hashable, ns: str, kind: str, keys: list[bytes], pin: bool,
-               max_pins: int) -> P.KvLookupResult:
+    def check_lookup(self, kind: str, keys: list[bytes]) -> None:
+        """A lookup's argument checks, which come before any limit's (protocol.md 9.4)."""
         self.pool(kind)
         self.check_keys(keys, unique=False)
+
+    def lookup(self, owner: Hashable, ns: str, kind: str, keys: list[bytes], pin: bool,
+               max_pins: int) -> P.KvLookupResult:
+        self.check_lookup(kind, keys)
         present = bytearray(len(keys))
         slots = array("i", bytes(4 * len(keys)))
         found: dict[KeyedPage, None] = {}  # distinct: a key named twice is pinned once
@@ -425,6 +429,7 @@ class KeyedTier:
             self._let_go([item for item in self._l3_queue if item[-1].ns == ns])
             self._l3_queue[:] = [item for item in self._l3_queue if item[-1].ns != ns]
         if self.l3 is None:
+            self.names.owe(ns)
             return gone
         for page in self.pages.pages.values():  # pinned, so kept: their values are gone
             if page.ns == ns:
@@ -590,8 +595,7 @@ class KeyedTier:
         """Bring the keys only Redis holds into host (verified values; any mismatch is a miss),
         waiting at most ``timeout_s``, for Redis and for slots that Redis writes still read;
         returns how many arrived. Redis down is a miss."""
-        self.pool(kind)
-        self.check_keys(keys, unique=False)
+        self.check_lookup(kind, keys)
         if self.l3 is None:
             return 0
         missing = list(dict.fromkeys(

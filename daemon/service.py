@@ -632,6 +632,7 @@ class Service(ServiceQueries, ServiceChecks):
             raise ServiceError(P.Code.BAD_ARGUMENT,
                                f"timeout_ms must be between 0 and 600000, got {r.timeout_ms!r}")
         timeout = (r.timeout_ms or self.config.l3.prefetch_timeout_ms) / 1000
+        keyed.check_lookup(r.pool, r.keys)
         if r.pin:  # refused before Redis is asked: the distinct keys named, at most, are pinned
             keyed.check_pins(s.id, len(set(r.keys)), self.config.server.max_locks_per_session)
         fetched = await keyed.fetch(s.tenant.namespace, r.pool, r.keys, timeout)

@@ -32,6 +32,7 @@ that crashes later never restores pages it has since overwritten.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import mmap
 import os
@@ -178,6 +179,36 @@ def check_state_dir(path: str) -> str:
         return f"{path!r} is not a directory"
     if not os.access(path, os.W_OK | os.X_OK):
         return f"{path!r} is not writable by uid {os.getuid()}"
+    return ""
+
+
+#: the file a daemon holds locked (flock) in ``state_dir`` for its whole life
+LOCK_FILE = "radixd.lock"
+_held: dict[str, int] = {}  # state_dir -> the locked file's descriptor, kept open until exit
+
+
+def lock_state_dir(path: str) -> str:
+    """Hold ``path`` for this process until it exits (the kernel lets go however it ends,
+    SIGKILL included); returns the error text (empty when held). Two daemons on one directory
+    would delete each other's page files at their stops and restore the other's index: the
+    second is refused at start instead."""
+    if path in _held:
+        return ""
+    lock = os.path.join(path, LOCK_FILE)
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        return f"cannot open {lock!r}: {exc.strerror}"
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        return (f"{path!r} is in use by another radixd (pid {holder}); give each daemon a "
+                "state_dir of its own")
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    _held[path] = fd
     return ""
 
 

@@ -86,6 +86,13 @@ class KeyedNames:
             self._raising[ns] = asyncio.get_running_loop().create_task(
                 self._raise_in_redis(l3, ns), name=f"radixd-kv-clear-{self.model}")
 
+    def owe(self, ns: str) -> None:
+        """A kv_clear of ``ns`` in a run without Redis (L3 off for the model, or no ``[l3]``):
+        Redis may still hold the namespace's values of before it, from an earlier run, so the
+        raise waits for the next start that has Redis (a warm restart carries it over), and
+        nothing of the namespace is read from Redis until it is recorded there."""
+        self._at_start.add(ns)
+
     def raised(self, ns: str) -> bool:
         """Whether no raise of ``ns`` is under way or waiting for the next start."""
         return ns not in self._raising and ns not in self._at_start

@@ -38,7 +38,9 @@ class EvictionQueue:
     def __len__(self) -> int:
         return self.live
 
-    def push(self, node: Node, key: float) -> None:
+    def push(self, node: Node, key: Any) -> None:
+        """``key``: the policy's key for this queue, compared as it is (the SWA queue's is a
+        tuple)."""
         old = getattr(node, self.attr)
         if old is not None:
             if old[0] == key:

@@ -212,6 +212,13 @@ def test_a_session_may_pin_at_most_max_locks_per_session_keys(make_daemon) -> No
             assert info.value.code == Code.TOO_MANY_LOCKS
             assert info.value.details == {"limit": 3}
         assert stats(c)["kv_pins"] == 3 and stats(c)["kv_reserved"] == 2
+        long_keys = [b"y" * n for n in range(129, 133)]  # distinct: 4 more than the cap
+        for fetch in (False, True):  # the argument checks come first, with a fetch too
+            for args in ({"keys": long_keys}, {"keys": keys("a", "b", "c", "d"),
+                                               "pool": "bogus"}):
+                with pytest.raises(RadixdError) as info:
+                    c.kv_lookup("m", fetch=fetch, timeout_s=1, **args)
+                assert info.value.code == Code.BAD_ARGUMENT, (fetch, args, info.value)
         assert c.kv_lookup("m", keys("a"), pin=False).present == b"\x01"
         theirs = other.kv_lookup("m", keys("a")).pin  # the cap is per session
         assert theirs

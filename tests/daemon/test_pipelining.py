@@ -1,5 +1,6 @@
 """Every pipelined result is its own: batches and single requests from many tasks on one
-AsyncClient, and a sync Client beside it, against a real daemon.
+AsyncClient, a sync Client beside it, and threads sharing one sync Client, against a real
+daemon.
 
 A batch response used to be decoded lazily, after the reader had read the next response into the
 same buffer: a task then got another request's payload, or page ids it did not hold (and an
@@ -186,6 +187,51 @@ def test_random_interleavings_of_sync_and_async_clients(daemon: Any, tasks: list
         close.set()
         worker.join(60)
     assert not errors, errors
+
+
+def test_threads_sharing_one_sync_client_each_get_their_own_replies(daemon: Any) -> None:
+    """Threads that share one blocking Client take turns on its connection. Before, each
+    read whatever reply was oldest: hundreds of 1,200 pings came back with another thread's
+    payload, and an alloc would have handed a thread pages it did not ask for."""
+    errors: list[BaseException] = []
+    helds: list[list[tuple[int, int]]] = [[] for _ in range(4)]
+    with Client(daemon.socket) as c:
+        def worker(who: int) -> None:
+            try:
+                rng = random.Random(who)
+                for k, (batched, items) in enumerate(steps_of(rng, 150, 2)):
+                    tags = [f"{who}/{k}/{i}".encode() for i in range(len(items))]
+                    if batched:
+                        with c.batch() as b:
+                            futs = [b.ping(t) if op == "ping" else b.alloc(MODEL, n)
+                                    for (op, n), t in zip(items, tags, strict=True)]
+                        results = [f.result() for f in futs]
+                    else:
+                        results = [c.ping(t) if op == "ping" else c.alloc(MODEL, n)
+                                   for (op, n), t in zip(items, tags, strict=True)]
+                    for (op, n), t, res in zip(items, tags, results, strict=True):
+                        if op == "ping":
+                            assert res.payload == t, (t, res.payload)
+                        else:
+                            got = list(zip(pages(res.full_pages), pages(res.swa_pages),
+                                           strict=True))
+                            assert len(got) == n
+                            helds[who].extend(got)
+            except BaseException as exc:  # surfaced by the test
+                errors.append(exc)
+
+        threads = [threading.Thread(target=worker, args=(w,)) for w in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors[:3]
+        held = [p for h in helds for p in h]
+        assert_unique(held)
+        for full, swa in held:  # page_not_held if a thread was given pages of no alloc of its
+            c.free(MODEL, full_pages=array("i", [full]), swa_pages=array("i", [swa]))
+        models = c.stats(MODEL).models[MODEL]
+        assert (models["held_full_pages"], models["held_swa_pages"]) == (0, 0), models
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import pytest
 import redis as redis_sync
 from radixd_client import Client
 
@@ -323,3 +324,68 @@ def test_a_clear_the_stop_could_not_record_in_redis_is_recorded_at_the_next_star
     with Client(d3.socket) as c:
         got = c.kv_lookup("m", [n.encode() for n in names], fetch=True, timeout_s=5)
         assert got.present == bytes(len(names)) and got.fetched == 0
+
+
+def test_a_clear_made_with_l3_off_is_recorded_at_the_next_start_with_l3(
+        make_daemon, tmp_path: Path, prefix: str) -> None:
+    """A kv_clear in a run whose model has L3 off (the same state directory, Redis holding the
+    namespace's values from the run before): the next run with L3 records the clear before any
+    fetch, so the values of before it are not served. It used to be forgotten, and all three
+    keys came back from Redis with their old bytes."""
+    def config(l3: bool) -> dict[str, Any]:
+        c = l3_config(SHARED_URL, prefix, host_pages=16, host_swa_pages=8, l3=l3)
+        c["server"] = {"state_dir": str(tmp_path / "s")}
+        return c
+
+    keys = [b"k%d" % i for i in range(3)]
+    d1 = make_daemon(config(True))
+    with Client(d1.socket) as c:
+        pools = c.kv_attach("m")
+        r = c.kv_reserve("m", keys)
+        for s in r.slots:
+            pools.full[s] = 0x5A
+        c.kv_commit("m", r.pin)
+        wait_for(lambda: c.stats("m").models["m"]["kv_l3_write_pages"] >= 3, "the Redis writes")
+    _stop(d1)
+    d2 = make_daemon(config(False))
+    with Client(d2.socket) as c:
+        assert c.kv_lookup("m", keys, pin=False).present == b"\x01" * 3  # the host state kept
+        got = c.kv_clear("m")
+        assert got.removed == 3 and got.l3_cleared  # (no Redis in this run)
+        assert c.kv_lookup("m", keys, pin=False).present == bytes(3)
+    _stop(d2)
+    d3 = make_daemon(config(True))
+    raw = redis_sync.Redis.from_url(SHARED_URL)
+    try:
+        wait_for(lambda: [raw.get(k) for k in raw.scan_iter(match=f"{prefix}:kvgen:*")]
+                 == [b"1"], "the clear recorded in Redis")
+    finally:
+        raw.close()
+    with Client(d3.socket) as c:
+        got = c.kv_lookup("m", keys, fetch=True, timeout_s=5)
+        assert got.present == bytes(3) and got.fetched == 0
+
+
+def test_a_second_daemon_on_the_same_state_dir_is_refused(make_daemon, tmp_path: Path) -> None:
+    """Two daemons on one state directory would delete each other's page files at their stops
+    and restore the other's index: the second start is refused (exit 2, one line naming the
+    holder), the first keeps serving, and once it stops the directory is free again."""
+    state = tmp_path / "state"
+    a = seq(6)
+    d1 = make_daemon(_config(state))
+    e1 = Engine(d1.socket, seed=3)
+    try:
+        e1.cache(a)
+    finally:
+        e1.close()
+    with pytest.raises(RuntimeError) as info:
+        make_daemon(_config(state))
+    assert "radixd exited with 2" in str(info.value)
+    assert (f"radixd: server.state_dir: '{state}' is in use by another radixd "
+            f"(pid {d1.proc.pid}); give each daemon a state_dir of its own") in str(info.value)
+    with Client(d1.socket) as c:
+        assert c.match("m", a).prefix_len == 6 * P
+    wait_for(lambda: tier_stats(d1)["tree_host_pages"] >= 6, "the host copies")
+    _stop(d1)
+    d3 = make_daemon(_config(state))
+    assert admin_stats(d3)["warm_restart"]["kept_pages"] >= 6
