@@ -428,12 +428,12 @@ class KeyedTier:
             # evicted since included): written now, they would be read again
             self._let_go([item for item in self._l3_queue if item[-1].ns == ns])
             self._l3_queue[:] = [item for item in self._l3_queue if item[-1].ns != ns]
-        if self.l3 is None:
-            self.names.owe(ns)
-            return gone
         for page in self.pages.pages.values():  # pinned, so kept: their values are gone
             if page.ns == ns:
                 page.in_l3 = False
+        if self.l3 is None:
+            self.names.owe(ns)
+            return gone
         self.names.raise_gen(self.l3, ns)
         if gone and gen is not None:
             for kind in P.KV_POOLS:

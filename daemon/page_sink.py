@@ -1,9 +1,17 @@
 """The tree's page sink: where every page the tree lets go of returns (the allocators), and the
-watches that tell a background copy which of the device pages it reads were freed under it."""
+watches that tell a background copy which of the device pages it reads were freed under it.
+
+A freed page goes back to the allocator at once, and from there to any namespace's next
+``alloc`` (its segment, once empty, to another tenant, who writes into it). So when the tree
+frees a page that a copy running off the loop still reads, the sink first waits for that copy
+(a bounded job): otherwise the copy would read the next owner's KV into the copying tenant's
+host slots, which that tenant maps. The copy's result is then dropped as tainted."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
+from typing import Any
 
 from .gpu.allocator import freed_pages
 from .gpu.segments import PairedSegmentAllocator
@@ -13,13 +21,25 @@ from .tree import PageIds
 class Watch:
     """Device pages a background copy reads; those the tree frees meanwhile are tainted."""
 
-    __slots__ = ("full", "swa", "tainted_full", "tainted_swa")
+    __slots__ = ("full", "swa", "tainted_full", "tainted_swa", "reader", "waits")
 
     def __init__(self, full: Iterable[int], swa: Iterable[int]) -> None:
         self.full = set(full)
         self.swa = set(swa)
         self.tainted_full: set[int] = set()
         self.tainted_swa: set[int] = set()
+        #: the copy in flight that reads the pages (``wait()`` blocks until it is done)
+        self.reader: Any = None
+        self.waits = 0  # frees that waited for the reader
+
+    def settle(self) -> None:
+        """Wait for the reader before a page it reads goes back to the allocator. What the
+        copy raised is its owner's to see (it awaits the same copy)."""
+        reader, self.reader = self.reader, None
+        if reader is not None:
+            self.waits += 1
+            with contextlib.suppress(Exception):
+                reader.wait()
 
 
 class TreeSink:
@@ -33,14 +53,20 @@ class TreeSink:
         if self.watches:  # a node's runs listed once, for every watch and for the free
             pages = freed_pages(pages)
             for w in self.watches:
-                w.tainted_full.update(w.full.intersection(pages))
+                hit = w.full.intersection(pages)
+                if hit:
+                    w.tainted_full.update(hit)
+                    w.settle()
         self.alloc.free_full(pages)
 
     def free_swa(self, pages: PageIds) -> None:
         if self.watches:  # a node's runs listed once, for every watch and for the free
             pages = freed_pages(pages)
             for w in self.watches:
-                w.tainted_swa.update(w.swa.intersection(pages))
+                hit = w.swa.intersection(pages)
+                if hit:
+                    w.tainted_swa.update(hit)
+                    w.settle()
         self.alloc.free_swa(pages)
 
     def watch(self, full: Iterable[int], swa: Iterable[int]) -> Watch:

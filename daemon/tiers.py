@@ -129,6 +129,7 @@ class TierManager:
         self._running: tuple[BackupJob, CopyInFlight] | None = None  # the background copy
         self.counters = dict.fromkeys((
             "backups", "backup_pages", "backup_skipped", "demoted_sync_pages", "evictions_waited",
+            "frees_waited",
             "loads", "loaded_tokens", "load_pages", "load_failures",
             "prefetches", "prefetch_pages", "prefetch_timeouts", "prefetch_no_room",
             "l3_hit_pages", "l3_write_pages", "l3_write_values", "l3_write_failures",
@@ -288,6 +289,8 @@ class TierManager:
         try:
             copy = CopyInFlight(run_plans, *_plan_out(self.pools.full, self.pools.swa,
                                                       self.host, job))
+            if job.watch is not None:  # a free of a page it reads waits for it (page_sink)
+                job.watch.reader = copy
             self._running = (job, copy)
             await to_the_end(copy.done())
         except asyncio.CancelledError:  # shutdown: the copy has ended, its slots go back
@@ -307,6 +310,8 @@ class TierManager:
 
     def _finish_backup(self, job: BackupJob, ok: bool) -> None:
         job.finished = True
+        if job.watch is not None:
+            self.counters["frees_waited"] += job.watch.waits
         done = finish_backup(self.cache, job, ok)
         self.counters["backups"] += len(job.records)
         self.counters["backup_pages"] += sum(len(fs) for _, fs, _ in done)

@@ -359,6 +359,8 @@ def _restore(models: dict[str, ModelEntry], snap: HostSnapshot, report: RestartR
                  for kind, p in img.pools.items() if kind in ("full", "swa")):
             why = "its host pools changed shape"
         if why:
+            if entry is not None and entry.keyed is not None:  # (names, not pages: kept)
+                entry.keyed.names.restore(img.kv_gens, img.kv_clearing)
             log.warning("warm restart: dropping the %d saved host pages of model %r: %s",
                         pages, name, why)
             report.dropped_pages += pages

@@ -201,13 +201,18 @@ def lock_state_dir(path: str) -> str:
         return f"cannot open {lock!r}: {exc.strerror}"
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+    except OSError as exc:
+        holder = ""
+        with contextlib.suppress(OSError):
+            holder = os.read(fd, 32).decode(errors="replace").strip()
         os.close(fd)
-        return (f"{path!r} is in use by another radixd (pid {holder}); give each daemon a "
-                "state_dir of its own")
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        if isinstance(exc, BlockingIOError):
+            return (f"{path!r} is in use by another radixd (pid {holder or 'unknown'}); give "
+                    "each daemon a state_dir of its own")
+        return f"cannot lock {lock!r}: {exc.strerror}"
+    with contextlib.suppress(OSError):  # the pid only names the holder in the message above
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     _held[path] = fd
     return ""
 

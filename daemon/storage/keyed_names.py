@@ -91,6 +91,11 @@ class KeyedNames:
         Redis may still hold the namespace's values of before it, from an earlier run, so the
         raise waits for the next start that has Redis (a warm restart carries it over), and
         nothing of the namespace is read from Redis until it is recorded there."""
+        if ns not in self._at_start:
+            log.info("keyed %s: the kv_clear of namespace %r is made without Redis; it is "
+                     "recorded there at the next start with Redis that takes back the saved "
+                     "state (server.state_dir or the fd store), and lost otherwise", self.model,
+                     ns)
         self._at_start.add(ns)
 
     def raised(self, ns: str) -> bool:

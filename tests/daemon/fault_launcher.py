@@ -11,7 +11,9 @@ breaks the stop itself: ``drain`` makes the tiers' drain raise after it planted 
 the failed drain left running), ``drain_of_m`` does so for model ``m``'s drain alone (the other
 models drain), ``check`` makes the check at rest raise, ``save`` the save of the host state for a
 warm restart. ``FAULT_LOAD=hang`` makes a ``load`` of
-model ``m`` pin that leaf and then never end (a copy that hangs).
+model ``m`` pin that leaf and then never end (a copy that hangs). ``FAULT_COPY=slow`` makes every
+copy run from a tier job's thread start ``FAULT_COPY_DELAY_S`` seconds (default 1) late (a slow
+device link: requests overtake the copy they started).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import asyncio
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -73,6 +76,14 @@ async def _hung_load_of_m(self: tiers.TierManager, *args: object, **kw: object) 
     return await _load(self, *args, **kw)  # type: ignore[arg-type]
 
 
+_run_plans = tiers.run_plans
+
+
+def _slow_run_plans(*args: object) -> object:
+    time.sleep(float(os.environ.get("FAULT_COPY_DELAY_S", "1")))
+    return _run_plans(*args)
+
+
 def _failed_save(*_: object) -> None:
     raise OSError("fault planted: the save failed")
 
@@ -92,6 +103,8 @@ if __name__ == "__main__":
         service.save_host_state = _failed_save  # type: ignore[assignment]
     elif stop_fault == "check":
         service.Service.check_at_rest = _failed_check  # type: ignore[method-assign]
+    if os.environ.get("FAULT_COPY") == "slow":
+        tiers.run_plans = _slow_run_plans  # type: ignore[assignment]
     if os.environ.get("FAULT_LOAD") == "hang":
         tiers.TierManager.load = _hung_load_of_m  # type: ignore[method-assign]
     signal.signal(signal.SIGUSR2, _plant)

@@ -19,9 +19,11 @@ import sys
 from typing import Any
 
 import pytest
-from radixd_client import Client
+import torch
+from radixd_client import Client, pages
 
 from .conftest import REPO, SMALL_MODEL
+from .test_checker_daemon import LAUNCHER
 from .test_memory_isolation import TENANTS, segment_inodes
 from .test_tiers import Engine, admin_stats, seq, wait_for
 
@@ -241,3 +243,36 @@ def test_a_warm_restart_puts_each_namespace_back_in_its_own_host_segments(make_d
         others = [s for s in range(1, pools.full.shape[0]) if s not in set(mine.slots)]
         assert int(pools.full[others].max()) == 0 and int(pools.swa.max()) == 0
     d2.check()
+
+
+def test_a_background_copy_never_reads_pages_another_tenant_got_since(make_daemon) -> None:
+    """A's node is being copied to host (a slow copy, planted) when A frees its SWA pages (lock,
+    release_swa, evict: a tombstone) and B allocates their emptied segments and writes its KV
+    there. The free waits for the copy, so the copy never reads B's KV into A's host slots,
+    which A maps. It used to: A read B's KV through kv_attach, in its own host segment."""
+    model = {**SMALL_MODEL, "num_full_layers": 4, "num_kv_heads": 2, "full_pages": 256,
+             "swa_pages": 128, "segment_pages": 16, "host_pages": 256, "host_swa_pages": 32}
+    d = make_daemon({**TENANTS, "models": [model]}, launcher=LAUNCHER,
+                    env={"FAULT_COPY": "slow", "FAULT_COPY_DELAY_S": "1"})
+    n = 64  # full pages of 16 KiB: a job too large to copy inline, it runs on the copy thread
+    with Client(d.socket, token="alice-token") as a, Client(d.socket, token="bob-token") as b:
+        def stats() -> dict[str, int]:
+            return admin_stats(d)["models"]["m"]["tiers"]  # type: ignore[no-any-return]
+
+        tokens = seq(n)
+        got = a.alloc("m", n)
+        a.insert("m", tokens, got.full_pages, got.swa_pages)  # write_through: a copy starts
+        wait_for(lambda: stats()["backup_queue"] == 0, "the copy to start")
+        m = a.match("m", tokens, lock=True)
+        a.release_swa("m", m.receipt)
+        assert a.evict("m", swa_pages=n).swa_pages > 0  # the locked node's window freed
+        mine = b.alloc("m", n)  # A's emptied SWA segments, written by B
+        theirs = b.attach("m")
+        for s in pages(mine.swa_pages):
+            theirs.swa[:, :, s] = SECRET
+        a.unlock("m", m.receipt)
+        wait_for(lambda: stats()["backups"] >= 1 or stats()["copy_errors"], "copy")
+        host = a.kv_attach("m")
+        assert int((host.swa.view(torch.float32) == SECRET).sum()) == 0, "B's KV in A's host"
+        assert stats()["frees_waited"] >= 1
+        b.free("m", mine.full_pages, mine.swa_pages)

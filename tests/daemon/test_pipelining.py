@@ -191,8 +191,8 @@ def test_random_interleavings_of_sync_and_async_clients(daemon: Any, tasks: list
 
 def test_threads_sharing_one_sync_client_each_get_their_own_replies(daemon: Any) -> None:
     """Threads that share one blocking Client take turns on its connection. Before, each
-    read whatever reply was oldest: hundreds of 1,200 pings came back with another thread's
-    payload, and an alloc would have handed a thread pages it did not ask for."""
+    read whatever reply was oldest: calls got another thread's payload or pages, mismatched
+    request ids, or a short batch, and an alloc could hand a thread pages it did not ask for."""
     errors: list[BaseException] = []
     helds: list[list[tuple[int, int]]] = [[] for _ in range(4)]
     with Client(daemon.socket) as c:
@@ -225,6 +225,7 @@ def test_threads_sharing_one_sync_client_each_get_their_own_replies(daemon: Any)
             t.start()
         for t in threads:
             t.join(60)
+        assert not any(t.is_alive() for t in threads)
         assert not errors, errors[:3]
         held = [p for h in helds for p in h]
         assert_unique(held)

@@ -196,6 +196,42 @@ def test_a_restart_during_many_calls_raises_once_then_serves(make_daemon, tmp_pa
     d2.check()
 
 
+def test_threads_sharing_a_client_ride_through_a_restart_once(make_daemon,
+                                                              tmp_path: Path) -> None:
+    """Four threads ping through one reconnecting Client while the daemon restarts: one
+    reconnect, one SessionRestarted (the cut call's), every payload the caller's own. Before a
+    call held the client for its reconnect too, each thread that saw the loss reconnected
+    again (4 restarts), and calls went out on a connection that had not said hello."""
+    d1 = make_daemon(_config(tmp_path), name="before")
+    errors: list[BaseException] = []
+    done = threading.Event()
+    with Client(d1.socket, reconnect=FAST) as c:
+        def loop(who: int) -> None:
+            k = 0
+            while not done.is_set():
+                tag = f"{who}/{k}".encode()
+                k += 1
+                try:
+                    got = c.ping(tag)
+                    assert got.payload == tag, (tag, got.payload)
+                except BaseException as exc:  # noqa: BLE001 - recorded and asserted on
+                    errors.append(exc)
+        threads = [threading.Thread(target=loop, args=(w,)) for w in range(4)]
+        for t in threads:
+            t.start()
+        time.sleep(0.3)
+        d2 = _restart(make_daemon, d1, tmp_path)
+        wait_for(lambda: c.restarts >= 1 and c.ping(b"x").payload == b"x", "the new session")
+        time.sleep(0.3)
+        done.set()
+        for t in threads:
+            t.join(30)
+        assert not any(t.is_alive() for t in threads)
+        assert [type(e) for e in errors] == [SessionRestarted], errors[:4]
+        assert c.restarts == 1
+    d2.check()
+
+
 def test_without_a_policy_a_restart_is_connection_lost(make_daemon, tmp_path: Path) -> None:
     d1 = make_daemon(_config(tmp_path), name="before")
     with Client(d1.socket) as c:

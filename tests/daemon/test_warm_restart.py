@@ -326,44 +326,113 @@ def test_a_clear_the_stop_could_not_record_in_redis_is_recorded_at_the_next_star
         assert got.present == bytes(len(names)) and got.fetched == 0
 
 
-def test_a_clear_made_with_l3_off_is_recorded_at_the_next_start_with_l3(
-        make_daemon, tmp_path: Path, prefix: str) -> None:
-    """A kv_clear in a run whose model has L3 off (the same state directory, Redis holding the
-    namespace's values from the run before): the next run with L3 records the clear before any
-    fetch, so the values of before it are not served. It used to be forgotten, and all three
-    keys came back from Redis with their old bytes."""
-    def config(l3: bool) -> dict[str, Any]:
-        c = l3_config(SHARED_URL, prefix, host_pages=16, host_swa_pages=8, l3=l3)
-        c["server"] = {"state_dir": str(tmp_path / "s")}
-        return c
+def _l3_state(tmp_path: Path, prefix: str, l3: bool, **model: Any) -> dict[str, Any]:
+    """A model with a host tier and keyed pages, Redis (``l3``: on for the model) and a state
+    directory kept across the test's daemons."""
+    c = l3_config(SHARED_URL, prefix, **{"host_pages": 16, "host_swa_pages": 8, **model}, l3=l3)
+    c["server"] = {"state_dir": str(tmp_path / "s")}
+    return c
 
-    keys = [b"k%d" % i for i in range(3)]
-    d1 = make_daemon(config(True))
-    with Client(d1.socket) as c:
-        pools = c.kv_attach("m")
-        r = c.kv_reserve("m", keys)
-        for s in r.slots:
-            pools.full[s] = 0x5A
-        c.kv_commit("m", r.pin)
-        wait_for(lambda: c.stats("m").models["m"]["kv_l3_write_pages"] >= 3, "the Redis writes")
-    _stop(d1)
-    d2 = make_daemon(config(False))
-    with Client(d2.socket) as c:
-        assert c.kv_lookup("m", keys, pin=False).present == b"\x01" * 3  # the host state kept
-        got = c.kv_clear("m")
-        assert got.removed == 3 and got.l3_cleared  # (no Redis in this run)
-        assert c.kv_lookup("m", keys, pin=False).present == bytes(3)
-    _stop(d2)
-    d3 = make_daemon(config(True))
+
+def _store_and_write(c: Client, keys: list[bytes]) -> None:
+    """Store ``keys`` (bytes 0x5A, the KV of before a clear) and wait for their Redis writes."""
+    pools = c.kv_attach("m")
+    r = c.kv_reserve("m", keys)
+    for s in r.slots:
+        pools.full[s] = 0x5A
+    c.kv_commit("m", r.pin)
+    wait_for(lambda: c.stats("m").models["m"]["kv_l3_write_pages"] >= len(keys),
+             "the Redis writes")
+
+
+def _wait_clear_recorded(prefix: str) -> None:
     raw = redis_sync.Redis.from_url(SHARED_URL)
     try:
         wait_for(lambda: [raw.get(k) for k in raw.scan_iter(match=f"{prefix}:kvgen:*")]
                  == [b"1"], "the clear recorded in Redis")
     finally:
         raw.close()
+
+
+def test_a_clear_made_with_l3_off_is_recorded_at_the_next_start_with_l3(
+        make_daemon, tmp_path: Path, prefix: str) -> None:
+    """A kv_clear in a run whose model has L3 off (the same state directory, Redis holding the
+    namespace's values from the run before): the next run with L3 records the clear before any
+    fetch, so the values of before it are not served. It used to be forgotten, and all three
+    keys came back from Redis with their old bytes."""
+    keys = [b"k%d" % i for i in range(3)]
+    d1 = make_daemon(_l3_state(tmp_path, prefix, True))
+    with Client(d1.socket) as c:
+        _store_and_write(c, keys)
+    _stop(d1)
+    d2 = make_daemon(_l3_state(tmp_path, prefix, False))
+    with Client(d2.socket) as c:
+        assert c.kv_lookup("m", keys, pin=False).present == b"\x01" * 3  # the host state kept
+        got = c.kv_clear("m")
+        assert got.removed == 3 and got.l3_cleared  # (no Redis in this run)
+        assert c.kv_lookup("m", keys, pin=False).present == bytes(3)
+    _stop(d2)
+    d3 = make_daemon(_l3_state(tmp_path, prefix, True))
+    _wait_clear_recorded(prefix)
     with Client(d3.socket) as c:
         got = c.kv_lookup("m", keys, fetch=True, timeout_s=5)
         assert got.present == bytes(3) and got.fetched == 0
+
+
+def test_an_owed_clear_survives_a_saved_state_the_next_start_refuses(
+        make_daemon, tmp_path: Path, prefix: str) -> None:
+    """The clear is owed by a run with L3 off; the next run with L3 refuses the saved pages
+    (its host pools changed shape) but still takes the owed clear and records it."""
+    keys = [b"k%d" % i for i in range(3)]
+    d1 = make_daemon(_l3_state(tmp_path, prefix, True))
+    with Client(d1.socket) as c:
+        _store_and_write(c, keys)
+    _stop(d1)
+    d2 = make_daemon(_l3_state(tmp_path, prefix, False))
+    with Client(d2.socket) as c:
+        assert c.kv_clear("m").removed == 3
+        r = c.kv_reserve("m", [b"s"], "swa")  # a saved SWA host page: the shape to refuse
+        c.kv_commit("m", r.pin)
+    _stop(d2)
+    d3 = make_daemon(_l3_state(tmp_path, prefix, True, host_swa_pages=0))
+    assert "its host pools changed shape" in d3.log()
+    _wait_clear_recorded(prefix)
+    with Client(d3.socket) as c:
+        got = c.kv_lookup("m", keys, fetch=True, timeout_s=5)
+        assert got.present == bytes(3) and got.fetched == 0
+
+
+def test_a_page_pinned_at_a_clear_made_with_l3_off_is_written_again(
+        make_daemon, tmp_path: Path, prefix: str) -> None:
+    """A page pinned at that clear keeps its content; its Redis value of before the clear is
+    unreadable once the clear is recorded, so under write_back its eviction writes it again,
+    and a fetch finds it. It used to keep its mark of being in Redis: evicted, it was lost."""
+    d1 = make_daemon(_l3_state(tmp_path, prefix, True))
+    with Client(d1.socket) as c:
+        _store_and_write(c, [b"precious"])
+    _stop(d1)
+    d2 = make_daemon(_l3_state(tmp_path, prefix, False))
+    with Client(d2.socket) as c:
+        got = c.kv_lookup("m", [b"precious"])  # pinned across the clear
+        assert got.present == b"\x01" and c.kv_clear("m").removed == 0
+        c.kv_release("m", got.pin)
+    _stop(d2)
+    cfg = _l3_state(tmp_path, prefix, True)
+    cfg["l3"]["write_policy"] = "write_back"
+    d3 = make_daemon(cfg)
+    _wait_clear_recorded(prefix)
+    with Client(d3.socket) as c:
+        pools = c.kv_attach("m")
+        assert c.kv_lookup("m", [b"precious"], pin=False).present == b"\x01"
+        for i in range(3):  # 15 usable host slots: the restored page is the oldest to go
+            r = c.kv_reserve("m", [b"other-%d-%d" % (i, j) for j in range(8)])
+            c.kv_commit("m", r.pin)
+        wait_for(lambda: c.kv_lookup("m", [b"precious"], pin=False).present == b"\x00",
+                 "its eviction")
+        got = c.kv_lookup("m", [b"precious"], fetch=True, timeout_s=5)
+        assert got.present == b"\x01" and got.fetched == 1
+        assert int(pools.full[got.slots[0]].min()) == 0x5A == int(pools.full[got.slots[0]].max())
+        c.kv_release("m", got.pin)
 
 
 def test_a_second_daemon_on_the_same_state_dir_is_refused(make_daemon, tmp_path: Path) -> None:

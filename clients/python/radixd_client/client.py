@@ -3,10 +3,13 @@
 One :class:`Client` is one connection and one daemon session. Calls are synchronous: each writes
 one frame and reads its response, so per-call overhead is one ``sendall``, usually one
 ``recv_into`` into a reused buffer, and two msgspec decodes. The protocol rules are
-:class:`~radixd_client.connection.ClientConnection`'s; this module only moves the bytes. Calls
-from several threads take turns (each holds the connection from its request to its reply), so
-that none reads another's reply; for calls that overlap, give each thread its own client or use
-:class:`radixd_client.aio.AsyncClient` to share one connection among tasks.
+:class:`~radixd_client.connection.ClientConnection`'s; this module only moves the bytes.
+Threads that share a client take turns, a whole call each (its reconnect and the mapping of new
+segments included), so that none reads another's reply; for calls that overlap, give each
+thread its own client or use :class:`radixd_client.aio.AsyncClient` to share one connection
+among tasks. With a reconnect policy, only the call a restart cut raises ``SessionRestarted``:
+the other threads' next calls run in the new session, where what the old one held (receipts,
+pages) is gone.
 
 Everything a session holds (receipts, allocated pages) is released by the daemon when the
 connection ends, however it ends. When that happens mid-call the client raises
@@ -172,7 +175,7 @@ class Client(Operations):
         return self
 
     def _start(self, sock: socket.socket, token: str | None, client_name: str) -> None:
-        self._io = threading.Lock()
+        self._io = threading.RLock()  # one call at a time (reentrant: a call may attach)
         self._token, self._client_name = token, client_name
         self._attached: dict[str, AttachedPools] = {}  # to map segments as they come
         self._dropped: dict[str, str] = {}  # pools a reconnect closed before it was cut too
@@ -250,37 +253,37 @@ class Client(Operations):
     def _call(self, op: str, req: Request) -> Any:
         """One request, one reply; with a reconnect policy, a lost session is opened again
         before the call raises ``SessionRestarted``."""
-        try:
-            return self._call_once(op, req)
-        except (ConnectionLost, ShuttingDown) as exc:
-            if not self._may_reconnect() or isinstance(exc, SessionRestarted):
-                raise
-            raise self._ride_through(exc) from exc
+        with self._io:
+            try:
+                return self._call_once(op, req)
+            except (ConnectionLost, ShuttingDown) as exc:
+                if not self._may_reconnect() or isinstance(exc, SessionRestarted):
+                    raise
+                raise self._ride_through(exc) from exc
 
     def _call_once(self, op: str, req: Request) -> Any:
         """One request, one reply, decoded completely by the connection before the buffer is
         read into again."""
-        with self._io:  # threads sharing the client take turns: each reads its own reply
-            sock = self._sock
-            if sock is None:
-                raise _lost(self._close_reason)
-            conn = self._conn
-            frame = conn.send(op, req)
-            try:
-                sock.sendall(frame)
-                reply = conn.read_reply(sock.recv_into)
-                if reply is None:
-                    raise self._eof()
-            except ConnectionLost:
-                raise
-            except BrokenStream as exc:
-                raise self._broken(str(exc), exc.__cause__) from exc.__cause__
-            except OSError as exc:  # reset, broken pipe, timeout
-                raise self._broken(f"{type(exc).__name__}: {exc}", exc) from exc
-            except BaseException as exc:
-                # KeyboardInterrupt (or similar) mid-frame: the stream is out of step for good.
-                self._broken(f"interrupted by {type(exc).__name__} in the middle of a call", exc)
-                raise
+        sock = self._sock
+        if sock is None:
+            raise _lost(self._close_reason)
+        conn = self._conn
+        frame = conn.send(op, req)
+        try:
+            sock.sendall(frame)
+            reply = conn.read_reply(sock.recv_into)
+            if reply is None:
+                raise self._eof()
+        except ConnectionLost:
+            raise
+        except BrokenStream as exc:
+            raise self._broken(str(exc), exc.__cause__) from exc.__cause__
+        except OSError as exc:  # reset, broken pipe, timeout
+            raise self._broken(f"{type(exc).__name__}: {exc}", exc) from exc
+        except BaseException as exc:
+            # KeyboardInterrupt (or similar) mid-frame: the stream is out of step for good.
+            self._broken(f"interrupted by {type(exc).__name__} in the middle of a call", exc)
+            raise
         if reply.ok:
             self._follow_segments(op, req, reply.value)
             return reply.value
@@ -367,57 +370,57 @@ class Client(Operations):
             close_fds(fds)
 
     def _call_with_fds(self, op: str, req: Request) -> tuple[Any, list[int]]:
-        try:
-            return self._call_with_fds_once(op, req)
-        except (ConnectionLost, ShuttingDown) as exc:
-            if not self._may_reconnect() or isinstance(exc, SessionRestarted):
-                raise
-            raise self._ride_through(exc) from exc
+        with self._io:
+            try:
+                return self._call_with_fds_once(op, req)
+            except (ConnectionLost, ShuttingDown) as exc:
+                if not self._may_reconnect() or isinstance(exc, SessionRestarted):
+                    raise
+                raise self._ride_through(exc) from exc
 
     def _call_with_fds_once(self, op: str, req: Request) -> tuple[Any, list[int]]:
         """One call whose response carries descriptors (SCM_RIGHTS): the result and the fds,
         which the caller closes."""
-        with self._io:
-            sock = self._sock
-            if sock is None:
-                raise _lost(self._close_reason)
-            conn = self._conn
-            if conn.buffered:  # bytes no request asked for: the stream is out of step
-                raise self._broken(f"unexpected bytes from the daemon before {op}")
-            frame = conn.send(op, req)
-            fds: list[int] = []
+        sock = self._sock
+        if sock is None:
+            raise _lost(self._close_reason)
+        conn = self._conn
+        if conn.buffered:  # bytes no request asked for: the stream is out of step
+            raise self._broken(f"unexpected bytes from the daemon before {op}")
+        frame = conn.send(op, req)
+        fds: list[int] = []
+        try:
             try:
-                try:
-                    sock.sendall(frame)
-                    # Every byte of the response is read with recvmsg, so the descriptors are
-                    # received whichever segment carries them. Nothing was read ahead of it (checked
-                    # above), no other request is in flight, and the daemon sends nothing unasked.
-                    space = ancillary_space()
-                    reply = None
-                    while reply is None:
-                        k, ancdata, msg_flags, _addr = sock.recvmsg_into(
-                            [conn.recv_buffer()], space, RECVMSG_FLAGS)
-                        if not take_fds(ancdata, msg_flags, fds):
-                            raise self._broken(f"the {op} response carried too many descriptors")
-                        if not k:
-                            raise self._eof(op)
-                        conn.received(k)
-                        reply = conn.next_event()
-                except RadixdError:
-                    raise
-                except BrokenStream as exc:
-                    raise self._broken(str(exc), exc.__cause__) from exc.__cause__
-                except OSError as exc:
-                    raise self._broken(f"{type(exc).__name__}: {exc}", exc) from exc
-                except BaseException as exc:
-                    self._broken(f"interrupted by {type(exc).__name__} during {op}", exc)
-                    raise
-                if not reply.ok:
-                    raise reply.value
-            except BaseException:
-                close_fds(fds)
+                sock.sendall(frame)
+                # Every byte of the response is read with recvmsg, so the descriptors are
+                # received whichever segment carries them. Nothing was read ahead of it (checked
+                # above), no other request is in flight, and the daemon sends nothing unasked.
+                space = ancillary_space()
+                reply = None
+                while reply is None:
+                    k, ancdata, msg_flags, _addr = sock.recvmsg_into(
+                        [conn.recv_buffer()], space, RECVMSG_FLAGS)
+                    if not take_fds(ancdata, msg_flags, fds):
+                        raise self._broken(f"the {op} response carried too many descriptors")
+                    if not k:
+                        raise self._eof(op)
+                    conn.received(k)
+                    reply = conn.next_event()
+            except RadixdError:
                 raise
-            return reply.value, fds
+            except BrokenStream as exc:
+                raise self._broken(str(exc), exc.__cause__) from exc.__cause__
+            except OSError as exc:
+                raise self._broken(f"{type(exc).__name__}: {exc}", exc) from exc
+            except BaseException as exc:
+                self._broken(f"interrupted by {type(exc).__name__} during {op}", exc)
+                raise
+            if not reply.ok:
+                raise reply.value
+        except BaseException:
+            close_fds(fds)
+            raise
+        return reply.value, fds
 
     # -- lifetime -------------------------------------------------------------------------------
 
