@@ -539,24 +539,25 @@ class KeyedTier:
                         if gens[page.ns] is None and self._uncleared(page.ns, clears):
                             self.count(page.ns, "kv_l3_write_failures")
                     uncounted, named_all = [item for item, _ in named], True
-                    written = await self.l3.set_pages(values)
-                    whole = written == len(values)
-                    if not whole:  # which failed is unknown: none is marked as in Redis, and
-                        # each namespace counts all its pages of the batch as failures
-                        self.counters["kv_l3_write_pages"] += written
-                        self.counters["kv_l3_write_failures"] += len(values) - written
-                    for (*_, clears, page), _ in named:  # (cleared meanwhile: a dead value)
-                        current = self._uncleared(page.ns, clears)
-                        page.in_l3 = page.in_l3 or (whole and current)
-                        self.count(page.ns, "kv_l3_write_pages" if whole
-                                   else "kv_l3_write_failures", model=whole)
+                    stored = await self.l3.set_pages_each(values)
+                    dead: dict[str, list[bytes]] = {}  # values a clear overtook: deleted too
+                    for ((kind, *_, clears, page), l3id), ok in zip(named, stored, strict=True):
+                        live = self._uncleared(page.ns, clears)
+                        page.in_l3 = page.in_l3 or (ok and live)
+                        self.count(page.ns, "kv_l3_write_pages" if ok
+                                   else "kv_l3_write_failures")
+                        if ok and not live and l3id not in self._unwanted:  # (else its
+                            dead.setdefault(kind, []).append(l3id)  # clear deletes it)
+                    for kind, ids in dead.items():  # never charged: never left in Redis
+                        self._unwanted.update(ids)
+                        self._deletes.append((kind, ids))
                     uncounted = []
-                    if whole and self.l3_charge is not None:
+                    if self.l3_charge is not None:  # exactly what Redis holds now
                         await self.l3_charge([
                             (page.ns, l3id, kind, len(v))
-                            for ((kind, *_, clears, page), l3id), v in zip(named, values,
-                                                                          strict=True)
-                            if self._uncleared(page.ns, clears)])
+                            for ((kind, *_, clears, page), l3id), v, ok in zip(
+                                named, values, stored, strict=True)
+                            if ok and self._uncleared(page.ns, clears)])
                 except asyncio.CancelledError:
                     raise
                 except Exception:

@@ -208,15 +208,13 @@ class L3Tier:
     async def _store(self, batch: list[L3Write], values: list[bytes]) -> None:
         assert self.l3 is not None
         before = self.l3.stats["set_failures"]
-        written = await self.l3.set_pages(values)
-        self.counters["l3_write_values"] += written
+        stored = await self.l3.set_pages_each(values)
+        self.counters["l3_write_values"] += sum(stored)
         self.counters["l3_write_failures"] += self.l3.stats["set_failures"] - before
-        if written < len(values):
-            return  # which ones failed is unknown: count none rather than delete early
-        self.counters["l3_write_pages"] += sum(len(t) for *_, t, _ in batch) \
+        done = [(w, v) for w, v, ok in zip(batch, values, stored, strict=True) if ok]
+        self.counters["l3_write_pages"] += sum(len(t) for (*_, t, _), _ in done) \
             // self.cache.tree.page_bytes
-        await self.charge([(ns, h, kind, len(v)) for (kind, ns, _, h, _, _), v
-                              in zip(batch, values, strict=True)])
+        await self.charge([(ns, h, kind, len(v)) for (kind, ns, _, h, _, _), v in done])
 
     async def charge(self, values: list[tuple[str, bytes, str, int]]) -> int:
         """Count values just written to Redis, ``(namespace, Redis page id, pool, bytes)``,

@@ -4,8 +4,9 @@ watches that tell a background copy which of the device pages it reads were free
 A freed page goes back to the allocator at once, and from there to any namespace's next
 ``alloc`` (its segment, once empty, to another tenant, who writes into it). So when the tree
 frees a page that a copy running off the loop still reads, the sink first waits for that copy
-(a bounded job): otherwise the copy would read the next owner's KV into the copying tenant's
-host slots, which that tenant maps. The copy's result is then dropped as tainted."""
+(a bounded job, waited for on the event loop): otherwise the copy would read the next owner's
+KV into the copying tenant's host slots, which that tenant maps. The copies of the nodes whose
+pages were freed (and of those below them in the job) are then dropped as tainted."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ class Watch:
         """Wait for the reader before a page it reads goes back to the allocator. What the
         copy raised is its owner's to see (it awaits the same copy)."""
         reader, self.reader = self.reader, None
-        if reader is not None:
+        if reader is not None and not reader.finished():
             self.waits += 1
             with contextlib.suppress(Exception):
                 reader.wait()

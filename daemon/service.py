@@ -244,9 +244,9 @@ class Service(ServiceQueries, ServiceChecks):
                        evict: bool = True) -> None:
         """Over quota, the tenant's own cold pages go first; then the request is refused.
 
-        ``n`` full pages (and ``n_swa`` SWA pages, default ``n``) are about to be taken.
-        ``evict=False``: refuse only a request that no eviction could bring under quota (what
-        the tenant's sessions hold, plus ``n``, is over it), and evict nothing."""
+        ``n`` full pages (and ``n_swa`` SWA pages, default ``n``) are about to be taken. A
+        request that no eviction could bring under quota (what the tenant's sessions hold, plus
+        ``n``, is over it) is refused first, with nothing evicted; ``evict=False``: only that."""
         n_swa = n if n_swa is None else n_swa
         t = s.tenant
         if not t.quota_full and not t.quota_swa:
@@ -254,9 +254,9 @@ class Service(ServiceQueries, ServiceChecks):
         cache = entry.cache
         swa_enabled = cache.swa_enabled
 
-        def overage() -> tuple[int, int]:
+        def overage(tree: bool) -> tuple[int, int]:
             ns = cache.tree.namespaces.get(t.namespace)
-            tree_full, tree_swa = ((ns.full_pages, ns.swa_pages) if ns is not None and evict
+            tree_full, tree_swa = ((ns.full_pages, ns.swa_pages) if ns is not None and tree
                                    else (0, 0))
             held_full, held_swa = self._held(s, entry)
             load_full, load_swa = cache.loading_pages.get(t.namespace, (0, 0))
@@ -265,17 +265,18 @@ class Service(ServiceQueries, ServiceChecks):
                    if t.quota_swa and swa_enabled else 0)
             return max(0, of), max(0, osw)
 
-        over_full, over_swa = overage()
-        if evict and (over_full or over_swa):
-            ev = cache.evict(over_full, over_swa, namespace=t.namespace, reason="quota")
+        over_full, over_swa = overage(False)
+        hopeless = bool(over_full or over_swa)
+        if evict and not hopeless and any(over := overage(True)):
+            ev = cache.evict(*over, namespace=t.namespace, reason="quota")
             t.counters["quota_evicted_pages"] += ev.full_pages
-            over_full, over_swa = overage()
+            over_full, over_swa = overage(True)
         if over_full or over_swa:
             t.counters["quota_refusals"] += 1
             pool = "full" if over_full else "swa"
             limit = t.quota_full if over_full else t.quota_swa
-            why = ("and its unlocked cached pages are already evicted" if evict else
-                   "with what its sessions hold, even without any of its cached pages")
+            why = ("with what its sessions hold, even without any of its cached pages" if hopeless
+                   else "and its unlocked cached pages are already evicted")
             raise ServiceError(
                 P.Code.QUOTA_EXCEEDED,
                 f"tenant {t.name!r} is over its {pool} page quota for model {entry.name!r}: "
@@ -617,9 +618,8 @@ class Service(ServiceQueries, ServiceChecks):
         at most) for Redis to record it and says whether it did: an engine that clears stale
         KV (new weights) must know when Redis may still hold it readable."""
         res = self.kv_clear(s, r)
-        _, keyed = self._keyed(s, r.model)
         if not res.l3_cleared:
-            res.l3_cleared = await keyed.names.wait_raised(
+            res.l3_cleared = await self._keyed(s, r.model)[1].names.wait_raised(
                 s.tenant.namespace, min(2 * self.config.l3.op_timeout_ms / 1000, CLEAR_WAIT_S))
         return res
 

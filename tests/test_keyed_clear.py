@@ -10,6 +10,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 import pytest
+import redis as redis_sync
 
 from daemon.keyed_tier import L3_WRITE_BATCH, KeyedTier
 from daemon.model_cache import ModelCache
@@ -82,7 +83,7 @@ def test_a_page_kept_by_a_clear_during_its_write_is_not_taken_as_in_redis(prefix
     """A pinned page survives a clear. When the clear comes while its write is on the way, the
     value lands under the generation of before, where no one reads it: the page is not taken as
     in Redis (under write-back its eviction writes it again), and the quota is not charged for
-    the dead value."""
+    the dead value, which is deleted from Redis (it used to stay there, counted by no quota)."""
     charged: list = []
 
     async def charge(items: list) -> int:
@@ -90,19 +91,24 @@ def test_a_page_kept_by_a_clear_during_its_write_is_not_taken_as_in_redis(prefix
         return 0
 
     async def body(kv: KeyedTier, host: HostTier) -> None:
-        real = kv.l3.set_pages  # type: ignore[union-attr]
+        real = kv.l3.set_pages_each  # type: ignore[union-attr]
 
-        async def clear_on_the_way(values: list[bytes]) -> int:
+        async def clear_on_the_way(values: list[bytes]) -> list[bool]:
             kv.clear("a")
             return await real(values)
 
-        kv.l3.set_pages = clear_on_the_way  # type: ignore[union-attr,method-assign]
+        kv.l3.set_pages_each = clear_on_the_way  # type: ignore[union-attr,method-assign]
         commit(kv, host, "s1", "a", [b"p"], 5)
         pin = kv.lookup("s1", "a", "full", [b"p"], True, 64).pin
         await kv.drain(time.monotonic() + 5)
         page = kv.pages.get("a", "full", b"p")
         assert page is not None and not page.in_l3 and charged == []
-        kv.l3.set_pages = real  # type: ignore[union-attr,method-assign]
+        raw = redis_sync.Redis.from_url(SHARED_URL)
+        try:
+            assert [k for k in raw.scan_iter(match=f"{prefix}:*") if b":kvgen:" not in k] == []
+        finally:
+            raw.close()
+        kv.l3.set_pages_each = real  # type: ignore[union-attr,method-assign]
         kv.release("s1", pin)
         kv.clear("a")
         await kv.drain(time.monotonic() + 5)
@@ -152,11 +158,11 @@ def test_a_write_that_fails_counts_a_page_without_a_generation_once(prefix: str)
         async def none_for_a(l3: RedisTier, ns: str) -> int | None:
             return None if ns == "a" else await real(l3, ns)
 
-        async def fail(values: list[bytes]) -> int:
+        async def fail(values: list[bytes]) -> list[bool]:
             raise ConnectionError("injected: the write failed")
 
         kv.names.to_write = none_for_a  # type: ignore[method-assign]
-        kv.l3.set_pages = fail  # type: ignore[union-attr,method-assign]
+        kv.l3.set_pages_each = fail  # type: ignore[union-attr,method-assign]
         two_namespaces(kv, host)
         await kv.drain(time.monotonic() + 5)
         assert failures(kv) == (2, 2, 4)

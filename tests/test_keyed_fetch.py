@@ -41,15 +41,18 @@ def store_held(host_pages: int, quotas: dict[str, int]) -> tuple[KeyedTier, Host
 
 async def only_in_redis(kv: KeyedTier, prefix: str, keys: list[bytes], ns: str = "a"
                         ) -> dict[bytes, bytes]:
-    """Put a value for each key in Redis, as the keyed writer names and encodes it; attach the
-    tier to the store (it writes nothing itself here: no writer runs)."""
-    kv.l3 = RedisTier(SHARED_URL, key_prefix=prefix, ttl_seconds=0, op_timeout=2.0)
+    """Put a value for each key in Redis, as the keyed writer names and encodes it (under the
+    namespace's generation as the store knows it); attach the tier to the store first if it has
+    none (it writes nothing itself here: no writer runs)."""
+    if kv.l3 is None:
+        kv.l3 = RedisTier(SHARED_URL, key_prefix=prefix, ttl_seconds=0, op_timeout=2.0)
+    gen = kv.names.known(ns) or 0
     pages = {}
     values = []
     for i, k in enumerate(keys):
         payload = bytes([i + 1]) * kv.host.full.page_nbytes
         h = keyed_hash(ns, kv.fingerprint, "full", k)
-        values.append(encode_page(pool="full", page_hash=kv.names.page_id(h, 0),
+        values.append(encode_page(pool="full", page_hash=kv.names.page_id(h, gen),
                                   fingerprint=kv.fingerprint, key=k, payload=payload))
         pages[k] = payload
     assert await kv.l3.set_pages(values) == len(keys)
@@ -165,8 +168,10 @@ def test_a_key_whose_cleared_page_a_write_still_reads_is_a_miss_until_it_ends(
     async def run() -> None:
         kv, host, held = store_held(9, {})
         try:
+            await only_in_redis(kv, prefix, [])  # (Redis attached: the clear is recorded there)
             kv.clear("a")
-            pages = await only_in_redis(kv, prefix, [b"h0"])
+            assert await kv.names.wait_raised("a", 2.0)
+            pages = await only_in_redis(kv, prefix, [b"h0"])  # a value written since the clear
             assert await kv.fetch("a", "full", [b"h0"], 1.0) == 0
             host.unhold("full", held)
             assert await kv.fetch("a", "full", [b"h0"], 1.0) == 1

@@ -502,14 +502,21 @@ class RedisTier:
         """Store encoded page values (codec.encode_page), each under the key its header names;
         SET with EX when a TTL is configured. Returns how many were stored; the rest (Redis down,
         breaker open, error replies) are counted in ``set_failures``."""
-        items: list[tuple[str, bytes]] = []
-        for v in values:
+        return sum(await self.set_pages_each(values))
+
+    async def set_pages_each(self, values: Sequence[bytes]) -> list[bool]:
+        """:meth:`set_pages`, saying which values were stored, in order: part of a pipeline can
+        fail (an ACL, ``maxmemory`` crossed half way), and a writer charges exactly what Redis
+        holds to the namespace's quota."""
+        items: list[tuple[str, bytes, int]] = []
+        for i, v in enumerate(values):
             pool, page_hash = peek_header(v)
-            items.append((self.key(page_hash, pool), v))
+            items.append((self.key(page_hash, pool), v, i))
+        ok = [False] * len(items)
         if not items:
-            return 0
+            return ok
         # Pipelines bounded by command count and by bytes.
-        chunks: list[list[tuple[str, bytes]]] = [[]]
+        chunks: list[list[tuple[str, bytes, int]]] = [[]]
         size = 0
         for kv in items:
             cur = chunks[-1]
@@ -523,15 +530,16 @@ class RedisTier:
 
         stored = 0
 
-        async def one(chunk: list[tuple[str, bytes]]) -> None:
+        async def one(chunk: list[tuple[str, bytes, int]]) -> None:
             nonlocal stored
-            replies = await self._pipeline(lambda p: [p.set(k, v, ex=ex) for k, v in chunk])
+            replies = await self._pipeline(lambda p: [p.set(k, v, ex=ex) for k, v, _ in chunk])
             self._reply_errors(replies)
-            for (_k, v), r in zip(chunk, replies, strict=True):
+            for (_k, v, i), r in zip(chunk, replies, strict=True):
                 if self._is_error(r) or not r:
                     self._stats["errors"] += isinstance(r, ResponseError)
                     continue
                 stored += 1
+                ok[i] = True
                 self._stats["bytes_written"] += len(v)
 
         async def body() -> None:
@@ -543,7 +551,7 @@ class RedisTier:
         await self._guarded(body, lambda: None)
         self._stats["sets"] += stored
         self._stats["set_failures"] += len(items) - stored
-        return stored
+        return ok
 
     async def counter(self, name: str, at_least: int = 0) -> int | None:
         """The integer under ``<key_prefix><name>`` (0 when the key is absent), or None when

@@ -12,8 +12,9 @@ the failed drain left running), ``drain_of_m`` does so for model ``m``'s drain a
 models drain), ``check`` makes the check at rest raise, ``save`` the save of the host state for a
 warm restart. ``FAULT_LOAD=hang`` makes a ``load`` of
 model ``m`` pin that leaf and then never end (a copy that hangs). ``FAULT_COPY=slow`` makes every
-copy run from a tier job's thread start ``FAULT_COPY_DELAY_S`` seconds (default 1) late (a slow
-device link: requests overtake the copy they started).
+copy of the tiers' ``run_plans`` start ``FAULT_COPY_DELAY_S`` seconds (default 1) late (a slow
+device link: requests overtake the background copy they started; a copy small enough to run on
+the loop, or one inside an eviction, sleeps on the loop).
 """
 
 from __future__ import annotations

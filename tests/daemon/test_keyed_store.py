@@ -553,3 +553,43 @@ def test_cleared_pages_no_longer_count_against_the_l3_quota(make_daemon, prefix:
         assert redis_keys(prefix) == 3
         assert admin_stats(d)["models"]["m"]["tiers"]["l3_quota_deleted_pages"] == 0
         c.kv_release("m", keep)
+
+
+def test_what_redis_stored_of_a_partly_failed_batch_is_charged(make_daemon, tmp_path) -> None:
+    """Redis refuses part of a write batch (an ACL here; in service, one failed shard or
+    maxmemory crossed half way): the values it stored are counted as written, marked as in
+    Redis, and charged to the namespace's quota_l3_bytes, which then keeps what Redis holds of
+    the namespace within it. They used to be counted as failures and never charged: 8 values,
+    17 KB, stayed in Redis against a quota of 7 KB."""
+    srv = Server(free_port(), tmp_path)
+    srv.start()
+    raw = redis_sync.Redis(port=srv.port)
+    try:  # may read every key, write the generations and about half of the page keys
+        raw.execute_command("ACL", "SETUSER", "half", "on", ">pw", "+@all", "%R~*",
+                            "%W~pfx:kvgen:*", "%W~pfx:[0-7]*")
+        cfg = l3_config(f"redis://half:pw@127.0.0.1:{srv.port}/0", "pfx",
+                        host_pages=32, host_swa_pages=8)
+        cfg["l3"]["breaker_threshold"] = 1000  # (refused SETs are errors, not an outage)
+        cfg["tenants"] = [{"name": "t1", "token": "one", "quota_l3_bytes": 7168}]
+        d = make_daemon(cfg)
+
+        def values() -> list[bytes]:
+            return [k for k in raw.scan_iter(match="pfx:*") if not k.startswith(b"pfx:kvgen:")]
+        with Client(d.socket, token="one") as c:
+            pools = c.kv_attach("m")
+            store(c, pools, [f"a{i}" for i in range(10)], 1)  # one batch
+            wait_for(lambda: stats(c)["kv_l3_write_pages"] + stats(c)["kv_l3_write_failures"]
+                     == 10, "the partly refused batch")
+            first = stats(c)["kv_l3_write_pages"]
+            assert 0 < first < 10
+            within = lambda: sum(raw.strlen(k) for k in values()) <= 7168  # noqa: E731
+            wait_for(within, "the quota")
+            raw.execute_command("ACL", "SETUSER", "half", "%W~*")  # every write taken now
+            store(c, pools, [f"b{i}" for i in range(6)], 2)
+            wait_for(lambda: stats(c)["kv_l3_write_pages"] == first + 6, "the second batch")
+            wait_for(within, "the quota")
+            tiers = admin_stats(d)["models"]["m"]["tiers"]
+            assert tiers["l3_quota_deleted_pages"] == first + 6 - len(values()) > 0
+    finally:
+        raw.close()
+        srv.kill()

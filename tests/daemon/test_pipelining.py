@@ -235,6 +235,25 @@ def test_threads_sharing_one_sync_client_each_get_their_own_replies(daemon: Any)
         assert (models["held_full_pages"], models["held_swa_pages"]) == (0, 0), models
 
 
+def test_threads_attaching_one_client_at_once_share_its_pools(daemon: Any) -> None:
+    """Two threads attach the same model through one client at the same moment: both get the
+    one pools object the client keeps (and updates as segments come and go). Before, each could
+    build its own, and the orphan was never updated."""
+    def attach(c: Client, start: threading.Barrier, got: list[Any]) -> None:
+        start.wait(10)
+        got.append(c.attach(MODEL))
+
+    for _ in range(20):
+        with Client(daemon.socket) as c:
+            start, got = threading.Barrier(2), []
+            threads = [threading.Thread(target=attach, args=(c, start, got)) for _ in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(30)
+            assert len(got) == 2 and got[0] is got[1]
+
+
 @pytest.fixture
 def small_window_daemon(make_daemon: Any) -> Any:
     """max_inflight 2: the AsyncClient keeps at most two requests in flight."""

@@ -232,6 +232,37 @@ def test_threads_sharing_a_client_ride_through_a_restart_once(make_daemon,
     d2.check()
 
 
+def test_a_client_closed_while_another_thread_reconnects_stays_closed(
+        make_daemon, tmp_path: Path) -> None:
+    """close() from another thread while a call waits for the daemon to come back: the call
+    raises ConnectionLost and opens no session, although the daemon returns. Before, the
+    reconnect went on and the closed client held a live session again."""
+    d1 = make_daemon(_config(tmp_path), name="before")
+    c = Client(d1.socket, reconnect=FAST)
+    d1.check()
+    assert d1.stop() == 0
+    raised: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            c.ping(b"x")
+        except BaseException as exc:  # noqa: BLE001 - asserted on below
+            raised.append(exc)
+    t = threading.Thread(target=call)
+    t.start()
+    time.sleep(0.3)  # the call lost its connection and retries
+    c.close()
+    d2 = make_daemon(_config(tmp_path), name="after")
+    t.join(30)
+    assert not t.is_alive() and len(raised) == 1
+    assert type(raised[0]) is ConnectionLost and "closed by the client" in str(raised[0])
+    assert c.closed and c.restarts == 0
+    time.sleep(0.5)  # (a reconnect still under way would have opened its session by now)
+    with Client(d2.socket) as probe:
+        assert probe.session == 1  # the first session the new daemon opened
+    d2.check()
+
+
 def test_without_a_policy_a_restart_is_connection_lost(make_daemon, tmp_path: Path) -> None:
     d1 = make_daemon(_config(tmp_path), name="before")
     with Client(d1.socket) as c:

@@ -13,6 +13,7 @@ from radixd_client import Client, protocol
 from radixd_client.errors import AuthError, OutOfMemory, QuotaExceeded
 
 from .conftest import SMALL_MODEL
+from .test_tiers import wait_for
 
 P = 4
 
@@ -140,6 +141,31 @@ def test_a_request_beyond_the_quota_is_quota_exceeded_even_when_the_pool_is_shor
         assert alice.stats("m").models["m"]["quota_evicted_pages"] == 0
         for a in held:
             bob.free("m", a.full_pages, a.swa_pages)
+    d.check()
+
+
+def test_a_load_no_eviction_could_admit_is_refused_with_nothing_evicted(make_daemon) -> None:
+    """A load whose pages, with what the tenant's sessions hold, are over its quota whatever it
+    evicts: quota_exceeded, and its cached pages stay (as for alloc). The load used to evict
+    them first, then be refused."""
+    model = {**SMALL_MODEL, "host_pages": 64, "host_swa_pages": 32}
+    d = make_daemon({"models": [model], "tenants": [
+        {"name": "alice", "token": "a", "namespace": "ns-a", "quota_full_pages": 10,
+         "quota_swa_pages": 10}]})
+    x, y = toks(5, 1000), toks(3, 5000)
+    with Client(d.socket, token="a") as c:
+        cache(c, "m", x)
+        wait_for(lambda: c.stats("m").models["m"]["tree_host_pages"] >= 5, "the host copy")
+        c.evict("m", full_pages=100, swa_pages=100)
+        assert c.match("m", x).host_hit_len == 5 * P  # on host only
+        cache(c, "m", y)
+        held = c.alloc("m", 6)  # 6 held + 3 cached: within 10; 6 + 5 to load: over it
+        with pytest.raises(QuotaExceeded) as ei:
+            c.load("m", x, lock=True)
+        assert "even without any of its cached pages" in str(ei.value)
+        assert c.match("m", y).prefix_len == 3 * P
+        assert c.stats("m").models["m"]["quota_evicted_pages"] == 0
+        c.free("m", held.full_pages, held.swa_pages)
     d.check()
 
 

@@ -360,3 +360,29 @@ def test_breaker_state_machine_single_probe() -> None:
     b.record(t, ok=True)
     assert b.state == CLOSED and b.failures == 0
     assert list(b.history) == [CLOSED, OPEN, HALF_OPEN, OPEN, HALF_OPEN, CLOSED]
+
+
+@pytest.mark.asyncio
+async def test_set_pages_each_says_which_values_redis_stored(tmp_path) -> None:
+    """Part of a pipeline refused (an ACL that lets half the keys be written): the flags name
+    exactly the values Redis holds, across pipelines, so that writers charge those alone."""
+    srv = Server(free_port(), tmp_path)
+    srv.start()
+    raw = redis_sync.Redis(port=srv.port)
+    try:
+        raw.execute_command("ACL", "SETUSER", "half", "on", ">pw", "+@all", "%R~*",
+                            "%W~p:[0-7]*")
+        tier = RedisTier(f"redis://half:pw@127.0.0.1:{srv.port}/0", key_prefix="p:",
+                         ttl_seconds=0, op_timeout=2.0, max_pipeline=8, breaker_threshold=1000)
+        try:
+            hs = _hashes(30, b"each")
+            got = await tier.set_pages_each([_page(h) for h in hs])
+            held = [bool(raw.exists(tier.key(h, "full"))) for h in hs]
+            assert got == held and 0 < sum(got) < 30
+            assert tier.stats["set_failures"] == 30 - sum(got)
+            assert await tier.set_pages_each([]) == []
+        finally:
+            await tier.aclose()
+    finally:
+        raw.close()
+        srv.kill()

@@ -4,6 +4,7 @@ daemon cannot be made to meet on demand."""
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import subprocess
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from daemon.storage import host_snapshot
 from daemon.storage.host_snapshot import LOCK_FILE, lock_state_dir
 
 HOLD = """
@@ -56,3 +58,14 @@ def test_a_lock_file_that_cannot_be_opened_is_named(tmp_path: Path) -> None:
     (tmp_path / LOCK_FILE).mkdir()
     got = lock_state_dir(str(tmp_path))
     assert got.startswith(f"cannot open {str(tmp_path / LOCK_FILE)!r}: "), got
+
+
+def test_a_lock_that_fails_otherwise_is_named(tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """flock's other errors (ENOLCK on some network file systems): a message naming the file,
+    which the daemon prints with the key (exit 2), not a bare OSError (exit 1, restarted)."""
+    def no_locks(fd: int, op: int) -> None:
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+    monkeypatch.setattr(host_snapshot.fcntl, "flock", no_locks)
+    assert lock_state_dir(str(tmp_path)) == (
+        f"cannot lock {str(tmp_path / LOCK_FILE)!r}: {os.strerror(errno.ENOLCK)}")

@@ -211,11 +211,17 @@ class Client(Operations):
         old_instance = getattr(self, "instance", None)
         attempts = policy.attempts(path)
         while True:
+            if self._closed_by_user:  # closed from another thread meanwhile: stays closed
+                raise _lost("closed by the client")
             try:
                 self._open_session(_connect(path, self._timeout))
-                break
             except (ConnectFailed, ConnectionLost, ShuttingDown) as exc:
                 time.sleep(attempts.wait_after(exc))
+                continue
+            if self._closed_by_user:
+                self._drop()
+                raise _lost("closed by the client")
+            break
         self.restarts += 1
         unmapped = self._dropped  # (kept if this reconnect is cut too: reported by the next)
         for model in models_to_remap(self._attached, self._kv_attached, old_instance,
@@ -351,11 +357,12 @@ class Client(Operations):
         """
         from .pools import attach_or_update
 
-        result, fds = self._call_with_fds("attach", Attach(model=model))
-        try:
-            return attach_or_update(self._attached, model, result, fds)
-        finally:
-            close_fds(fds)
+        with self._io:  # the mapping too: two threads attaching share one pools object
+            result, fds = self._call_with_fds("attach", Attach(model=model))
+            try:
+                return attach_or_update(self._attached, model, result, fds)
+            finally:
+                close_fds(fds)
 
     def kv_attach(self, model: str) -> KvHostPools:
         """Map the host (L2) pools of ``model`` into this process (needs torch): the memory the
@@ -363,11 +370,12 @@ class Client(Operations):
         :class:`~radixd_client.pools.KvHostPools`."""
         from .pools import attach_host_pools
 
-        result, fds = self._call_with_fds("kv_attach", KvAttach(model=model))
-        try:
-            return attach_host_pools(model, result, fds, self._kv_attached)
-        finally:
-            close_fds(fds)
+        with self._io:
+            result, fds = self._call_with_fds("kv_attach", KvAttach(model=model))
+            try:
+                return attach_host_pools(model, result, fds, self._kv_attached)
+            finally:
+                close_fds(fds)
 
     def _call_with_fds(self, op: str, req: Request) -> tuple[Any, list[int]]:
         with self._io:
