@@ -489,8 +489,8 @@ class KeyedTier:
         """Finish queued Redis writes by ``deadline`` (time.monotonic(); shutdown), and give a
         clear's raise under way a moment more (RAISE_DRAIN_S: one that Redis does not take
         would hold the other models' drains back; a saved host state carries it over)."""
-        while (self._l3_queue or self._deletes or self._writing) and \
-                time.monotonic() < deadline:
+        while (self._l3_queue or self._deletes or self._writing or self._unwanted) and \
+                time.monotonic() < deadline:  # (_unwanted: a delete under way)
             if self._wake is not None:
                 self._wake.set()
             await asyncio.sleep(0.01)

@@ -207,10 +207,9 @@ class L3Tier:
 
     async def _store(self, batch: list[L3Write], values: list[bytes]) -> None:
         assert self.l3 is not None
-        before = self.l3.stats["set_failures"]
         stored = await self.l3.set_pages_each(values)
         self.counters["l3_write_values"] += sum(stored)
-        self.counters["l3_write_failures"] += self.l3.stats["set_failures"] - before
+        self.counters["l3_write_failures"] += len(values) - sum(stored)
         done = [(w, v) for w, v, ok in zip(batch, values, stored, strict=True) if ok]
         self.counters["l3_write_pages"] += sum(len(t) for (*_, t, _), _ in done) \
             // self.cache.tree.page_bytes

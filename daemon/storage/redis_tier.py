@@ -505,9 +505,10 @@ class RedisTier:
         return sum(await self.set_pages_each(values))
 
     async def set_pages_each(self, values: Sequence[bytes]) -> list[bool]:
-        """:meth:`set_pages`, saying which values were stored, in order: part of a pipeline can
-        fail (an ACL, ``maxmemory`` crossed half way), and a writer charges exactly what Redis
-        holds to the namespace's quota."""
+        """:meth:`set_pages`, saying which values Redis confirmed it stored, in order: part of
+        a pipeline can fail (an ACL, ``maxmemory`` crossed half way), and a writer charges what
+        Redis took to the namespace's quota (a pipeline that timed out is all False, though
+        Redis may hold some of it)."""
         items: list[tuple[str, bytes, int]] = []
         for i, v in enumerate(values):
             pool, page_hash = peek_header(v)

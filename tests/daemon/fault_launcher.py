@@ -14,7 +14,8 @@ warm restart. ``FAULT_LOAD=hang`` makes a ``load`` of
 model ``m`` pin that leaf and then never end (a copy that hangs). ``FAULT_COPY=slow`` makes every
 copy of the tiers' ``run_plans`` start ``FAULT_COPY_DELAY_S`` seconds (default 1) late (a slow
 device link: requests overtake the background copy they started; a copy small enough to run on
-the loop, or one inside an eviction, sleeps on the loop).
+the loop, or one inside an eviction, sleeps on the loop); ``FAULT_COPY=fail`` makes it raise
+after that delay (a device error).
 """
 
 from __future__ import annotations
@@ -82,6 +83,8 @@ _run_plans = tiers.run_plans
 
 def _slow_run_plans(*args: object) -> object:
     time.sleep(float(os.environ.get("FAULT_COPY_DELAY_S", "1")))
+    if os.environ.get("FAULT_COPY") == "fail":
+        raise RuntimeError("fault planted: the copy failed")
     return _run_plans(*args)
 
 
@@ -104,7 +107,7 @@ if __name__ == "__main__":
         service.save_host_state = _failed_save  # type: ignore[assignment]
     elif stop_fault == "check":
         service.Service.check_at_rest = _failed_check  # type: ignore[method-assign]
-    if os.environ.get("FAULT_COPY") == "slow":
+    if os.environ.get("FAULT_COPY") in ("slow", "fail"):
         tiers.run_plans = _slow_run_plans  # type: ignore[assignment]
     if os.environ.get("FAULT_LOAD") == "hang":
         tiers.TierManager.load = _hung_load_of_m  # type: ignore[method-assign]

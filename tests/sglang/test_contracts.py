@@ -10,6 +10,7 @@ import threading
 import time
 
 import pytest
+import torch
 from conftest import GEOMETRY, extra
 from radixd_client import protocol as P
 from radixd_sglang.backend import key_suffix
@@ -118,4 +119,52 @@ def test_gets_and_sets_fit_a_low_lock_limit(make_daemon) -> None:
     dst = pool.alloc(10 * pool.page_size)
     assert b.batch_get_v1(keys, dst) == [True] * 10
     assert all(x.equal(y) for x, y in zip(pages_of(pool, dst), pages_of(pool, idx), strict=True))
+    b.close()
+
+
+def test_a_pool_of_equal_page_bytes_but_another_layout_is_refused(make_daemon) -> None:
+    """radixd's entry: float16, page 4, 2 layers, 1 head, head_dim 8 (256 B a page). A bfloat16
+    pool of that geometry, or a float16 one of page 8 and 1 layer, has pages of the same bytes:
+    both are refused at registration, naming the fix. They used to be accepted, and a second
+    instance read the first's float16 pages as bfloat16: hits of wrong KV."""
+    from conftest import MODEL
+
+    d = make_daemon({"models": [{**MODEL, "dtype": "float16"}]})
+    ok = host_pool(pages=8, dtype=torch.float16, **GEOMETRY)
+    b = StorageBackendFactory.create_backend("dynamic", storage_config(extra(d)), ok)
+    b.register_mem_pool_host(ok)  # the entry's own layout: accepted
+    b.close()
+    for pool, fix in ((host_pool(pages=8, dtype=torch.bfloat16, **GEOMETRY), "dtype = bfloat16"),
+                      (host_pool(pages=8, dtype=torch.float16,
+                                 **{**GEOMETRY, "layers": 1, "page_size": 8}), "page_size = 8")):
+        b = StorageBackendFactory.create_backend("dynamic", storage_config(extra(d)), pool)
+        with pytest.raises(ValueError, match=fix):
+            b.register_mem_pool_host(pool)
+
+
+def test_swa_trailing_pages_past_radixds_key_limit_are_seen(make_daemon) -> None:
+    """batch_exists_v2 over more keys than one radixd request takes (SGLang's hybrid hit query
+    sends every page of a request at once), with SWA state kept for the last window only: the
+    SWA pages are asked for in every span, not up to the first absent one as the KV prefix is.
+    The whole prefix was reported unrestorable (0 KV pages)."""
+    from conftest import MODEL
+    from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+
+    n = P.KV_MAX_KEYS + 4
+    geo = {"layers": 1, "heads": 1, "head_dim": 4, "page_size": 1}
+    d = make_daemon({"models": [{**MODEL, "page_size": 1, "num_full_layers": 1,
+                                 "num_swa_layers": 1, "head_dim": 4, "host_pages": n + 16,
+                                 "host_swa_pages": 64}]})
+    b = StorageBackendFactory.create_backend("dynamic", storage_config(extra(d)), None)
+    kv, swa = host_pool(pages=n + 8, **geo), host_pool(pages=16, **geo)
+    b.register_mem_pool_host(kv)
+    b.register_mem_host_pool_v2(kv, PoolName.KV)
+    b.register_mem_host_pool_v2(swa, PoolName.SWA)
+    keys = [f"{i:064x}" for i in range(n)]
+    assert all(b.batch_set_v1(keys, kv.alloc(n)))
+    assert b.batch_set_v2([PoolTransfer(PoolName.SWA, host_indices=swa.alloc(2),
+                                        keys=keys[-2:])]) == {PoolName.SWA: [True, True]}
+    r = b.batch_exists_v2(keys, [PoolTransfer(PoolName.SWA, keys=keys[-2:],
+                                              hit_policy=PoolHitPolicy.TRAILING_PAGES)])
+    assert (r.kv_hit_pages, r.restorable_prefix_pages[-1]) == (n, n)  # as HiCacheFile answers
     b.close()

@@ -123,7 +123,7 @@ class RadixdHiCacheStorage(HiCacheStorage):
         with self._lock:
             client = self._connect()
             if client is not None:
-                self._check_kind(kind)
+                self._check_kind(kind, client.models[self.model])
             if self._refused is not None:
                 raise ValueError(self._refused)
 
@@ -154,21 +154,30 @@ class RadixdHiCacheStorage(HiCacheStorage):
         self._slots = {"full": pools.full}
         if pools.swa is not None:
             self._slots["swa"] = pools.swa
+        info = client.models[self.model]
         for kind in self._views:
-            self._check_kind(kind)
+            if self._refused is None:  # (a refusal drops the session: the first one says why)
+                self._check_kind(kind, info)
         return None if self._refused is not None else client
 
-    def _check_kind(self, kind: str) -> None:
+    def _check_kind(self, kind: str, info: Any) -> None:
+        """Refuse a pool whose pages radixd lays out otherwise: equal bytes are not enough (a
+        bfloat16 page read as float16, or 8 tokens of 1 layer as 4 of 2, is wrong KV)."""
         view = self._views[kind]
         slots = self._slots.get(kind)
+        layers = info.num_full_layers if kind == "full" else info.num_swa_layers
         if slots is None:
             self._refused = (f"radixd model {self.model!r} has no {kind!r} host pool, but SGLang "
                              f"registered one: give the model entry host_swa_pages and a "
                              f"sliding_window (docs/sglang.md)")
-        elif int(slots.shape[1]) != view.page_nbytes:
+        elif int(slots.shape[1]) != view.page_nbytes or (
+                info.page_size, info.num_kv_heads, info.head_dim, info.dtype, layers) != (
+                view.page_size, view.heads, view.head_dim, view.dtype_name, view.layers):
             self._refused = (
                 f"SGLang's {kind} host page is {view.page_nbytes} B ({view.describe()}) but radixd "
-                f"model {self.model!r} has {int(slots.shape[1])} B host pages: set that model "
+                f"model {self.model!r} has {int(slots.shape[1])} B host pages of page_size "
+                f"{info.page_size}, {layers} layers, {info.num_kv_heads} heads, head_dim "
+                f"{info.head_dim}, {info.dtype}: set that model "
                 f"entry's page_size = {view.page_size}, num_kv_heads = {view.heads}, head_dim = "
                 f"{view.head_dim}, dtype = {view.dtype_name}, and "
                 f"{'num_full_layers' if kind == 'full' else 'num_swa_layers'} = {view.layers}")
@@ -221,15 +230,18 @@ class RadixdHiCacheStorage(HiCacheStorage):
 
     # ---- lookups ---------------------------------------------------------------------------
 
-    def _present(self, client: Client, keys: Sequence[str], kind: str) -> bytes:
-        """One byte per key, 1 where radixd holds it, up to the first absent key (0 after it:
-        only a prefix is ever used, and asking for more would fetch it from Redis for nothing)."""
+    def _present(self, client: Client, keys: Sequence[str], kind: str,
+                 prefix: bool = True) -> bytes:
+        """One byte per key, 1 where radixd holds it. ``prefix``: only up to the first absent
+        key (0 after it: only a prefix of the KV is ever used, and asking for more would fetch
+        it from Redis for nothing); an extra pool's pages (SWA's trailing ones) are asked for
+        whole, their presence being no prefix."""
         out = bytearray()
         for span in _spans(len(keys)):
             present = client.kv_lookup(self.model, self._keys(keys[span]), kind, pin=False,
                                        fetch=True, timeout_s=self.fetch_timeout_s).present
             out += present
-            if 0 in present:
+            if prefix and 0 in present:
                 break
         return bytes(out) + bytes(len(keys) - len(out))
 
@@ -254,7 +266,7 @@ class RadixdHiCacheStorage(HiCacheStorage):
             pools: list[tuple[str, PoolHitPolicy, int, bytes]] = []
             for t in pool_transfers or []:
                 kind = POOL_KINDS.get(str(getattr(t.name, "value", t.name)))
-                present = (self._present(client, keys[:kv_pages], kind)
+                present = (self._present(client, keys[:kv_pages], kind, prefix=False)
                            if kind in self._slots and kind in self._views and kv_pages
                            else bytes(kv_pages))
                 pools.append((t.name, t.hit_policy, max(1, len(t.keys or []) or 1), present))
