@@ -140,6 +140,32 @@ def test_a_pool_of_equal_page_bytes_but_another_layout_is_refused(make_daemon) -
         b = StorageBackendFactory.create_backend("dynamic", storage_config(extra(d)), pool)
         with pytest.raises(ValueError, match=fix):
             b.register_mem_pool_host(pool)
+        b.close()
+
+
+def test_an_fp8_kv_cache_stored_as_uint8_is_an_fp8_entrys(make_daemon) -> None:
+    """SGLang keeps an FP8 KV cache as uint8: such a host pool is accepted on a float8 entry
+    and round-trips byte-exact; on a float16 entry the refusal names the float8 dtypes."""
+    from conftest import MODEL
+
+    d = make_daemon({"models": [{**MODEL, "dtype": "float8_e4m3fn"}]})
+    pool = host_pool(pages=8, dtype=torch.uint8, **GEOMETRY)
+    b = StorageBackendFactory.create_backend("dynamic", storage_config(extra(d)), pool)
+    b.register_mem_pool_host(pool)
+    idx = pool.alloc(3 * pool.page_size)
+    pool.kv_buffer[:, idx] = torch.randint(0, 256, pool.kv_buffer[:, idx].shape,
+                                           dtype=torch.uint8)
+    keys = [f"{i:064x}" for i in range(3)]
+    assert b.batch_set_v1(keys, idx) == [True] * 3
+    dst = pool.alloc(3 * pool.page_size)
+    assert b.batch_get_v1(keys, dst) == [True] * 3
+    assert torch.equal(pool.kv_buffer[:, dst], pool.kv_buffer[:, idx])
+    b.close()
+    d16 = make_daemon({"models": [{**MODEL, "dtype": "float16", "head_dim": 4}]})
+    b = StorageBackendFactory.create_backend("dynamic", storage_config(extra(d16)), pool)
+    with pytest.raises(ValueError, match="dtype = float8_e4m3fn or float8_e5m2"):
+        b.register_mem_pool_host(pool)
+    b.close()
 
 
 def test_swa_trailing_pages_past_radixds_key_limit_are_seen(make_daemon) -> None:

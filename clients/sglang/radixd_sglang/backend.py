@@ -50,6 +50,12 @@ from .copier import DEFAULT_MIN_BYTES_PER_THREAD, PageCopier, default_copy_threa
 from .pages import KvPageView, page_view, restorable_lengths
 
 logger = logging.getLogger(__name__)
+#: SGLang keeps an FP8 KV cache as uint8 (its pools' ``store_dtype``): a uint8 host pool is an FP8
+#: entry's, e4m3 or e5m2 alike (the bytes do not say which: instances of the two must not share
+#: a model entry)
+STORED_AS = {"float8_e4m3fn": "uint8", "float8_e5m2": "uint8"}
+FP8_HINT = ("float8_e4m3fn or float8_e5m2 (the one of SGLang's --kv-cache-dtype, which it "
+            "stores as uint8)")
 
 T = TypeVar("T")
 
@@ -171,15 +177,17 @@ class RadixdHiCacheStorage(HiCacheStorage):
                              f"registered one: give the model entry host_swa_pages and a "
                              f"sliding_window (docs/sglang.md)")
         elif int(slots.shape[1]) != view.page_nbytes or (
-                info.page_size, info.num_kv_heads, info.head_dim, info.dtype, layers) != (
-                view.page_size, view.heads, view.head_dim, view.dtype_name, view.layers):
+                info.page_size, info.num_kv_heads, info.head_dim, layers) != (
+                view.page_size, view.heads, view.head_dim, view.layers) or (
+                view.dtype_name not in (info.dtype, STORED_AS.get(info.dtype))):
             self._refused = (
                 f"SGLang's {kind} host page is {view.page_nbytes} B ({view.describe()}) but radixd "
                 f"model {self.model!r} has {int(slots.shape[1])} B host pages of page_size "
                 f"{info.page_size}, {layers} layers, {info.num_kv_heads} heads, head_dim "
                 f"{info.head_dim}, {info.dtype}: set that model "
                 f"entry's page_size = {view.page_size}, num_kv_heads = {view.heads}, head_dim = "
-                f"{view.head_dim}, dtype = {view.dtype_name}, and "
+                f"{view.head_dim}, dtype = "
+                f"{FP8_HINT if view.dtype_name == 'uint8' else view.dtype_name}, and "
                 f"{'num_full_layers' if kind == 'full' else 'num_swa_layers'} = {view.layers}")
         if self._refused is not None:
             logger.error("radixd: %s", self._refused)
