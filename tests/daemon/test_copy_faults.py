@@ -25,7 +25,7 @@ N = 64  # full pages of 16 KiB: a job too large to copy inline, it runs on the c
 @pytest.fixture
 def failing(tmp_path: Path) -> Iterator[Daemon]:
     d = Daemon(tmp_path, {"models": [MODEL]}, launcher=LAUNCHER,
-               env={"FAULT_COPY": "fail", "FAULT_COPY_DELAY_S": "1"})
+               env={"FAULT_COPY": "fail", "FAULT_COPY_DELAY_S": "3"})
     try:
         yield d
     finally:

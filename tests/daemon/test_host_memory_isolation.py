@@ -253,7 +253,7 @@ def test_a_background_copy_never_reads_pages_another_tenant_got_since(make_daemo
     model = {**SMALL_MODEL, "num_full_layers": 4, "num_kv_heads": 2, "full_pages": 256,
              "swa_pages": 128, "segment_pages": 16, "host_pages": 256, "host_swa_pages": 32}
     d = make_daemon({**TENANTS, "models": [model]}, launcher=LAUNCHER,
-                    env={"FAULT_COPY": "slow", "FAULT_COPY_DELAY_S": "1"})
+                    env={"FAULT_COPY": "slow", "FAULT_COPY_DELAY_S": "3"})
     n = 64  # full pages of 16 KiB: a job too large to copy inline, it runs on the copy thread
     with Client(d.socket, token="alice-token") as a, Client(d.socket, token="bob-token") as b:
         def stats() -> dict[str, int]:
