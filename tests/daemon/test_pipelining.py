@@ -98,6 +98,30 @@ def steps_of(rng: random.Random, n: int, alloc_pages: int) -> list[tuple[bool, S
     return out
 
 
+def sync_steps(c: Client, steps: list[tuple[bool, Step]], who: str) -> list[tuple[int, int]]:
+    """Run the steps on a blocking client; every echoed payload must be this caller's, every
+    alloc as many pages as it asked for. Returns the (full, SWA) pages the allocs gave."""
+    held: list[tuple[int, int]] = []
+    for k, (batched, items) in enumerate(steps):
+        tags = [f"{who}/{k}/{i}".encode() for i in range(len(items))]
+        if batched:
+            with c.batch() as b:
+                futs = [b.ping(t) if op == "ping" else b.alloc(MODEL, n)
+                        for (op, n), t in zip(items, tags, strict=True)]
+            results = [f.result() for f in futs]
+        else:
+            results = [c.ping(t) if op == "ping" else c.alloc(MODEL, n)
+                       for (op, n), t in zip(items, tags, strict=True)]
+        for (op, n), t, res in zip(items, tags, results, strict=True):
+            if op == "ping":
+                assert res.payload == t, (t, res.payload)
+            else:
+                got = list(zip(pages(res.full_pages), pages(res.swa_pages), strict=True))
+                assert len(got) == n
+                held.extend(got)
+    return held
+
+
 @pytest.mark.parametrize("loop_factory", LOOPS)
 def test_many_tasks_pipelining_batches_get_their_own_results(daemon: Any,
                                                              loop_factory: Any) -> None:
@@ -126,23 +150,7 @@ def sync_worker(path: str, seed: int, steps: int, errors: list[BaseException],
     try:
         rng = random.Random(seed)
         with Client(path) as c:
-            held: list[tuple[int, int]] = []
-            for k, (batched, items) in enumerate(steps_of(rng, steps, 2)):
-                tags = [f"sync/{k}/{i}".encode() for i in range(len(items))]
-                if batched:
-                    with c.batch() as b:
-                        futs = [b.ping(t) if op == "ping" else b.alloc(MODEL, n)
-                                for (op, n), t in zip(items, tags, strict=True)]
-                    results = [f.result() for f in futs]
-                else:
-                    results = [c.ping(t) if op == "ping" else c.alloc(MODEL, n)
-                               for (op, n), t in zip(items, tags, strict=True)]
-                for (op, _n), t, res in zip(items, tags, results, strict=True):
-                    if op == "ping":
-                        assert res.payload == t
-                    else:
-                        held.extend(zip(pages(res.full_pages), pages(res.swa_pages),
-                                        strict=True))
+            held = sync_steps(c, steps_of(rng, steps, 2), "sync")
             assert_unique(held)
             for full, swa in held:
                 c.free(MODEL, full_pages=array("i", [full]), swa_pages=array("i", [swa]))
@@ -198,25 +206,7 @@ def test_threads_sharing_one_sync_client_each_get_their_own_replies(daemon: Any)
     with Client(daemon.socket) as c:
         def worker(who: int) -> None:
             try:
-                rng = random.Random(who)
-                for k, (batched, items) in enumerate(steps_of(rng, 150, 2)):
-                    tags = [f"{who}/{k}/{i}".encode() for i in range(len(items))]
-                    if batched:
-                        with c.batch() as b:
-                            futs = [b.ping(t) if op == "ping" else b.alloc(MODEL, n)
-                                    for (op, n), t in zip(items, tags, strict=True)]
-                        results = [f.result() for f in futs]
-                    else:
-                        results = [c.ping(t) if op == "ping" else c.alloc(MODEL, n)
-                                   for (op, n), t in zip(items, tags, strict=True)]
-                    for (op, n), t, res in zip(items, tags, results, strict=True):
-                        if op == "ping":
-                            assert res.payload == t, (t, res.payload)
-                        else:
-                            got = list(zip(pages(res.full_pages), pages(res.swa_pages),
-                                           strict=True))
-                            assert len(got) == n
-                            helds[who].extend(got)
+                helds[who] = sync_steps(c, steps_of(random.Random(who), 150, 2), str(who))
             except BaseException as exc:  # surfaced by the test
                 errors.append(exc)
 

@@ -315,15 +315,7 @@ def test_a_clear_the_stop_could_not_record_in_redis_is_recorded_at_the_next_star
         assert c.kv_clear("m").removed > 0
     _stop(d2)
     d3 = make_daemon(config(SHARED_URL))
-    raw = redis_sync.Redis.from_url(SHARED_URL)
-    try:
-        wait_for(lambda: [raw.get(k) for k in raw.scan_iter(match=f"{prefix}:kvgen:*")]
-                 == [b"1"], "the clear recorded in Redis")
-    finally:
-        raw.close()
-    with Client(d3.socket) as c:
-        got = c.kv_lookup("m", [n.encode() for n in names], fetch=True, timeout_s=5)
-        assert got.present == bytes(len(names)) and got.fetched == 0
+    _nothing_of_before_the_clear(d3, prefix, [n.encode() for n in names])
 
 
 def _l3_state(tmp_path: Path, prefix: str, l3: bool, **model: Any) -> dict[str, Any]:
@@ -345,6 +337,25 @@ def _store_and_write(c: Client, keys: list[bytes]) -> None:
              "the Redis writes")
 
 
+def _written_then_l3_off(make_daemon: Any, tmp_path: Path, prefix: str,
+                         keys: list[bytes]) -> Any:
+    """A run with Redis stores ``keys`` and writes them there, then stops; returns the next
+    run, on the same state directory, with the model's L3 off."""
+    d1 = make_daemon(_l3_state(tmp_path, prefix, True))
+    with Client(d1.socket) as c:
+        _store_and_write(c, keys)
+    _stop(d1)
+    return make_daemon(_l3_state(tmp_path, prefix, False))
+
+
+def _nothing_of_before_the_clear(d: Any, prefix: str, keys: list[bytes]) -> None:
+    """Once ``d`` recorded the owed clear in Redis, none of ``keys`` comes back from there."""
+    _wait_clear_recorded(prefix)
+    with Client(d.socket) as c:
+        got = c.kv_lookup("m", keys, fetch=True, timeout_s=5)
+        assert got.present == bytes(len(keys)) and got.fetched == 0
+
+
 def _wait_clear_recorded(prefix: str) -> None:
     raw = redis_sync.Redis.from_url(SHARED_URL)
     try:
@@ -361,11 +372,7 @@ def test_a_clear_made_with_l3_off_is_recorded_at_the_next_start_with_l3(
     fetch, so the values of before it are not served. It used to be forgotten, and all three
     keys came back from Redis with their old bytes."""
     keys = [b"k%d" % i for i in range(3)]
-    d1 = make_daemon(_l3_state(tmp_path, prefix, True))
-    with Client(d1.socket) as c:
-        _store_and_write(c, keys)
-    _stop(d1)
-    d2 = make_daemon(_l3_state(tmp_path, prefix, False))
+    d2 = _written_then_l3_off(make_daemon, tmp_path, prefix, keys)
     with Client(d2.socket) as c:
         assert c.kv_lookup("m", keys, pin=False).present == b"\x01" * 3  # the host state kept
         got = c.kv_clear("m")
@@ -373,10 +380,7 @@ def test_a_clear_made_with_l3_off_is_recorded_at_the_next_start_with_l3(
         assert c.kv_lookup("m", keys, pin=False).present == bytes(3)
     _stop(d2)
     d3 = make_daemon(_l3_state(tmp_path, prefix, True))
-    _wait_clear_recorded(prefix)
-    with Client(d3.socket) as c:
-        got = c.kv_lookup("m", keys, fetch=True, timeout_s=5)
-        assert got.present == bytes(3) and got.fetched == 0
+    _nothing_of_before_the_clear(d3, prefix, keys)
 
 
 def test_an_owed_clear_survives_a_saved_state_the_next_start_refuses(
@@ -384,11 +388,7 @@ def test_an_owed_clear_survives_a_saved_state_the_next_start_refuses(
     """The clear is owed by a run with L3 off; the next run with L3 refuses the saved pages
     (its host pools changed shape) but still takes the owed clear and records it."""
     keys = [b"k%d" % i for i in range(3)]
-    d1 = make_daemon(_l3_state(tmp_path, prefix, True))
-    with Client(d1.socket) as c:
-        _store_and_write(c, keys)
-    _stop(d1)
-    d2 = make_daemon(_l3_state(tmp_path, prefix, False))
+    d2 = _written_then_l3_off(make_daemon, tmp_path, prefix, keys)
     with Client(d2.socket) as c:
         assert c.kv_clear("m").removed == 3
         r = c.kv_reserve("m", [b"s"], "swa")  # a saved SWA host page: the shape to refuse
@@ -396,10 +396,7 @@ def test_an_owed_clear_survives_a_saved_state_the_next_start_refuses(
     _stop(d2)
     d3 = make_daemon(_l3_state(tmp_path, prefix, True, host_swa_pages=0))
     assert "its host pools changed shape" in d3.log()
-    _wait_clear_recorded(prefix)
-    with Client(d3.socket) as c:
-        got = c.kv_lookup("m", keys, fetch=True, timeout_s=5)
-        assert got.present == bytes(3) and got.fetched == 0
+    _nothing_of_before_the_clear(d3, prefix, keys)
 
 
 def test_a_page_pinned_at_a_clear_made_with_l3_off_is_written_again(
@@ -407,11 +404,7 @@ def test_a_page_pinned_at_a_clear_made_with_l3_off_is_written_again(
     """A page pinned at that clear keeps its content; its Redis value of before the clear is
     unreadable once the clear is recorded, so under write_back its eviction writes it again,
     and a fetch finds it. It used to keep its mark of being in Redis: evicted, it was lost."""
-    d1 = make_daemon(_l3_state(tmp_path, prefix, True))
-    with Client(d1.socket) as c:
-        _store_and_write(c, [b"precious"])
-    _stop(d1)
-    d2 = make_daemon(_l3_state(tmp_path, prefix, False))
+    d2 = _written_then_l3_off(make_daemon, tmp_path, prefix, [b"precious"])
     with Client(d2.socket) as c:
         got = c.kv_lookup("m", [b"precious"])  # pinned across the clear
         assert got.present == b"\x01" and c.kv_clear("m").removed == 0
