@@ -552,7 +552,7 @@ class KeyedTier:
                         self._unwanted.update(ids)
                         self._deletes.append((kind, ids))
                     uncounted = []
-                    if self.l3_charge is not None:  # exactly what Redis holds now
+                    if self.l3_charge is not None:  # what Redis confirmed it stored
                         await self.l3_charge([
                             (page.ns, l3id, kind, len(v))
                             for ((kind, *_, clears, page), l3id), v, ok in zip(

@@ -245,8 +245,8 @@ class Service(ServiceQueries, ServiceChecks):
         """Over quota, the tenant's own cold pages go first; then the request is refused.
 
         ``n`` full pages (and ``n_swa`` SWA pages, default ``n``) are about to be taken. A
-        request that no eviction could bring under quota (what the tenant's sessions hold, plus
-        ``n``, is over it) is refused first, with nothing evicted; ``evict=False``: only that."""
+        request that no eviction could bring under quota (what its sessions hold and its loads
+        copy, plus ``n``, is over it) is refused first, nothing evicted; ``evict=False``: only."""
         n_swa = n if n_swa is None else n_swa
         t = s.tenant
         if not t.quota_full and not t.quota_swa:
