@@ -163,7 +163,6 @@ async def start_admin(config: Config, service: Service, state: ServerState, chec
         if lock is not None:
             os.close(lock)
         raise
-    log.info("admin endpoint on %s", url)
     written = {token_file: token_text} if token_file is not None else {}
     endpoint = admin_endpoint_file(socket_path)
     text = json.dumps({"url": url, "instance": service.instance, "pid": os.getpid(),
@@ -173,6 +172,7 @@ async def start_admin(config: Config, service: Service, state: ServerState, chec
         written[endpoint] = text
     except OSError as exc:  # only a convenience for radixd status --socket
         log.warning("cannot write the admin endpoint file %s: %s", endpoint, exc.strerror or exc)
+    log.info("admin endpoint on %s", url)  # (after its endpoint file: the line says it is all up)
     return AdminHandle(url, port, runner, unix_path, token_file, written=written, lock=lock)
 
 
