@@ -23,9 +23,9 @@ import socket
 import threading
 import time
 from array import array
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from .connection import BrokenStream, ClientConnection, apply_hello
 from .errors import (
@@ -67,6 +67,9 @@ def pages(data: bytes | bytearray | memoryview) -> array:
     dtype=torch.int32)``, both without copying.
     """
     return int32_array(data)
+
+
+T = TypeVar("T")
 
 
 def _lost(why: str) -> ConnectionLost:
@@ -257,11 +260,16 @@ class Client(Operations):
         return self._broken("the daemon closed the connection")
 
     def _call(self, op: str, req: Request) -> Any:
-        """One request, one reply; with a reconnect policy, a lost session is opened again
-        before the call raises ``SessionRestarted``."""
+        """One request, one reply."""
+        return self._in_turn(self._call_once, op, req)
+
+    def _in_turn(self, once: Callable[[str, Request], T], op: str, req: Request) -> T:
+        """``once(op, req)`` while holding the client (threads take turns, a whole call each);
+        with a reconnect policy, a lost session is opened again before the call raises
+        ``SessionRestarted``."""
         with self._io:
             try:
-                return self._call_once(op, req)
+                return once(op, req)
             except (ConnectionLost, ShuttingDown) as exc:
                 if not self._may_reconnect() or isinstance(exc, SessionRestarted):
                     raise
@@ -378,13 +386,7 @@ class Client(Operations):
                 close_fds(fds)
 
     def _call_with_fds(self, op: str, req: Request) -> tuple[Any, list[int]]:
-        with self._io:
-            try:
-                return self._call_with_fds_once(op, req)
-            except (ConnectionLost, ShuttingDown) as exc:
-                if not self._may_reconnect() or isinstance(exc, SessionRestarted):
-                    raise
-                raise self._ride_through(exc) from exc
+        return self._in_turn(self._call_with_fds_once, op, req)
 
     def _call_with_fds_once(self, op: str, req: Request) -> tuple[Any, list[int]]:
         """One call whose response carries descriptors (SCM_RIGHTS): the result and the fds,
