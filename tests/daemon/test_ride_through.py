@@ -29,6 +29,7 @@ from radixd_client import (
 )
 
 from .conftest import SMALL_MODEL, Daemon
+from .test_checker_daemon import LAUNCHER
 from .test_tiers import P, seq, tier_stats, wait_for
 
 FAST = Reconnect(max_wait_s=60, initial_backoff_s=0.02, max_backoff_s=0.5)
@@ -295,6 +296,40 @@ def test_closing_the_client_is_not_a_reason_to_reconnect(make_daemon, tmp_path: 
     with pytest.raises(ConnectionLost) as lost:
         c.match("m", array("i", seq(1)).tobytes())
     assert not isinstance(lost.value, SessionRestarted) and c.restarts == 0
+
+
+def test_closing_the_client_wakes_another_threads_call_waiting_for_its_answer(
+        tmp_path: Path) -> None:
+    """A thread's load never gets its answer (planted: the load hangs in the daemon); another
+    thread closes the shared client. The waiting call raises ConnectionLost saying the client
+    closed it, at once, not when the read times out, and nothing reconnects."""
+    d = Daemon(tmp_path, {"l3": {"drain_timeout_s": 0.5}}, launcher=LAUNCHER,
+               env={"FAULT_LOAD": "hang"})
+    try:
+        c = Client(d.socket, reconnect=FAST, timeout=60)
+        tokens = array("i", seq(1)).tobytes()
+        a = c.alloc("m", 1)
+        c.insert("m", tokens, a.full_pages, a.swa_pages)
+        raised: list[BaseException] = []
+
+        def load() -> None:
+            try:
+                c.load("m", tokens)
+            except BaseException as exc:  # noqa: BLE001 - the test looks at it
+                raised.append(exc)
+
+        waiting = threading.Thread(target=load)
+        waiting.start()
+        wait_for(lambda: "a load of model m that never ends" in d.log(), "the hung load", 20)
+        t0 = time.monotonic()
+        c.close()
+        waiting.join(20)
+        assert not waiting.is_alive() and time.monotonic() - t0 < 10
+        assert len(raised) == 1 and type(raised[0]) is ConnectionLost, raised
+        assert "closed by the client" in str(raised[0])
+        assert c.closed and c.restarts == 0
+    finally:
+        d.stop()
 
 
 def test_closing_an_async_client_while_it_reconnects_fails_its_calls_as_connection_lost(

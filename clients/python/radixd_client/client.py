@@ -243,6 +243,8 @@ class Client(Operations):
 
     def _broken(self, why: str, cause: BaseException | None = None) -> ConnectionLost:
         """Close the connection and return the error to raise."""
+        if self._closed_by_user:  # close() from another thread cut this call: say so
+            why, cause = "closed by the client", None
         self._close_reason = why
         self._drop()
         if isinstance(cause, TimeoutError):
@@ -448,6 +450,9 @@ class Client(Operations):
         sock, self._sock = self._sock, None
         if sock is not None:
             self._conn.abandon()
+            with contextlib.suppress(OSError):
+                # close() alone does not wake another thread blocked reading this socket
+                sock.shutdown(socket.SHUT_RDWR)
             with contextlib.suppress(OSError):
                 sock.close()
 
