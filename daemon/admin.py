@@ -21,6 +21,7 @@ against it.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import fcntl
@@ -29,11 +30,12 @@ import hmac
 import importlib.resources
 import json
 import logging
+import math
 import os
 import secrets
 import time
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import msgspec
 from aiohttp import web
@@ -74,17 +76,57 @@ log = logging.getLogger("radixd.admin")
 # routes that need no token (GET routes answer HEAD too)
 _PUBLIC = {(m, r.path) for r in ROUTES if r.public for m in (r.method, "HEAD")}
 
+#: how long a connection may stay open without a request (aiohttp's own default is an hour: the
+#: endpoint is open to every local user, whose idle connections would use up the daemon's fds)
+IDLE_TIMEOUT_S = 10.0
+#: the answer to a connection past admin.max_connections, before it is closed
+_TOO_MANY = json.dumps({"error": {"code": "too_many_connections", "message": (
+    "the admin endpoint has admin.max_connections open; close idle ones")}}).encode()
+
+
+class _Refused(asyncio.Protocol):
+    """A connection past the limit: one 503 and a close, without reading its request."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        transport = cast(asyncio.Transport, transport)
+        transport.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json"
+                        b"\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s"
+                        % (len(_TOO_MANY), _TOO_MANY))
+        transport.close()
+
+
+class _Capped:
+    """The listening socket's protocol factory: aiohttp's request handler while fewer than
+    ``limit`` connections are open (aiohttp has no limit of its own)."""
+
+    def __init__(self, server: web.Server, limit: int) -> None:
+        self.server, self.limit = server, limit
+        self.refused = 0
+        self._warned = -math.inf
+
+    def __call__(self) -> asyncio.Protocol:
+        if len(self.server.connections) < self.limit:
+            return self.server()
+        self.refused += 1
+        now = time.monotonic()
+        if now - self._warned >= 60:
+            self._warned = now
+            log.warning("admin endpoint: %d connections open (admin.max_connections); refused "
+                        "%d so far", len(self.server.connections), self.refused)
+        return _Refused()
+
 
 class AdminHandle:
     """A running admin endpoint: where it listens, and how to stop it."""
 
     def __init__(self, url: str, port: int | None, runner: web.AppRunner,
-                 unix_path: str | None, token_file: str | None, *,
+                 listener: asyncio.Server, unix_path: str | None, token_file: str | None, *,
                  written: dict[str, str] | None = None, lock: int | None = None):
         self.url = url
         self.port = port
         self.token_file = token_file  # where a generated token was written (None: configured)
         self._runner = runner
+        self._listener = listener
         self._unix_path = unix_path
         self._written = dict(written or {})  # path -> what this daemon wrote there
         self._lock = lock  # the claim on the token file (closed last: see stop)
@@ -94,6 +136,7 @@ class AdminHandle:
         endpoint file) if they still hold what it wrote: left behind, the next daemon's
         ``radixd status`` would read a token no daemon accepts. A file another daemon has
         rewritten since is that daemon's, and stays."""
+        self._listener.close()  # no new connections; the runner closes the open ones
         await self._runner.cleanup()
         if self._unix_path is not None:
             with contextlib.suppress(FileNotFoundError):
@@ -143,7 +186,9 @@ async def start_admin(config: Config, service: Service, state: ServerState, chec
     admin = _Admin(config, service, state, checker, digest)
     app[_ADMIN] = admin
     admin.routes(app)
-    runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0)
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0,
+                           keepalive_timeout=IDLE_TIMEOUT_S)
+    listener: asyncio.Server | None = None
     try:
         await runner.setup()
         if cfg.unix_socket is not None:
@@ -154,9 +199,12 @@ async def start_admin(config: Config, service: Service, state: ServerState, chec
             port = sock.getsockname()[1]
             host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
             url, unix_path = f"http://{host}:{port}", None
-        site = web.SockSite(runner, sock)
-        await site.start()
+        assert runner.server is not None  # (set up above)
+        listener = await asyncio.get_running_loop().create_server(
+            _Capped(runner.server, cfg.max_connections), sock=sock)
     except BaseException:
+        if listener is not None:
+            listener.close()
         await runner.cleanup()
         if token_file is not None:
             remove_if_unchanged(token_file, token_text)
@@ -173,7 +221,8 @@ async def start_admin(config: Config, service: Service, state: ServerState, chec
     except OSError as exc:  # only a convenience for radixd status --socket
         log.warning("cannot write the admin endpoint file %s: %s", endpoint, exc.strerror or exc)
     log.info("admin endpoint on %s", url)  # (after its endpoint file: the line says it is all up)
-    return AdminHandle(url, port, runner, unix_path, token_file, written=written, lock=lock)
+    return AdminHandle(url, port, runner, listener, unix_path, token_file, written=written,
+                       lock=lock)
 
 
 def _token_digest(config: Config, socket_path: str

@@ -136,6 +136,8 @@ class AdminConfig(_Section):
     token_file: str | None = Field(None, description="with no token configured, a random one is "
                                                      "generated and written here (mode 0600); "
                                                      "default: admin.token beside the socket")
+    max_connections: int = Field(64, ge=1, le=4096, description="most connections open at "
+                                                              "once; more get a 503")
     tree_dump_max_nodes: int = Field(10_000, ge=1, description="most nodes /v1/tree returns")
     tenant_label_limit: int = Field(64, ge=1, description="most tenants given their own metric "
                                                           "labels; the rest are summed as _other")

@@ -54,8 +54,12 @@ _POOL_GAUGES = (
 
 
 def render(collector: Collector, accept: str = "") -> tuple[bytes, str]:
-    """The exposition and its content type, in the format the Accept header asks for."""
-    encoder, content_type = choose_encoder(accept)
+    """The exposition and its content type, in the format the Accept header asks for; an
+    Accept prometheus_client cannot read (``version=abc``) gets the text format, as none does."""
+    try:
+        encoder, content_type = choose_encoder(accept)
+    except (TypeError, ValueError):  # the version compared as a string with numbers
+        encoder, content_type = choose_encoder("")
     return encoder(collector), content_type  # an encoder only calls collect()
 
 

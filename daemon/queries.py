@@ -9,6 +9,7 @@ each answer is consistent; none of them changes state.
 
 from __future__ import annotations
 
+import heapq
 from typing import Annotated, Any, Literal, Protocol
 
 import msgspec
@@ -356,22 +357,28 @@ def dump_tree(tree: Any, root: Any, depth: int, limit: int) -> tuple[TreeNode, i
     while i < len(queue):
         node, js, level = queue[i]
         i += 1
-        children = sorted(node.children.values(), key=lambda c: c.id) if node.children else []
-        if not children:
+        n = len(node.children) if node.children else 0
+        if not n:
             continue
-        if level >= depth:
-            js.children_omitted = len(children)
+        if level >= depth or count >= limit:  # counted, never sorted: a node may have 100k
+            js.children_omitted = n
+            truncated = truncated or level < depth
             continue
-        for k, child in enumerate(children):
-            if count >= limit:
-                truncated = True
-                js.children_omitted = len(children) - k
-                break
+        # the lowest ids of those that fit: a heap's work, not a sort of every child
+        children = heapq.nsmallest(limit - count, node.children.values(), key=_node_id)
+        for child in children:
             cjs = view(child)
             js.children.append(cjs)
             count += 1
             queue.append((child, cjs, level + 1))
+        if len(children) < n:
+            truncated = True
+            js.children_omitted = n - len(children)
     return out, count, truncated
+
+
+def _node_id(node: Any) -> int:
+    return node.id  # type: ignore[no-any-return]
 
 
 def _segment_view(cache: ModelCache) -> dict[str, SegmentUsage] | None:

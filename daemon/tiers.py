@@ -396,6 +396,7 @@ class TierManager:
         try:
             job = begin_load(cache, namespace, tokens, probe.prefix_len, admit)
         except OutOfPages:  # no room on device for the copy: nothing loaded, recompute instead
+            self.counters["loads"] += 1  # (a failed one: counted in both, as a failed copy is)
             self.counters["load_failures"] += 1
             return probe.prefix_len
         if job is None:

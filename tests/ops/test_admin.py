@@ -233,6 +233,29 @@ async def test_an_unwritable_token_file_is_fatal(tmp_path: Path) -> None:
     daemon.service.close()
 
 
+def test_idle_connections_are_limited_and_closed(admin_daemon) -> None:
+    """Connections that send nothing (any local user can open them): one past
+    admin.max_connections gets a JSON 503 and is closed, and a request still gets through once
+    the daemon has closed the idle ones (no request for 10 s); engines connect all along."""
+    d = admin_daemon({"admin": {"token": ADMIN_TOKEN, "max_connections": 4}})
+    host, _, port = d.admin_url[len("http://"):].rpartition(":")
+    idle = [socket.create_connection((host, int(port)), timeout=30) for _ in range(4)]
+    try:
+        r = d.get("/v1/stats")
+        assert r.status == 503 and r.json()["error"]["code"] == "too_many_connections", r
+        with Client(d.socket) as c:
+            assert c.ping(b"x").payload == b"x"
+        t0 = time.monotonic()
+        for s in idle:
+            assert s.recv(1) == b""  # closed by the daemon, not by a timeout here
+        assert time.monotonic() - t0 < 25
+        assert d.get("/v1/stats").status == 200
+    finally:
+        for s in idle:
+            s.close()
+    assert "admin endpoint: 4 connections open (admin.max_connections)" in d.log()
+
+
 def test_a_configured_port_in_use_stops_the_daemon(admin_daemon) -> None:
     busy = socket.socket()
     busy.bind(("127.0.0.1", 0))

@@ -177,6 +177,33 @@ def test_metric_label_values_are_escaped_and_tenants_guarded(tmp_path: Path) -> 
     svc.close()
 
 
+def test_a_load_that_finds_no_room_on_device_is_a_failed_load_not_a_negative_ok(
+        admin_daemon) -> None:
+    """Host pages to bring back, and the device pool all held by the session: the load loads
+    nothing and counts as one load, failed; radixd_loads_total{result="ok"} stays at 0 (it was
+    loads minus failures, and went to -1 for each such load)."""
+    d = admin_daemon({"admin": {"token": ADMIN_TOKEN},
+                      "models": [{**SMALL_MODEL, "swa_pages": 64}]})
+    seq = toks(4)
+    with Client(d.socket) as c:
+        cache(c, seq)
+        deadline = time.monotonic() + 10
+        while c.stats("m").models["m"]["tree_host_pages"] < 4 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert d.post("/v1/evict", json_body={"full_pages": 100, "swa_pages": 100}).json()[
+            "full_pages"] == 4
+        assert c.match("m", seq).host_hit_len == 4 * P
+        pools = d.get_json("/v1/stats")["models"]["m"]["pools"]
+        held = c.alloc("m", min(pools["full"]["free"], pools["swa"]["free"]))
+        assert c.load("m", seq).loaded_len == 0
+        tiers = d.get_json("/v1/stats")["models"]["m"]["tiers"]
+        samples = parse_metrics(d.get("/metrics").text)[1]
+        c.free("m", held.full_pages, held.swa_pages)
+    assert (tiers["loads"], tiers["load_failures"]) == (1, 1)
+    assert metric(samples, "radixd_loads_total", model="m", result="ok") == 0
+    assert metric(samples, "radixd_loads_total", model="m", result="failed") == 1
+
+
 def test_openmetrics_on_request(admin_daemon) -> None:
     """Accept: application/openmetrics-text gets OpenMetrics 1.0.0 with the same series; a
     plain scrape stays on the text format 0.0.4."""
@@ -202,6 +229,12 @@ def test_openmetrics_on_request(admin_daemon) -> None:
         k for k in text_samples if k[0] not in volatile}
     assert metric(om_samples, "radixd_matches_total", model="m") == 0
     assert metric(om_samples, "radixd_pool_tree_pages", model="m", pool="full") == 2
+    for accept in ("application/openmetrics-text; version=abc", "text/plain; version=1.x"):
+        bad = d.get("/metrics", headers={"Accept": accept})  # the text format, not a 500
+        assert bad.status == 200, (accept, bad.status, bad.text[:300])
+        assert bad.headers["content-type"].startswith("text/plain; version=0.0.4"), accept
+        assert metric(parse_metrics(bad.text)[1], "radixd_pool_tree_pages", model="m",
+                      pool="full") == 2
 
 
 def test_heap_is_trimmed_on_its_interval_and_reported(admin_daemon) -> None:
