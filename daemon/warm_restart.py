@@ -335,6 +335,35 @@ class _Restorer:
             self.dropped += len(self.img.keyed)
         if self.entry.keyed is not None:  # a clear not yet in Redis is raised there at start
             self.entry.keyed.names.restore(self.img.kv_gens, self.img.kv_clearing)
+        self.fit_quotas()
+
+    def fit_quotas(self) -> None:
+        """A quota_host_pages the new configuration lowered: the namespace's host pages over it
+        go now, as its next copy would make them go (the coldest first: keyed pages keep their
+        order across a restart, tree pages restored all count as used at the restart), and not
+        only once it copies again (a tenant that only reads would stay over its quota)."""
+        keyed = self.entry.keyed
+        tree = self.tree
+        for ns, quota in self.entry.tiers.host_quotas.items():  # type: ignore[union-attr]
+            space = tree.namespaces.get(ns)
+            held = space.host_pages if space is not None else 0
+            if keyed is not None:
+                held = keyed.host_used(ns)
+            if not quota or held <= quota:
+                continue
+            used = sum(p.used for p in self.host.pools())  # (SWA slots go with their nodes)
+            if keyed is not None:
+                keyed.fit_quota(ns, 0)
+                left = keyed.host_used(ns)
+            else:
+                self.entry.cache.evict_host(held - quota, namespace=ns)
+                left = space.host_pages  # type: ignore[union-attr]
+            gone = used - sum(p.used for p in self.host.pools())
+            self.dropped += gone
+            self.kept -= gone
+            log.warning("warm restart: model %r: namespace %r held %d saved full host pages, "
+                        "over its quota_host_pages of %d: %d of them went (%d host pages with "
+                        "their SWA ones)", self.entry.name, ns, held, quota, held - left, gone)
 
 
 def _image_pages(img: ModelImage) -> int:

@@ -219,6 +219,58 @@ def test_the_l3_quota_keeps_counting_across_a_restart(make_daemon, tmp_path: Pat
     e.close()
 
 
+def _alice(state: Path, quota_host_pages: int = 0) -> dict[str, Any]:
+    return {**_config(state), "tenants": [{"name": "alice", "token": "A",
+                                           "quota_host_pages": quota_host_pages}]}
+
+
+def _alice_holds(d: Any) -> dict[str, Any]:
+    with Client(d.socket, "A") as c:
+        st = c.stats("m").models["m"]
+    return {k: st[k] for k in ("tree_host_pages", "kv_pages", "quota_host_pages")}
+
+
+def test_a_host_quota_lowered_across_a_restart_drops_the_oldest_tree_pages(
+        make_daemon, tmp_path: Path) -> None:
+    """Two prompts of six host pages cached without a quota; the next start sets
+    quota_host_pages = 6. The restore drops one of the prompts (host pages go a node at a time,
+    as when a copy makes room; a restart keeps no order among tree pages) and says so, instead
+    of leaving the tenant over its quota until it copies again; the other one still loads from
+    host."""
+    state = tmp_path / "state"
+    d1 = make_daemon(_alice(state))
+    e = Engine(d1.socket, token="A")
+    e.cache(seq(6))
+    e.cache(seq(6, base=5000))
+    wait_for(lambda: _alice_holds(d1)["tree_host_pages"] == 12, "the host copies")
+    e.close()
+    _stop(d1)
+    d2 = make_daemon(_alice(state, quota_host_pages=6))
+    assert _alice_holds(d2) == {"tree_host_pages": 6, "kv_pages": 0, "quota_host_pages": 6}
+    assert re.search(r"namespace 'alice' held 12 saved full host pages, over its "
+                     r"quota_host_pages of 6: 6 of them went", d2.log()), d2.log()[-2000:]
+    e = Engine(d2.socket, token="A")
+    hits = sorted(e.c.match("m", s).host_hit_len for s in (seq(6), seq(6, base=5000)))
+    e.close()
+    assert hits == [0, 6 * P]
+
+
+def test_a_host_quota_lowered_across_a_restart_drops_the_oldest_keyed_pages(
+        make_daemon, tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    d1 = make_daemon(_alice(state))
+    keys = [b"k%d" % i for i in range(10)]
+    with Client(d1.socket, "A") as c:
+        c.kv_attach("m")
+        c.kv_commit("m", c.kv_reserve("m", keys).pin)
+    _stop(d1)
+    d2 = make_daemon(_alice(state, quota_host_pages=3))
+    assert _alice_holds(d2) == {"tree_host_pages": 0, "kv_pages": 3, "quota_host_pages": 3}
+    with Client(d2.socket, "A") as c:
+        found = c.kv_lookup("m", keys, pin=False)
+    assert list(found.present) == [0] * 7 + [1] * 3  # the newest kept
+
+
 def test_cold_nodes_host_slot_ids_kept_as_runs_load_and_restart_byte_exact(
         make_daemon, tmp_path: Path) -> None:
     """Long nodes keep their host slot ids as runs from their host copy on, and their page ids
