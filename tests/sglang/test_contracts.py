@@ -122,6 +122,52 @@ def test_gets_and_sets_fit_a_low_lock_limit(make_daemon) -> None:
     b.close()
 
 
+def test_requests_fit_a_low_frame_limit(make_daemon, caplog) -> None:
+    """An operator's server.max_frame_bytes of 64 KiB takes about 500 keys a request: a batch
+    of 1,200 went as one request, which the client refused before sending it; every call was a
+    miss, and each one dropped a healthy session. They go in runs the limit admits, which hello
+    tells."""
+    from conftest import MODEL
+
+    d = make_daemon({"server": {"max_frame_bytes": 64 * 1024},
+                     "models": [{**MODEL, "host_pages": 1300}]})
+    b, pool = backend(d, pages=2 * 1200 + 8)
+    idx, keys = fill(pool, 1200, 12)
+    assert b.batch_set_v1(keys, idx) == [True] * 1200
+    assert b.batch_exists(keys) == 1200
+    assert b.batch_exists_v2(keys, []).kv_hit_pages == 1200
+    dst = pool.alloc(1200 * pool.page_size)
+    assert b.batch_get_v1(keys, dst) == [True] * 1200
+    assert all(x.equal(y) for x, y in zip(pages_of(pool, dst), pages_of(pool, idx), strict=True))
+    b.close()
+    assert "failed" not in caplog.text and "refused" not in caplog.text, caplog.text[-2000:]
+
+
+def test_an_mla_pool_is_refused_as_mla_not_as_a_layout(make_daemon) -> None:
+    """An MLA host pool already in page_first was refused with 'launch SGLang with
+    --hicache-mem-layout page_first', the flag the operator had used; the error now says the
+    backend copies MHA pools only."""
+    from radixd_sglang.pages import page_view
+    from sglang.srt.mem_cache.device_pool_info import MLABufferInfo
+    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+
+    layers, page, dim = 2, 4, 24
+    bufs = tuple(torch.zeros(page * 2, 1, dim) for _ in range(layers))
+    info = MLABufferInfo(
+        buffers=bufs, data_ptrs=torch.tensor([t.data_ptr() for t in bufs], dtype=torch.uint64),
+        layer_indices=tuple(range(layers)), device_layer_num=layers, page_size=page,
+        kv_lora_rank=16, qk_rope_head_dim=8, kv_cache_dim=dim, dtype=torch.float32,
+        device=torch.device("cpu"))
+    pool = MLATokenToKVPoolHost(
+        info, host_to_device_ratio=2.0, host_size=0, page_size=page, layout="page_first",
+        pin_memory=False, device="cpu", host_token_capacity=8 * page,
+        device_capacity_tokens=2 * page, start_layer=0, end_layer=layers - 1,
+        target_layer_num=layers)
+    with pytest.raises(ValueError, match="copies only MHA host pools") as refused:
+        page_view(pool)
+    assert "MLA" in str(refused.value) and "--hicache-mem-layout" not in str(refused.value)
+
+
 def test_a_pool_of_equal_page_bytes_but_another_layout_is_refused(make_daemon) -> None:
     """radixd's entry: float16, page 4, 2 layers, 1 head, head_dim 8 (256 B a page). A bfloat16
     pool of that geometry, or a float16 one of page 8 and 1 layer, has pages of the same bytes:

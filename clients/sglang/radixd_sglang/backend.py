@@ -65,6 +65,9 @@ POOL_KINDS = {PoolName.KV.value: "full", PoolName.SWA.value: "swa"}
 #: radixd's answers to one request that leave the session as it was (the call is a miss, the
 #: session goes on); anything else (the daemon gone, restarting, a broken frame) reopens it
 REFUSALS = (BadArgument, LimitExceeded, NotFoundError, OutOfMemory, QuotaExceeded, ReceiptError)
+#: the most bytes one key takes in a request (radixd's longest key, msgpack's bin header), and
+#: more than a request takes beside its keys and its model's name
+KEY_BYTES, REQUEST_BYTES = P.KV_KEY_MAX + 2, 512
 
 
 class RadixdHiCacheStorage(HiCacheStorage):
@@ -245,7 +248,7 @@ class RadixdHiCacheStorage(HiCacheStorage):
         it from Redis for nothing); an extra pool's pages (SWA's trailing ones) are asked for
         whole, their presence being no prefix."""
         out = bytearray()
-        for span in _spans(len(keys)):
+        for span in _spans(len(keys), _most(client, self.model)):
             present = client.kv_lookup(self.model, self._keys(keys[span]), kind, pin=False,
                                        fetch=True, timeout_s=self.fetch_timeout_s).present
             out += present
@@ -289,7 +292,7 @@ class RadixdHiCacheStorage(HiCacheStorage):
         """Copy each present key's slot into SGLang's host page; a prefix of True."""
         view, slots = self._views[kind], self._slots[kind]
         hits = 0
-        for span in _spans(len(keys), _pinned(client)):
+        for span in _spans(len(keys), _most(client, self.model, pinned=True)):
             chunk = keys[span]
             got = client.kv_lookup(self.model, self._keys(chunk), kind, pin=True, fetch=True,
                                    timeout_s=self.fetch_timeout_s)
@@ -309,7 +312,7 @@ class RadixdHiCacheStorage(HiCacheStorage):
              pages: Sequence[int]) -> list[bool]:
         """:meth:`_set_some` over chunks of at most radixd's keys per request."""
         ok: list[bool] = []
-        for span in _spans(len(keys), _pinned(client)):
+        for span in _spans(len(keys), _most(client, self.model, pinned=True)):
             ok += self._set_some(client, kind, keys[span], pages[span])
         return ok
 
@@ -401,7 +404,7 @@ class RadixdHiCacheStorage(HiCacheStorage):
         """Flat pages (``get_dummy_flat_data_page``: K block then V block for page_first)."""
         def run(client: Client) -> list[torch.Tensor | None]:
             out: list[torch.Tensor | None] = [None] * len(keys)
-            for span in _spans(len(keys), _pinned(client)):
+            for span in _spans(len(keys), _most(client, self.model, pinned=True)):
                 got = client.kv_lookup(self.model, self._keys(keys[span]), "full", pin=True,
                                        fetch=True, timeout_s=self.fetch_timeout_s)
                 try:
@@ -429,7 +432,7 @@ class RadixdHiCacheStorage(HiCacheStorage):
             if any(v.nbytes != slots.shape[1] for v in values):
                 return False
             stored = True
-            for span in _spans(len(keys), _pinned(client)):
+            for span in _spans(len(keys), _most(client, self.model, pinned=True)):
                 r = client.kv_reserve(self.model, self._keys(keys[span]), "full")
                 for s, v in zip(r.slots, values[span], strict=True):
                     if s:
@@ -472,17 +475,23 @@ class RadixdHiCacheStorage(HiCacheStorage):
             self._copier.close()
 
 
-def _spans(n: int, most: int = P.KV_MAX_KEYS) -> Iterator[slice]:
-    """``n`` keys in runs of at most ``most`` (radixd's keys per request by default)."""
+def _spans(n: int, most: int) -> Iterator[slice]:
+    """``n`` keys in runs of at most ``most`` (:func:`_most`)."""
     for start in range(0, n, most):
         yield slice(start, min(n, start + most))
 
 
-def _pinned(client: Client) -> int:
-    """Most keys one pinned lookup or reservation may name: the session may pin at most
-    ``max_locks_per_session`` keys (hello's limits), and this backend holds one pin at a time."""
+def _most(client: Client, model: str, pinned: bool = False) -> int:
+    """Most keys one request on ``model`` may name: radixd's keys per request, as many as its
+    frame limit takes (a daemon may set ``max_frame_bytes`` as low as 1 KiB: hello's limits say
+    it), and for a pinned lookup or a reservation the session's pin cap
+    (``max_locks_per_session``; this backend holds one pin at a time)."""
+    room = client.limits.max_frame_bytes - REQUEST_BYTES - len(model.encode())
+    most = min(P.KV_MAX_KEYS, room // KEY_BYTES)
     cap = client.limits.max_locks_per_session
-    return min(P.KV_MAX_KEYS, cap) if cap > 0 else P.KV_MAX_KEYS
+    if pinned and cap > 0:
+        most = min(most, cap)
+    return max(1, most)
 
 
 def _int_setting(extra: dict, name: str, default: int) -> int:

@@ -56,11 +56,16 @@ def page_view(pool: Any) -> KvPageView:
     """The page view of a registered host pool; a clear error for one it cannot copy."""
     layout = getattr(pool, "layout", None)
     buf = getattr(pool, "kv_buffer", None)
-    if layout not in SUPPORTED_LAYOUTS or not isinstance(buf, torch.Tensor) or buf.dim() != 5:
+    if layout not in SUPPORTED_LAYOUTS:
         raise ValueError(
             f"radixd's HiCache backend copies only MHA host pools in the page_first layout; this "
             f"{type(pool).__name__} has layout {layout!r}: launch SGLang with "
             f"--hicache-mem-layout page_first (docs/sglang.md)")
+    if not isinstance(buf, torch.Tensor) or buf.dim() != 5:  # (K/V, page, layer, head, dim)
+        raise ValueError(
+            f"radixd's HiCache backend copies only MHA host pools (a kv_buffer of K and V per "
+            f"head); this {type(pool).__name__} is not one (MLA and other pools are not "
+            f"supported yet: docs/sglang.md, Limits)")
     if not buf.is_contiguous():
         raise ValueError(f"{type(pool).__name__}: the host kv_buffer is not contiguous")
     view = KvPageView(pool)
