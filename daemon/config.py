@@ -7,6 +7,7 @@ names the key. Every key is documented in docs/operations.md (and ``radixd confi
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import hashlib
 import os
@@ -18,7 +19,11 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .gpu.profile import ModelProfile, ProfileError
-from .gpu.segments import resolve_host_segment_pages, resolve_segment_pages
+from .gpu.segments import (
+    pool_page_multiple,
+    resolve_host_segment_pages,
+    resolve_segment_pages,
+)
 from .storage.redis_tier import redact_url, url_problem
 from .tree.policy import POLICIES
 
@@ -33,7 +38,7 @@ class ConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True)
 
 
 #: The socket of the shipped systemd unit (RuntimeDirectory=radixd), and root's default.
@@ -297,9 +302,25 @@ class ModelConfig(_Section):
         elif self.swa_bytes is not None:
             data["swa_bytes"] = self.swa_bytes  # refused: the model has no SWA layers
         try:
-            return ModelProfile.from_dict(data)
+            profile = ModelProfile.from_dict(data)
         except ProfileError as exc:
             raise ValueError(str(exc)) from None
+        multiple = pool_page_multiple(profile, self.memory_isolation, self.export_pools)
+        if multiple == 1 or (self.full_bytes is None and self.swa_bytes is None):
+            return profile
+        # sized in bytes: rounded down to pages that segments can be mapped apart at (the page
+        # count given outright is the operator's to choose: a misfit is an error naming it)
+        down: dict[str, int] = {}
+        for kind, given in (("full", self.full_bytes), ("swa", self.swa_bytes)):
+            if given is None or (kind == "swa" and not profile.has_swa):
+                continue
+            pages = getattr(profile, f"{kind}_pages") // multiple * multiple
+            if not pages:
+                raise ValueError(f"{kind}_bytes: {given} bytes are fewer than the {multiple} "
+                                 f"pages the pool's segments need at least (or "
+                                 f"memory_isolation = \"none\")")
+            down[f"{kind}_pages"] = pages
+        return dataclasses.replace(profile, **down)
 
 
 class L3Config(_Section):
@@ -467,9 +488,14 @@ def _env_overrides(env: dict[str, str]) -> tuple[dict[str, Any], dict[tuple[str,
             continue
         section, _, name = rest.partition("_")
         if section not in _ENV_SECTIONS or not name:
-            raise ConfigError(f"{key}: unknown setting (sections: "
-                              f"{', '.join(ENV_PREFIX + s + '_<KEY>' for s in _ENV_SECTIONS)})"
-                              + _suggest(rest, _env_names(), ENV_PREFIX))
+            # another program's (a client's RADIXD_TOKEN, the test scripts'), unless it is so
+            # close to one of the daemon's that it must be a typo of it
+            hint = _suggest(rest, _env_names(), ENV_PREFIX)
+            if hint:
+                raise ConfigError(f"{key}: unknown setting (sections: "
+                                  f"{', '.join(ENV_PREFIX + s + '_<KEY>' for s in _ENV_SECTIONS)})"
+                                  + hint)
+            continue
         try:
             value = tomllib.loads(f"v = {raw}")["v"]
         except tomllib.TOMLDecodeError:
@@ -546,8 +572,13 @@ def _describe(err: Any, data: dict[str, Any], origin: dict[tuple[str, str], str]
         if var is not None:
             return (f"{var}: no such setting ({'.'.join(map(str, loc))} is not a key)"
                     + _suggest(var[len(ENV_PREFIX):], _env_names(), ENV_PREFIX))
-        return (f"{_where(loc, data)}: not a configuration key"
-                + _suggest(key, _section_fields(loc[:-1])))
+        hint = _suggest(key, _section_fields(loc[:-1]))
+        if not hint and len(loc) == 1:  # a section's key written above every section
+            homes = [f"[[{name}]]" if typing.get_origin(f.annotation) is list else f"[{name}]"
+                     for name, f in Config.model_fields.items()
+                     if key in _section_fields((name,))]
+            hint = f"; it is a key of {' and '.join(homes)}" if homes else ""
+        return f"{_where(loc, data)}: not a configuration key" + hint
     field, sep, rest = msg.partition(": ")
     if sep and field.isidentifier() and field in _section_fields(loc):
         loc, msg = (*loc, field), rest  # "models.0: full_pages: ..." -> the key itself

@@ -33,8 +33,7 @@ _radixd_as_root() {
 # already installed is upgraded. Each install is announced (what and why) before it runs.
 # RADIXD_NO_APT=1 installs nothing: the tests that need the package then fail with a message that
 # names it (deselect them with the marker the message gives).
-# Read once and taken out of the environment: the daemons the tests start read RADIXD_* variables
-# as settings and refuse unknown ones.
+# Read once and taken out of the environment: a switch of this script's, not the tests' own.
 _RADIXD_NO_APT="${RADIXD_NO_APT:-0}"
 unset RADIXD_NO_APT
 

@@ -33,7 +33,7 @@ for arg in "$@"; do
     [[ "${arg}" == tests/sglang* ]] && sglang_only=1
 done
 skip_sglang="${RADIXD_SKIP_SGLANG:-0}"
-unset RADIXD_SKIP_SGLANG RADIXD_TEST_WORKERS  # the daemons the tests start refuse unknown RADIXD_*
+unset RADIXD_SKIP_SGLANG RADIXD_TEST_WORKERS  # this script's switches, read above
 if [[ "${skip_sglang}" != "1" ]] && { [[ $# -eq 0 ]] || [[ ${sglang_only} -eq 1 ]]; }; then
     radixd_sglang_venv
     sglang_args=("$@")

@@ -83,6 +83,23 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def _os_page_unit(profile: ModelProfile) -> int:
+    """The fewest pages whose (layer, K or V) strip, what a segment's mapping cuts at, ends on
+    an OS page."""
+    strip = profile.full_page_bytes // (2 * profile.num_full_layers)
+    return mmap.PAGESIZE // math.gcd(mmap.PAGESIZE, strip)
+
+
+def pool_page_multiple(profile: ModelProfile, isolation: str, mapped: bool = True) -> int:
+    """The page count every pool of the model must be a multiple of: 1, unless its pools are
+    cut into segments mapped apart on the host, whose strips must end on OS pages (a pool sized
+    in bytes is rounded down to it)."""
+    if effective_isolation(isolation, profile.device) == "none" or not mapped \
+            or profile.device.startswith("cuda"):
+        return 1
+    return _os_page_unit(profile)
+
+
 def resolve_segment_pages(profile: ModelProfile, isolation: str, segment_pages: int,
                           mapped: bool = True) -> int | None:
     """The segment size of a model in pages, or None for the single shared pool.
@@ -97,10 +114,17 @@ def resolve_segment_pages(profile: ModelProfile, isolation: str, segment_pages: 
     if not isinstance(segment_pages, int) or isinstance(segment_pages, bool) or segment_pages < 0:
         raise ValueError(f"segment_pages: a number of pages >= 1, or 0 for automatic; got "
                          f"{segment_pages!r}")
-    layers = profile.num_full_layers
-    strip = profile.full_page_bytes // (2 * layers)  # one page of one (layer, kv) strip
-    unit = mmap.PAGESIZE // math.gcd(mmap.PAGESIZE, strip)
+    strip = profile.full_page_bytes // (2 * profile.num_full_layers)
+    unit = _os_page_unit(profile)
+    multiple = pool_page_multiple(profile, isolation, mapped)
     pools = [profile.full_pages] + ([profile.swa_pages] if profile.has_swa else [])
+    for pages, kind in zip(pools, ("full", "swa"), strict=False):
+        if pages % multiple:
+            raise ValueError(
+                f"{kind}_pages: the {kind} pool's {pages} pages x {strip} bytes per page and "
+                f"layer are not a multiple of the {mmap.PAGESIZE}-byte OS page, so its segments "
+                f"cannot be mapped apart: use a multiple of {multiple} pages (or "
+                f"memory_isolation = \"none\"; {kind}_bytes is rounded down to such a multiple)")
     if segment_pages == 0:
         want = max(1, -(-sum(pools) // AUTO_SEGMENTS))
         segment_pages = -(-want // unit) * unit

@@ -11,6 +11,7 @@ once the policy's time is up.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from array import array
@@ -330,6 +331,25 @@ def test_closing_the_client_wakes_another_threads_call_waiting_for_its_answer(
         assert c.closed and c.restarts == 0
     finally:
         d.stop()
+
+
+def test_a_forked_child_closing_its_copy_leaves_the_parents_session(make_daemon,
+                                                                    tmp_path: Path) -> None:
+    """A child forked after the client connected closes its copy (a with-block, or garbage
+    collection): its descriptor goes, the connection stays the parent's, locks and all."""
+    d = make_daemon(_config(tmp_path))
+    with Client(d.socket) as c:
+        tokens = array("i", seq(1)).tobytes()
+        a = c.alloc("m", 1)
+        c.insert("m", tokens, a.full_pages, a.swa_pages)
+        locked = c.match("m", tokens, lock=True)
+        pid = os.fork()
+        if pid == 0:  # the child: close, and leave without running the parent's cleanup
+            c.close()
+            os._exit(0)
+        assert os.waitpid(pid, 0)[1] == 0
+        assert c.ping(b"still mine").payload == b"still mine"
+        c.unlock("m", locked.receipt)  # the receipt is the parent session's still
 
 
 def test_closing_an_async_client_while_it_reconnects_fails_its_calls_as_connection_lost(

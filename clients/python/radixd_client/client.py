@@ -442,17 +442,35 @@ class Client(Operations):
 
     def close(self) -> None:
         """Close the connection; the daemon then releases everything this session held. A
-        closed client does not reconnect."""
+        closed client does not reconnect.
+
+        With another thread's call in flight, the connection is shut down instead, which wakes
+        that call (a close alone would not), and the call closes it. Only then: a shutdown acts
+        on the connection everywhere, a forked child's copy included, where a close lets go of
+        this process's descriptor only."""
         self._closed_by_user = True
-        self._drop()
+        if self._drop_if_idle():
+            return
+        sock = self._sock
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        self._drop_if_idle()  # the call ended meanwhile: nobody else would close it
+
+    def _drop_if_idle(self) -> bool:
+        """Close the connection unless another thread's call holds the client."""
+        if not self._io.acquire(blocking=False):
+            return False
+        try:
+            self._drop()
+        finally:
+            self._io.release()
+        return True
 
     def _drop(self) -> None:
         sock, self._sock = self._sock, None
         if sock is not None:
             self._conn.abandon()
-            with contextlib.suppress(OSError):
-                # close() alone does not wake another thread blocked reading this socket
-                sock.shutdown(socket.SHUT_RDWR)
             with contextlib.suppress(OSError):
                 sock.close()
 
