@@ -483,6 +483,8 @@ class KeyedTier:
         if self.l3 is not None:
             self.names.start(self.l3)
             self._wake = asyncio.Event()
+            if self._l3_queue or self._deletes:  # queued before the start (a warm restore's)
+                self._wake.set()
             self._task = asyncio.create_task(self._writer(), name=f"radixd-kv-l3-{self.model}")
 
     async def drain(self, deadline: float) -> None:

@@ -54,6 +54,29 @@ class BackupJob:
     finished: bool = False  # finish_backup ran (an eviction may finish a running job early)
 
 
+def host_quota_held(mc: ModelCache, ns: str) -> int:
+    """The full host pages namespace ``ns``'s quota_host_pages counts: the tree's, those its
+    copies are filling, and its keyed pages."""
+    if mc.keyed is not None:
+        return mc.keyed.host_used(ns)
+    space = mc.tree.namespaces.get(ns)
+    return (space.host_pages if space is not None else 0) + \
+        mc.host.pending_full.get(ns, 0)  # type: ignore[union-attr]
+
+
+def fit_host_quota(mc: ModelCache, ns: str, want: int, quota: int) -> bool:
+    """Whether ``want`` more full host pages fit namespace ``ns``'s ``quota`` (0: none), once
+    its own coldest host pages went (they go now, as many as it takes)."""
+    if not quota:
+        return True
+    if mc.keyed is not None:  # keyed pages share the pool, its eviction order and the quota
+        return mc.keyed.fit_quota(ns, want) >= want
+    over = host_quota_held(mc, ns) + want - quota
+    if over > 0:
+        mc.evict_host(over, namespace=ns)
+    return host_quota_held(mc, ns) + want <= quota
+
+
 def reserve_host(mc: ModelCache, ns: Namespace, kind: str, want: int,
                  quota: int = 0) -> array | None:
     """``want`` pending host slots in namespace ``ns``: first within the tenant's host quota
@@ -64,17 +87,8 @@ def reserve_host(mc: ModelCache, ns: Namespace, kind: str, want: int,
         return None
     mc.flush_host_drops()  # dropped by a caller outside the tiers: their slots are held
     keyed = mc.keyed  # keyed pages share the pool, its eviction order and the quota
-    if kind == "full" and quota:
-        if keyed is not None:
-            if keyed.fit_quota(ns.name, want) < want:
-                return None
-        else:
-            copying = host.pending_full.get(ns.name, 0)
-            over = ns.host_pages + copying + want - quota
-            if over > 0:
-                mc.evict_host(over, namespace=ns.name)
-                if ns.host_pages + copying + want > quota:
-                    return None
+    if kind == "full" and not fit_host_quota(mc, ns.name, want, quota):
+        return None
     short = want - host.available_to(kind, ns.name)
     if short > 0:
         if keyed is not None:

@@ -63,6 +63,7 @@ from .storage.host_snapshot import (
     write_pool,
 )
 from .storage.keyed_pages import keyed_hash
+from .tier_jobs import fit_host_quota, host_quota_held
 from .tree import Node
 
 log = logging.getLogger("radixd.warm_restart")
@@ -342,28 +343,20 @@ class _Restorer:
         go now, as its next copy would make them go (the coldest first: keyed pages keep their
         order across a restart, tree pages restored all count as used at the restart), and not
         only once it copies again (a tenant that only reads would stay over its quota)."""
-        keyed = self.entry.keyed
-        tree = self.tree
+        cache = self.entry.cache
         for ns, quota in self.entry.tiers.host_quotas.items():  # type: ignore[union-attr]
-            space = tree.namespaces.get(ns)
-            held = space.host_pages if space is not None else 0
-            if keyed is not None:
-                held = keyed.host_used(ns)
+            held = host_quota_held(cache, ns)
             if not quota or held <= quota:
                 continue
             used = sum(p.used for p in self.host.pools())  # (SWA slots go with their nodes)
-            if keyed is not None:
-                keyed.fit_quota(ns, 0)
-                left = keyed.host_used(ns)
-            else:
-                self.entry.cache.evict_host(held - quota, namespace=ns)
-                left = space.host_pages  # type: ignore[union-attr]
+            fit_host_quota(cache, ns, 0, quota)
             gone = used - sum(p.used for p in self.host.pools())
             self.dropped += gone
             self.kept -= gone
             log.warning("warm restart: model %r: namespace %r held %d saved full host pages, "
                         "over its quota_host_pages of %d: %d of them went (%d host pages with "
-                        "their SWA ones)", self.entry.name, ns, held, quota, held - left, gone)
+                        "their SWA ones)", self.entry.name, ns, held, quota,
+                        held - host_quota_held(cache, ns), gone)
 
 
 def _image_pages(img: ModelImage) -> int:
@@ -402,8 +395,9 @@ def _restore(models: dict[str, ModelEntry], snap: HostSnapshot, report: RestartR
         report.dropped_pages += r.dropped
         report.models[name] = {"kept_pages": r.kept, "dropped_pages": r.dropped}
         if r.dropped:
-            log.warning("warm restart: model %r: %d saved host pages failed verification or did "
-                        "not fit and were dropped", name, r.dropped)
+            log.warning("warm restart: model %r: %d saved host pages were dropped (failed "
+                        "verification, did not fit, or were over a lowered quota)", name,
+                        r.dropped)
 
 
 def _finish(report: RestartReport, t0: float) -> RestartReport:

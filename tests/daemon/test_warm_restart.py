@@ -271,6 +271,29 @@ def test_a_host_quota_lowered_across_a_restart_drops_the_oldest_keyed_pages(
     assert list(found.present) == [0] * 7 + [1] * 3  # the newest kept
 
 
+def test_keyed_pages_a_lowered_quota_drops_at_restore_go_to_redis_under_write_back(
+        make_daemon, tmp_path: Path, prefix: str) -> None:
+    """Under L3 write_back the 7 keyed pages over the new quota go to Redis as they are
+    dropped: they were queued before the writer started, which then waited for the next
+    write-back to wake it (a tenant that only reads never made one)."""
+    def config(quota: int) -> dict[str, Any]:
+        return {**l3_config(SHARED_URL, prefix), "server": {"state_dir": str(tmp_path / "s")},
+                "l3": {**l3_config(SHARED_URL, prefix)["l3"], "write_policy": "write_back"},
+                "tenants": [{"name": "alice", "token": "A", "quota_host_pages": quota}]}
+
+    keys = [b"k%d" % i for i in range(10)]
+    d1 = make_daemon(config(0))
+    with Client(d1.socket, "A") as c:
+        c.kv_attach("m")
+        c.kv_commit("m", c.kv_reserve("m", keys).pin)
+        assert c.stats("m").models["m"]["kv_l3_write_pages"] == 0  # write_back: not yet
+    _stop(d1)
+    d2 = make_daemon(config(3))
+    with Client(d2.socket, "A") as c:
+        wait_for(lambda: c.stats("m").models["m"]["kv_l3_write_pages"] == 7,
+                 "the dropped pages written to Redis")
+
+
 def test_cold_nodes_host_slot_ids_kept_as_runs_load_and_restart_byte_exact(
         make_daemon, tmp_path: Path) -> None:
     """Long nodes keep their host slot ids as runs from their host copy on, and their page ids
