@@ -51,7 +51,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.connection import parse_url
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import RedisClusterException, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from daemon.storage.codec import (
@@ -241,6 +241,7 @@ class RedisTier:
             raise ValueError("max_pipeline and concurrency must be >= 1")
         if ttl_seconds < 0:
             raise ValueError("ttl_seconds must be >= 0")
+        self.url = redact_url(url)  # as configured (+cluster included): what logs call it
         scheme = urlsplit(url).scheme
         if scheme in _CLUSTER_SCHEMES:
             cluster = True if cluster is None else cluster
@@ -259,7 +260,6 @@ class RedisTier:
         self.max_pipeline = int(max_pipeline)
         self.max_pipeline_bytes = int(max_pipeline_bytes)
         self._sem = asyncio.Semaphore(concurrency)
-        self.url = redact_url(url)
         self.breaker = CircuitBreaker(breaker_threshold, breaker_open_seconds, name=self.url)
         self._start_probe: asyncio.Task[None] | None = None
         self._stats = dict.fromkeys(
@@ -351,7 +351,7 @@ class RedisTier:
             except (asyncio.TimeoutError, RedisTimeoutError) as exc:
                 self._stats["timeouts"] += 1
                 raise _CallFailed(f"timeout after {self.op_timeout}s") from exc
-            except (RedisError, OSError) as exc:
+            except (RedisError, RedisClusterException, OSError) as exc:
                 self._stats["errors"] += 1
                 raise _CallFailed(describe(exc)) from exc
 

@@ -148,6 +148,22 @@ async def test_counters_of_a_redis_that_does_not_answer_are_none() -> None:
 
 
 @pytest.mark.asyncio
+async def test_a_cluster_url_on_a_redis_without_cluster_mode_is_named_and_counted() -> None:
+    """redis+cluster:// pointed at a plain Redis: the logs named it redis://, and its failures
+    (RedisClusterException, no RedisError) were not counted in errors, which the
+    troubleshooting guide says to look at."""
+    hostport = SHARED_URL.split("://", 1)[1].split("/", 1)[0]
+    tier = RedisTier(f"redis+cluster://{hostport}", key_prefix=_prefix(),
+                     op_timeout=OP_TIMEOUT, connect_timeout=OP_TIMEOUT)
+    try:
+        assert tier.url == f"redis+cluster://{hostport}"
+        assert await tier.set_pages([_page(h) for h in _hashes(2, b"cl")]) == 0
+        assert tier.stats["errors"] >= 1
+    finally:
+        await tier.aclose()
+
+
+@pytest.mark.asyncio
 async def test_exists_prefix_counts_leading_run_only(shared) -> None:
     tier, _ = shared
     hs = _hashes(30, b"lead")
