@@ -220,6 +220,8 @@ async def start_admin(config: Config, service: Service, state: ServerState, chec
         written[endpoint] = text
     except OSError as exc:  # only a convenience for radixd status --socket
         log.warning("cannot write the admin endpoint file %s: %s", endpoint, exc.strerror or exc)
+    if token_file is not None:  # (not before: a failed bind removed the file again)
+        log.info("admin token generated and written to %s (mode 0600)", token_file)
     log.info("admin endpoint on %s", url)  # (after its endpoint file: the line says it is all up)
     return AdminHandle(url, port, runner, listener, unix_path, token_file, written=written,
                        lock=lock)
@@ -265,7 +267,6 @@ def _token_digest(config: Config, socket_path: str
         raise TokenFileError(exc.errno, f"cannot write the admin token to {path}: "
                                         f"{exc.strerror or exc} (set admin.token_file, or "
                                         "admin.token_sha256)") from None
-    log.info("admin token generated and written to %s (mode 0600)", path)
     return hashlib.sha256(token.encode()).digest(), path, token + "\n", lock
 
 

@@ -25,9 +25,17 @@ from .model_cache import ModelCache
 from .sdnotify import Notifier, fdstore_enabled, fdstore_max, passed_fds
 from .server import Server, tune_gc
 from .service import Service
-from .sockets import SocketPathError, check_socket_path
+from .sockets import (
+    ConfiguredAddressError,
+    SocketPathError,
+    check_socket_path,
+    refuse_served_socket,
+)
 
 log = logging.getLogger("radixd.app")
+
+#: what to change when the admin endpoint's TCP port is taken
+ADMIN_PORT_FIX = "set admin.port (0 picks a free port) or admin.unix_socket"
 
 
 def _gib(n: int) -> str:
@@ -42,18 +50,23 @@ def preflight(config: Config) -> str:
     """Every check ``radixd serve`` makes before it allocates or binds anything: each model's
     device exists, and its pools fit in the memory that is free (device pools on the GPU or in
     host memory, host tiers in host memory, all models together), and the socket paths can hold
-    a socket. Raises ConfigError (or SocketPathError) with one line naming the model and the key
-    to change; returns a one-line summary of what start would allocate. ``radixd config check``
+    a socket, and no other daemon serves on the socket or holds the state directory. Raises
+    ConfigError (or SocketPathError) with one line naming the model and the key to change, or
+    OSError when another daemon serves on the socket (a runtime failure, exit 1, as at the
+    bind); returns a one-line summary of what start would allocate. ``radixd config check``
     runs it so that an operator learns this before a restart, and ``run`` runs it first so that
-    start fails the same way (exit 2, no traceback)."""
+    start fails the same way (no traceback)."""
     from .gpu.profile import ProfileError
     from .gpu.shared_memory import available_host_bytes
 
     check_socket_path(config.server.socket)
+    if not passed_fds()[0]:  # (a socket systemd passed is systemd's, listening for this daemon)
+        refuse_served_socket(config.server.socket)
     if config.server.state_dir:
-        from .storage.host_snapshot import check_state_dir
+        from .storage.host_snapshot import check_state_dir, state_dir_in_use
 
-        problem = check_state_dir(config.server.state_dir)
+        problem = (check_state_dir(config.server.state_dir)
+                   or state_dir_in_use(config.server.state_dir))
         if problem:
             raise ConfigError(f"server.state_dir: {problem}")
     if config.admin.enabled and config.admin.unix_socket:
@@ -122,11 +135,30 @@ def build_pools(mc: ModelConfig) -> Any:
     return KVPools(mc.profile(), segments)
 
 
+def l3_models(config: Config) -> list[str]:
+    """The models whose host tier uses L3: those with a host tier and exported pools (the tiers
+    exist only then) that ask for L3 (``l3``, the default)."""
+    return [m.name for m in config.models if m.l3 and m.host_pages and m.export_pools]
+
+
+def l3_unused(config: Config) -> str:
+    """Why ``l3.url`` is set but no model uses it (empty when it is unset or used): L3 holds
+    what a host tier evicts, so it is off where there is none, which nothing else would tell an
+    operator who set the URL. ``run`` logs it, ``radixd config check`` prints it."""
+    if not config.l3.url or l3_models(config):
+        return ""
+    if not any(m.host_pages for m in config.models):
+        why = "no model has a host tier (host_pages = 0 everywhere)"
+    else:
+        why = "every model with a host tier has l3 = false or export_pools = false"
+    return (f"l3.url is set but L3 is off: {why}, and L3 sits below the host tier (it holds "
+            "what the host tier evicts); give a model host_pages > 0 (with l3 = true and "
+            "export_pools = true), or remove l3.url")
+
+
 def build_l3(config: Config) -> Any:
-    """The shared Redis client, when some model with a host tier and exported pools (the tiers
-    exist only then) asks for L3."""
-    if not config.l3.url or not any(m.l3 and m.host_pages and m.export_pools
-                                    for m in config.models):
+    """The shared Redis client, when some model's host tier uses L3 (:func:`l3_models`)."""
+    if not config.l3.url or not l3_models(config):
         return None
     from .storage.redis_tier import RedisTier
 
@@ -226,8 +258,9 @@ class Daemon:
 
     async def start_admin(self) -> AdminHandle | None:
         """The admin endpoint, before READY. A port that was configured (file, environment)
-        and cannot be bound stops the daemon; the built-in default port being taken (another
-        daemon on this machine) only costs this one its admin endpoint, loudly."""
+        and cannot be bound stops the daemon (exit 2: the configuration must change); the
+        built-in default port being taken (another daemon on this machine) only costs this one
+        its admin endpoint, loudly."""
         cfg = self.config.admin
         if not cfg.enabled:
             log.info("admin endpoint disabled (admin.enabled = false)")
@@ -241,13 +274,16 @@ class Daemon:
             exc.key = "admin.unix_socket"
             raise
         except OSError as exc:
-            if cfg.unix_socket is not None or "port" in cfg.model_fields_set:
-                where = cfg.unix_socket or f"{cfg.host}:{cfg.port}"
-                raise OSError(exc.errno, f"admin endpoint {where}: {exc.strerror or exc}"
-                              ) from exc
-            log.error("admin endpoint not started: cannot bind %s:%d (%s); set admin.port "
-                      "(0 picks a free port) or admin.unix_socket", cfg.host, cfg.port,
-                      exc.strerror or exc)
+            why = exc.strerror or str(exc)
+            if cfg.unix_socket is not None:
+                raise OSError(exc.errno, f"admin endpoint {cfg.unix_socket}: {why}") from exc
+            if "port" in cfg.model_fields_set:  # whoever holds it will hold it at the next try
+                error = ConfiguredAddressError(
+                    exc.errno, f"admin endpoint {cfg.host}:{cfg.port}: {why}; {ADMIN_PORT_FIX}")
+                error.key = "admin.port"
+                raise error from exc
+            log.error("admin endpoint not started: cannot bind %s:%d (%s); %s", cfg.host,
+                      cfg.port, why, ADMIN_PORT_FIX)
             return None
 
 
@@ -268,7 +304,8 @@ def run(config: Config) -> int:
     """Build the daemon and serve until SIGTERM/SIGINT; returns the process exit code.
 
     Raises ConfigError (a model's device or memory) and SocketPathError (the socket's path)
-    before serving: the operator's to fix, exit 2."""
+    before serving, ConfiguredAddressError (an admin port that is taken) once serving: the
+    operator's to fix, exit 2."""
     try:
         import uvloop
 
@@ -277,6 +314,9 @@ def run(config: Config) -> int:
         log.warning("uvloop not available; using the default asyncio loop")
     notifier = Notifier.from_env()
     preflight(config)  # ConfigError before anything is allocated or bound (exit 2)
+    unused = l3_unused(config)
+    if unused:
+        log.warning("%s", unused)
     if config.server.state_dir:  # before its state is read: held until this process ends
         from .storage.host_snapshot import lock_state_dir
 

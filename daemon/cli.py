@@ -5,7 +5,8 @@ in torch.
 
 Exit codes: 0 success; 1 runtime failure (e.g. the socket is taken, the daemon is unreachable);
 2 usage or configuration error; 3 the daemon stopped on an invariant violation (strict mode);
-4 ``radixd check`` found invariant violations.
+4 ``radixd check`` found invariant violations; 130 interrupted (SIGINT) before serving; 141 the
+reader of stdout went away (``radixd status | head -1``).
 
 ``status`` and ``check`` talk to the admin HTTP endpoint with the standard library only (TCP, or
 a Unix socket when ``admin.unix_socket`` is set), so they work without aiohttp and start fast.
@@ -14,6 +15,7 @@ a Unix socket when ``admin.unix_socket`` is set), so they work without aiohttp a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import json
 import logging
@@ -29,7 +31,15 @@ from typing import Any
 from daemon import __version__
 from radixd_bench.unix_http import UnixHTTPConnection
 
+from .status_summary import format_status
+
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INVARIANT, EXIT_VIOLATIONS = 0, 1, 2, 3, 4
+#: stdout closed by its reader (``radixd status | head -1``): what a shell reports for a command
+#: that SIGPIPE ended (128 + 13), as ``cat`` or ``grep`` would end there, so ``set -o pipefail``
+#: treats radixd like any other filter; 1 would claim a runtime failure that did not happen
+EXIT_BROKEN_PIPE = 141
+#: SIGINT (Ctrl-C) before the daemon serves, or during a command: 128 + 2, as the shell expects
+EXIT_INTERRUPTED = 130
 
 _ADMIN_EXIT_CODES = ("exit codes: 0 ok; 1 the admin endpoint is unreachable, refused the token, "
                      "or answered an error; 2 usage or configuration error")
@@ -94,10 +104,13 @@ def build_parser() -> argparse.ArgumentParser:
     check_cfg = csub.add_parser(
         "check", help="validate the configuration and every start-up check without starting",
         description="Load the configuration and run every check radixd serve makes before it "
-                    "binds anything: each key's value, each model's device, and whether the "
-                    "pools and host tiers fit in the memory that is free. Binds nothing.",
-        epilog="exit codes: 0 the daemon would start (a one-line summary is printed); 2 the "
-               "configuration is invalid or does not fit this machine (the error names the key)")
+                    "binds anything: each key's value, each model's device, whether the "
+                    "pools and host tiers fit in the memory that is free, and whether another "
+                    "radixd serves on the socket or holds the state_dir. Binds nothing.",
+        epilog="exit codes: 0 the daemon would start (a one-line summary is printed, and a "
+               "warning for a setting it would ignore); 1 another radixd is serving on the "
+               "socket; 2 the configuration is invalid, does not fit this machine or its "
+               "state_dir is another daemon's (the error names the key)")
     _config_args(check_cfg)
     check_cfg.set_defaults(handler=_config_check)
     example = csub.add_parser(
@@ -191,36 +204,41 @@ def _serve(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from .app import run
     from .config import ConfigError
-    from .sockets import SocketPathError
 
     try:
         return run(config)
-    except SocketPathError as exc:  # the operator's to fix: no traceback
+    except (ConfigError, OSError) as exc:
+        return _cannot_start(exc)
+
+
+def _cannot_start(exc: ValueError | OSError) -> int:
+    """Say in one line why the daemon cannot start (no traceback: the operator's to fix, or a
+    runtime failure such as a socket another daemon serves on); returns the exit code ``serve``
+    gives, which ``config check`` gives too."""
+    from .sockets import ConfiguredAddressError
+
+    if isinstance(exc, ConfiguredAddressError):
         print(f"radixd: {exc.key}: {exc.strerror or exc}", file=sys.stderr)
         return EXIT_USAGE
-    except ConfigError as exc:
-        print(f"radixd: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except OSError as exc:
-        print(f"radixd: cannot serve: {exc}", file=sys.stderr)
+    if isinstance(exc, OSError):  # (without "[Errno N]" where the text says it all)
+        why = exc.strerror if exc.strerror and exc.filename is None else exc
+        print(f"radixd: cannot serve: {why}", file=sys.stderr)
         return EXIT_FAILURE
+    print(f"radixd: {exc}", file=sys.stderr)  # a ConfigError: it names the key
+    return EXIT_USAGE
 
 
-def _preflight(config: Any) -> str | None:
-    """What start would allocate (one line), or None with the error printed: the checks of
-    ``radixd serve`` before it binds anything (devices, memory), without binding anything."""
+def _preflight(config: Any) -> str | int:
+    """What start would allocate (one line), or the exit code ``serve`` would give, its error
+    printed: the checks of ``radixd serve`` before it binds anything (devices, memory, a daemon
+    on the socket or the state directory), without binding anything."""
     from .app import preflight
     from .config import ConfigError
-    from .sockets import SocketPathError
 
     try:
         return preflight(config)
-    except SocketPathError as exc:
-        print(f"radixd: {exc.key}: {exc.strerror or exc}", file=sys.stderr)
-        return None
-    except ConfigError as exc:
-        print(f"radixd: {exc}", file=sys.stderr)
-        return None
+    except (ConfigError, OSError) as exc:
+        return _cannot_start(exc)
 
 
 def _config_show(args: argparse.Namespace) -> int:
@@ -230,7 +248,8 @@ def _config_show(args: argparse.Namespace) -> int:
     from .config import redacted
 
     print(json.dumps(redacted(config), indent=2))
-    return EXIT_OK if _preflight(config) is not None else EXIT_USAGE
+    summary = _preflight(config)
+    return EXIT_OK if isinstance(summary, str) else summary
 
 
 def _config_check(args: argparse.Namespace) -> int:
@@ -238,8 +257,13 @@ def _config_check(args: argparse.Namespace) -> int:
     if config is None:
         return EXIT_USAGE
     summary = _preflight(config)
-    if summary is None:
-        return EXIT_USAGE
+    if not isinstance(summary, str):
+        return summary
+    from .app import l3_unused
+
+    unused = l3_unused(config)
+    if unused:  # it starts, but not as the operator meant it to
+        print(f"radixd: warning: {unused}", file=sys.stderr)
     print(f"ok: configuration valid; {summary}; socket {config.server.socket}")
     return EXIT_OK
 
@@ -552,135 +576,6 @@ def _check(args: argparse.Namespace) -> int:
     return EXIT_VIOLATIONS
 
 
-# ---------------------------------------------------------------------------- the summary
-
-def _pct(part: float, whole: float) -> str:
-    return f"{100.0 * part / whole:.1f}%" if whole else "-"
-
-
-def _duration(seconds: float) -> str:
-    s = int(seconds)
-    d, s = divmod(s, 86400)
-    h, s = divmod(s, 3600)
-    m, s = divmod(s, 60)
-    if d:
-        return f"{d}d {h}h {m:02d}m"
-    if h:
-        return f"{h}h {m:02d}m"
-    if m:
-        return f"{m}m {s:02d}s"
-    return f"{s}s"
-
-
-def _table(rows: list[list[str]], left: int = 1, indent: str = "  ") -> list[str]:
-    """Aligned columns: the first ``left`` ones to the left, numbers to the right."""
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    out = []
-    for r in rows:
-        cells = [c.ljust(w) if i < left else c.rjust(w)
-                 for i, (c, w) in enumerate(zip(r, widths, strict=True))]
-        out.append(indent + "  ".join(cells).rstrip())
-    return out
-
-
-def _tier_lines(tiers: dict[str, Any] | None, device_hits: int, page_size: int) -> list[str]:
-    """A model's hits by tier and its host tier, from ``/v1/stats`` ``models.<m>.tiers``."""
-    if tiers is None:
-        return [f"  hits by tier: device {device_hits} tokens (no host tier)",
-                "  host tier: off (host_pages = 0 or export_pools = false)"]
-    l3_pages = int(tiers.get("l3_hit_pages", 0))
-    out = [f"  hits by tier: device {device_hits}, host {tiers.get('loaded_tokens', 0)} tokens "
-           f"(loaded back); L3 {l3_pages} pages ({l3_pages * page_size} tokens) fetched to host"]
-    cap, used = int(tiers.get("host_pages_capacity", 0)), int(tiers.get("host_pages_used", 0))
-    swa_cap = int(tiers.get("host_swa_pages_capacity", 0))
-    swa = (f", swa {tiers.get('host_swa_pages_used', 0)}/{swa_cap}" if swa_cap else "")
-    out.append(f"  host tier: full {used}/{cap} slots ({_pct(used, cap)}){swa}; "
-               f"{tiers.get('backup_pages', 0)} pages copied to host, "
-               f"{tiers.get('load_pages', 0)} loaded back; queue {tiers.get('backup_queue', 0)}"
-               + (f"; {tiers['copy_errors']} copy errors" if tiers.get("copy_errors") else ""))
-    return out
-
-
-def _l3_line(l3: dict[str, Any] | None) -> str:
-    """The Redis tier and its circuit breaker, from ``/v1/stats`` ``l3``."""
-    if l3 is None:
-        return "L3 (Redis): off (l3.url not set, or no model with a host tier uses it)"
-    state = str(l3.get("breaker_state", "?"))
-    return (f"L3 (Redis): breaker {state.upper() if state != 'closed' else state}; "
-            f"hits {l3.get('hits', 0)} of {l3.get('gets', 0)} pages asked, "
-            f"{l3.get('sets', 0)} written ({l3.get('set_failures', 0)} dropped); "
-            f"{l3.get('timeouts', 0)} timeouts, {l3.get('errors', 0)} errors, "
-            f"breaker opened {l3.get('breaker_opens', 0)} times")
-
-
-def format_status(stats: dict[str, Any], url: str = "") -> str:
-    """The human summary ``radixd status`` prints, from a /v1/stats document."""
-    lines = []
-    ready = "ready" if stats.get("ready") else "NOT READY"
-    lines.append(f"radixd {stats.get('version', '?')}  instance {stats.get('instance', '?')}  "
-                 f"up {_duration(float(stats.get('uptime_s', 0)))}  {ready}"
-                 + (f"  ({url})" if url else ""))
-    lines.append(f"sessions {stats.get('sessions', 0)}  operations {stats.get('ops_total', 0)}")
-    wr = stats.get("warm_restart") or {}
-    if wr.get("source") in ("state_dir", "fdstore"):
-        lines.append(f"warm restart ({wr['source']}): kept {wr.get('kept_pages', 0)} host "
-                     f"pages, dropped "
-                     f"{wr.get('dropped_pages', 0)}, restored in "
-                     f"{float(wr.get('restore_seconds', 0)):.3f} s")
-    elif wr.get("reason"):
-        lines.append(f"warm restart: saved state refused ({wr['reason']})")
-    chk = stats.get("checker") or {}
-    if chk.get("ok") is None:
-        lines.append("last check: none yet")
-    else:
-        ago = _duration(max(0.0, time.time() - float(chk.get("at") or 0)))
-        verdict = "ok" if chk["ok"] else f"{chk.get('violation_count', 0)} VIOLATION(S)"
-        lines.append(f"last check: {verdict} ({chk.get('kind') or 'full'} check, {ago} ago)")
-        for v in (chk.get("violations") or [])[:10]:
-            lines.append(f"  - {v}")
-    for name, m in (stats.get("models") or {}).items():
-        lines.append("")
-        window = m.get("sliding_window")
-        lines.append(f"model {name}: page {m.get('page_size')} tokens, "
-                     + (f"window {window} tokens, " if window else "no sliding window, ")
-                     + f"policy {m.get('policy')}, {m.get('nodes', 0)} tree nodes")
-        rows = [["pool", "used/capacity", "used", "free", "tree", "evictable", "locked", "held"]]
-        for pool, p in (m.get("pools") or {}).items():
-            cap = int(p.get("capacity", 0))
-            used = cap - int(p.get("free", 0))
-            rows.append([pool, f"{used}/{cap}", _pct(used, cap), str(p.get("free", 0)),
-                         str(p.get("tree", 0)), str(p.get("evictable", 0)),
-                         str(p.get("locked", 0)), str(p.get("held", 0))])
-        lines += _table(rows)
-        lines.append(f"  hits: {m.get('hit_tokens', 0)} of {m.get('match_tokens', 0)} tokens "
-                     f"({100.0 * float(m.get('hit_rate', 0)):.1f}%) in {m.get('matches', 0)} "
-                     "matches")
-        lines += _tier_lines(m.get("tiers"), int(m.get("hit_tokens", 0)),
-                             int(m.get("page_size") or 0))
-        ev = {r: v for r, v in (m.get("evictions") or {}).items()
-              if v.get("full") or v.get("swa")}
-        if ev:
-            lines.append("  evicted pages (full/swa): " + ", ".join(
-                f"{r} {v.get('full', 0)}/{v.get('swa', 0)}" for r, v in ev.items()))
-        else:
-            lines.append("  evicted pages: none")
-    lines.append("")
-    lines.append(_l3_line(stats.get("l3")))
-    tenants = stats.get("tenants") or []
-    if tenants:
-        lines.append("")
-        lines.append("tenants:")
-        rows = [["name", "namespace", "sessions", "hit rate", "hit/match tokens",
-                 "quota refusals"]]
-        for t in tenants:
-            rows.append([str(t.get("name")), str(t.get("namespace")), str(t.get("sessions", 0)),
-                         f"{100.0 * float(t.get('hit_rate', 0)):.1f}%",
-                         f"{t.get('hit_tokens', 0)}/{t.get('match_tokens', 0)}",
-                         str(t.get("quota_refusals", 0))])
-        lines += _table(rows, left=2)
-    return "\n".join(lines)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``radixd`` console script; returns the process exit status."""
     parser = build_parser()
@@ -689,7 +584,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     if handler is None:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
-    return int(handler(args))
+    try:
+        code = int(handler(args))
+        sys.stdout.flush()  # a reader that left shows here, not in the interpreter's exit
+    except BrokenPipeError:
+        # the reader had what it wanted; the interpreter's own flush at exit must not fail too
+        with contextlib.suppress(OSError, ValueError):  # (ValueError: not a real file)
+            stdout = sys.stdout.fileno()
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, stdout)
+            os.close(devnull)
+        return EXIT_BROKEN_PIPE
+    except KeyboardInterrupt:  # once serving, the daemon handles SIGINT itself (a clean stop)
+        print("radixd: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    return code
 
 
 if __name__ == "__main__":

@@ -17,13 +17,18 @@ from pathlib import Path
 LISTEN_BACKLOG = 1024
 
 
-class SocketPathError(OSError):
-    """The socket's path cannot be used (its directory cannot be made, a file that is not a
-    socket is in the way, the name is too long, permission): the configuration is at fault, not
-    the run, so ``radixd serve`` exits 2 with this message, which names the path; ``key`` is
-    the configuration key that set the path (who binds an admin socket says so)."""
+class ConfiguredAddressError(OSError):
+    """A configured address cannot be bound, and binding again would fail the same way: the
+    configuration is at fault, not the run, so ``radixd serve`` exits 2 (which the systemd unit
+    does not restart) with this message; ``key`` is the configuration key to change."""
 
     key = "server.socket"
+
+
+class SocketPathError(ConfiguredAddressError):
+    """The socket's path cannot be used (its directory cannot be made, a file that is not a
+    socket is in the way, the name is too long, permission); the message names the path, and
+    ``key`` the configuration key that set it (who binds an admin socket says so)."""
 
 
 def _path_error(exc: OSError, path: str, what: str) -> SocketPathError:
@@ -57,6 +62,21 @@ def check_socket_path(path: str) -> None:
             return
 
 
+def refuse_served_socket(path: str) -> None:
+    """OSError (EADDRINUSE) when a process accepts connections on the socket at ``path``:
+    another daemon serves there, and taking its socket over would cut its engines off. The
+    bind asks, and so does ``radixd config check``, which must not call a start ok that
+    would fail this way."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except OSError:
+        return  # nothing there, or a stale socket from a daemon that died
+    finally:
+        probe.close()
+    raise OSError(errno.EADDRINUSE, f"another radixd is serving on {path}")
+
+
 def bind_unix_socket(path: str, mode: int) -> socket.socket:
     """A listening, non-blocking Unix stream socket at ``path``, created with ``mode``.
 
@@ -71,15 +91,8 @@ def bind_unix_socket(path: str, mode: int) -> socket.socket:
         except OSError as exc:
             raise _path_error(exc, path, f"cannot create its directory {p.parent}") from None
     if p.exists() or p.is_symlink():  # a socket (check_socket_path refused anything else)
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.connect(path)
-        except OSError:
-            p.unlink()  # a stale socket from a daemon that died
-        else:
-            raise OSError(errno.EADDRINUSE, f"another radixd is serving on {path}")
-        finally:
-            probe.close()
+        refuse_served_socket(path)
+        p.unlink()  # a stale socket from a daemon that died
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     old = os.umask(0o777 & ~mode)  # no window in which the socket has looser permissions
     try:

@@ -10,7 +10,8 @@ root, ``$XDG_RUNTIME_DIR/radixd/radixd.sock`` otherwise, ``/tmp/radixd-UID/...``
 ``XDG_RUNTIME_DIR``); ``--token`` (or ``$RADIXD_TOKEN``) is needed only when the daemon has
 tenants with tokens. The engine side is :class:`radixd_client.lifecycle.RequestLifecycle`; the
 "model" is a stand-in whose forward pass writes each token's id as its K (and minus it as its V),
-so that a page read later shows which tokens' KV it holds. ``examples/hf_engine`` is the same
+so that a page read later shows which tokens' KV it holds (as far as the pool's dtype holds the
+id exactly: see :func:`kv_value`). ``examples/hf_engine`` is the same
 loop around a real transformer.
 """
 
@@ -28,7 +29,7 @@ from radixd_client.errors import RadixdError
 from radixd_client.lifecycle import NotWritable, RequestLifecycle
 from radixd_client.pools import AttachedPools
 
-VOCAB = 2000  # token ids stay exact in float16 pools
+VOCAB = 2000  # token ids stay exact in float16 and float32 pools (see kv_value)
 
 
 def default_socket() -> str:
@@ -44,15 +45,24 @@ def default_socket() -> str:
     return str(base / "radixd" / "radixd.sock")
 
 
+def kv_value(token: int, dtype: torch.dtype) -> float:
+    """What the stand-in model writes for ``token`` into a pool of ``dtype``: the token id where
+    the dtype holds it exactly, else the id folded into the integers it does hold (bfloat16: up
+    to 256, float8: 8 or 16), never 0 (an unwritten slot), so the value read back is the value
+    written in every KV dtype radixd accepts (2 / eps: the first integer the dtype rounds)."""
+    exact = int(2 / torch.finfo(dtype).eps)
+    return float(1 + (token - 1) % (exact - 1))
+
+
 def forward(pools: AttachedPools, lc: RequestLifecycle, start: int, end: int) -> None:
     """The stand-in forward pass: KV for positions ``[start, end)`` into the request's own pages
-    (every layer: K = token id, V = -token id). ``check_writable`` first: a page from a match is
-    shared with other requests and must never be written."""
+    (every layer: K = :func:`kv_value` of the token id, V = minus it). ``check_writable`` first:
+    a page from a match is shared with other requests and must never be written."""
     lc.check_writable(start, end)
     P = lc.page_size
     for pos in range(start, end):
         j, slot = divmod(pos, P)
-        token = float(lc.tokens[pos])
+        token = kv_value(lc.tokens[pos], pools.full.dtype)
         for pool, table in ((pools.full, lc.full_table), (pools.swa, lc.swa_table)):
             if pool is not None:
                 pool[:, 0, table[j], slot] = token
@@ -149,9 +159,10 @@ def main(argv: list[str] | None = None) -> int:
             same = first[:n] == second[:n]
             print(f"request 2 reused request 1's first {n} pages: {same}")
             page = second[n - 1]
-            held = [int(x) for x in pools.full[0, 0, page, :, 0, 0].tolist()]
-            written = held == shared[(n - 1) * P:n * P]
-            print(f"full page {page} holds the KV request 1 wrote for tokens {held}: {written}")
+            held = [int(x) for x in pools.full[0, 0, page, :, 0, 0].float().tolist()]
+            tokens = shared[(n - 1) * P:n * P]
+            written = held == [kv_value(t, pools.full.dtype) for t in tokens]
+            print(f"full page {page} holds the KV request 1 wrote for tokens {tokens}: {written}")
             pools.close()
             return 0 if same and written else 1
     except (RadixdError, OSError) as exc:

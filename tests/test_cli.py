@@ -7,6 +7,7 @@ import re
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -480,3 +481,140 @@ def test_stale_token_is_told_apart_from_a_bad_one(live, capsys) -> None:
     assert "is stale" not in err, err
     assert g.stop() == 0
     assert g.token_file.read_text() == "0" * 64 + "\n", "not what the daemon wrote: it stays"
+
+
+# ------------------------------------------------------------------ rough edges a first user hit
+
+def test_a_closed_stdout_ends_the_command_quietly(live, tmp_path: Path) -> None:
+    """``radixd status | head -1``: a reader that leaves early printed a BrokenPipeError
+    traceback and exited 1, as if radixd had failed."""
+    d = live()
+    for args in (["config", "example"], ["config", "example", "--cpu"],
+                 ["config", "show", "--config", str(d.config_path)],
+                 ["status", "--config", str(d.config_path)]):
+        proc = subprocess.Popen([sys.executable, "-m", "daemon.cli", *args], cwd=REPO_ROOT,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert proc.stdout is not None and proc.stderr is not None
+        proc.stdout.close()  # before radixd writes: its first write finds no reader
+        err = proc.stderr.read()
+        assert proc.wait(60) == cli.EXIT_BROKEN_PIPE == 141, (args, err)
+        assert err == "", (args, err)
+
+
+# a real SIGINT, sent the moment the command first imports torch (as a Ctrl-C ~1.5 s into
+# `radixd serve`, while torch loads), then the command line as the console script runs it
+_INTERRUPT_AT_TORCH = """
+import os, signal, sys
+
+class InterruptAtTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+
+sys.meta_path.insert(0, InterruptAtTorch())
+from daemon.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_ctrl_c_during_serve_start_up_is_one_line(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'[server]\nsocket = "{tmp_path}/radixd.sock"\n[admin]\nport = 0\n')
+    run = subprocess.run([sys.executable, "-c", _INTERRUPT_AT_TORCH, "serve", "--config",
+                          str(cfg)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == cli.EXIT_INTERRUPTED == 130, run.stderr
+    assert run.stderr == "radixd: interrupted\n" and run.stdout == ""
+    assert not (tmp_path / "radixd.sock").exists()
+
+
+def _serve_config(tmp_path: Path, config: dict) -> Path:
+    from tests.harness import daemon_conftest
+
+    dc = daemon_conftest()
+    path = tmp_path / "serve.toml"
+    dc.write_config(path, {"server": {"socket": str(tmp_path / "serve.sock")},
+                           "models": [dc.SMALL_MODEL], **config})
+    return path
+
+
+def test_a_configured_admin_port_in_use_exits_2_naming_the_fix(tmp_path: Path) -> None:
+    """Exit 2 (a configuration to change; the systemd unit does not restart it), and the
+    message names the key and the fix, as the default port's log line does."""
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen(1)
+    try:
+        port = busy.getsockname()[1]
+        cfg = _serve_config(tmp_path, {"admin": {"port": port}})
+        run = subprocess.run([sys.executable, "-m", "daemon.cli", "serve", "--config", str(cfg)],
+                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    finally:
+        busy.close()
+    assert run.returncode == cli.EXIT_USAGE, run.stderr
+    assert (f"radixd: admin.port: admin endpoint 127.0.0.1:{port}: Address already in use; "
+            "set admin.port (0 picks a free port) or admin.unix_socket\n") in run.stderr
+    assert "Traceback" not in run.stderr
+
+
+def test_the_default_admin_port_taken_logs_no_token_file(tmp_path: Path) -> None:
+    """The daemon logged that it wrote admin.token, then removed it when the port was taken:
+    ``radixd status`` could not read the file the log named."""
+    from tests.harness import daemon_conftest
+
+    holder = socket.socket()
+    try:
+        holder.bind(("127.0.0.1", 8471))  # the default port (already taken is as good)
+        holder.listen(1)
+    except OSError:
+        pass
+    try:
+        d = daemon_conftest().Daemon(tmp_path, {"admin": {"host": "127.0.0.1"}})
+        try:
+            deadline = time.monotonic() + 30
+            while "admin endpoint not started" not in d.log():
+                assert time.monotonic() < deadline and d.proc.poll() is None, d.log()
+                time.sleep(0.05)
+            assert "cannot bind 127.0.0.1:8471" in d.log()
+            assert "admin token generated" not in d.log()
+            assert not (Path(d.socket).parent / "admin.token").exists()
+            d.check()
+        finally:
+            assert d.stop() == 0, d.log()
+    finally:
+        holder.close()
+
+
+def test_config_check_finds_a_daemon_on_the_socket_or_the_state_dir(live, tmp_path: Path,
+                                                                   capsys) -> None:
+    """It said "ok ... the daemon would start" where serve then failed: the same message and
+    exit code as serve's."""
+    state = tmp_path / "state"
+    d = live({"server": {"state_dir": str(state)}})
+    capsys.readouterr()
+    assert cli.main(["config", "check", "--config", str(d.config_path)]) == cli.EXIT_FAILURE
+    err = capsys.readouterr().err
+    assert err == f"radixd: cannot serve: another radixd is serving on {d.socket}\n"
+    other = _serve_config(tmp_path, {"server": {"socket": str(tmp_path / "other.sock"),
+                                                "state_dir": str(state)}})
+    assert cli.main(["config", "check", "--config", str(other)]) == cli.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert f"server.state_dir: '{state}' is in use by another radixd (pid {d.proc.pid})" in err
+
+
+def test_l3_without_a_host_tier_is_warned_of(live, tmp_path: Path, capsys) -> None:
+    """``[l3] url`` with host_pages = 0 everywhere turned L3 off without a word."""
+    l3 = {"url": "redis://127.0.0.1:6379/0"}
+    bare = {**_ops_conftest().SMALL_MODEL, "host_pages": 0}
+    cfg = _serve_config(tmp_path, {"l3": l3, "models": [bare]})
+    assert cli.main(["config", "check", "--config", str(cfg)]) == cli.EXIT_OK
+    out, err = capsys.readouterr()
+    assert out.startswith("ok: configuration valid")
+    assert err.startswith("radixd: warning: l3.url is set but L3 is off: no model has a host "
+                          "tier (host_pages = 0 everywhere), and L3 sits below the host tier")
+    assert "give a model host_pages > 0" in err
+    cfg = _serve_config(tmp_path, {"l3": l3})  # a host tier (the default): L3 used, no warning
+    assert cli.main(["config", "check", "--config", str(cfg)]) == cli.EXIT_OK
+    assert capsys.readouterr().err == ""
+    d = live({"l3": l3, "models": [bare]})
+    assert "WARNING radixd.app: l3.url is set but L3 is off: no model has a host tier" in d.log()
