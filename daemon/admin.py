@@ -79,20 +79,39 @@ _PUBLIC = {(m, r.path) for r in ROUTES if r.public for m in (r.method, "HEAD")}
 #: how long a connection may stay open without a request (aiohttp's own default is an hour: the
 #: endpoint is open to every local user, whose idle connections would use up the daemon's fds)
 IDLE_TIMEOUT_S = 10.0
+#: the longest a refused connection stays open, reading what its client still sends
+REFUSED_LINGER_S = 1.0
 #: the answer to a connection past admin.max_connections, before it is closed
 _TOO_MANY = json.dumps({"error": {"code": "too_many_connections", "message": (
     "the admin endpoint has admin.max_connections open; close idle ones")}}).encode()
 
 
 class _Refused(asyncio.Protocol):
-    """A connection past the limit: one 503 and a close, without reading its request."""
+    """A connection past the limit: one 503, then a close once the client has sent what it had
+    (its request is read and dropped) or after REFUSED_LINGER_S: closed with a request body
+    still unread, the kernel would reset the connection, and the client never see the 503."""
+
+    def __init__(self) -> None:
+        self._close: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        transport = cast(asyncio.Transport, transport)
-        transport.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json"
-                        b"\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s"
-                        % (len(_TOO_MANY), _TOO_MANY))
-        transport.close()
+        tr = cast(asyncio.Transport, transport)
+        tr.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json"
+                 b"\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s"
+                 % (len(_TOO_MANY), _TOO_MANY))
+        if tr.can_write_eof():
+            tr.write_eof()
+        self._close = asyncio.get_running_loop().call_later(REFUSED_LINGER_S, tr.close)
+
+    def data_received(self, data: bytes) -> None:
+        pass  # the request a 503 answered
+
+    def eof_received(self) -> bool:
+        return False  # the client is done: close
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._close is not None:
+            self._close.cancel()
 
 
 class _Capped:
@@ -189,6 +208,7 @@ async def start_admin(config: Config, service: Service, state: ServerState, chec
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0,
                            keepalive_timeout=IDLE_TIMEOUT_S)
     listener: asyncio.Server | None = None
+    sock = None
     try:
         await runner.setup()
         if cfg.unix_socket is not None:
@@ -200,11 +220,18 @@ async def start_admin(config: Config, service: Service, state: ServerState, chec
             host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
             url, unix_path = f"http://{host}:{port}", None
         assert runner.server is not None  # (set up above)
+        # not serving until it is ours: a start cancelled meanwhile leaves nothing accepting
         listener = await asyncio.get_running_loop().create_server(
-            _Capped(runner.server, cfg.max_connections), sock=sock)
+            _Capped(runner.server, cfg.max_connections), sock=sock, start_serving=False)
+        await listener.start_serving()
     except BaseException:
         if listener is not None:
             listener.close()
+        elif sock is not None:
+            sock.close()
+        if sock is not None and cfg.unix_socket is not None:  # bound by this start
+            with contextlib.suppress(OSError):
+                os.unlink(cfg.unix_socket)
         await runner.cleanup()
         if token_file is not None:
             remove_if_unchanged(token_file, token_text)

@@ -46,6 +46,10 @@ def check_socket_path(path: str) -> None:
     (``radixd config check`` asks too, binding nothing; a live socket there is the bind's
     business)."""
     p = Path(path)
+    if not p.is_absolute():
+        raise SocketPathError(errno.EINVAL, f"{path}: not an absolute path (engines and radixd "
+                                            "status would look for it from their own working "
+                                            "directories): give the whole path")
     if len(os.fsencode(path)) > MAX_SOCKET_PATH:
         raise SocketPathError(errno.ENAMETOOLONG,
                               f"{path}: {len(os.fsencode(path))} bytes, longer than the "
@@ -54,12 +58,32 @@ def check_socket_path(path: str) -> None:
     if (p.exists() or p.is_symlink()) and not stat.S_ISSOCK(p.lstat().st_mode):
         raise SocketPathError(errno.EEXIST, f"{path}: exists and is not a socket; refusing to "
                                             "replace it (choose another socket path)")
-    for parent in (p.parent, *p.parent.parents):  # the nearest existing ancestor: a directory?
-        if parent.exists():
-            if not parent.is_dir():
-                raise SocketPathError(errno.ENOTDIR, f"{path}: {parent} is a file, not a "
-                                                     "directory (choose another socket path)")
-            return
+    found = False
+    for parent in (p.parent, *p.parent.parents):
+        if not parent.exists():
+            continue
+        if not found and not parent.is_dir():  # the nearest existing ancestor: a directory?
+            raise SocketPathError(errno.ENOTDIR, f"{path}: {parent} is a file, not a "
+                                                 "directory (choose another socket path)")
+        found = True
+        _check_trusted(path, parent)
+
+
+def _check_trusted(path: str, directory: Path) -> None:
+    """SocketPathError when someone else could replace the socket, or a directory on its way,
+    with their own, and so read the tenant tokens engines send in hello: ``directory`` belongs
+    to another user than this one or root (the ``/tmp/radixd-$UID`` fallback is a name anyone
+    can create first), or anyone may rename its entries (world-writable without the sticky
+    bit, which /tmp has)."""
+    st = directory.stat()
+    if st.st_uid not in (0, os.geteuid()):
+        raise SocketPathError(errno.EPERM, f"{path}: {directory} belongs to uid {st.st_uid}, "
+                                           "who could replace the socket: choose a directory of "
+                                           "this user's or root's")
+    if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
+        raise SocketPathError(errno.EPERM, f"{path}: anyone may replace what {directory} holds "
+                                           "(world-writable, no sticky bit): choose another "
+                                           "directory, or chmod o-w it")
 
 
 def refuse_served_socket(path: str) -> None:

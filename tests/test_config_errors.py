@@ -192,6 +192,34 @@ def test_socket_under_a_regular_file_names_the_path(tmp_path: Path) -> None:
     assert str(not_a_socket) in line and "not a socket" in line, line
 
 
+def test_a_socket_others_could_replace_is_refused(tmp_path: Path) -> None:
+    """A world-writable directory without the sticky bit on the socket's way (the
+    /tmp/radixd-$UID fallback, made first by someone else), one of another user's, and a
+    relative path: each is refused by serve and config check, naming the path. Whoever could
+    put their own socket there would read the tenant tokens engines send."""
+    open_dir = tmp_path / "open"
+    (open_dir / "radixd").mkdir(parents=True)
+    open_dir.chmod(0o777)
+    cases = [(str(open_dir / "radixd" / "radixd.sock"), "world-writable, no sticky bit")]
+    if os.geteuid() == 0:  # (only root can give a directory away)
+        theirs = tmp_path / "theirs"
+        theirs.mkdir()
+        os.chown(theirs, 65534, 65534)
+        cases.append((str(theirs / "radixd.sock"), f"{theirs} belongs to uid 65534"))
+    cases.append(("rel/radixd.sock", "not an absolute path"))
+    for sock, why in cases:
+        cfg = _config(tmp_path, CPU_MODEL, socket=sock)
+        for args in (("serve",), ("config", "check")):
+            line = _one_line_error(_radixd(*args, "--config", str(cfg)))
+            assert line.startswith(f"radixd: server.socket: {sock}: ") and why in line, line
+    sticky = tmp_path / "sticky"  # as /tmp: others cannot rename what is not theirs
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    out = _radixd("config", "check", "--config",
+                  str(_config(tmp_path, CPU_MODEL, socket=str(sticky / "radixd.sock"))))
+    assert out.returncode == 0, out.stderr
+
+
 def test_sliding_window_0_describes_a_model_without_swa() -> None:
     cfg = load_config(None, env={}, overrides={"models": [{"name": "llama", "sliding_window": 0}]})
     model = cfg.models[0]
