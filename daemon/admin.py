@@ -89,18 +89,26 @@ _TOO_MANY = json.dumps({"error": {"code": "too_many_connections", "message": (
 class _Refused(asyncio.Protocol):
     """A connection past the limit: one 503, then a close once the client has sent what it had
     (its request is read and dropped) or after REFUSED_LINGER_S: closed with a request body
-    still unread, the kernel would reset the connection, and the client never see the 503."""
+    still unread, the kernel would reset the connection, and the client never see the 503.
+    ``lingering`` counts those still open: past the limit again, one is closed at once (a flood
+    of them must not hold the descriptors the limit keeps for the engines)."""
 
-    def __init__(self) -> None:
+    def __init__(self, lingering: set[_Refused], limit: int) -> None:
         self._close: asyncio.TimerHandle | None = None
+        self._lingering = lingering
+        self._linger = len(lingering) < limit
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         tr = cast(asyncio.Transport, transport)
         tr.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json"
                  b"\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s"
                  % (len(_TOO_MANY), _TOO_MANY))
+        if not self._linger:
+            tr.close()
+            return
         if tr.can_write_eof():
             tr.write_eof()
+        self._lingering.add(self)
         self._close = asyncio.get_running_loop().call_later(REFUSED_LINGER_S, tr.close)
 
     def data_received(self, data: bytes) -> None:
@@ -110,6 +118,7 @@ class _Refused(asyncio.Protocol):
         return False  # the client is done: close
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._lingering.discard(self)
         if self._close is not None:
             self._close.cancel()
 
@@ -122,6 +131,7 @@ class _Capped:
         self.server, self.limit = server, limit
         self.refused = 0
         self._warned = -math.inf
+        self._lingering: set[_Refused] = set()
 
     def __call__(self) -> asyncio.Protocol:
         if len(self.server.connections) < self.limit:
@@ -132,7 +142,7 @@ class _Capped:
             self._warned = now
             log.warning("admin endpoint: %d connections open (admin.max_connections); refused "
                         "%d so far", len(self.server.connections), self.refused)
-        return _Refused()
+        return _Refused(self._lingering, self.limit)
 
 
 class AdminHandle:

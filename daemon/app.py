@@ -25,12 +25,7 @@ from .model_cache import ModelCache
 from .sdnotify import Notifier, fdstore_enabled, fdstore_max, passed_fds
 from .server import Server, tune_gc
 from .service import Service
-from .sockets import (
-    ConfiguredAddressError,
-    SocketPathError,
-    check_socket_path,
-    refuse_served_socket,
-)
+from .sockets import ConfiguredAddressError, SocketPathError, check_socket_path
 
 log = logging.getLogger("radixd.app")
 
@@ -50,23 +45,20 @@ def preflight(config: Config) -> str:
     """Every check ``radixd serve`` makes before it allocates or binds anything: each model's
     device exists, and its pools fit in the memory that is free (device pools on the GPU or in
     host memory, host tiers in host memory, all models together), and the socket paths can hold
-    a socket, and no other daemon serves on the socket or holds the state directory. Raises
-    ConfigError (or SocketPathError) with one line naming the model and the key to change, or
-    OSError when another daemon serves on the socket (a runtime failure, exit 1, as at the
-    bind); returns a one-line summary of what start would allocate. ``radixd config check``
-    runs it so that an operator learns this before a restart, and ``run`` runs it first so that
-    start fails the same way (no traceback)."""
+    a socket. Raises ConfigError (or SocketPathError) with one line naming the model and the
+    key to change; returns a one-line summary of what start would allocate. ``radixd config
+    check`` runs it so that an operator learns this before a restart, while the daemon runs
+    (so a daemon serving on the socket or holding the state directory is no error here: the
+    bind and the state directory's lock see to that, and a probe would start a socket-activated
+    one), and ``run`` runs it first so that start fails the same way (no traceback)."""
     from .gpu.profile import ProfileError
     from .gpu.shared_memory import available_host_bytes
 
     check_socket_path(config.server.socket)
-    if not passed_fds()[0]:  # (a socket systemd passed is systemd's, listening for this daemon)
-        refuse_served_socket(config.server.socket)
     if config.server.state_dir:
-        from .storage.host_snapshot import check_state_dir, state_dir_in_use
+        from .storage.host_snapshot import check_state_dir
 
-        problem = (check_state_dir(config.server.state_dir)
-                   or state_dir_in_use(config.server.state_dir))
+        problem = check_state_dir(config.server.state_dir)
         if problem:
             raise ConfigError(f"server.state_dir: {problem}")
     if config.admin.enabled and config.admin.unix_socket:

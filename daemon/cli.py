@@ -105,12 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
         "check", help="validate the configuration and every start-up check without starting",
         description="Load the configuration and run every check radixd serve makes before it "
                     "binds anything: each key's value, each model's device, whether the "
-                    "pools and host tiers fit in the memory that is free, and whether another "
-                    "radixd serves on the socket or holds the state_dir. Binds nothing.",
+                    "pools and host tiers fit in the memory that is free. Binds and touches "
+                    "nothing, so it may run while the daemon serves (a daemon already serving "
+                    "on the socket or holding the state_dir is serve's to refuse).",
         epilog="exit codes: 0 the daemon would start (a one-line summary is printed, and a "
-               "warning for a setting it would ignore); 1 another radixd is serving on the "
-               "socket; 2 the configuration is invalid, does not fit this machine or its "
-               "state_dir is another daemon's (the error names the key)")
+               "warning for a setting it would ignore); 2 the configuration is invalid or "
+               "does not fit this machine (the error names the key)")
     _config_args(check_cfg)
     check_cfg.set_defaults(handler=_config_check)
     example = csub.add_parser(

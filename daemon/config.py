@@ -464,6 +464,9 @@ def redacted(config: Config) -> dict[str, Any]:
 
 
 ENV_PREFIX = "RADIXD_"
+#: RADIXD_* variables of the project's other programs that look like the daemon's own: the
+#: client examples' tenant token (examples/*.py), not RADIXD_ADMIN_TOKEN
+_OTHER_PROGRAMS = frozenset({"TOKEN"})
 _ENV_SECTIONS = {"SERVER": "server", "ADMIN": "admin", "CHECKER": "checker", "L3": "l3"}
 
 
@@ -488,10 +491,14 @@ def _env_overrides(env: dict[str, str]) -> tuple[dict[str, Any], dict[tuple[str,
             continue
         section, _, name = rest.partition("_")
         if section not in _ENV_SECTIONS or not name:
-            # another program's (a client's RADIXD_TOKEN, the test scripts'), unless it is so
-            # close to one of the daemon's that it must be a typo of it
-            hint = _suggest(rest, _env_names(), ENV_PREFIX)
-            if hint:
+            # another program's (a client's RADIXD_TOKEN, the test scripts'), unless it names a
+            # section, is close to one of the daemon's, or names one of their keys without it
+            # (RADIXD_SOCKET): a mistake for one of the daemon's
+            homes = [f"{ENV_PREFIX}{upper}_{rest}" for upper in _ENV_SECTIONS
+                     if f"{upper}_{rest}" in _env_names()]
+            hint = (_suggest(rest, _env_names(), ENV_PREFIX)
+                    or (f"; did you mean {' or '.join(homes)}?" if homes else ""))
+            if (hint or section in _ENV_SECTIONS) and rest not in _OTHER_PROGRAMS:
                 raise ConfigError(f"{key}: unknown setting (sections: "
                                   f"{', '.join(ENV_PREFIX + s + '_<KEY>' for s in _ENV_SECTIONS)})"
                                   + hint)

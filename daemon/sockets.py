@@ -58,32 +58,34 @@ def check_socket_path(path: str) -> None:
     if (p.exists() or p.is_symlink()) and not stat.S_ISSOCK(p.lstat().st_mode):
         raise SocketPathError(errno.EEXIST, f"{path}: exists and is not a socket; refusing to "
                                             "replace it (choose another socket path)")
-    found = False
-    for parent in (p.parent, *p.parent.parents):
-        if not parent.exists():
-            continue
-        if not found and not parent.is_dir():  # the nearest existing ancestor: a directory?
-            raise SocketPathError(errno.ENOTDIR, f"{path}: {parent} is a file, not a "
-                                                 "directory (choose another socket path)")
-        found = True
-        _check_trusted(path, parent)
+    for parent in (p.parent, *p.parent.parents):  # the nearest existing ancestor: a directory?
+        if parent.exists():
+            if not parent.is_dir():
+                raise SocketPathError(errno.ENOTDIR, f"{path}: {parent} is a file, not a "
+                                                     "directory (choose another socket path)")
+            return
 
 
-def _check_trusted(path: str, directory: Path) -> None:
-    """SocketPathError when someone else could replace the socket, or a directory on its way,
-    with their own, and so read the tenant tokens engines send in hello: ``directory`` belongs
-    to another user than this one or root (the ``/tmp/radixd-$UID`` fallback is a name anyone
-    can create first), or anyone may rename its entries (world-writable without the sticky
-    bit, which /tmp has)."""
-    st = directory.stat()
-    if st.st_uid not in (0, os.geteuid()):
-        raise SocketPathError(errno.EPERM, f"{path}: {directory} belongs to uid {st.st_uid}, "
-                                           "who could replace the socket: choose a directory of "
-                                           "this user's or root's")
-    if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
-        raise SocketPathError(errno.EPERM, f"{path}: anyone may replace what {directory} holds "
-                                           "(world-writable, no sticky bit): choose another "
-                                           "directory, or chmod o-w it")
+def check_socket_owner(path: str) -> None:
+    """SocketPathError when someone else could have made a directory on the socket's way, and
+    so could replace the socket with their own and read the tenant tokens engines send in
+    hello: below a directory where anyone may create names (world-writable and sticky, as /tmp,
+    where the ``/tmp/radixd-$UID`` fallback lives), every existing directory must be this
+    user's or root's. Asked at the bind, by the daemon's own user (``radixd config check`` may
+    run as another)."""
+    below = [d for d in (Path(path).parent, *Path(path).parent.parents) if d.exists()]
+    for i, d in enumerate(below):
+        st = d.stat()
+        if st.st_mode & stat.S_IWOTH and st.st_mode & stat.S_ISVTX:  # /tmp: names are anyone's
+            for mine in below[:i]:
+                owner = mine.stat().st_uid
+                if owner not in (0, os.geteuid()):
+                    raise SocketPathError(
+                        errno.EPERM, f"{path}: {mine} belongs to uid {owner}, not to this user "
+                                     f"({os.geteuid()}): anyone may make names in {d}, and the "
+                                     "owner could replace the socket; remove it, or choose a "
+                                     "socket path in a directory of this user's")
+            return
 
 
 def refuse_served_socket(path: str) -> None:
@@ -109,6 +111,7 @@ def bind_unix_socket(path: str, mode: int) -> socket.socket:
     is a SocketPathError naming the path and what is wrong with it."""
     p = Path(path)
     check_socket_path(path)
+    check_socket_owner(path)
     if not p.parent.exists():
         try:
             p.parent.mkdir(parents=True, mode=0o750)

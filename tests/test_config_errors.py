@@ -168,6 +168,10 @@ def test_other_programs_radixd_variables_are_left_to_them(tmp_path: Path) -> Non
     assert out.returncode == 0 and out.stdout.startswith("ok"), out.stderr
     with pytest.raises(ConfigError, match="did you mean RADIXD_LOG_LEVEL"):
         load_config(None, env={"RADIXD_LOG_LEVLE": "debug"})
+    with pytest.raises(ConfigError, match="did you mean RADIXD_SERVER_SOCKET"):
+        load_config(None, env={"RADIXD_SOCKET": "/x.sock"})  # a key without its section
+    with pytest.raises(ConfigError, match="RADIXD_SERVER: unknown setting"):
+        load_config(None, env={"RADIXD_SERVER": "x"})  # a section without a key
 
 
 def test_socket_under_a_regular_file_names_the_path(tmp_path: Path) -> None:
@@ -193,31 +197,29 @@ def test_socket_under_a_regular_file_names_the_path(tmp_path: Path) -> None:
 
 
 def test_a_socket_others_could_replace_is_refused(tmp_path: Path) -> None:
-    """A world-writable directory without the sticky bit on the socket's way (the
-    /tmp/radixd-$UID fallback, made first by someone else), one of another user's, and a
-    relative path: each is refused by serve and config check, naming the path. Whoever could
-    put their own socket there would read the tenant tokens engines send."""
-    open_dir = tmp_path / "open"
-    (open_dir / "radixd").mkdir(parents=True)
-    open_dir.chmod(0o777)
-    cases = [(str(open_dir / "radixd" / "radixd.sock"), "world-writable, no sticky bit")]
+    """A socket path in /tmp below a directory another user made (the /tmp/radixd-$UID
+    fallback, made first by someone else): whoever could put their own socket there would read
+    the tenant tokens engines send. Serve refuses it, naming the path; config check, which may
+    run as another user than the daemon's, leaves it to serve. A relative path is refused by
+    both."""
+    cases = [("rel/radixd.sock", "not an absolute path", ("serve", "check"))]
     if os.geteuid() == 0:  # (only root can give a directory away)
-        theirs = tmp_path / "theirs"
-        theirs.mkdir()
+        theirs = tmp_path / "radixd-1001"  # tmp_path is below /tmp, sticky and world-writable
+        (theirs / "radixd").mkdir(parents=True)
         os.chown(theirs, 65534, 65534)
-        cases.append((str(theirs / "radixd.sock"), f"{theirs} belongs to uid 65534"))
-    cases.append(("rel/radixd.sock", "not an absolute path"))
-    for sock, why in cases:
+        cases.append((str(theirs / "radixd" / "radixd.sock"),
+                      f"{theirs} belongs to uid 65534, not to this user", ("serve",)))
+    for sock, why, refusing in cases:
         cfg = _config(tmp_path, CPU_MODEL, socket=sock)
-        for args in (("serve",), ("config", "check")):
+        for command in refusing:
+            args = ("serve",) if command == "serve" else ("config", "check")
             line = _one_line_error(_radixd(*args, "--config", str(cfg)))
             assert line.startswith(f"radixd: server.socket: {sock}: ") and why in line, line
-    sticky = tmp_path / "sticky"  # as /tmp: others cannot rename what is not theirs
-    sticky.mkdir()
-    sticky.chmod(0o1777)
-    out = _radixd("config", "check", "--config",
-                  str(_config(tmp_path, CPU_MODEL, socket=str(sticky / "radixd.sock"))))
-    assert out.returncode == 0, out.stderr
+        if "check" not in refusing:
+            assert _radixd("config", "check", "--config", str(cfg)).returncode == 0
+    ours = tmp_path / "ours" / "radixd"  # this user's, below /tmp: served
+    d = _config(tmp_path, CPU_MODEL, socket=str(ours / "radixd.sock"))
+    assert _radixd("config", "check", "--config", str(d)).returncode == 0
 
 
 def test_sliding_window_0_describes_a_model_without_swa() -> None:

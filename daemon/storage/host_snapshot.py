@@ -194,35 +194,11 @@ def lock_state_dir(path: str) -> str:
     second is refused at start instead."""
     if path in _held:
         return ""
-    fd, problem = _flock(path)
-    if fd is None:
-        return problem
-    with contextlib.suppress(OSError):  # the pid only names the holder in the message above
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    _held[path] = fd
-    return ""
-
-
-def state_dir_in_use(path: str) -> str:
-    """The error text :func:`lock_state_dir` would return now (empty: it would hold ``path``),
-    without holding it: ``radixd config check`` must not refuse a daemon that starts while it
-    runs."""
-    if path in _held:
-        return ""
-    fd, problem = _flock(path)
-    if fd is not None:
-        os.close(fd)
-    return problem
-
-
-def _flock(path: str) -> tuple[int | None, str]:
-    """The lock file of ``path``, opened and locked (the fd), or None and why not."""
     lock = os.path.join(path, LOCK_FILE)
     try:
         fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     except OSError as exc:
-        return None, f"cannot open {lock!r}: {exc.strerror}"
+        return f"cannot open {lock!r}: {exc.strerror}"
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:
@@ -231,10 +207,14 @@ def _flock(path: str) -> tuple[int | None, str]:
             holder = os.read(fd, 32).decode(errors="replace").strip()
         os.close(fd)
         if isinstance(exc, BlockingIOError):
-            return None, (f"{path!r} is in use by another radixd (pid {holder or 'unknown'}); "
-                          "give each daemon a state_dir of its own")
-        return None, f"cannot lock {lock!r}: {exc.strerror}"
-    return fd, ""
+            return (f"{path!r} is in use by another radixd (pid {holder or 'unknown'}); give "
+                    "each daemon a state_dir of its own")
+        return f"cannot lock {lock!r}: {exc.strerror}"
+    with contextlib.suppress(OSError):  # the pid only names the holder in the message above
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    _held[path] = fd
+    return ""
 
 
 def write_pool(state_dir: str | None, name: str, pages: Iterator[tuple[int, memoryview]],

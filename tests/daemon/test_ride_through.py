@@ -304,8 +304,9 @@ def test_closing_the_client_wakes_another_threads_call_waiting_for_its_answer(
     """A thread's load never gets its answer (planted: the load hangs in the daemon); another
     thread closes the shared client. The waiting call raises ConnectionLost saying the client
     closed it, at once, not when the read times out, and nothing reconnects."""
-    d = Daemon(tmp_path, {"l3": {"drain_timeout_s": 0.5}}, launcher=LAUNCHER,
-               env={"FAULT_LOAD": "hang"})
+    d = Daemon(tmp_path, {"l3": {"drain_timeout_s": 0.5},  # (the hang's pin: no checks)
+                          "checker": {"interval_s": 3600.0, "strict": False}},
+               launcher=LAUNCHER, env={"FAULT_LOAD": "hang"})
     try:
         c = Client(d.socket, reconnect=FAST, timeout=60)
         tokens = array("i", seq(1)).tobytes()
@@ -350,6 +351,44 @@ def test_a_forked_child_closing_its_copy_leaves_the_parents_session(make_daemon,
         assert os.waitpid(pid, 0)[1] == 0
         assert c.ping(b"still mine").payload == b"still mine"
         c.unlock("m", locked.receipt)  # the receipt is the parent session's still
+
+
+def test_a_child_forked_during_another_threads_call_closes_only_its_copy(
+        tmp_path: Path) -> None:
+    """A thread waits in a load that never ends (planted) when the process forks: the child's
+    copy of the client's lock is held for good, by a thread the child lacks. Its close must
+    still let go of its descriptor only: a shutdown would cut the parent's waiting call."""
+    d = Daemon(tmp_path, {"l3": {"drain_timeout_s": 0.5},  # (the hang's pin: no checks)
+                          "checker": {"interval_s": 3600.0, "strict": False}},
+               launcher=LAUNCHER, env={"FAULT_LOAD": "hang"})
+    try:
+        c = Client(d.socket, timeout=60)
+        tokens = array("i", seq(1)).tobytes()
+        a = c.alloc("m", 1)
+        c.insert("m", tokens, a.full_pages, a.swa_pages)
+        raised: list[BaseException] = []
+
+        def load() -> None:
+            try:
+                c.load("m", tokens)
+            except BaseException as exc:  # noqa: BLE001 - the test looks at it
+                raised.append(exc)
+
+        waiting = threading.Thread(target=load)
+        waiting.start()
+        wait_for(lambda: "a load of model m that never ends" in d.log(), "the hung load", 20)
+        pid = os.fork()
+        if pid == 0:
+            c.close()
+            os._exit(0)
+        assert os.waitpid(pid, 0)[1] == 0
+        waiting.join(1.0)
+        assert waiting.is_alive() and not raised, raised  # still waiting on its connection
+        c.close()
+        waiting.join(20)
+        assert not waiting.is_alive() and type(raised[0]) is ConnectionLost
+    finally:
+        d.stop()
 
 
 def test_closing_an_async_client_while_it_reconnects_fails_its_calls_as_connection_lost(

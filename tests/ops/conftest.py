@@ -170,6 +170,16 @@ def cache(c: Client, tokens: bytes, model: str = "m") -> None:
 
 # ---------------------------------------------------------------------------- metrics parsing
 
+def cache_on_host(c: Client, tokens: bytes, model: str = "m") -> None:
+    """Cache ``tokens`` and wait (10 s at most) until the host tier holds a copy of each page."""
+    cache(c, tokens, model)
+    pages = len(tokens) // 4 // P
+    deadline = time.monotonic() + 10
+    while c.stats(model).models[model]["tree_host_pages"] < pages and \
+            time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
 def parse_metrics(text: str) -> tuple[dict[str, str], dict[tuple[str, frozenset], float]]:
     """With prometheus_client's own parser (strict about the format), plus what it does not
     check: no duplicate series. Returns (family -> type, (name, labels) -> value)."""

@@ -25,6 +25,7 @@ from .conftest import (
     SMALL_MODEL,
     P,
     cache,
+    cache_on_host,
     http_request,
     metric,
     parse_metrics,
@@ -636,10 +637,7 @@ def test_evict_drops_host_copies_on_request(admin_daemon) -> None:
     d = admin_daemon({"admin": {"token": ADMIN_TOKEN}})
     seq = toks(4)
     with Client(d.socket) as c:
-        cache(c, seq)
-        deadline = time.monotonic() + 10
-        while c.stats("m").models["m"]["tree_host_pages"] < 4 and time.monotonic() < deadline:
-            time.sleep(0.02)
+        cache_on_host(c, seq)
         freed = d.post("/v1/evict", json_body={"full_pages": 100, "swa_pages": 100}).json()
         assert freed == {"full_pages": 4, "swa_pages": 4, "host_pages": 0}
         assert c.match("m", seq).host_hit_len == 4 * P  # demoted, still on host

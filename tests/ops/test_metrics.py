@@ -20,6 +20,7 @@ from .conftest import (
     SMALL_MODEL,
     P,
     cache,
+    cache_on_host,
     metric,
     parse_metrics,
     scrape,
@@ -186,10 +187,7 @@ def test_a_load_that_finds_no_room_on_device_is_a_failed_load_not_a_negative_ok(
                       "models": [{**SMALL_MODEL, "swa_pages": 64}]})
     seq = toks(4)
     with Client(d.socket) as c:
-        cache(c, seq)
-        deadline = time.monotonic() + 10
-        while c.stats("m").models["m"]["tree_host_pages"] < 4 and time.monotonic() < deadline:
-            time.sleep(0.02)
+        cache_on_host(c, seq)
         assert d.post("/v1/evict", json_body={"full_pages": 100, "swa_pages": 100}).json()[
             "full_pages"] == 4
         assert c.match("m", seq).host_hit_len == 4 * P

@@ -19,6 +19,7 @@ connection ends, however it ends. When that happens mid-call the client raises
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import threading
 import time
@@ -188,6 +189,7 @@ class Client(Operations):
 
     def _open_session(self, sock: socket.socket) -> None:
         self._sock: socket.socket | None = sock
+        self._pid = os.getpid()  # the process the connection is this client's in
         self._conn = ClientConnection()
         self._close_reason = "closed by the client"
         try:
@@ -449,6 +451,9 @@ class Client(Operations):
         on the connection everywhere, a forked child's copy included, where a close lets go of
         this process's descriptor only."""
         self._closed_by_user = True
+        if os.getpid() != self._pid:  # a forked child's copy: its lock may be held for good
+            self._drop()  # (by a thread only the parent has), and the connection is the parent's
+            return
         if self._drop_if_idle():
             return
         sock = self._sock
