@@ -362,6 +362,11 @@ class L3Config(_Section):
         return v
 
 
+#: the tenant label value the tenants past ``admin.tenant_label_limit`` are summed under in
+#: /metrics: no tenant may be named so
+OTHER_TENANT = "_other"
+
+
 class TenantConfig(_Section):
     name: str = Field(min_length=1)
     token: str | None = Field(None, description="the tenant's token (prefer token_sha256)")
@@ -381,6 +386,14 @@ class TenantConfig(_Section):
     @classmethod
     def _hex(cls, v: str | None) -> str | None:
         return _hex_digest(v)
+
+    @field_validator("name")
+    @classmethod
+    def _not_the_others(cls, v: str) -> str:
+        if v == OTHER_TENANT:
+            raise ValueError(f"{OTHER_TENANT!r} is the metrics' label of the tenants past "
+                             "admin.tenant_label_limit: choose another name")
+        return v
 
     @model_validator(mode="after")
     def _one_token(self) -> TenantConfig:

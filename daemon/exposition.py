@@ -30,13 +30,11 @@ from radixd_client import protocol as P
 
 from . import __version__
 from .checker import CHECK_KINDS, Checker
+from .config import OTHER_TENANT
 from .metrics import LATENCY_BUCKETS
 from .process_memory import HeapTrimmer, heap_stats, rss_bytes
 from .queries import ModelView, ServerState
 from .service import Service
-
-#: the tenant label value the tenants past ``admin.tenant_label_limit`` are summed under
-OTHER_TENANT = "_other"
 
 _POOL_GAUGES = (
     ("capacity", "radixd_pool_capacity_pages",

@@ -131,6 +131,12 @@ def test_a_value_of_the_wrong_type_is_refused_not_converted(overrides: dict, whe
                        ).checker.interval_s == 2.0
 
 
+def test_no_tenant_takes_the_metrics_label_of_the_others() -> None:
+    """A tenant named _other shared its series with the tenants past tenant_label_limit."""
+    with pytest.raises(ConfigError, match=r'tenants\["_other"\]\.name: .*tenant_label_limit'):
+        load_config(None, env={}, overrides={"tenants": [{"name": "_other", "token": "x"}]})
+
+
 def test_model_errors_name_the_model() -> None:
     with pytest.raises(ConfigError) as info:
         load_config(None, env={}, overrides={"models": [{"name": "a"},

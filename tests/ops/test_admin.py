@@ -558,6 +558,8 @@ def test_check_runs_the_full_check_now(admin_daemon) -> None:
         assert checker["violation_count"] == 0
         _, samples = parse_metrics(d.get("/metrics").text)
         assert metric(samples, "radixd_invariant_checks_total", kind="full") == 1
+        big = d.post("/v1/check", body=b"x" * (65 * 1024))  # a body over 64 KiB: 413, as anywhere
+        assert big.status == 413 and big.json()["error"]["code"] == "payload_too_large", big
         assert metric(samples, "radixd_invariant_checks_total", kind="counters") == 0
 
 
