@@ -96,14 +96,14 @@ class _Refused(asyncio.Protocol):
     def __init__(self, lingering: set[_Refused], limit: int) -> None:
         self._close: asyncio.TimerHandle | None = None
         self._lingering = lingering
-        self._linger = len(lingering) < limit
+        self._limit = limit
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         tr = cast(asyncio.Transport, transport)
         tr.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json"
                  b"\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s"
                  % (len(_TOO_MANY), _TOO_MANY))
-        if not self._linger:
+        if len(self._lingering) >= self._limit:  # (counted here: a burst is exact on any loop)
             tr.close()
             return
         if tr.can_write_eof():

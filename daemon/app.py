@@ -25,7 +25,13 @@ from .model_cache import ModelCache
 from .sdnotify import Notifier, fdstore_enabled, fdstore_max, passed_fds
 from .server import Server, tune_gc
 from .service import Service
-from .sockets import ConfiguredAddressError, SocketPathError, check_socket_path
+from .sockets import (
+    ConfiguredAddressError,
+    SocketPathError,
+    check_socket_owner,
+    check_socket_path,
+    refuse_served_socket,
+)
 
 log = logging.getLogger("radixd.app")
 
@@ -41,24 +47,30 @@ def _gib(n: int) -> str:
     return f"{n} bytes"
 
 
-def preflight(config: Config) -> str:
+def preflight(config: Config, serving: bool = False) -> str:
     """Every check ``radixd serve`` makes before it allocates or binds anything: each model's
     device exists, and its pools fit in the memory that is free (device pools on the GPU or in
     host memory, host tiers in host memory, all models together), and the socket paths can hold
     a socket. Raises ConfigError (or SocketPathError) with one line naming the model and the
     key to change; returns a one-line summary of what start would allocate. ``radixd config
-    check`` runs it so that an operator learns this before a restart, while the daemon runs
-    (so a daemon serving on the socket or holding the state directory is no error here: the
-    bind and the state directory's lock see to that, and a probe would start a socket-activated
-    one), and ``run`` runs it first so that start fails the same way (no traceback)."""
+    check`` runs it so that an operator learns this before a restart, while the daemon runs,
+    perhaps as another user: it touches nothing. ``run`` runs it first, ``serving``, so that
+    start fails the same way (no traceback) before the pools are allocated, and also as the
+    daemon's user: the state directory is created and must be writable, the socket's directory
+    must be no one else's to replace (:func:`check_socket_owner`), and no daemon may serve on
+    the socket already (OSError, exit 1), unless systemd passed it (then it is systemd's: a
+    probe would start a socket-activated daemon)."""
     from .gpu.profile import ProfileError
     from .gpu.shared_memory import available_host_bytes
 
     check_socket_path(config.server.socket)
+    if serving and not passed_fds()[0]:
+        check_socket_owner(config.server.socket)
+        refuse_served_socket(config.server.socket)
     if config.server.state_dir:
         from .storage.host_snapshot import check_state_dir
 
-        problem = check_state_dir(config.server.state_dir)
+        problem = check_state_dir(config.server.state_dir, create=serving)
         if problem:
             raise ConfigError(f"server.state_dir: {problem}")
     if config.admin.enabled and config.admin.unix_socket:
@@ -305,7 +317,7 @@ def run(config: Config) -> int:
     except ImportError:  # pragma: no cover - uvloop is a dependency; asyncio works too
         log.warning("uvloop not available; using the default asyncio loop")
     notifier = Notifier.from_env()
-    preflight(config)  # ConfigError before anything is allocated or bound (exit 2)
+    preflight(config, serving=True)  # ConfigError before anything is allocated or bound
     unused = l3_unused(config)
     if unused:
         log.warning("%s", unused)

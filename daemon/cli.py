@@ -230,8 +230,8 @@ def _cannot_start(exc: ValueError | OSError) -> int:
 
 def _preflight(config: Any) -> str | int:
     """What start would allocate (one line), or the exit code ``serve`` would give, its error
-    printed: the checks of ``radixd serve`` before it binds anything (devices, memory, a daemon
-    on the socket or the state directory), without binding anything."""
+    printed: the checks of ``radixd serve`` before it binds anything (values, devices, memory,
+    the paths), touching nothing."""
     from .app import preflight
     from .config import ConfigError
 

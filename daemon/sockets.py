@@ -69,30 +69,32 @@ def check_socket_path(path: str) -> None:
 def check_socket_owner(path: str) -> None:
     """SocketPathError when someone else could have made a directory on the socket's way, and
     so could replace the socket with their own and read the tenant tokens engines send in
-    hello: below a directory where anyone may create names (world-writable and sticky, as /tmp,
-    where the ``/tmp/radixd-$UID`` fallback lives), every existing directory must be this
-    user's or root's. Asked at the bind, by the daemon's own user (``radixd config check`` may
-    run as another)."""
-    below = [d for d in (Path(path).parent, *Path(path).parent.parents) if d.exists()]
-    for i, d in enumerate(below):
-        st = d.stat()
-        if st.st_mode & stat.S_IWOTH and st.st_mode & stat.S_ISVTX:  # /tmp: names are anyone's
-            for mine in below[:i]:
-                owner = mine.stat().st_uid
-                if owner not in (0, os.geteuid()):
-                    raise SocketPathError(
-                        errno.EPERM, f"{path}: {mine} belongs to uid {owner}, not to this user "
-                                     f"({os.geteuid()}): anyone may make names in {d}, and the "
-                                     "owner could replace the socket; remove it, or choose a "
-                                     "socket path in a directory of this user's")
-            return
+    hello: up to the highest directory where anyone may make names (world-writable and sticky,
+    as /tmp, where the ``/tmp/radixd-$UID`` fallback lives), that one included, every existing
+    directory, and every symbolic link on the way, must be this user's or root's (a sticky
+    directory's owner may rename what it holds). Asked by ``serve`` as the daemon's own user
+    (``radixd config check`` may run as another), and again at the bind, after the missing
+    directories were made. A world-writable directory without the sticky bit (a volume shared
+    on purpose) is the operator's choice."""
+    chain = [d for d in (Path(path).parent, *Path(path).parent.parents) if d.exists()]
+    sticky = [i for i, d in enumerate(chain)
+              if (m := d.stat().st_mode) & stat.S_IWOTH and m & stat.S_ISVTX]
+    if not sticky:
+        return
+    for d in chain[: sticky[-1] + 1]:
+        for st in {os.lstat(d), d.stat()}:  # the link, and what it leads to
+            if st.st_uid not in (0, os.geteuid()):
+                raise SocketPathError(
+                    errno.EPERM, f"{path}: {d} belongs to uid {st.st_uid}, not to this user "
+                                 f"({os.geteuid()}), in a directory where anyone may make "
+                                 "names: its owner could replace the socket; remove it, or "
+                                 "choose a socket path in a directory of this user's")
 
 
 def refuse_served_socket(path: str) -> None:
     """OSError (EADDRINUSE) when a process accepts connections on the socket at ``path``:
     another daemon serves there, and taking its socket over would cut its engines off. The
-    bind asks, and so does ``radixd config check``, which must not call a start ok that
-    would fail this way."""
+    bind asks, and ``serve`` before it allocates anything."""
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         probe.connect(path)
@@ -117,6 +119,7 @@ def bind_unix_socket(path: str, mode: int) -> socket.socket:
             p.parent.mkdir(parents=True, mode=0o750)
         except OSError as exc:
             raise _path_error(exc, path, f"cannot create its directory {p.parent}") from None
+        check_socket_owner(path)  # (a directory someone else made meanwhile)
     if p.exists() or p.is_symlink():  # a socket (check_socket_path refused anything else)
         refuse_served_socket(path)
         p.unlink()  # a stale socket from a daemon that died

@@ -588,8 +588,10 @@ def test_the_default_admin_port_taken_logs_no_token_file(tmp_path: Path) -> None
 def test_config_check_passes_while_the_daemon_runs(live, tmp_path: Path, capsys) -> None:
     """An operator checks an edited file before `systemctl restart`, the daemon serving on the
     socket and holding the state_dir: ok (exit 0, for `config show | jq` under pipefail too),
-    and the state_dir's lock file untouched. Serve is what refuses a second daemon on either
-    (test_warm_restart, test_server)."""
+    and nothing touched: the lock file as it was, a state_dir not made yet still not made (as
+    another user, the check would leave it theirs). Serve is what refuses a second daemon,
+    before it allocates anything: exit 1 for the socket (here), 2 for the state_dir
+    (test_warm_restart)."""
     state = tmp_path / "state"
     d = live({"server": {"state_dir": str(state)}})
     lock = state / "radixd.lock"
@@ -599,6 +601,16 @@ def test_config_check_passes_while_the_daemon_runs(live, tmp_path: Path, capsys)
         assert cli.main(["config", command, "--config", str(d.config_path)]) == cli.EXIT_OK
     assert capsys.readouterr().err == ""
     assert lock.stat().st_mtime_ns == before.st_mtime_ns and d.proc.poll() is None
+    edited = d.config_path.read_text().replace(str(state), str(tmp_path / "new" / "state"))
+    d.config_path.write_text(edited)
+    assert cli.main(["config", "check", "--config", str(d.config_path)]) == cli.EXIT_OK
+    assert not (tmp_path / "new").exists()
+    second = subprocess.run([sys.executable, "-m", "daemon.cli", "serve", "--config",
+                             str(d.config_path)], cwd=REPO_ROOT, capture_output=True, text=True,
+                            timeout=120)
+    assert second.returncode == cli.EXIT_FAILURE, second.stderr
+    assert second.stderr == f"radixd: cannot serve: another radixd is serving on {d.socket}\n"
+    assert "allocating" not in second.stderr and d.proc.poll() is None
 
 
 def test_l3_without_a_host_tier_is_warned_of(live, tmp_path: Path, capsys) -> None:

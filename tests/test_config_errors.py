@@ -213,8 +213,18 @@ def test_a_socket_others_could_replace_is_refused(tmp_path: Path) -> None:
         theirs = tmp_path / "radixd-1001"  # tmp_path is below /tmp, sticky and world-writable
         (theirs / "radixd").mkdir(parents=True)
         os.chown(theirs, 65534, 65534)
-        cases.append((str(theirs / "radixd" / "radixd.sock"),
-                      f"{theirs} belongs to uid 65534, not to this user", ("serve",)))
+        sticky = tmp_path / "radixd-1002"  # made sticky by its owner: they may still rename
+        (sticky / "radixd").mkdir(parents=True)
+        sticky.chmod(0o1777)
+        os.chown(sticky, 65534, 65534)
+        link = tmp_path / "radixd-1003"  # their link to a directory of ours
+        (tmp_path / "ours-too").mkdir()
+        link.symlink_to(tmp_path / "ours-too")
+        os.lchown(link, 65534, 65534)
+        for d in (theirs, sticky, link):
+            cases.append((str(d / "radixd" / "radixd.sock") if d != link else
+                          str(d / "radixd.sock"),
+                          f"{d} belongs to uid 65534, not to this user", ("serve",)))
     for sock, why, refusing in cases:
         cfg = _config(tmp_path, CPU_MODEL, socket=sock)
         for command in refusing:

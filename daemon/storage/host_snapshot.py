@@ -166,11 +166,16 @@ def pool_file(model_index: int, kind: str) -> str:
     return f"host-{model_index}-{kind}.pages"
 
 
-def check_state_dir(path: str) -> str:
+def check_state_dir(path: str, create: bool = True) -> str:
     """Create ``path`` if missing and prove it is a writable directory; returns the error text
-    (empty when usable), for the config check and start-up to report with the key's name."""
+    (empty when usable), for start-up to report with the key's name. ``create=False`` (the
+    config check, which may run as another user than the daemon's, while it serves) makes and
+    tries nothing: an absolute path, and a directory if it exists."""
     if not os.path.isabs(path):
         return f"{path!r} is not an absolute path"
+    if not create:
+        return f"{path!r} is not a directory" if os.path.lexists(path) and \
+            not os.path.isdir(path) else ""
     try:
         os.makedirs(path, mode=0o700, exist_ok=True)
     except OSError as exc:
