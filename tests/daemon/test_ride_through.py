@@ -304,25 +304,10 @@ def test_closing_the_client_wakes_another_threads_call_waiting_for_its_answer(
     """A thread's load never gets its answer (planted: the load hangs in the daemon); another
     thread closes the shared client. The waiting call raises ConnectionLost saying the client
     closed it, at once, not when the read times out, and nothing reconnects."""
-    d = Daemon(tmp_path, {"l3": {"drain_timeout_s": 0.5},  # (the hang's pin: no checks)
-                          "checker": {"interval_s": 3600.0, "strict": False}},
-               launcher=LAUNCHER, env={"FAULT_LOAD": "hang"})
+    d = _hung_load_daemon(tmp_path)
     try:
         c = Client(d.socket, reconnect=FAST, timeout=60)
-        tokens = array("i", seq(1)).tobytes()
-        a = c.alloc("m", 1)
-        c.insert("m", tokens, a.full_pages, a.swa_pages)
-        raised: list[BaseException] = []
-
-        def load() -> None:
-            try:
-                c.load("m", tokens)
-            except BaseException as exc:  # noqa: BLE001 - the test looks at it
-                raised.append(exc)
-
-        waiting = threading.Thread(target=load)
-        waiting.start()
-        wait_for(lambda: "a load of model m that never ends" in d.log(), "the hung load", 20)
+        waiting, raised = _hang_a_load(d, c)
         t0 = time.monotonic()
         c.close()
         waiting.join(20)
@@ -332,6 +317,33 @@ def test_closing_the_client_wakes_another_threads_call_waiting_for_its_answer(
         assert c.closed and c.restarts == 0
     finally:
         d.stop()
+
+
+def _hung_load_daemon(tmp_path: Path) -> Daemon:
+    """A daemon whose loads of model m never end (planted), its checks off: the hang pins a
+    node no job accounts for, which they would report."""
+    return Daemon(tmp_path, {"l3": {"drain_timeout_s": 0.5},
+                             "checker": {"interval_s": 3600.0, "strict": False}},
+                  launcher=LAUNCHER, env={"FAULT_LOAD": "hang"})
+
+
+def _hang_a_load(d: Daemon, c: Client) -> tuple[threading.Thread, list[BaseException]]:
+    """A thread waiting in ``c``'s load that never ends, and what it will raise."""
+    tokens = array("i", seq(1)).tobytes()
+    a = c.alloc("m", 1)
+    c.insert("m", tokens, a.full_pages, a.swa_pages)
+    raised: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            c.load("m", tokens)
+        except BaseException as exc:  # noqa: BLE001 - the test looks at it
+            raised.append(exc)
+
+    waiting = threading.Thread(target=load)
+    waiting.start()
+    wait_for(lambda: "a load of model m that never ends" in d.log(), "the hung load", 20)
+    return waiting, raised
 
 
 def test_a_forked_child_closing_its_copy_leaves_the_parents_session(make_daemon,
@@ -358,25 +370,10 @@ def test_a_child_forked_during_another_threads_call_closes_only_its_copy(
     """A thread waits in a load that never ends (planted) when the process forks: the child's
     copy of the client's lock is held for good, by a thread the child lacks. Its close must
     still let go of its descriptor only: a shutdown would cut the parent's waiting call."""
-    d = Daemon(tmp_path, {"l3": {"drain_timeout_s": 0.5},  # (the hang's pin: no checks)
-                          "checker": {"interval_s": 3600.0, "strict": False}},
-               launcher=LAUNCHER, env={"FAULT_LOAD": "hang"})
+    d = _hung_load_daemon(tmp_path)
     try:
         c = Client(d.socket, timeout=60)
-        tokens = array("i", seq(1)).tobytes()
-        a = c.alloc("m", 1)
-        c.insert("m", tokens, a.full_pages, a.swa_pages)
-        raised: list[BaseException] = []
-
-        def load() -> None:
-            try:
-                c.load("m", tokens)
-            except BaseException as exc:  # noqa: BLE001 - the test looks at it
-                raised.append(exc)
-
-        waiting = threading.Thread(target=load)
-        waiting.start()
-        wait_for(lambda: "a load of model m that never ends" in d.log(), "the hung load", 20)
+        waiting, raised = _hang_a_load(d, c)
         pid = os.fork()
         if pid == 0:
             c.close()
