@@ -134,15 +134,23 @@ class _Capped:
         self._lingering: set[_Refused] = set()
 
     def __call__(self) -> asyncio.Protocol:
-        if len(self.server.connections) < self.limit:
+        open_ = self.open()
+        if open_ < self.limit:
             return self.server()
         self.refused += 1
         now = time.monotonic()
         if now - self._warned >= 60:
             self._warned = now
             log.warning("admin endpoint: %d connections open (admin.max_connections); refused "
-                        "%d so far", len(self.server.connections), self.refused)
+                        "%d so far", open_, self.refused)
         return _Refused(self._lingering, self.limit)
+
+    def open(self) -> int:
+        """Connections open and staying so: one being closed (its idle time up) is on its way
+        out, though aiohttp forgets it only a loop turn later, when a client that saw it close
+        may already be connecting again."""
+        return sum(1 for h in self.server.connections
+                   if h.transport is not None and not h.transport.is_closing())
 
 
 class AdminHandle:
