@@ -88,8 +88,9 @@ _TOO_MANY = json.dumps({"error": {"code": "too_many_connections", "message": (
 
 class _Refused(asyncio.Protocol):
     """A connection past the limit: one 503, then a close once the client has sent what it had
-    (its request is read and dropped) or after REFUSED_LINGER_S: closed with a request body
-    still unread, the kernel would reset the connection, and the client never see the 503.
+    (its request is read and dropped, as asyncio.Protocol does) or after REFUSED_LINGER_S:
+    closed with a request body still unread, the kernel would reset the connection, and the
+    client never see the 503.
     ``lingering`` counts those still open: past the limit again, one is closed at once (a flood
     of them must not hold the descriptors the limit keeps for the engines)."""
 
@@ -110,9 +111,6 @@ class _Refused(asyncio.Protocol):
             tr.write_eof()
         self._lingering.add(self)
         self._close = asyncio.get_running_loop().call_later(REFUSED_LINGER_S, tr.close)
-
-    def data_received(self, data: bytes) -> None:
-        pass  # the request a 503 answered
 
     def eof_received(self) -> bool:
         return False  # the client is done: close

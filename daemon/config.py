@@ -507,9 +507,10 @@ def _env_overrides(env: dict[str, str]) -> tuple[dict[str, Any], dict[tuple[str,
             # another program's (a client's RADIXD_TOKEN, the test scripts'), unless it names a
             # section, is close to one of the daemon's, or names one of their keys without it
             # (RADIXD_SOCKET): a mistake for one of the daemon's
+            names = _env_names()
             homes = [f"{ENV_PREFIX}{upper}_{rest}" for upper in _ENV_SECTIONS
-                     if f"{upper}_{rest}" in _env_names()]
-            hint = (_suggest(rest, _env_names(), ENV_PREFIX)
+                     if f"{upper}_{rest}" in names]
+            hint = (_suggest(rest, names, ENV_PREFIX)
                     or (f"; did you mean {' or '.join(homes)}?" if homes else ""))
             if (hint or section in _ENV_SECTIONS) and rest not in _OTHER_PROGRAMS:
                 raise ConfigError(f"{key}: unknown setting (sections: "

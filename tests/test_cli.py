@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import socket
@@ -563,11 +564,9 @@ def test_the_default_admin_port_taken_logs_no_token_file(tmp_path: Path) -> None
     from tests.harness import daemon_conftest
 
     holder = socket.socket()
-    try:
-        holder.bind(("127.0.0.1", 8471))  # the default port (already taken is as good)
+    with contextlib.suppress(OSError):  # the default port (already taken is as good)
+        holder.bind(("127.0.0.1", 8471))
         holder.listen(1)
-    except OSError:
-        pass
     try:
         d = daemon_conftest().Daemon(tmp_path, {"admin": {"host": "127.0.0.1"}})
         try:

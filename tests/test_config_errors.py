@@ -259,6 +259,9 @@ def test_sliding_window_0_describes_a_model_without_swa() -> None:
     ({"server": {"idle_compaction": 2}}, "server.idle_compaction"),
     ({"server": {"long_runs_in_use": "yes please"}}, "server.long_runs_in_use"),
     ({"models": [{"name": "m", "host_segment_pages": -1}]}, 'models["m"].host_segment_pages'),
+    ({"admin": {"max_connections": 0}}, "admin.max_connections"),
+    ({"admin": {"max_connections": 5000}}, "admin.max_connections"),
+    ({"admin": {"max_connections": "many"}}, "admin.max_connections"),
 ])
 def test_the_newer_keys_refuse_bad_values_by_name(overrides: dict, key: str) -> None:
     with pytest.raises(ConfigError) as info:
