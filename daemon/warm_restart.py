@@ -118,7 +118,7 @@ def _image(entry: ModelEntry, index: int, state_dir: str | None) -> ModelImage:
             hs = n.host_swa.tobytes() if n.host_swa is not None else b""
             slots = tree.page_ids.join([n.host])  # type: ignore[list-item] # (or its runs)
             img.tree.append(TreeNodeRecord(pos[n.parent.id], ns_name, n.tokens,  # type: ignore
-                                           slots.tobytes(), hs))
+                                           slots.tobytes(), hs, max(0, tree.clock - n.ts)))
             used["full"].extend(slots)
             if n.host_swa is not None:
                 used["swa"].extend(s for s in n.host_swa if s)
@@ -292,7 +292,7 @@ class _Restorer:
             slots = {start + j: s for j, s in enumerate(full)}
             swa_slots = {start + j: s for j, s in enumerate(swa) if s}
             got, got_swa = tree.adopt_host(rec.ns, tokens, start, start + npages, slots,
-                                           swa_slots)
+                                           swa_slots, used=tree.clock - rec.age)
             self._give_back("full", slots.values())
             self._give_back("swa", swa_slots.values())
             if got != npages:  # pragma: no cover - a saved tree is a tree
@@ -340,8 +340,8 @@ class _Restorer:
 
     def fit_quotas(self) -> None:
         """A quota_host_pages the new configuration lowered: the namespace's host pages over it
-        go now, as its next copy would make them go (the coldest first: keyed pages keep their
-        order across a restart, tree pages restored all count as used at the restart), and not
+        go now, as its next copy would make them go (the coldest first: tree and keyed pages keep
+        their order across a restart), and not
         only once it copies again (a tenant that only reads would stay over its quota)."""
         cache = self.entry.cache
         for ns, quota in self.entry.tiers.host_quotas.items():  # type: ignore[union-attr]

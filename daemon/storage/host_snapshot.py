@@ -80,13 +80,16 @@ class PoolImage(msgspec.Struct, array_like=True):
 class TreeNodeRecord(msgspec.Struct, array_like=True):
     """A node with a host copy. ``parent``: index of its parent in the list, -1 for the root of
     namespace ``ns``; ``host``/``host_swa``: array('i') of its host slots (``host_swa`` empty
-    when it has no SWA copies, 0 entries where a page has none)."""
+    when it has no SWA copies, 0 entries where a page has none); ``age``: the tree's churn (tokens
+    of KV inserted) since the node's last use, so that a restart keeps the eviction order (a
+    snapshot written before 2026-11-29 has none: its nodes restore as used at the restart)."""
 
     parent: int
     ns: str
     tokens: bytes
     host: bytes
     host_swa: bytes
+    age: int = 0
 
 
 class KeyedRecord(msgspec.Struct, array_like=True):

@@ -198,13 +198,16 @@ class Tiering:
         return i, last
 
     def adopt_host(self, namespace: str, tokens: bytes, start: int, end: int,
-                   slots: dict[int, int], swa_slots: dict[int, int]) -> tuple[int, int]:
+                   slots: dict[int, int], swa_slots: dict[int, int], *, used: int | None = None
+                   ) -> tuple[int, int]:
         """Attach host copies fetched from L3 for pages [start, end) of ``tokens``.
 
         Nodes that exist without a host copy get one; a missing SWA copy is filled in; pages past
         the cached path become new host-only nodes. The prefix [0, start) must still have host
         copies. Consumes the used entries of ``slots``/``swa_slots`` (page index -> host slot);
-        the rest are the caller's to release. Returns (pages attached, SWA copies attached)."""
+        the rest are the caller's to release. Returns (pages attached, SWA copies attached).
+        ``used``: when the new node was last used, on the churn clock (a warm restart's saved
+        recency; may lie before the clock's start); None: now."""
         pb = self.page_bytes
         ns = self.namespace(namespace)
         node = ns.root
@@ -239,7 +242,7 @@ class Tiering:
         self.nodes[new.id] = new
         sw = array("i", (swa_slots.pop(k, 0) for k in range(i, stop)))
         self._give_host(new, _take(slots, i, stop), sw)  # type: ignore[arg-type]
-        new.ts = self._clock
+        new.ts = self._clock if used is None else used
         self._requeue(new)
         self._requeue(node)
         return got + stop - i, got_swa + sum(1 for p in sw if p)

@@ -219,9 +219,9 @@ def test_the_l3_quota_keeps_counting_across_a_restart(make_daemon, tmp_path: Pat
     e.close()
 
 
-def _alice(state: Path, quota_host_pages: int = 0) -> dict[str, Any]:
-    return {**_config(state), "tenants": [{"name": "alice", "token": "A",
-                                           "quota_host_pages": quota_host_pages}]}
+def _alice(state: Path, quota_host_pages: int = 0, **model: Any) -> dict[str, Any]:
+    return {**_config(state, **model), "tenants": [{"name": "alice", "token": "A",
+                                                    "quota_host_pages": quota_host_pages}]}
 
 
 def _alice_holds(d: Any) -> dict[str, Any]:
@@ -234,9 +234,8 @@ def test_a_host_quota_lowered_across_a_restart_drops_the_oldest_tree_pages(
         make_daemon, tmp_path: Path) -> None:
     """Two prompts of six host pages cached without a quota; the next start sets
     quota_host_pages = 6. The restore drops one of the prompts (host pages go a node at a time,
-    as when a copy makes room; a restart keeps no order among tree pages) and says so, instead
-    of leaving the tenant over its quota until it copies again; the other one still loads from
-    host."""
+    as when a copy makes room) and says so, instead of leaving the tenant over its quota until it
+    copies again; the other one still loads from host."""
     state = tmp_path / "state"
     d1 = make_daemon(_alice(state))
     e = Engine(d1.socket, token="A")
@@ -253,6 +252,35 @@ def test_a_host_quota_lowered_across_a_restart_drops_the_oldest_tree_pages(
     hits = sorted(e.c.match("m", s).host_hit_len for s in (seq(6), seq(6, base=5000)))
     e.close()
     assert hits == [0, 6 * P]
+
+
+@pytest.mark.parametrize("reused", [True, False])
+def test_tree_pages_keep_their_eviction_order_across_a_restart(
+        make_daemon, tmp_path: Path, reused: bool) -> None:
+    """Prompts A (six pages), B (six) and C (one) cached in that order, then (``reused``) A
+    matched again: the least recently used is B, else A. The next start lowers the quota to 7
+    pages: exactly that prompt goes, as it would have before the restart (plain LRU, so that
+    only recency decides; before 2026-11-29 the restored nodes all counted as used at the
+    restart, and the order of the saved list decided)."""
+    state = tmp_path / "state"
+    a, b, c = seq(6), seq(6, base=5000), seq(1, base=9000)
+    d1 = make_daemon(_alice(state, eviction_policy="lru"))
+    e = Engine(d1.socket, token="A")
+    for toks in (a, b, c):
+        e.cache(toks)
+    if reused:
+        assert e.c.match("m", a).prefix_len == len(a)
+    wait_for(lambda: _alice_holds(d1)["tree_host_pages"] == 13, "the host copies")
+    e.close()
+    _stop(d1)
+    d2 = make_daemon(_alice(state, quota_host_pages=7, eviction_policy="lru"))
+    assert _alice_holds(d2)["tree_host_pages"] == 7
+    e = Engine(d2.socket, token="A")
+    hits = {name: e.c.match("m", toks).host_hit_len
+            for name, toks in (("a", a), ("b", b), ("c", c))}
+    e.close()
+    gone = "b" if reused else "a"
+    assert hits == {"a": 6 * P, "b": 6 * P, "c": P, gone: 0}
 
 
 def test_a_host_quota_lowered_across_a_restart_drops_the_oldest_keyed_pages(
