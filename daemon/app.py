@@ -22,6 +22,7 @@ from .config import Config, ConfigError, ModelConfig
 from .entities import ModelEntry, Tenant, build_tenants, namespace_quotas
 from .gpu.shared_memory import hide_descriptors
 from .model_cache import ModelCache
+from .open_files import raise_soft_limit
 from .sdnotify import Notifier, fdstore_enabled, fdstore_max, passed_fds
 from .server import Server, tune_gc
 from .service import Service
@@ -316,6 +317,9 @@ def run(config: Config) -> int:
         uvloop.install()
     except ImportError:  # pragma: no cover - uvloop is a dependency; asyncio works too
         log.warning("uvloop not available; using the default asyncio loop")
+    before, now = raise_soft_limit()
+    if now > before:  # (engine connections and segments are descriptors)
+        log.info("open files limit raised from %d to %d", before, now)
     notifier = Notifier.from_env()
     preflight(config, serving=True)  # ConfigError before anything is allocated or bound
     unused = l3_unused(config)

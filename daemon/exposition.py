@@ -32,6 +32,7 @@ from . import __version__
 from .checker import CHECK_KINDS, Checker
 from .config import OTHER_TENANT
 from .metrics import LATENCY_BUCKETS
+from .open_files import NearLimit, open_count, soft_limit
 from .process_memory import HeapTrimmer, heap_stats, rss_bytes
 from .queries import ModelView, ServerState
 from .service import Service
@@ -224,6 +225,7 @@ class Collector:
         reg.gauge("radixd_info", "Build and instance information (always 1).",
                   ("version", "instance")).add_metric([__version__, service.instance], 1)
         _heap_families(reg, self.state.heap_trimmer)
+        _descriptor_families(reg, self.state.near_limit)
         reg.counter("radixd_idle_compaction_seconds",
                     "Seconds the event loop spent keeping cold nodes' page ids as runs, while no "
                     "request waited.").add_metric([], self.state.compact_seconds)
@@ -262,6 +264,19 @@ def _segment_families(reg: _Families, views: list[ModelView]) -> None:
             count.add_metric([v.name, pool, "assigned"], seg.segments - seg.free)
             moves.add_metric([v.name, pool, "clean"], seg.assigned - seg.moved)
             moves.add_metric([v.name, pool, "moved"], seg.moved)
+
+
+def _descriptor_families(reg: _Families, near: NearLimit) -> None:
+    """Open descriptors against the limit: an alert on their ratio comes before engines'
+    connections are reset (daemon/open_files.py)."""
+    count = open_count()
+    if count is not None:
+        reg.gauge("radixd_open_fds", "Descriptors the daemon has open.").add_metric([], count)
+    reg.gauge("radixd_max_fds", "The most descriptors the daemon may open (its soft "
+              "RLIMIT_NOFILE).").add_metric([], soft_limit())
+    reg.counter("radixd_connections_near_fd_limit", "Engine connections accepted with a "
+                "descriptor past 90% of the limit (each one logs a warning, at most one a "
+                "minute).").add_metric([], near.seen)
 
 
 def _heap_families(reg: _Families, trimmer: HeapTrimmer) -> None:

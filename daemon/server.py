@@ -32,6 +32,7 @@ from .checker import Checker
 from .config import Config
 from .entities import Peer, Session
 from .metrics import OpStats
+from .open_files import NearLimit, soft_limit
 from .process_memory import HeapTrimmer
 from .sdnotify import Notifier, listen_fds, watchdog_interval
 from .service import Service, ServiceError, error_of
@@ -83,6 +84,7 @@ class Connection(asyncio.Protocol):
         sock = transport.get_extra_info("socket")
         if sock is not None:
             self.fd = sock.fileno()
+            self.server.near_limit.accepted(self.fd)
             self.server.watch_readable(self.fd)
             with contextlib.suppress(OSError):
                 creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
@@ -426,6 +428,7 @@ class Server:
         self.started = time.time()
         self.op_stats = OpStats()
         self.heap_trimmer = HeapTrimmer(config.server.malloc_trim_interval_s)
+        self.near_limit = NearLimit(soft_limit())
         self.compact_seconds = 0.0  # in _compact_idle
         self.socket_path = config.server.socket
         self.admin: Any = None  # what start_admin returned (it has an async stop())
