@@ -275,8 +275,8 @@ def _descriptor_families(reg: _Families, near: NearLimit) -> None:
     reg.gauge("radixd_max_fds", "The most descriptors the daemon may open (its soft "
               "RLIMIT_NOFILE).").add_metric([], soft_limit())
     reg.counter("radixd_connections_near_fd_limit", "Engine connections accepted with a "
-                "descriptor past 90% of the limit (each one logs a warning, at most one a "
-                "minute).").add_metric([], near.seen)
+                "descriptor past 90% of the limit (a warning is logged at most once a minute)."
+                ).add_metric([], near.seen)
 
 
 def _heap_families(reg: _Families, trimmer: HeapTrimmer) -> None:

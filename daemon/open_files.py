@@ -60,16 +60,25 @@ def open_count() -> int | None:
 
 class NearLimit:
     """Warns, at most once every WARN_EVERY_S, when an accepted connection's descriptor number
-    shows the daemon past WARN_SHARE of its limit; counts every such connection."""
+    shows the daemon past WARN_SHARE of its limit; counts every such connection. The limit is
+    read again past the threshold: an operator may have raised it live (``prlimit --pid``)."""
 
-    def __init__(self, limit: int, clock: Callable[[], float] = time.monotonic) -> None:
-        self.limit = limit
-        self.threshold = int(limit * WARN_SHARE)
+    def __init__(self, read_limit: Callable[[], int] = soft_limit,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.read_limit = read_limit
         self.clock = clock
         self.seen = 0  # connections accepted past the threshold
         self._warned_at: float | None = None
+        self._set(read_limit())
+
+    def _set(self, limit: int) -> None:
+        self.limit = limit
+        self.threshold = int(limit * WARN_SHARE)
 
     def accepted(self, fd: int) -> None:
+        if fd < self.threshold:
+            return
+        self._set(self.read_limit())
         if fd < self.threshold:
             return
         self.seen += 1

@@ -18,6 +18,7 @@ from radixd_client import protocol as P
 from .entities import ModelEntry, Session, Tenant
 from .metrics import OpStats
 from .model_cache import ModelCache
+from .open_files import NearLimit
 from .process_memory import HeapTrimmer
 
 #: eviction triggers every model reports, 0 until they happen
@@ -170,6 +171,7 @@ class ServerState(Protocol):
     ops: int  # frames handled
     op_stats: OpStats
     heap_trimmer: HeapTrimmer
+    near_limit: NearLimit
 
 
 class NotFound(LookupError):

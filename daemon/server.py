@@ -32,7 +32,7 @@ from .checker import Checker
 from .config import Config
 from .entities import Peer, Session
 from .metrics import OpStats
-from .open_files import NearLimit, soft_limit
+from .open_files import NearLimit
 from .process_memory import HeapTrimmer
 from .sdnotify import Notifier, listen_fds, watchdog_interval
 from .service import Service, ServiceError, error_of
@@ -428,7 +428,7 @@ class Server:
         self.started = time.time()
         self.op_stats = OpStats()
         self.heap_trimmer = HeapTrimmer(config.server.malloc_trim_interval_s)
-        self.near_limit = NearLimit(soft_limit())
+        self.near_limit = NearLimit()
         self.compact_seconds = 0.0  # in _compact_idle
         self.socket_path = config.server.socket
         self.admin: Any = None  # what start_admin returned (it has an async stop())

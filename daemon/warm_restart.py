@@ -123,9 +123,11 @@ def _image(entry: ModelEntry, index: int, state_dir: str | None) -> ModelImage:
             if n.host_swa is not None:
                 used["swa"].extend(s for s in n.host_swa if s)
     if entry.keyed is not None:
-        for page in entry.keyed.pages.pages.values():
-            img.keyed.append(KeyedRecord(page.ns, page.kind, page.key, page.slot, page.in_l3))
-            used[page.kind].append(page.slot)
+        for order in entry.keyed.pages.order.values():  # least recently used first
+            for page in order.values():
+                img.keyed.append(KeyedRecord(page.ns, page.kind, page.key, page.slot,
+                                             page.in_l3, max(0, tree.clock - page.stamp)))
+                used[page.kind].append(page.slot)
         img.kv_gens, img.kv_clearing = entry.keyed.names.state()
     img.l3_ledger = [L3LedgerRecord(ns, h, pool, n)
                      for ns, values in entry.tiers.l3_ledger.entries().items()  # type: ignore
@@ -292,7 +294,7 @@ class _Restorer:
             slots = {start + j: s for j, s in enumerate(full)}
             swa_slots = {start + j: s for j, s in enumerate(swa) if s}
             got, got_swa = tree.adopt_host(rec.ns, tokens, start, start + npages, slots,
-                                           swa_slots, used=tree.clock - rec.age)
+                                           swa_slots, used=tree.clock - max(0, rec.age))
             self._give_back("full", slots.values())
             self._give_back("swa", swa_slots.values())
             if got != npages:  # pragma: no cover - a saved tree is a tree
@@ -316,7 +318,7 @@ class _Restorer:
                 continue
             self.host.keyed[rec.kind].add(slot)
             keyed.pages.add_stored(rec.ns, rec.kind, rec.key, slot, h,  # type: ignore[union-attr]
-                                   self.tree.clock, in_l3=rec.in_l3)
+                                   self.tree.clock - max(0, rec.age), in_l3=rec.in_l3)
             self.kept += 1
 
     def run(self) -> None:

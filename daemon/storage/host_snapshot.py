@@ -100,6 +100,9 @@ class KeyedRecord(msgspec.Struct, array_like=True):
     # whether Redis has the page (under write-back an eviction must write one that it has not);
     # absent in snapshots of versions before it: taken as written, as those were restored
     in_l3: bool = True
+    # the churn since its last commit or hit, as TreeNodeRecord.age (the list runs least
+    # recently used first per pool kind, from 2026-11-29)
+    age: int = 0
 
 
 class L3LedgerRecord(msgspec.Struct, array_like=True):

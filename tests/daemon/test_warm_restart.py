@@ -283,6 +283,43 @@ def test_tree_pages_keep_their_eviction_order_across_a_restart(
     assert hits == {"a": 6 * P, "b": 6 * P, "c": P, gone: 0}
 
 
+def test_keyed_pages_keep_their_order_across_a_restart(make_daemon, tmp_path: Path) -> None:
+    """k0, k1, k2 committed, then k0 looked up: k1 is the least recently used, and the one a
+    quota of two pages drops at the next start (before 2026-11-29 the snapshot listed keyed
+    pages in the order they were first stored, and k0 went)."""
+    state = tmp_path / "state"
+    d1 = make_daemon(_alice(state))
+    keys = [b"k0", b"k1", b"k2"]
+    with Client(d1.socket, "A") as c:
+        c.kv_attach("m")
+        c.kv_commit("m", c.kv_reserve("m", keys).pin)
+        assert list(c.kv_lookup("m", [b"k0"], pin=False).present) == [1]
+    _stop(d1)
+    d2 = make_daemon(_alice(state, quota_host_pages=2))
+    with Client(d2.socket, "A") as c:
+        assert list(c.kv_lookup("m", keys, pin=False).present) == [1, 0, 1]
+
+
+def test_keyed_and_tree_pages_keep_their_order_across_a_restart(
+        make_daemon, tmp_path: Path) -> None:
+    """A keyed page stored before two prompts is the least recently used of the three; a quota
+    one page short at the next start drops it, not a prompt (before 2026-11-29 a keyed page
+    restored as used at the restart, after every tree page, and a prompt of six pages went)."""
+    state = tmp_path / "state"
+    d1 = make_daemon(_alice(state, eviction_policy="lru"))
+    with Client(d1.socket, "A") as c:
+        c.kv_attach("m")
+        c.kv_commit("m", c.kv_reserve("m", [b"k0"]).pin)
+    e = Engine(d1.socket, token="A")
+    e.cache(seq(6))
+    e.cache(seq(6, base=5000))
+    wait_for(lambda: _alice_holds(d1)["tree_host_pages"] == 12, "the host copies")
+    e.close()
+    _stop(d1)
+    d2 = make_daemon(_alice(state, quota_host_pages=12, eviction_policy="lru"))
+    assert _alice_holds(d2) == {"tree_host_pages": 12, "kv_pages": 0, "quota_host_pages": 12}
+
+
 def test_a_host_quota_lowered_across_a_restart_drops_the_oldest_keyed_pages(
         make_daemon, tmp_path: Path) -> None:
     state = tmp_path / "state"
