@@ -301,6 +301,12 @@ class KeyedTier:
         self.pool(kind)
         self.check_keys(keys, unique=False)
 
+    def _touch_stored(self, ns: str, kind: str, keys: list[bytes]) -> None:
+        """The stored pages among ``keys`` become the most recently used: a request's own pages
+        are the last that making room for its others may take."""
+        for page in filter(None, (self.pages.get(ns, kind, k) for k in keys)):
+            self.pages.touch(page, self.cache.tree.clock)
+
     def lookup(self, owner: Hashable, ns: str, kind: str, keys: list[bytes], pin: bool,
                max_pins: int) -> P.KvLookupResult:
         self.check_lookup(kind, keys)
@@ -338,14 +344,10 @@ class KeyedTier:
         self.check_keys(keys, unique=True)
         self.check_pins(owner, len(keys), max_pins)
         slots = array("i", bytes(4 * len(keys)))
-        clock = self.cache.tree.clock
+        self._touch_stored(ns, kind, keys)  # in use: the last to make room
         want = 0
         hashes: dict[bytes, bytes] = {}
-        for k in keys:
-            page = self.pages.get(ns, kind, k)
-            if page is not None:
-                self.pages.touch(page, clock)  # in use: the last to make room
-                continue
+        for k in (k for k in keys if self.pages.get(ns, kind, k) is None):
             h = hashes[k] = keyed_hash(ns, self.fingerprint, kind, k)
             if not self.pages.is_reserved(ns, kind, k) and pool.lookup(h) is None:
                 want += 1
@@ -636,6 +638,7 @@ class KeyedTier:
             # everything is read again, as other sessions went on meanwhile
             found = [(k, h, v) for k, h, v in found if self.pages.get(ns, kind, k) is None
                      and not self.pages.is_reserved(ns, kind, k) and pool.lookup(h) is None]
+            self._touch_stored(ns, kind, keys)  # the request's own: the last to make room
             fit = self.fit_quota(ns, len(found)) if kind == "full" else len(found)
             coming = self.make_room(kind, fit, ns)
             fit = min(fit, self.host.available_to(kind, ns))

@@ -306,6 +306,28 @@ def test_redis_write_through_then_eviction_then_fetch(make_daemon, prefix: str) 
         assert read(c, pools, ["w"], "swa", fetch=True).keys() == sw.keys()
 
 
+def test_a_fetch_makes_room_from_other_pages_than_the_requests_own(make_daemon,
+                                                                     prefix: str) -> None:
+    """Seven host slots. k0..k5 written to Redis; k0..k2 hit, then four newer pages push
+    k3..k5 out of host. A lookup of k0..k5 with fetch brings k3..k5 back in place of three of
+    the four newer pages, not of k0..k2: before 2026-11-29 the fetch made room before the
+    lookup touched the request's own pages, took k0..k2 (the least recently used), and the
+    request's prefix came back empty (the SGLang backend's batch_exists saw 0 of 6)."""
+    d = make_daemon(l3_config(SHARED_URL, prefix, host_pages=8, host_swa_pages=4))
+    names = [f"k{i}" for i in range(6)]
+    with Client(d.socket) as c:
+        pools = c.kv_attach("m")
+        written = store(c, pools, names, 11)
+        wait_for(lambda: stats(c)["kv_l3_write_pages"] == 6, "the Redis writes")
+        assert read(c, pools, names[:3]).keys() == set(names[:3])
+        store(c, pools, [f"u{i}" for i in range(4)], 12)
+        assert read(c, pools, names[3:]) == {}  # only in Redis now (k0..k2 left untouched)
+        got = read(c, pools, names, fetch=True)
+        assert got.keys() == set(names)
+        assert all(torch.equal(got[n], written[n]) for n in names)
+        assert read(c, pools, [f"u{i}" for i in range(4)]).keys() == {"u3"}
+
+
 def test_a_fetch_waits_for_the_slots_redis_writes_still_read(make_daemon, tmp_path) -> None:
     """Seven host slots (8, one reserved); writes are paused on the Redis server, so the pages
     committed meanwhile stay queued for it, their slots held until the writer has read them. A
