@@ -9,7 +9,7 @@ import redis as redis_sync
 import torch
 from radixd_client import Client
 from radixd_client.errors import RadixdError
-from radixd_client.protocol import Code, KvAttach, KvClear, KvCommit, KvLookup
+from radixd_client.protocol import Code, KvAttach, KvClear, KvCommit, KvLookup, int32_list
 
 from tests.redis_procs import SHARED_URL, Server, free_port
 
@@ -326,6 +326,33 @@ def test_a_fetch_makes_room_from_other_pages_than_the_requests_own(make_daemon,
         assert got.keys() == set(names)
         assert all(torch.equal(got[n], written[n]) for n in names)
         assert read(c, pools, [f"u{i}" for i in range(4)]).keys() == {"u3"}
+
+
+def test_an_swa_reservation_takes_the_tree_leaves_that_hold_swa_host_slots(make_daemon) -> None:
+    """Twelve prompts on host, only the first with SWA host copies (three SWA host slots); it is
+    matched, so it is the most recent. Two keyed SWA pages need its two slots: that prompt goes
+    (4 full host pages), not the eleven that hold none (before 2026-11-29 all twelve went, 48
+    full host pages for 2 SWA slots)."""
+    d = make_daemon({"models": [{**SMALL_MODEL, "full_pages": 256, "swa_pages": 128,
+                                 "host_pages": 64, "host_swa_pages": 4}]})
+    prompts = [[1000 * p + i for i in range(16)] for p in range(12)]
+    with Client(d.socket) as c:
+        c.attach("m")
+        for toks in prompts:
+            a = c.alloc("m", 4)
+            c.insert("m", toks, int32_list(a.full_pages), int32_list(a.swa_pages))
+        wait_for(lambda: stats(c)["tree_host_pages"] == 48, "the host copies")
+        assert c.match("m", prompts[0]).prefix_len == 16
+        c.evict("m", full_pages=1000, swa_pages=1000)
+        tiers = admin_stats(d)["models"]["m"]["tiers"]
+        assert stats(c)["tree_full_pages"] == 0 and tiers["host_swa_pages_used"] == 2
+        c.kv_attach("m")
+        c.kv_commit("m", c.kv_reserve("m", keys("s0"), "swa").pin)
+        r = c.kv_reserve("m", keys("s1", "s2"), "swa")
+        assert all(r.slots) and stats(c)["tree_host_pages"] == 44
+        assert c.match("m", prompts[0]).host_hit_len == 0
+        assert all(c.match("m", t).host_hit_len == 0 for t in prompts[1:])  # no SWA window
+        c.kv_release("m", r.pin)
 
 
 def test_a_fetch_waits_for_the_slots_redis_writes_still_read(make_daemon, tmp_path) -> None:
