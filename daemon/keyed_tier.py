@@ -45,7 +45,7 @@ from .storage.host_pool import HostPool
 from .storage.host_tier import HostTier
 from .storage.keyed_audit import keyed_pool_audit_steps
 from .storage.keyed_names import KeyedNames
-from .storage.keyed_pages import KeyedPage, KeyedPages, KvPin, keyed_hash
+from .storage.keyed_pages import KeyedPage, KeyedPages, KvError, KvPin, keyed_hash
 from .storage.redis_tier import RedisTier
 
 log = logging.getLogger("radixd.keyed")
@@ -64,15 +64,6 @@ KV_COUNTERS = (
     "kv_lookups", "kv_lookup_keys", "kv_hit_keys", "kv_reserved", "kv_committed", "kv_aborted",
     "kv_declined", "kv_evicted", "kv_cleared", "kv_l3_write_pages", "kv_l3_write_failures",
     "kv_l3_fetched", "kv_l3_fetch_timeouts")
-
-
-class KvError(Exception):
-    """A refused keyed-store request, with its protocol error code."""
-
-    def __init__(self, code: str, message: str, **details: Any) -> None:
-        super().__init__(message)
-        self.code = code
-        self.details = details
 
 
 #: TierManager.charge_l3: (namespace, Redis page id, pool, value bytes) of written values
@@ -301,11 +292,19 @@ class KeyedTier:
         self.pool(kind)
         self.check_keys(keys, unique=False)
 
-    def _touch_stored(self, ns: str, kind: str, keys: list[bytes]) -> None:
-        """The stored pages among ``keys`` become the most recently used: a request's own pages
-        are the last that making room for its others may take."""
-        for page in filter(None, (self.pages.get(ns, kind, k) for k in keys)):
+    @contextlib.contextmanager
+    def _kept(self, ns: str, kind: str, keys: list[bytes]) -> Iterator[None]:
+        """The request's stored pages stay while room is made for its others (no eviction trades
+        them for what it brings): pinned meanwhile, and touched, the first key last."""
+        kept = [p for p in dict.fromkeys(self.pages.get(ns, kind, k) for k in reversed(keys)) if p]
+        for page in kept:
             self.pages.touch(page, self.cache.tree.clock)
+            page.pins += 1
+        try:
+            yield
+        finally:
+            for page in kept:
+                page.pins -= 1
 
     def lookup(self, owner: Hashable, ns: str, kind: str, keys: list[bytes], pin: bool,
                max_pins: int) -> P.KvLookupResult:
@@ -344,15 +343,15 @@ class KeyedTier:
         self.check_keys(keys, unique=True)
         self.check_pins(owner, len(keys), max_pins)
         slots = array("i", bytes(4 * len(keys)))
-        self._touch_stored(ns, kind, keys)  # in use: the last to make room
         want = 0
         hashes: dict[bytes, bytes] = {}
         for k in (k for k in keys if self.pages.get(ns, kind, k) is None):
             h = hashes[k] = keyed_hash(ns, self.fingerprint, kind, k)
             if not self.pages.is_reserved(ns, kind, k) and pool.lookup(h) is None:
                 want += 1
-        fit = self.fit_quota(ns, want) if kind == "full" else want
-        self.make_room(kind, fit, ns)
+        with self._kept(ns, kind, keys):
+            fit = self.fit_quota(ns, want) if kind == "full" else want
+            self.make_room(kind, fit, ns)
         # after the eviction: a key it took is no longer stored, and is written (or declined)
         todo: list[tuple[int, bytes]] = []
         busy = 0
@@ -638,9 +637,9 @@ class KeyedTier:
             # everything is read again, as other sessions went on meanwhile
             found = [(k, h, v) for k, h, v in found if self.pages.get(ns, kind, k) is None
                      and not self.pages.is_reserved(ns, kind, k) and pool.lookup(h) is None]
-            self._touch_stored(ns, kind, keys)  # the request's own: the last to make room
-            fit = self.fit_quota(ns, len(found)) if kind == "full" else len(found)
-            coming = self.make_room(kind, fit, ns)
+            with self._kept(ns, kind, keys):
+                fit = self.fit_quota(ns, len(found)) if kind == "full" else len(found)
+                coming = self.make_room(kind, fit, ns)
             fit = min(fit, self.host.available_to(kind, ns))
             if fit == len(found) or waited_out:
                 break

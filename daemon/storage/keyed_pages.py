@@ -22,6 +22,7 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from daemon.gpu.allocator import AUDIT_STEP_SLOTS
 from daemon.tree import chunked
@@ -42,6 +43,15 @@ def keyed_hash(namespace: str, fingerprint: bytes, kind: str, key: bytes) -> byt
         h.update(len(part).to_bytes(4, "little"))
         h.update(part)
     return h.digest()
+
+
+class KvError(Exception):
+    """A refused keyed-store request, with its protocol error code."""
+
+    def __init__(self, code: str, message: str, **details: Any) -> None:
+        super().__init__(message)
+        self.code = code
+        self.details = details
 
 
 @dataclass(eq=False)

@@ -328,6 +328,27 @@ def test_a_fetch_makes_room_from_other_pages_than_the_requests_own(make_daemon,
         assert read(c, pools, [f"u{i}" for i in range(4)]).keys() == {"u3"}
 
 
+def test_a_fetch_never_trades_the_requests_own_pages_for_its_others(make_daemon,
+                                                                      prefix: str) -> None:
+    """Seven host slots hold k0..k6; k7..k9 are only in Redis. A lookup of k0..k9 with fetch
+    keeps its prefix of seven (nothing else could make room, so nothing is fetched): the
+    request's own pages are pinned while room is made (before, a touch alone left them the only
+    victims, and the prefix came back empty)."""
+    d = make_daemon(l3_config(SHARED_URL, prefix, host_pages=8, host_swa_pages=4))
+    names = [f"k{i}" for i in range(10)]
+    with Client(d.socket) as c:
+        pools = c.kv_attach("m")
+        written = store(c, pools, names[7:], 13)
+        wait_for(lambda: stats(c)["kv_l3_write_pages"] == 3, "the Redis writes")
+        written.update(store(c, pools, names[:7], 14))
+        assert read(c, pools, names[7:]) == {}
+        got = c.kv_lookup("m", keys(*names), fetch=True, timeout_s=2)
+        assert got.present == b"\x01" * 7 + b"\x00" * 3 and got.prefix == 7
+        assert all(torch.equal(pools.full[s], written[n])
+                   for n, s in zip(names[:7], got.slots, strict=False))
+        c.kv_release("m", got.pin)
+
+
 def test_an_swa_reservation_takes_the_tree_leaves_that_hold_swa_host_slots(make_daemon) -> None:
     """Twelve prompts on host, only the first with SWA host copies (three SWA host slots); it is
     matched, so it is the most recent. Two keyed SWA pages need its two slots: that prompt goes
