@@ -176,15 +176,15 @@ class KeyedTier:
         self.pages.remove(page)
         self._free(page.kind, [page.slot])
 
-    def _tree_victim(self, ns: str | None, exclude: str | None = None
+    def _tree_victim(self, kind: str, ns: str | None, exclude: str | None = None
                      ) -> tuple[str, float] | None:
-        """The namespace and key of the tree's next host victim (of ``ns`` if given, of any
-        namespace but ``exclude`` if that is given)."""
+        """The namespace and key of the tree's next host victim for a slot of ``kind`` (of
+        ``ns`` if given, of any namespace but ``exclude`` if that is given)."""
         best: tuple[str, float] | None = None
         for name, space in self.cache.tree.namespaces.items():
             if (ns is not None and name != ns) or name == exclude:
                 continue
-            q = space.host_q
+            q = space.host_q if kind == "full" else space.host_swa_q
             if q.peek() is not None and (best is None or q.heap[0][0] < best[1]):
                 best = (name, q.heap[0][0])
         return best
@@ -198,8 +198,7 @@ class KeyedTier:
         read = self.host.readers[kind]
         victims = self.pages.victims(kind, ns, exclude)
         page = next(victims if not read else (p for p in victims if p.slot not in read), None)
-        tree = (self._tree_victim(ns, exclude)
-                if kind == "full" or self.cache.tree.host_swa_pages else None)
+        tree = self._tree_victim(kind, ns, exclude)
         if page is None and tree is None:
             return False
         if page is not None and (tree is None or page.stamp <= tree[1]):

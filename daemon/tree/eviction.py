@@ -25,10 +25,6 @@ from .node import EMPTY, Node
 from .page_ids import PageIds, host_swa_ids, nonzero, nonzero_count
 from .results import EvictResult, Namespace
 
-#: most host leaves without SWA host slots an SWA-slot eviction passes over (each costs a
-#: queue pop and push: a bound on the event loop's time when few leaves hold any)
-HOST_SWA_PASSES = 1024
-
 
 class Eviction:
     """The eviction half of :class:`~daemon.tree.radix.RadixTree` (a mixin: it shares the tree's
@@ -131,40 +127,21 @@ class Eviction:
 
     def evict_host(self, slots: int, namespace: str | None = None, swa_slots: int = 0
                    ) -> EvictResult:
-        """Drop host-only leaves until ``slots`` full and ``swa_slots`` SWA host slots are free.
-
-        Once the full slots are there, the leaves holding SWA host slots go first (most leaves
-        hold none: only a node's trailing window is copied), oldest first; up to
-        :data:`HOST_SWA_PASSES` others are passed over and stay where they were, as a leaf
-        without any would give up its full host pages for nothing the caller needs. When no
-        such leaf is left (or that many were passed over), the others go too, oldest first:
-        one may be all that stands over an inner node's window."""
+        """Drop host-only leaves until ``slots`` full and ``swa_slots`` SWA host slots are free:
+        the coldest leaves while full slots are short, then the coldest of those that hold SWA
+        host slots (most hold none: only a node's trailing window is copied, and a leaf without
+        any would give up its full host pages for nothing needed here). Stops short when none
+        is left, SWA host slots of inner nodes included."""
         res = EvictResult()
         ns = self.namespaces.get(namespace) if namespace is not None else None
         if namespace is not None and ns is None:
             return res
-        passed: list[Node] = []
-        passing = True
         while res.host_slots < slots or res.host_swa_slots < swa_slots:
-            node = self._pop("host_q", ns)
+            node = self._pop("host_q" if res.host_slots < slots else "host_swa_q", ns)
             if node is None:
-                if not (passing and passed):
-                    break
-                passing = False
-                self._requeue_all(passed)
-                continue
-            if (passing and res.host_slots >= slots and len(passed) < HOST_SWA_PASSES
-                    and (node.host_swa is None or not nonzero_count(node.host_swa))):
-                passed.append(node)
-                continue
+                break
             self._delete_host_leaf(node, res)
-        self._requeue_all(passed)
         return res
-
-    def _requeue_all(self, nodes: list[Node]) -> None:
-        for n in nodes:
-            self._requeue(n)
-        nodes.clear()
 
     def _tombstone(self, n: Node, res: EvictResult) -> None:
         swa = n.swa

@@ -309,7 +309,8 @@ def _check_locks(tree: RadixTree, reachable: dict[int, Node], v: list[str]) -> I
 
 def _check_queues(tree: RadixTree, reachable: dict[int, Node], v: list[str]) -> Iterator[None]:
     pol = tree.policy
-    keys = {"full": pol.full_key, "swa": pol.swa_key, "host": pol.host_key}
+    keys = {"full": pol.full_key, "swa": pol.swa_key, "host": pol.host_key,
+            "host_swa": pol.host_key}
     by_ns: dict[int, list[Node]] = {id(ns): [] for ns in tree.namespaces.values()}
     for chunk in chunked(reachable.values()):
         for n in chunk:
@@ -317,7 +318,8 @@ def _check_queues(tree: RadixTree, reachable: dict[int, Node], v: list[str]) -> 
                 by_ns[id(n.ns)].append(n)
         yield
     for name, ns in tree.namespaces.items():
-        want: dict[str, set[int]] = {"full": set(), "swa": set(), "host": set()}
+        want: dict[str, set[int]] = {"full": set(), "swa": set(), "host": set(),
+                                     "host_swa": set()}
         full = swa = host = 0
         for chunk in chunked(by_ns[id(ns)]):
             for n in chunk:
@@ -336,8 +338,11 @@ def _check_queues(tree: RadixTree, reachable: dict[int, Node], v: list[str]) -> 
                 if (n.full is None and n.host is not None and not n.children
                         and not n.host_pin):
                     want["host"].add(n.id)
+                    if n.host_swa is not None and nonzero_count(n.host_swa):
+                        want["host_swa"].add(n.id)
             yield
-        for label, q in (("full", ns.full_q), ("swa", ns.swa_q), ("host", ns.host_q)):
+        for label, q in (("full", ns.full_q), ("swa", ns.swa_q), ("host", ns.host_q),
+                         ("host_swa", ns.host_swa_q)):
             yield from _check_queue(f"{name}/{label}", q, want[label], keys[label], reachable,
                                     v)
         counted = (ns.full_pages, ns.swa_pages, ns.host_pages)

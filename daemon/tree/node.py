@@ -57,6 +57,7 @@ class Node:
         "full_entry",
         "swa_entry",
         "host_entry",
+        "host_swa_entry",
     )
 
     def __init__(self, node_id: int, parent: Node | None, ns: Any, tokens: bytes,
@@ -86,6 +87,7 @@ class Node:
         self.full_entry: list | None = None
         self.swa_entry: list | None = None
         self.host_entry: list | None = None
+        self.host_swa_entry: list | None = None  # (host leaves that hold SWA host slots)
 
     def __repr__(self) -> str:
         state = "host" if self.full is None else ("tomb" if self.swa is None else "live")

@@ -37,7 +37,7 @@ from .insertion import Insertion
 from .locks import Locking
 from .matching import Matching
 from .node import EMPTY, Node, Pin, Receipt
-from .page_ids import LEAD_MIN, PageIdCodec, host_swa_ids
+from .page_ids import LEAD_MIN, PageIdCodec, host_swa_ids, nonzero_count
 from .plain_ids import PlainPageIds
 from .policy import DEFAULT_POLICY, EvictionPolicy, make_policy
 from .results import (
@@ -268,15 +268,22 @@ class RadixTree(Matching, Insertion, Locking, Eviction, Tiering):
                 ns.swa_q.remove(n)
             if n.host_entry is not None:
                 ns.host_q.remove(n)
+                ns.host_swa_q.remove(n)
         else:
             if n.full_entry is not None:
                 ns.full_q.remove(n)
             if n.swa_entry is not None:
                 ns.swa_q.remove(n)
             if n.host is not None and not n.children and not n.host_pin:
-                ns.host_q.push(n, pol.host_key(n))
+                key = pol.host_key(n)
+                ns.host_q.push(n, key)
+                if n.host_swa is not None and nonzero_count(n.host_swa):
+                    ns.host_swa_q.push(n, key)
+                elif n.host_swa_entry is not None:
+                    ns.host_swa_q.remove(n)
             elif n.host_entry is not None:
                 ns.host_q.remove(n)
+                ns.host_swa_q.remove(n)
 
     def _unqueue(self, n: Node) -> None:
         self.changes += 1
@@ -284,6 +291,7 @@ class RadixTree(Matching, Insertion, Locking, Eviction, Tiering):
         ns.full_q.remove(n)
         ns.swa_q.remove(n)
         ns.host_q.remove(n)
+        ns.host_swa_q.remove(n)
 
     def _touch(self, n: Node) -> None:
         if n.ts == self._clock:
@@ -422,6 +430,8 @@ class RadixTree(Matching, Insertion, Locking, Eviction, Tiering):
         node.parent = up
         self.nodes[up.id] = up
         self._requeue(up)
+        if node.host_swa_entry is not None and node.host_swa is None:  # its window went up
+            self._requeue(node)
         self.stats["splits"] += 1
         return up
 

@@ -100,8 +100,8 @@ class Namespace:
     """A separate subtree: its own root, hash seed, eviction queues and page counts (so a tenant
     over quota can evict its own cold pages without scanning anyone else's)."""
 
-    __slots__ = ("name", "seed", "root", "full_q", "swa_q", "host_q", "full_pages", "swa_pages",
-                 "host_pages")
+    __slots__ = ("name", "seed", "root", "full_q", "swa_q", "host_q", "host_swa_q",
+                 "full_pages", "swa_pages", "host_pages")
 
     def __init__(self, name: str, seed: bytes, root: Node, policy: EvictionPolicy) -> None:
         self.name = name
@@ -110,6 +110,9 @@ class Namespace:
         self.full_q = EvictionQueue("full_entry", policy.full_key)
         self.swa_q = EvictionQueue("swa_entry", policy.swa_key)
         self.host_q = EvictionQueue("host_entry", policy.host_key)
+        # the host_q leaves that hold SWA host slots, in the same order: what an eviction for
+        # SWA host slots takes (most host leaves hold none: only a node's window is copied)
+        self.host_swa_q = EvictionQueue("host_swa_entry", policy.host_key)
         self.full_pages = 0  # device pages of this namespace's nodes
         self.swa_pages = 0
         self.host_pages = 0

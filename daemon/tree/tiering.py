@@ -259,4 +259,5 @@ class Tiering:
         if filled:
             n.host_swa = host_swa_ids(hs, self.swa_lead_min)
             self.host_swa_pages += filled
+            self._requeue(n)  # a host leaf that holds SWA host slots now
         return filled

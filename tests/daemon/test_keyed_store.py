@@ -349,11 +349,15 @@ def test_a_fetch_never_trades_the_requests_own_pages_for_its_others(make_daemon,
         c.kv_release("m", got.pin)
 
 
-def test_an_swa_reservation_takes_the_tree_leaves_that_hold_swa_host_slots(make_daemon) -> None:
+@pytest.mark.parametrize("on_device", [False, True])
+def test_an_swa_reservation_takes_the_tree_leaves_that_hold_swa_host_slots(
+        make_daemon, on_device: bool) -> None:
     """Twelve prompts on host, only the first with SWA host copies (three SWA host slots); it is
     matched, so it is the most recent. Two keyed SWA pages need its two slots: that prompt goes
     (4 full host pages), not the eleven that hold none (before 2026-11-29 all twelve went, 48
-    full host pages for 2 SWA slots)."""
+    full host pages for 2 SWA slots). ``on_device``: the first prompt stays on device, so no
+    host leaf holds SWA host slots: the tree keeps all 48 and the reservation declines what
+    does not fit."""
     d = make_daemon({"models": [{**SMALL_MODEL, "full_pages": 256, "swa_pages": 128,
                                  "host_pages": 64, "host_swa_pages": 4}]})
     prompts = [[1000 * p + i for i in range(16)] for p in range(12)]
@@ -364,14 +368,19 @@ def test_an_swa_reservation_takes_the_tree_leaves_that_hold_swa_host_slots(make_
             c.insert("m", toks, int32_list(a.full_pages), int32_list(a.swa_pages))
         wait_for(lambda: stats(c)["tree_host_pages"] == 48, "the host copies")
         assert c.match("m", prompts[0]).prefix_len == 16
-        c.evict("m", full_pages=1000, swa_pages=1000)
+        c.evict("m", full_pages=44 if on_device else 1000, swa_pages=0 if on_device else 1000)
         tiers = admin_stats(d)["models"]["m"]["tiers"]
-        assert stats(c)["tree_full_pages"] == 0 and tiers["host_swa_pages_used"] == 2
+        assert stats(c)["tree_full_pages"] == (4 if on_device else 0)
+        assert tiers["host_swa_pages_used"] == 2
         c.kv_attach("m")
         c.kv_commit("m", c.kv_reserve("m", keys("s0"), "swa").pin)
         r = c.kv_reserve("m", keys("s1", "s2"), "swa")
-        assert all(r.slots) and stats(c)["tree_host_pages"] == 44
-        assert c.match("m", prompts[0]).host_hit_len == 0
+        if on_device:
+            assert sorted(bool(x) for x in r.slots) == [False, True] and r.full == 1
+            assert stats(c)["tree_host_pages"] == 48
+        else:
+            assert all(r.slots) and stats(c)["tree_host_pages"] == 44
+            assert c.match("m", prompts[0]).host_hit_len == 0
         assert all(c.match("m", t).host_hit_len == 0 for t in prompts[1:])  # no SWA window
         c.kv_release("m", r.pin)
 

@@ -279,32 +279,35 @@ def test_unlock_cleanup_names_a_dead_leaf_instead_of_deleting_it(P):
 
 
 def test_an_swa_host_eviction_takes_leaves_that_hold_swa_host_slots():
-    """Three host-only leaves, oldest first: A and B without SWA host copies, C with them.
-    Freeing one SWA host slot takes C alone (before 2026-11-29 it took A and B first, their full
-    host pages for nothing); freeing full slots too takes the oldest first, as before; and with
-    no leaf holding SWA left, the rest go oldest first."""
+    """Four host-only leaves, oldest first: A and B without SWA host copies, C and D with them.
+    Freeing one SWA host slot takes C, the coldest that holds one (before 2026-11-29 it took A
+    and B first, their full host pages for nothing); with none left that holds any, it stops
+    short rather than drop the others; freeing full slots takes the coldest leaf, as ever."""
     P = 4
     tree, sink, ids = two_phase_tree(P)
     tree.host_copy_hits = None
     leaves = []
-    for label, with_swa in ((1, False), (2, False), (3, True)):
+    for label, with_swa in ((1, False), (2, False), (3, True), (4, True)):
         s = seq(P, [label])
         tree.insert(NS, s, ids.full(1), ids.swa(1))
         n = tree.get_node(tree.match(NS, s).node_id)
         tree.set_host(n.id, array("i", [900 + label]),
                       array("i", [950 + label]) if with_swa else None)
         leaves.append(n)
-    tree.evict(full_pages=3)
-    a, b, c = leaves
+    tree.evict(full_pages=4)
+    a, b, c, d = leaves
     assert all(n.full is None and n.host is not None for n in leaves)
     res = tree.evict_host(0, swa_slots=1)
     assert (res.host_slots, res.host_swa_slots) == (1, 1)
-    assert sorted(sink.host) == [903] and sorted(sink.host_swa) == [953]
-    assert tree.nodes.get(a.id) is a and tree.nodes.get(b.id) is b
+    assert sink.host == [903] and sink.host_swa == [953]
+    assert [tree.nodes.get(n.id) for n in (a, b, d)] == [a, b, d]
     ok(tree)
-    res = tree.evict_host(0, swa_slots=1)  # none holds any: they go, oldest first
-    assert (res.host_slots, res.host_swa_slots) == (2, 0)
-    assert sorted(sink.host) == [901, 902, 903] and tree.host_pages == 0
+    res = tree.evict_host(0, swa_slots=2)  # D, then none holds any: A and B stay
+    assert (res.host_slots, res.host_swa_slots) == (1, 1)
+    assert sorted(sink.host) == [903, 904] and tree.nodes.get(a.id) is a
+    ok(tree)
+    res = tree.evict_host(1)
+    assert res.host_slots == 1 and tree.nodes.get(a.id) is None and tree.nodes.get(b.id) is b
     ok(tree)
 
 

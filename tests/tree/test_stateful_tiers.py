@@ -682,11 +682,17 @@ class TierMachine(RuleBasedStateMachine):
                     assert a == b
         assert sorted(self.dropped) == sorted(gone), "host_dropped was not told exactly"
         self.dropped.clear()
-        if res.host_slots < slots or res.host_swa_slots < swa_slots:
+        if res.host_slots < slots:
             for ns in NAMESPACES:
                 if scope in (None, ns):
                     assert all(e[F] is not None or (ns, k) in pins
                                for k, e in now[ns].items()), "evict_host stopped short"
+        elif res.host_swa_slots < swa_slots:  # no host leaf left in scope holds SWA host slots
+            assert not [n for n in self.tree.nodes.values()
+                        if n.parent is not None and scope in (None, n.ns.name)
+                        and n.full is None and n.host is not None and not n.children
+                        and not n.host_pin and not n.pin and n.host_swa is not None
+                        and any(n.host_swa)], "evict_host stopped short of SWA host slots"
         event(f"evict_host: dropped {len(gone) > 0}")
         self.model = now
 

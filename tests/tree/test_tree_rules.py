@@ -935,8 +935,8 @@ def test_eviction_demotes_host_backed_nodes(P):
     m = h.match(s)
     # a host copy without the window's SWA could not be used after a load: no host hit
     assert m.prefix_len == 0 and m.full_hit_len == 0 and m.host_hit_len == 0
-    na.host_swa = h.host(2)  # the window (two pages) has SWA copies now
-    h.tree.host_swa_pages += 2
+    # the window (two pages) gets SWA copies on host, as from Redis
+    assert h.tree.adopt_host(NS, a, 0, 2, {}, dict(enumerate(h.host(2)))) == (0, 2)
     h.ok()
     m = h.match(s)
     assert m.prefix_len == 0 and m.full_hit_len == 0 and m.host_hit_len == 2 * P
