@@ -291,19 +291,13 @@ class KeyedTier:
         self.pool(kind)
         self.check_keys(keys, unique=False)
 
-    @contextlib.contextmanager
-    def _kept(self, ns: str, kind: str, keys: list[bytes]) -> Iterator[None]:
+    def _kept(self, ns: str, kind: str, keys: list[bytes]) -> contextlib.AbstractContextManager:
         """The request's stored pages stay while room is made for its others (no eviction trades
-        them for what it brings): pinned meanwhile, and touched, the first key last."""
+        them for what it brings): held meanwhile, and touched, the first key last."""
         kept = [p for p in dict.fromkeys(self.pages.get(ns, kind, k) for k in reversed(keys)) if p]
         for page in kept:
             self.pages.touch(page, self.cache.tree.clock)
-            page.pins += 1
-        try:
-            yield
-        finally:
-            for page in kept:
-                page.pins -= 1
+        return self.pages.held(kept)
 
     def lookup(self, owner: Hashable, ns: str, kind: str, keys: list[bytes], pin: bool,
                max_pins: int) -> P.KvLookupResult:

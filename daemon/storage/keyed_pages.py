@@ -18,6 +18,7 @@ Not thread-safe: the daemon calls it from its event loop only.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from collections import OrderedDict
 from collections.abc import Hashable, Iterator
@@ -171,6 +172,18 @@ class KeyedPages:
         """A hit: the page becomes the most recent of its kind."""
         page.stamp = stamp
         self.order[page.kind].move_to_end((page.ns, page.kind, page.key))
+
+    @contextlib.contextmanager
+    def held(self, pages: list[KeyedPage]) -> Iterator[None]:
+        """``pages`` (distinct) cannot be evicted while the block runs, which must not await:
+        the audit, between requests, counts a page's pins against the pins recorded."""
+        for page in pages:
+            page.pins += 1
+        try:
+            yield
+        finally:
+            for page in pages:
+                page.pins -= 1
 
     def pin_pages(self, owner: Hashable, ns: str, kind: str, pages: list[KeyedPage]) -> KvPin:
         """A lookup pin over distinct ``pages``."""

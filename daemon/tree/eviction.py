@@ -25,6 +25,10 @@ from .node import EMPTY, Node
 from .page_ids import PageIds, host_swa_ids, nonzero, nonzero_count
 from .results import EvictResult, Namespace
 
+#: most host leaves an eviction for SWA host slots looks at, past the ones that hold some, for
+#: one over an ancestor's window (each costs two queue operations on the event loop)
+SHIELD_LOOK = 64
+
 
 class Eviction:
     """The eviction half of :class:`~daemon.tree.radix.RadixTree` (a mixin: it shares the tree's
@@ -130,18 +134,41 @@ class Eviction:
         """Drop host-only leaves until ``slots`` full and ``swa_slots`` SWA host slots are free:
         the coldest leaves while full slots are short, then the coldest of those that hold SWA
         host slots (most hold none: only a node's trailing window is copied, and a leaf without
-        any would give up its full host pages for nothing needed here). Stops short when none
-        is left, SWA host slots of inner nodes included."""
+        any would give up its full host pages for nothing needed here). With none of those
+        left, a leaf without any goes when a host-only ancestor holds some (a window copied
+        before the leaf's own copy found no SWA slot), so that no window stays out of reach;
+        at most :data:`SHIELD_LOOK` other leaves are looked at, and stay."""
         res = EvictResult()
         ns = self.namespaces.get(namespace) if namespace is not None else None
         if namespace is not None and ns is None:
             return res
+        passed: list[Node] = []
         while res.host_slots < slots or res.host_swa_slots < swa_slots:
-            node = self._pop("host_q" if res.host_slots < slots else "host_swa_q", ns)
+            if res.host_slots < slots:
+                node = self._pop("host_q", ns)
+            else:
+                node = self._pop("host_swa_q", ns) or self._shielding_leaf(ns, passed)
             if node is None:
                 break
             self._delete_host_leaf(node, res)
+        for n in passed:
+            self._requeue(n)
         return res
+
+    def _shielding_leaf(self, ns: Namespace | None, passed: list[Node]) -> Node | None:
+        """The coldest host leaf with a host-only ancestor that holds SWA host slots; the leaves
+        looked at before it join ``passed`` (at most SHIELD_LOOK in all)."""
+        while len(passed) < SHIELD_LOOK:
+            node = self._pop("host_q", ns)
+            if node is None:
+                return None
+            a = node.parent
+            while a.parent is not None and a.full is None:  # (host-only ancestors)
+                if a.host_swa is not None:
+                    return node
+                a = a.parent
+            passed.append(node)
+        return None
 
     def _tombstone(self, n: Node, res: EvictResult) -> None:
         swa = n.swa

@@ -37,7 +37,7 @@ from .insertion import Insertion
 from .locks import Locking
 from .matching import Matching
 from .node import EMPTY, Node, Pin, Receipt
-from .page_ids import LEAD_MIN, PageIdCodec, host_swa_ids, nonzero_count
+from .page_ids import LEAD_MIN, PageIdCodec, host_swa_ids
 from .plain_ids import PlainPageIds
 from .policy import DEFAULT_POLICY, EvictionPolicy, make_policy
 from .results import (
@@ -277,7 +277,7 @@ class RadixTree(Matching, Insertion, Locking, Eviction, Tiering):
             if n.host is not None and not n.children and not n.host_pin:
                 key = pol.host_key(n)
                 ns.host_q.push(n, key)
-                if n.host_swa is not None and nonzero_count(n.host_swa):
+                if n.host_swa is not None:  # (host_swa_ids: None when no slot is set)
                     ns.host_swa_q.push(n, key)
                 elif n.host_swa_entry is not None:
                     ns.host_swa_q.remove(n)

@@ -311,6 +311,34 @@ def test_an_swa_host_eviction_takes_leaves_that_hold_swa_host_slots():
     ok(tree)
 
 
+def test_an_swa_host_eviction_reaches_a_window_under_a_leaf_without_one():
+    """A holds SWA host slots (its window), its only child B none (B's copy found no SWA slot):
+    no leaf holds any, and B is what stands over A's window. Freeing an SWA host slot takes B
+    then A, instead of stopping short with A's slots out of reach; a leaf over no such
+    ancestor (C) stays."""
+    P = 4
+    tree, sink, ids = two_phase_tree(P)
+    tree.host_copy_hits = None
+    c_seq, a_seq, ab_seq = seq(P, [9]), seq(P, [1, 2]), seq(P, [1, 2, 3])
+    tree.insert(NS, c_seq, ids.full(1), ids.swa(1))
+    tree.insert(NS, a_seq, ids.full(2), ids.swa(2))
+    tree.insert(NS, ab_seq, ids.full(1), ids.swa(1), prev_prefix_len=2 * P)
+    c = tree.get_node(tree.match(NS, c_seq).node_id)
+    a = tree.get_node(tree.match(NS, a_seq).node_id)
+    b = tree.get_node(tree.match(NS, ab_seq).node_id)
+    assert b.parent is a
+    tree.set_host(c.id, array("i", [909]))
+    tree.set_host(a.id, array("i", [901, 902]), array("i", [951, 952]))
+    tree.set_host(b.id, array("i", [903]))
+    tree.evict(full_pages=4)
+    assert all(n.full is None for n in (a, b, c))
+    res = tree.evict_host(0, swa_slots=1)
+    assert (res.host_slots, res.host_swa_slots) == (3, 2)
+    assert sorted(sink.host) == [901, 902, 903] and sorted(sink.host_swa) == [951, 952]
+    assert tree.nodes.get(c.id) is c
+    ok(tree)
+
+
 def test_dropped_host_pages_stay_held_until_released():
     """L3 write-back is the two-phase eviction of the host tier: a dropped host-only leaf keeps
     its slots (bytes readable) until the tiers release it."""
