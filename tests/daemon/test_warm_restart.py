@@ -230,6 +230,16 @@ def _alice_holds(d: Any) -> dict[str, Any]:
     return {k: st[k] for k in ("tree_host_pages", "kv_pages", "quota_host_pages")}
 
 
+def _cache_two_prompts_and_stop(d: Any) -> None:
+    """Alice's prompts of six pages, seq(6) then seq(6, base=5000), on host; then the stop."""
+    e = Engine(d.socket, token="A")
+    e.cache(seq(6))
+    e.cache(seq(6, base=5000))
+    wait_for(lambda: _alice_holds(d)["tree_host_pages"] == 12, "the host copies")
+    e.close()
+    _stop(d)
+
+
 def test_a_host_quota_lowered_across_a_restart_drops_the_oldest_tree_pages(
         make_daemon, tmp_path: Path) -> None:
     """Two prompts of six host pages cached without a quota; the next start sets
@@ -238,12 +248,7 @@ def test_a_host_quota_lowered_across_a_restart_drops_the_oldest_tree_pages(
     copies again; the other one still loads from host."""
     state = tmp_path / "state"
     d1 = make_daemon(_alice(state))
-    e = Engine(d1.socket, token="A")
-    e.cache(seq(6))
-    e.cache(seq(6, base=5000))
-    wait_for(lambda: _alice_holds(d1)["tree_host_pages"] == 12, "the host copies")
-    e.close()
-    _stop(d1)
+    _cache_two_prompts_and_stop(d1)
     d2 = make_daemon(_alice(state, quota_host_pages=6))
     assert _alice_holds(d2) == {"tree_host_pages": 6, "kv_pages": 0, "quota_host_pages": 6}
     assert re.search(r"namespace 'alice' held 12 saved full host pages, over its "
@@ -310,12 +315,7 @@ def test_keyed_and_tree_pages_keep_their_order_across_a_restart(
     with Client(d1.socket, "A") as c:
         c.kv_attach("m")
         c.kv_commit("m", c.kv_reserve("m", [b"k0"]).pin)
-    e = Engine(d1.socket, token="A")
-    e.cache(seq(6))
-    e.cache(seq(6, base=5000))
-    wait_for(lambda: _alice_holds(d1)["tree_host_pages"] == 12, "the host copies")
-    e.close()
-    _stop(d1)
+    _cache_two_prompts_and_stop(d1)
     d2 = make_daemon(_alice(state, quota_host_pages=12, eviction_policy="lru"))
     assert _alice_holds(d2) == {"tree_host_pages": 12, "kv_pages": 0, "quota_host_pages": 12}
 
