@@ -343,8 +343,8 @@ class _Restorer:
     def fit_quotas(self) -> None:
         """A quota_host_pages the new configuration lowered: the namespace's host pages over it
         go now, as its next copy would make them go (the coldest first: tree and keyed pages keep
-        their order across a restart), and not
-        only once it copies again (a tenant that only reads would stay over its quota)."""
+        their order across a restart), and not only once it copies again (a tenant that only
+        reads would stay over its quota)."""
         cache = self.entry.cache
         for ns, quota in self.entry.tiers.host_quotas.items():  # type: ignore[union-attr]
             held = host_quota_held(cache, ns)
