@@ -14,6 +14,7 @@ number, so descriptor ``k`` means at least ``k + 1`` are open.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import resource
 import time
@@ -68,7 +69,7 @@ class NearLimit:
         self.read_limit = read_limit
         self.clock = clock
         self.seen = 0  # connections accepted past the threshold
-        self._warned_at: float | None = None
+        self._warned_at = -math.inf
         self._set(read_limit())
 
     def _set(self, limit: int) -> None:
@@ -83,7 +84,7 @@ class NearLimit:
             return
         self.seen += 1
         now = self.clock()
-        if self._warned_at is not None and now - self._warned_at < WARN_EVERY_S:
+        if now - self._warned_at < WARN_EVERY_S:
             return
         self._warned_at = now
         log.warning("at least %d of the %d files this process may open are open (a connection "
