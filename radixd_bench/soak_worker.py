@@ -129,8 +129,8 @@ def worker_main(index: int, socket_path: str, token: str, model: str, docs: list
         try:
             if client is None:
                 client = _connect(socket_path, token, name)
+            if pages is None:  # (an attach that a daemon restart cut short is made again)
                 pages = PageVerifier(client.attach(model), client.models[model].page_size)
-            assert pages is not None
             prompt = rng.choice(docs) + [rng.randrange(1, 30000) for _ in range(suffix)]
             out = [rng.randrange(1, 30000) for _ in range(output)]
             _serve(client, pages, model, prompt, out, chunk, counts)
