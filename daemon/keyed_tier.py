@@ -63,7 +63,7 @@ L3Item = tuple[str, int, bytes, bytes | None, int, KeyedPage]
 KV_COUNTERS = (
     "kv_lookups", "kv_lookup_keys", "kv_hit_keys", "kv_reserved", "kv_committed", "kv_aborted",
     "kv_declined", "kv_evicted", "kv_cleared", "kv_l3_write_pages", "kv_l3_write_failures",
-    "kv_l3_fetched", "kv_l3_fetch_timeouts")
+    "kv_l3_write_outdated", "kv_l3_fetched", "kv_l3_fetch_timeouts")
 
 
 #: TierManager.charge_l3: (namespace, Redis page id, pool, value bytes) of written values
@@ -335,6 +335,8 @@ class KeyedTier:
         pool = self.pool(kind)
         self.check_keys(keys, unique=True)
         self.check_pins(owner, len(keys), max_pins)
+        if self.l3 is not None:  # known by the commit, most likely: see KeyedNames.stored_as
+            self.names.learn(self.l3, ns)
         slots = array("i", bytes(4 * len(keys)))
         want = 0
         hashes: dict[bytes, bytes] = {}
@@ -384,7 +386,7 @@ class KeyedTier:
             raise KvError(P.Code.BAD_ARGUMENT,
                           f"pin {pin_id} is a lookup pin: release it (kv_release), only a "
                           "reservation is committed")
-        pages = self.pages.commit(pin, self.cache.tree.clock)
+        pages = self.pages.commit(pin, self.cache.tree.clock, self.names.stored_as(pin.ns))
         self.count(pin.ns, "kv_committed", len(pages))
         if self.l3 is not None and self.l3_policy == "write_through":
             for page in pages:  # the slot is held (a reader) until its value is encoded
@@ -424,7 +426,7 @@ class KeyedTier:
             self._l3_queue[:] = [item for item in self._l3_queue if item[-1].ns != ns]
         for page in self.pages.pages.values():  # pinned, so kept: their values are gone
             if page.ns == ns:
-                page.in_l3 = False
+                page.in_l3, page.gen = False, None
         if self.l3 is None:
             self.names.owe(ns)
             return gone
@@ -527,13 +529,18 @@ class KeyedTier:
                         # cleared from here on is named under the one before, never read again)
                         named = [(item, self.names.page_id(item[-1].hash, gen)) for item in batch
                                  if (gen := gens[item[-1].ns]) is not None
-                                 and self._uncleared(item[-1].ns, item[4])]
+                                 and self._uncleared(item[-1].ns, item[4])
+                                 and not item[-1].outdated(gen)]
                         values = await in_thread(self._encode, named)
                     finally:
                         self._let_go(batch)
                     for *_, clears, page in batch:
-                        if gens[page.ns] is None and self._uncleared(page.ns, clears):
+                        if not self._uncleared(page.ns, clears):
+                            continue
+                        if (gen := gens[page.ns]) is None:
                             self.count(page.ns, "kv_l3_write_failures")
+                        elif page.outdated(gen):
+                            self.count(page.ns, "kv_l3_write_outdated")
                     uncounted, named_all = [item for item, _ in named], True
                     stored = await self.l3.set_pages_each(values)
                     dead: dict[str, list[bytes]] = {}  # values a clear overtook: deleted too

@@ -125,8 +125,9 @@ def _image(entry: ModelEntry, index: int, state_dir: str | None) -> ModelImage:
     if entry.keyed is not None:
         for order in entry.keyed.pages.order.values():  # least recently used first
             for page in order.values():
-                img.keyed.append(KeyedRecord(page.ns, page.kind, page.key, page.slot,
-                                             page.in_l3, max(0, tree.clock - page.stamp)))
+                img.keyed.append(KeyedRecord(
+                    page.ns, page.kind, page.key, page.slot, page.in_l3,
+                    max(0, tree.clock - page.stamp), -1 if page.gen is None else page.gen))
                 used[page.kind].append(page.slot)
         img.kv_gens, img.kv_clearing = entry.keyed.names.state()
     img.l3_ledger = [L3LedgerRecord(ns, h, pool, n)
@@ -318,7 +319,8 @@ class _Restorer:
                 continue
             self.host.keyed[rec.kind].add(slot)
             keyed.pages.add_stored(rec.ns, rec.kind, rec.key, slot, h,  # type: ignore[union-attr]
-                                   self.tree.clock - max(0, rec.age), in_l3=rec.in_l3)
+                                   self.tree.clock - max(0, rec.age), in_l3=rec.in_l3,
+                                   gen=rec.gen if rec.gen >= 0 else None)
             self.kept += 1
 
     def run(self) -> None:

@@ -186,3 +186,94 @@ def test_a_batch_that_fails_before_naming_does_not_count_what_a_clear_overtook(
         assert failures(kv) == (0, 2, 2)
 
     run_store(prefix, 6, "write_through", body)
+
+
+def test_a_page_committed_while_its_own_clear_is_recorded_is_written(prefix: str) -> None:
+    """Until this daemon's clear of "a" has reached Redis it knows the generation of before the
+    clear. A page committed meanwhile, stored as of that generation, would be taken for older
+    than the clear when written under the new one, and dropped: it is written."""
+    async def body(kv: KeyedTier, host: HostTier) -> None:
+        commit(kv, host, "s1", "a", [b"p"], 5)
+        await kv.drain(time.monotonic() + 5)  # the write read the generation
+        before = kv.names.known("a")
+        assert before is not None
+        kv.clear("a")
+        assert not kv.names.raised("a")
+        commit(kv, host, "s1", "a", [b"q"], 6)
+        await kv.drain(time.monotonic() + 5)
+        assert kv.names.known("a") == before + 1
+        assert kv.counters["kv_l3_write_outdated"] == 0
+        assert kv.ns_counters["a"]["kv_l3_write_pages"] == 2
+        assert kv.pages.get("a", "full", b"q").in_l3  # type: ignore[union-attr]
+
+    run_store(prefix, 4, "write_through", body)
+
+
+def test_a_page_pinned_at_its_own_clear_is_still_written_back(prefix: str) -> None:
+    """A page pinned at a clear keeps its content, on host and, under write-back, in Redis once
+    evicted (docs/protocol.md 9.4). Stored as of the generation of before the clear, it would
+    be taken for older than it and dropped: the clear lets it be written under the new one."""
+    async def body(kv: KeyedTier, host: HostTier) -> None:
+        await kv.fetch("a", "full", [b"none"], 2.0)  # the generation is known
+        commit(kv, host, "s1", "a", [b"p"], 5)
+        pin = kv.lookup("s1", "a", "full", [b"p"], True, 64).pin
+        kv.clear("a")
+        await kv.drain(time.monotonic() + 5)
+        kv.release("s1", pin)
+        # namespace "b" takes the whole pool: p is evicted and its write queued
+        commit(kv, host, "s2", "b", [b"b1", b"b2", b"b3"], 9)
+        await kv.drain(time.monotonic() + 5)
+        assert kv.pages.get("a", "full", b"p") is None
+        assert kv.counters["kv_l3_write_outdated"] == 0
+        assert kv.ns_counters["a"]["kv_l3_write_pages"] == 1
+
+    run_store(prefix, 4, "write_back", body)
+
+
+def another_daemons_clear(kv: KeyedTier, prefix: str) -> None:
+    """What another daemon's kv_clear of "a" leaves in the shared Redis: its generation raised."""
+    raw = redis_sync.Redis.from_url(SHARED_URL)
+    try:
+        raw.incrby(f"{prefix}:{kv.names.gen_key('a')}", 1)
+    finally:
+        raw.close()
+
+
+def test_a_page_stored_before_the_generation_was_read_counts_as_older_than_any_clear(
+        prefix: str) -> None:
+    """A page committed before this daemon has read its namespace's generation (here in the
+    step of its reservation, whose read has not answered yet) is of generation 0. Another
+    daemon clears since, and the page's write-back is dropped: written under the generation
+    that clear raised, it would be read as newer than the clear."""
+    async def body(kv: KeyedTier, host: HostTier) -> None:
+        commit(kv, host, "s1", "a", [b"p"], 5)
+        assert kv.pages.get("a", "full", b"p").gen == 0  # type: ignore[union-attr]
+        await asyncio.sleep(0.2)
+        assert kv.names.known("a") == 0  # the reservation's read
+        another_daemons_clear(kv, prefix)
+        commit(kv, host, "s2", "b", [b"b1", b"b2", b"b3"], 9)  # p is evicted: its write queued
+        await kv.drain(time.monotonic() + 5)
+        assert kv.ns_counters["a"]["kv_l3_write_outdated"] == 1
+        assert kv.ns_counters["a"]["kv_l3_write_pages"] == 0
+        assert await fetched(kv, [b"p"]) == 0
+
+    run_store(prefix, 4, "write_back", body)
+
+
+def test_a_reservation_reads_the_generation_for_its_commit(prefix: str) -> None:
+    """Redis holds generation 1, from a clear made before this daemon started. A reservation
+    reads it, so that the page committed once that read has answered is of generation 1 and
+    written back (of generation 0 it would be taken for older than that clear, and dropped)."""
+    async def body(kv: KeyedTier, host: HostTier) -> None:
+        another_daemons_clear(kv, prefix)
+        r = kv.reserve("s1", "a", "full", [b"p"], 1000)
+        await asyncio.sleep(0.2)
+        host.full.write_page_bytes(r.slots[0], bytes([5]) * host.full.page_nbytes)
+        kv.commit("s1", r.pin)
+        assert kv.pages.get("a", "full", b"p").gen == 1  # type: ignore[union-attr]
+        commit(kv, host, "s2", "b", [b"b1", b"b2", b"b3"], 9)  # p is evicted: its write queued
+        await kv.drain(time.monotonic() + 5)
+        assert kv.ns_counters["a"]["kv_l3_write_outdated"] == 0
+        assert await fetched(kv, [b"p"]) == 1
+
+    run_store(prefix, 4, "write_back", body)

@@ -103,6 +103,9 @@ class KeyedRecord(msgspec.Struct, array_like=True):
     # the churn since its last commit or hit, as TreeNodeRecord.age (the list runs least
     # recently used first per pool kind, from 2026-11-29)
     age: int = 0
+    # the namespace's kv_clear generation known when it was stored (KeyedPage.gen), -1 for
+    # none; absent before 2026-11-29: none
+    gen: int = -1
 
 
 class L3LedgerRecord(msgspec.Struct, array_like=True):

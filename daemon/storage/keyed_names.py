@@ -41,6 +41,7 @@ class KeyedNames:
         # of the namespace is written to Redis until it ends)
         self._raising: dict[str, asyncio.Task] = {}
         self._at_start: set[str] = set()  # raises a warm restart carried over
+        self._learning: dict[str, asyncio.Task] = {}  # reads of a generation not yet known
 
     def page_id(self, page_hash: bytes, gen: int) -> bytes:
         """A keyed page's id in Redis under clear generation ``gen`` (0 adds nothing: the name
@@ -73,6 +74,26 @@ class KeyedNames:
             return None
         gen = self._known[ns] = max(got, self._known.get(ns, 0))
         return gen
+
+    def stored_as(self, ns: str) -> int | None:
+        """The generation a page of ``ns`` stored now is of (KeyedPage.gen): the one known, and
+        0 while none is, so that a page stored before this daemon first read it counts as
+        older than any clear (a miss if it was not: never stale KV). None while this daemon's
+        own clear of ``ns`` is on its way to Redis: the one known is of before that clear."""
+        return self._known.get(ns, 0) if self.raised(ns) else None
+
+    def learn(self, l3: RedisTier, ns: str) -> None:
+        """Read the namespace's generation in the background if it is not known yet (a page
+        about to be stored is then of the generation Redis holds, not of 0)."""
+        if ns not in self._known and ns not in self._learning:
+            self._learning[ns] = asyncio.get_running_loop().create_task(
+                self._learn(l3, ns), name=f"radixd-kv-gen-{self.model}")
+
+    async def _learn(self, l3: RedisTier, ns: str) -> None:
+        try:
+            await self.current(l3, ns)
+        finally:
+            self._learning.pop(ns, None)
 
     async def to_write(self, l3: RedisTier, ns: str) -> int | None:
         """:meth:`current` for a write batch, which waits a little for a raise under way."""
@@ -139,6 +160,9 @@ class KeyedNames:
     def cancel(self) -> None:
         """Stop the raises under way (shutdown): :meth:`state` still names them, for a warm
         restart to go on with."""
+        for task in self._learning.values():
+            task.cancel()
+        self._learning.clear()
         for task in self._raising.values():
             task.cancel()  # (one cancelled before its first step never runs its finally)
         self._at_start.update(self._raising)

@@ -68,6 +68,16 @@ class KeyedPage:
     pins: int = 0
     in_l3: bool = False  # written to Redis (or read from it): an eviction owes Redis nothing
     cleared: bool = False  # dropped by kv_clear: a Redis write of it must not bring it back
+    # the namespace's kv_clear generation as this daemon knew it when the page was stored (None:
+    # not known): a write to Redis that finds a later one drops the page, since another
+    # daemon's clear came after it
+    gen: int | None = None
+
+    def outdated(self, gen: int) -> bool:
+        """Whether a kv_clear of the page's namespace by another daemon sharing the Redis came
+        after the page was stored here (``gen``: the generation Redis holds now): written under
+        the generation that clear raised, the page would be read as newer than the clear."""
+        return self.gen is not None and gen > self.gen
 
 
 @dataclass(eq=False)
@@ -203,15 +213,16 @@ class KeyedPages:
         self._count(ns, kind, len(slots))
         return pin
 
-    def commit(self, pin: KvPin, stamp: int) -> list[KeyedPage]:
-        """The reservation's keys become stored pages (the most recent); the pin ends."""
+    def commit(self, pin: KvPin, stamp: int, gen: int | None) -> list[KeyedPage]:
+        """The reservation's keys become stored pages (the most recent), of clear generation
+        ``gen`` (KeyedPage.gen); the pin ends."""
         assert pin.reserved is not None
         self._end_pin(pin)
         out = []
         for key, (slot, h) in pin.reserved.items():
             pid = (pin.ns, pin.kind, key)
             del self.reserving[pid]
-            page = KeyedPage(pin.ns, pin.kind, key, slot, h, stamp)
+            page = KeyedPage(pin.ns, pin.kind, key, slot, h, stamp, gen=gen)
             self.pages[pid] = page
             self.order[pin.kind][pid] = page
             out.append(page)
@@ -243,12 +254,12 @@ class KeyedPages:
         self._count(page.ns, page.kind, -1)
 
     def add_stored(self, ns: str, kind: str, key: bytes, slot: Slot, h: bytes, stamp: int,
-                   in_l3: bool = True) -> KeyedPage:
+                   in_l3: bool = True, gen: int | None = None) -> KeyedPage:
         """A page that arrived stored: fetched from Redis, or restored by a warm restart (in
         Redis or not, as it was): no reservation in between."""
         self.changes += 1
         pid = (ns, kind, key)
-        page = KeyedPage(ns, kind, key, slot, h, stamp, in_l3=in_l3)
+        page = KeyedPage(ns, kind, key, slot, h, stamp, in_l3=in_l3, gen=gen)
         self.pages[pid] = page
         self.order[kind][pid] = page
         self._count(ns, kind, 1)

@@ -612,6 +612,42 @@ def test_a_clear_that_cannot_reach_redis_keeps_the_namespace_from_reading_it(
         srv.kill()
 
 
+def test_pages_stored_before_another_daemons_clear_are_not_written_back_after_it(
+        make_daemon, prefix: str) -> None:
+    """Two daemons on one Redis, under write-back. B stored pages, then A cleared the namespace;
+    B's eviction wrote them later under the generation A's clear had raised, and A fetched them
+    back: KV of before the clear, served after it (found by the keyed-store hunt). A page is
+    written only under the generation B knew when it stored it: those of before the clear are
+    dropped and counted, and what B stores once it knows the new one is written, and found."""
+    cfg = l3_config(SHARED_URL, prefix, host_pages=16, host_swa_pages=8)
+    cfg["l3"]["write_policy"] = "write_back"
+    a, b = make_daemon(cfg, name="a"), make_daemon(cfg, name="b")
+    old = [f"old{i}" for i in range(4)]
+    with Client(a.socket) as ca, Client(b.socket) as cb:
+        pa, pb = ca.kv_attach("m"), cb.kv_attach("m")
+        assert read(cb, pb, ["none"], fetch=True) == {}  # B reads the generation
+        store(cb, pb, old, 1)
+        assert ca.kv_clear("m").l3_cleared is True
+
+        def evict_from_b(seed: int) -> None:  # 16 more pages: the oldest 4 leave B's host
+            for i in range(4):
+                store(cb, pb, [f"fill{seed}_{i}_{j}" for j in range(4)], seed + i)
+
+        evict_from_b(10)
+        wait_for(lambda: stats(cb)["kv_l3_write_pages"] + stats(cb)["kv_l3_write_outdated"]
+                 >= 4, "B's write-backs")
+        assert read(cb, pb, old) == {}  # gone from B's host
+        assert read(ca, pa, old, fetch=True) == {}  # and never in Redis under the new name
+        assert stats(cb)["kv_l3_write_outdated"] >= 4
+        written = stats(cb)["kv_l3_write_pages"]
+        new = store(cb, pb, ["new0", "new1"], 50)  # B knows the new generation now
+        evict_from_b(60)
+        wait_for(lambda: stats(cb)["kv_l3_write_pages"] >= written + 2, "the new write-backs")
+        got = read(ca, pa, ["new0", "new1"], fetch=True)
+        assert got.keys() == new.keys()
+        assert all(torch.equal(got[k], new[k]) for k in new)
+
+
 def test_cleared_pages_no_longer_count_against_the_l3_quota(make_daemon, prefix: str) -> None:
     """7168 bytes admit three keyed values. After a clear of two, two more fit beside the one
     kept; the clear's values stayed charged before, and a live value was deleted instead."""

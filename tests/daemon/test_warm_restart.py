@@ -433,6 +433,41 @@ def test_a_keyed_page_never_written_to_redis_is_written_back_after_a_restart(
         c.kv_release("m", got.pin)
 
 
+def test_a_restored_page_of_before_another_daemons_clear_is_not_written_back(
+        make_daemon, tmp_path: Path, prefix: str) -> None:
+    """A keyed page keeps, across a restart, the clear generation its daemon knew when it was
+    stored: one restored as of no generation was written under the one another daemon's clear
+    raised while this one was down, and that daemon fetched the KV of before its clear."""
+    def config(state: bool) -> dict[str, Any]:
+        c = l3_config(SHARED_URL, prefix, host_pages=16, host_swa_pages=8)
+        c["l3"]["write_policy"] = "write_back"
+        if state:
+            c["server"] = {"state_dir": str(tmp_path / "s")}
+        return c
+
+    b1 = make_daemon(config(True), name="b1")
+    with Client(b1.socket) as c:
+        c.kv_attach("m")
+        assert c.kv_lookup("m", [b"none"], fetch=True, timeout_s=5).present == b"\x00"
+        c.kv_commit("m", c.kv_reserve("m", [b"old"]).pin)
+    _stop(b1)
+    a = make_daemon(config(False), name="a")
+    with Client(a.socket) as ca:
+        ca.kv_attach("m")
+        assert ca.kv_clear("m").l3_cleared is True
+        b2 = make_daemon(config(True), name="b2")
+        with Client(b2.socket) as c:
+            c.kv_attach("m")
+            assert c.kv_lookup("m", [b"old"], pin=False).present == b"\x01"  # restored
+            for i in range(3):  # 15 usable host slots: the restored page is the oldest to go
+                c.kv_commit("m", c.kv_reserve("m", [b"o-%d-%d" % (i, j) for j in range(8)]).pin)
+            wait_for(lambda: c.kv_lookup("m", [b"old"], pin=False).present == b"\x00"
+                     and (s := c.stats("m").models["m"])["kv_l3_write_pages"]
+                     + s["kv_l3_write_outdated"] >= 1, "its eviction")
+        got = ca.kv_lookup("m", [b"old"], fetch=True, timeout_s=5)
+        assert got.present == b"\x00" and got.fetched == 0
+
+
 def test_a_clear_the_stop_could_not_record_in_redis_is_recorded_at_the_next_start(
         make_daemon, tmp_path: Path, prefix: str) -> None:
     """A kv_clear whose raise of the generation has not reached Redis when the daemon stops

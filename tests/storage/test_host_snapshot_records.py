@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import msgspec
 
-from daemon.storage.host_snapshot import TreeNodeRecord
+from daemon.storage.host_snapshot import KeyedRecord, TreeNodeRecord
 
 
 class _RecordBeforeAge(msgspec.Struct, array_like=True):
@@ -29,3 +29,27 @@ def test_an_older_daemon_reads_a_node_with_an_age() -> None:
     new = msgspec.msgpack.encode(TreeNodeRecord(3, "ns", b"t" * 16, b"h" * 4, b"", age=640))
     got = msgspec.msgpack.decode(new, type=_RecordBeforeAge)
     assert (got.parent, got.tokens, got.host) == (3, b"t" * 16, b"h" * 4)
+
+
+class _KeyedRecordBeforeGen(msgspec.Struct, array_like=True):
+    """KeyedRecord as a daemon from before its ``gen`` field wrote and read it."""
+
+    ns: str
+    kind: str
+    key: bytes
+    slot: int
+    in_l3: bool = True
+    age: int = 0
+
+
+def test_a_keyed_page_saved_without_a_generation_restores_with_none_known() -> None:
+    old = msgspec.msgpack.encode(_KeyedRecordBeforeGen("ns", "full", b"k", 7, False, 12))
+    got = msgspec.msgpack.decode(old, type=KeyedRecord)
+    assert (got.ns, got.kind, got.key, got.slot, got.in_l3, got.age, got.gen) == (
+        "ns", "full", b"k", 7, False, 12, -1)
+
+
+def test_an_older_daemon_reads_a_keyed_page_with_a_generation() -> None:
+    new = msgspec.msgpack.encode(KeyedRecord("ns", "swa", b"k", 9, True, 3, gen=5))
+    got = msgspec.msgpack.decode(new, type=_KeyedRecordBeforeGen)
+    assert (got.kind, got.slot, got.in_l3, got.age) == ("swa", 9, True, 3)
