@@ -30,7 +30,6 @@ import hmac
 import importlib.resources
 import json
 import logging
-import math
 import os
 import secrets
 import time
@@ -63,6 +62,7 @@ from .admin_types import (
 from .admin_types import Checker as CheckerOut
 from .checker import Checker
 from .config import Config, admin_endpoint_file, admin_token_file, redacted
+from .log_throttle import LogThrottle
 from .queries import NotFound, ServerState
 from .service import Service
 from .sockets import bind_tcp, bind_unix_socket
@@ -128,7 +128,7 @@ class _Capped:
     def __init__(self, server: web.Server, limit: int) -> None:
         self.server, self.limit = server, limit
         self.refused = 0
-        self._warned = -math.inf
+        self._throttle = LogThrottle(60)
         self._lingering: set[_Refused] = set()
 
     def __call__(self) -> asyncio.Protocol:
@@ -136,9 +136,7 @@ class _Capped:
         if open_ < self.limit:
             return self.server()
         self.refused += 1
-        now = time.monotonic()
-        if now - self._warned >= 60:
-            self._warned = now
+        if self._throttle.due():
             log.warning("admin endpoint: %d connections open (admin.max_connections); refused "
                         "%d so far", open_, self.refused)
         return _Refused(self._lingering, self.limit)

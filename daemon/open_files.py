@@ -14,11 +14,12 @@ number, so descriptor ``k`` means at least ``k + 1`` are open.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import resource
 import time
 from collections.abc import Callable
+
+from .log_throttle import LogThrottle
 
 log = logging.getLogger("radixd.server")
 
@@ -67,9 +68,8 @@ class NearLimit:
     def __init__(self, read_limit: Callable[[], int] = soft_limit,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.read_limit = read_limit
-        self.clock = clock
         self.seen = 0  # connections accepted past the threshold
-        self._warned_at = -math.inf
+        self._throttle = LogThrottle(WARN_EVERY_S, clock)
         self._set(read_limit())
 
     def _set(self, limit: int) -> None:
@@ -83,10 +83,8 @@ class NearLimit:
         if fd < self.threshold:
             return
         self.seen += 1
-        now = self.clock()
-        if now - self._warned_at < WARN_EVERY_S:
+        if not self._throttle.due():
             return
-        self._warned_at = now
         log.warning("at least %d of the %d files this process may open are open (a connection "
                     "got descriptor %d): past the limit, new engine connections are reset and "
                     "memory-isolation segments cannot be made; raise it (LimitNOFILE= in the "

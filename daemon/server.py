@@ -31,6 +31,7 @@ from radixd_client.connection import FrameSplitter, FrameTooLarge
 from .checker import Checker
 from .config import Config
 from .entities import Peer, Session
+from .log_throttle import LogThrottle
 from .metrics import OpStats
 from .open_files import NearLimit
 from .process_memory import HeapTrimmer
@@ -435,8 +436,7 @@ class Server:
         #: operations that wait (load, prefetch, a fetching kv_lookup, kv_clear) in flight, by
         #: task: the model each one uses
         self.async_ops: dict[asyncio.Task, str] = {}
-        self._auth_logged_at = -AUTH_LOG_INTERVAL_S  # monotonic time of the last line
-        self._auth_suppressed = 0
+        self._auth_log = LogThrottle(AUTH_LOG_INTERVAL_S)
 
     def async_op_done(self, task: asyncio.Task) -> None:
         self.async_ops.pop(task, None)
@@ -445,15 +445,10 @@ class Server:
         """Log a failed hello, rate-limited (at most one line per AUTH_LOG_INTERVAL_S, with the
         count of those left out): operators see guessing or misconfigured engines, and a client
         cannot flood the log. ``reason`` is the refusal's message, which never holds the token."""
-        now = time.monotonic()
-        if now - self._auth_logged_at < AUTH_LOG_INTERVAL_S:
-            self._auth_suppressed += 1
-            return
-        self._auth_logged_at = now
-        left_out, self._auth_suppressed = self._auth_suppressed, 0
-        log.warning("failed hello (auth_failed) from pid %d uid %d gid %d: %s "
-                    "(%d earlier failures not logged)", peer.pid, peer.uid, peer.gid, reason,
-                    left_out)
+        if self._auth_log.due():
+            log.warning("failed hello (auth_failed) from pid %d uid %d gid %d: %s "
+                        "(%d earlier failures not logged)", peer.pid, peer.uid, peer.gid, reason,
+                        self._auth_log.take_held_back())
 
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
@@ -600,9 +595,8 @@ class Server:
         except Exception:  # noqa: BLE001 - a failing drain must not keep the daemon up
             log.exception("stopping the memory tiers")
             busy = set(self.service.models)  # tier jobs may still run and hold what they took
-        if self._auth_suppressed:
-            log.warning("%d failed hellos not logged before the stop", self._auth_suppressed)
-            self._auth_suppressed = 0
+        if left_out := self._auth_log.take_held_back():
+            log.warning("%d failed hellos not logged before the stop", left_out)
         try:
             violations = self.service.check(deep=False)
             # a load still running, or a drain that failed, still holds its pages and pins
