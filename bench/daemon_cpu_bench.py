@@ -31,13 +31,18 @@ the timed window the clients send such requests until the tree holds 95% of a po
 pool, the smaller), so that every page size is measured in the same regime, the steady state of
 a full cache where allocations evict about what they take.
 
+``--batch K`` sends the requests as a scheduler step of K engine requests would: K match+lock
+operations in one ``batch`` frame, then their K allocs in one, then their K cache_finished in one
+(the floor: K pings a frame). Each item counts as one operation: what is left per operation once
+a frame's read, write and wake-up are shared by K of them. Both daemons take the same frames.
+
 ``--device cuda`` (or ``cuda:N``) puts both daemons' pools on that GPU: the host pool is
 page-locked and the tier copies are issued from the event loop onto a CUDA stream, so their
 launches count in the loop's CPU.
 
     python bench/daemon_cpu_bench.py [--baseline main] [--seconds 5] [--rounds 2] [--host-off]
-        [--no-floor] [--page-size P] [--request-tokens N] [--fresh] [--device cpu|cuda[:N]]
-        [--json PATH]
+        [--no-floor] [--page-size P] [--request-tokens N] [--fresh] [--batch K]
+        [--device cpu|cuda[:N]] [--json PATH]
 """
 
 from __future__ import annotations
@@ -87,6 +92,9 @@ HOST_PAGES, HOST_SWA_PAGES = 4096, 1024
 PAGE_SIZES = tuple(p for p in range(1, PAGE + 1) if PAGE % p == 0)
 #: --fresh: the share of a pool the tree holds before the timed window
 FILL = 0.95
+#: --batch: the most requests per step (a frame of 64 items is within the daemon's default
+#: max_inflight, 256)
+MAX_BATCH = 64
 #: --request-tokens: the most, so that 8 clients' prefixes and requests fit the SWA pool (the
 #: smaller one: 1,280,000 tokens) at every page size, 8 * (8 * 6144 + 65536) = 917,504 tokens
 MAX_REQUEST_TOKENS = 8192
@@ -147,33 +155,71 @@ def _filled(c: Client, page: int) -> bool:
                                  strict=True))
 
 
-def _ping_loop(c: Client, seconds: float) -> tuple[int, float]:
-    """8-byte pings for ``seconds``: (operations done, seconds taken)."""
+def _ping_loop(c: Client, seconds: float, batch: int = 1) -> tuple[int, float]:
+    """8-byte pings for ``seconds``, ``batch`` to a frame when more than one: (operations done,
+    seconds taken)."""
     ops = 0
     payload = b"x" * 8
     t0 = time.perf_counter()
     deadline = t0 + seconds
     while time.perf_counter() < deadline:
-        c.ping(payload)
-        ops += 1
+        if batch == 1:
+            c.ping(payload)
+        else:
+            with c.batch() as b:
+                for _ in range(batch):
+                    b.ping(payload)
+        ops += batch
+    return ops, time.perf_counter() - t0
+
+
+def _step_ops(c: Client, reqs: list[bytes], page: int) -> int:
+    """``reqs`` as one scheduler step sends them: a batch of their match+lock operations, one of
+    their allocs, one of their cache_finished (3 operations each, in 3 frames)."""
+    with c.batch() as b:
+        matching = [b.match(MODEL, t, lock=True) for t in reqs]
+    ms = [f.result() for f in matching]
+    with c.batch() as b:
+        allocs = [b.alloc(MODEL, len(t) // 4 // page - m.prefix_len // page)
+                  for t, m in zip(reqs, ms, strict=True)]
+    with c.batch() as b:
+        for t, m, f in zip(reqs, ms, allocs, strict=True):
+            a = f.result()
+            b.cache_finished(MODEL, t, a.full_pages, a.swa_pages, m.prefix_len, 0, m.receipt)
+    return 3 * len(reqs)
+
+
+def _loop(c: Client, reqs: list[bytes], seconds: float, page: int, batch: int
+          ) -> tuple[int, float]:
+    """rpc_bench's mixed loop, or with ``batch`` > 1 its steps of ``batch`` requests
+    (:func:`_step_ops`): (operations done, seconds taken)."""
+    if batch == 1:
+        return _mixed_loop(c, reqs, seconds, page)
+    ops = i = 0
+    t0 = time.perf_counter()
+    deadline = t0 + seconds
+    while time.perf_counter() < deadline:
+        ops += _step_ops(c, [reqs[(i + j) % len(reqs)] for j in range(batch)], page)
+        i += batch
     return ops, time.perf_counter() - t0
 
 
 def _worker(path: str, seconds: float, seed: int, ready: mp.Queue, go: mp.Event,
             done: mp.Queue, ping: bool = False, page: int = PAGE,
-            shape: tuple[int, int] = (PREFIX_TOKENS, FRESH_TOKENS), fresh: bool = False
-            ) -> None:
+            shape: tuple[int, int] = (PREFIX_TOKENS, FRESH_TOKENS), fresh: bool = False,
+            batch: int = 1) -> None:
     """Caches its prefixes (untimed), says so, waits for ``go``, then runs the timed loop
     (``ping``: the floor's loop instead). ``page``: the model's page size; ``shape``: (prefix
     tokens, fresh tokens) of a request; ``fresh``: every request's fresh part new
-    (:class:`FreshRequests`), sent until the tree holds FILL of a pool before saying ready)."""
+    (:class:`FreshRequests`), sent until the tree holds FILL of a pool before saying ready);
+    ``batch``: requests per scheduler step (:func:`_loop`)."""
     rng = random.Random(seed)
     with Client(path, client_name=f"cpu-bench-{seed}") as c:
         if ping:
-            _ping_loop(c, 0.2)
+            _ping_loop(c, 0.2, batch)
             ready.put(seed)
             go.wait()
-            done.put(_ping_loop(c, seconds))
+            done.put(_ping_loop(c, seconds, batch))
             return
         prefixes = _prefixes(rng, shape[0])
         for p in prefixes:
@@ -184,26 +230,26 @@ def _worker(path: str, seconds: float, seed: int, ready: mp.Queue, go: mp.Event,
         if not fresh:  # each request once, so that the window is all full hits
             for r in reqs:
                 _mixed_ops(c, r, page)
-        _mixed_loop(c, reqs, 0.2, page)  # warm: first allocations, code paths
+        _loop(c, reqs, 0.2, page, batch)  # warm: first allocations, code paths
         while fresh and not _filled(c, page):
-            _mixed_loop(c, reqs, 0.2, page)
+            _loop(c, reqs, 0.2, page, batch)
         ready.put(seed)
         go.wait()
-        done.put(_mixed_loop(c, reqs, seconds, page))
+        done.put(_loop(c, reqs, seconds, page, batch))
 
 
 def measure(d: DaemonProcess, clients: int, seconds: float, ping: bool = False,
             page: int = PAGE, shape: tuple[int, int] = (PREFIX_TOKENS, FRESH_TOKENS),
-            fresh: bool = False) -> dict[str, float]:
+            fresh: bool = False, batch: int = 1) -> dict[str, float]:
     """ops/s and daemon CPU us per operation for ``clients`` client processes on daemon ``d``
-    (``ping``: 8-byte pings instead of the mixed operations; ``page``, ``shape``, ``fresh``: as
-    :func:`_worker`)."""
+    (``ping``: 8-byte pings instead of the mixed operations; ``page``, ``shape``, ``fresh``,
+    ``batch``: as :func:`_worker`)."""
     ctx = mp.get_context("spawn")
     ready: mp.Queue = ctx.Queue()
     done: mp.Queue = ctx.Queue()
     go = ctx.Event()
     procs = [ctx.Process(target=_worker, args=(d.socket, seconds, i, ready, go, done, ping,
-                                               page, shape, fresh))
+                                               page, shape, fresh, batch))
              for i in range(clients)]
     for p in procs:
         p.start()
@@ -224,8 +270,8 @@ def measure(d: DaemonProcess, clients: int, seconds: float, ping: bool = False,
 
 def run(baseline: str, seconds: float, host_off: bool, rounds: int = 2,
         client_counts: tuple[int, ...] = (1, 8), floor: bool = True, page_size: int = PAGE,
-        request_tokens: int | None = None, fresh: bool = False, device: str = "cpu"
-        ) -> dict[str, float]:
+        request_tokens: int | None = None, fresh: bool = False, device: str = "cpu",
+        batch: int = 1) -> dict[str, float]:
     """Each side ``rounds`` times per client count, the order flipping every round (base, this,
     this, base, ...) so that a machine getting busier or quieter does not favour one side; each
     figure is the mean over the rounds. ``floor``: also the ping floor (``*_floor`` keys), once
@@ -234,12 +280,13 @@ def run(baseline: str, seconds: float, host_off: bool, rounds: int = 2,
     given back as the ``page_size``, ``prefix_tokens`` and ``fresh_tokens`` keys; ``fresh``:
     every request's fresh part new (:class:`FreshRequests`), the ``fresh`` key 1; ``device``:
     the model's device (``cuda``: pools on the GPU, the host pool pinned, copies on a CUDA
-    stream enqueued from the event loop)."""
+    stream enqueued from the event loop); ``batch``: requests per scheduler step, the ``batch``
+    key (:func:`_loop`)."""
     shape = request_shape(page_size, request_tokens)
     conf = config(model_keys(page_size, host_off), page_size, device) + ADMIN_ANY_PORT
     base_root = export_ref(baseline)
     out: dict[str, float] = {"page_size": page_size, "prefix_tokens": shape[0],
-                             "fresh_tokens": shape[1], "fresh": int(fresh)}
+                             "fresh_tokens": shape[1], "fresh": int(fresh), "batch": batch}
     sides = (("base", base_root), ("this", _ROOT))
     try:
         for n in client_counts:
@@ -253,7 +300,7 @@ def run(baseline: str, seconds: float, host_off: bool, rounds: int = 2,
                     d = DaemonProcess(conf, root=root)
                     try:
                         for k, v in measure(d, n, seconds, ping, page_size, shape,
-                                                fresh).items():
+                                                fresh, batch).items():
                             key = f"{k}_{n}c_{side}"
                             out[key] = out.get(key, 0.0) + v / rounds
                     finally:
@@ -287,6 +334,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                     help="every request's fresh tokens new to the tree (each one inserts; the "
                          "pools fill and allocations evict) instead of cycling 512 * 128 / "
                          "fresh requests that are cached after their first use")
+    ap.add_argument("--batch", type=int, default=1, metavar="K",
+                    help="send K requests per scheduler step: their matches in one batch frame, "
+                         f"then their allocs, then their cache_finished (1 to {MAX_BATCH}; "
+                         "default 1: every operation a frame of its own)")
     ap.add_argument("--device", default="cpu",
                     help="the model's device: cpu (default) or cuda[:N] (pools on the GPU, "
                          "the host pool pinned; both daemons)")
@@ -294,19 +345,23 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     args = ap.parse_args(argv)
     if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
         ap.error(f"--device: cpu or cuda[:N], got {args.device!r}")
+    if not 1 <= args.batch <= MAX_BATCH:
+        ap.error(f"--batch: 1 to {MAX_BATCH} requests per step, got {args.batch}")
     try:
         prefix, fresh = request_shape(args.page_size, args.request_tokens)
     except ValueError as e:
         ap.error(str(e))
     f = run(args.baseline, args.seconds, args.host_off, args.rounds, floor=not args.no_floor,
             page_size=args.page_size, request_tokens=args.request_tokens, fresh=args.fresh,
-            device=args.device)
+            device=args.device, batch=args.batch)
     print(f"baseline {args.baseline}, device {args.device}, "
           f"host tier {'off' if args.host_off else 'on'}, "
           f"{args.seconds:g} s per window, mean of {args.rounds} rounds (order alternating)")
     print(f"page size {args.page_size}, requests of {prefix + fresh} tokens: a cached prefix of "
           f"{prefix} + {fresh} fresh"
-          + (", every one new (--fresh)" if args.fresh else ", cycled (cached after first use)"))
+          + (", every one new (--fresh)" if args.fresh else ", cycled (cached after first use)")
+          + (f"; {args.batch} per scheduler step, each operation's {args.batch} in one batch "
+             "frame" if args.batch > 1 else ""))
     floor = not args.no_floor
     print(f"{'clients':>7} {'metric':>18} {args.baseline:>12} {'this':>12} {'this/base':>10}"
           + (f" {'ping floor':>12}" if floor else ""))

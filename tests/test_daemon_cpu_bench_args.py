@@ -83,3 +83,11 @@ def test_fresh_requests_are_new_past_the_prefix_every_time() -> None:
         assert len(ids) == 64 and ids[:48] == base[:48] and ids[49:] == base[49:]
         assert ids[48] > 100_000 and ids[48] not in seen  # never a drawn id, never repeated
         seen.add(ids[48])
+
+
+@pytest.mark.parametrize("batch", ["0", "-1", "65", "x"])
+def test_a_batch_it_cannot_send_is_a_usage_error(batch, capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        dcb.main(["--baseline", "HEAD", "--batch", batch])
+    assert exc.value.code == 2
+    assert "--batch" in capsys.readouterr().err
