@@ -178,8 +178,8 @@ class KeyedTier:
 
     def _tree_victim(self, kind: str, ns: str | None, exclude: str | None = None
                      ) -> tuple[str, float] | None:
-        """The namespace and key of the tree's next host victim for a slot of ``kind`` (of
-        ``ns`` if given, of any namespace but ``exclude`` if that is given)."""
+        """The namespace and key of the tree's next host victim for a slot of ``kind`` (of ``ns``
+        if given, of any namespace but ``exclude`` if that is given)."""
         best: tuple[str, float] | None = None
         for name, space in self.cache.tree.namespaces.items():
             if (ns is not None and name != ns) or name == exclude:
@@ -199,8 +199,9 @@ class KeyedTier:
         victims = self.pages.victims(kind, ns, exclude)
         page = next(victims if not read else (p for p in victims if p.slot not in read), None)
         tree = self._tree_victim(kind, ns, exclude)
-        if page is None and tree is None:
-            return False
+        if page is None and tree is None:  # a window behind a host leaf without one may be left
+            return kind == "swa" and self.cache.evict_host(  # (RadixTree.evict_host)
+                0, namespace=ns, swa_slots=1).host_swa_slots > 0
         if page is not None and (tree is None or page.stamp <= tree[1]):
             self._drop(page, evicted=True)
             self.count(page.ns, "kv_evicted")

@@ -385,6 +385,35 @@ def test_an_swa_reservation_takes_the_tree_leaves_that_hold_swa_host_slots(
         c.kv_release("m", r.pin)
 
 
+def test_an_swa_reservation_reaches_a_window_behind_a_host_leaf_without_one(make_daemon) -> None:
+    """Prompt A's host copy took both SWA host slots (its window); B extends A, and B's copy
+    found no SWA slot. On host only, B is a leaf without SWA slots over A's window, so no leaf
+    holds any: a keyed SWA reservation was declined with both slots out of its reach. It takes
+    B then A, as the tree's own SWA host eviction does."""
+    d = make_daemon({"models": [{**SMALL_MODEL, "full_pages": 256, "swa_pages": 128,
+                                 "host_pages": 64, "host_swa_pages": 3}]})
+    a_toks = [1000 + i for i in range(8)]
+    b_toks = a_toks + [2000 + i for i in range(8)]
+    with Client(d.socket) as c:
+        c.attach("m")
+        a = c.alloc("m", 2)
+        c.insert("m", a_toks, int32_list(a.full_pages), int32_list(a.swa_pages))
+        wait_for(lambda: stats(c)["tree_host_pages"] == 2, "A's host copy")
+        b = c.alloc("m", 2)
+        c.insert("m", b_toks, int32_list(b.full_pages), int32_list(b.swa_pages),
+                 prev_prefix_len=8)
+        wait_for(lambda: stats(c)["tree_host_pages"] == 4, "B's host copy")
+        tiers = admin_stats(d)["models"]["m"]["tiers"]
+        assert tiers["host_swa_pages_used"] == tiers["host_swa_pages_capacity"] == 2
+        c.evict("m", full_pages=1000, swa_pages=1000)
+        assert c.match("m", b_toks).host_hit_len == 8  # A's window, behind B
+        c.kv_attach("m")
+        r = c.kv_reserve("m", keys("s1"), "swa")
+        assert r.pin and all(r.slots) and r.full == 0
+        assert stats(c)["tree_host_pages"] == 0 and c.match("m", b_toks).host_hit_len == 0
+        c.kv_release("m", r.pin)
+
+
 def test_a_fetch_waits_for_the_slots_redis_writes_still_read(make_daemon, tmp_path) -> None:
     """Seven host slots (8, one reserved); writes are paused on the Redis server, so the pages
     committed meanwhile stay queued for it, their slots held until the writer has read them. A
