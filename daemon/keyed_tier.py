@@ -100,6 +100,7 @@ class KeyedTier:
         self._unwanted: Counter[bytes] = Counter()
         #: the pages' names in Redis, under each namespace's kv_clear generation
         self.names = KeyedNames(model)
+        self.names.on_raised = self.pages.raised
         self._l3_queue: list[L3Item] = []
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
@@ -303,6 +304,7 @@ class KeyedTier:
     def lookup(self, owner: Hashable, ns: str, kind: str, keys: list[bytes], pin: bool,
                max_pins: int) -> P.KvLookupResult:
         self.check_lookup(kind, keys)
+        self.names.learn(ns)
         present = bytearray(len(keys))
         slots = array("i", bytes(4 * len(keys)))
         found: dict[KeyedPage, None] = {}  # distinct: a key named twice is pinned once
@@ -336,8 +338,7 @@ class KeyedTier:
         pool = self.pool(kind)
         self.check_keys(keys, unique=True)
         self.check_pins(owner, len(keys), max_pins)
-        if self.l3 is not None:  # known by the commit, most likely: see KeyedNames.stored_as
-            self.names.learn(self.l3, ns)
+        self.names.learn(ns)
         slots = array("i", bytes(4 * len(keys)))
         want = 0
         hashes: dict[bytes, bytes] = {}
@@ -377,7 +378,8 @@ class KeyedTier:
         declined = len(todo) - fit
         self.count(ns, "kv_reserved", fit)
         self.count(ns, "kv_declined", declined)
-        pin_id = self.pages.reserve(owner, ns, kind, taken).id if taken else 0
+        pin_id = self.pages.reserve(owner, ns, kind, taken,
+                                    self.names.stored_as(ns)).id if taken else 0
         return P.KvReserveResult(slots=slots, pin=pin_id, full=declined, busy=busy,
                                  host_segments_gen=self.host.generation(ns))
 
@@ -387,7 +389,7 @@ class KeyedTier:
             raise KvError(P.Code.BAD_ARGUMENT,
                           f"pin {pin_id} is a lookup pin: release it (kv_release), only a "
                           "reservation is committed")
-        pages = self.pages.commit(pin, self.cache.tree.clock, self.names.stored_as(pin.ns))
+        pages = self.pages.commit(pin, self.cache.tree.clock)
         self.count(pin.ns, "kv_committed", len(pages))
         if self.l3 is not None and self.l3_policy == "write_through":
             for page in pages:  # the slot is held (a reader) until its value is encoded
@@ -425,9 +427,7 @@ class KeyedTier:
             # evicted since included): written now, they would be read again
             self._let_go([item for item in self._l3_queue if item[-1].ns == ns])
             self._l3_queue[:] = [item for item in self._l3_queue if item[-1].ns != ns]
-        for page in self.pages.pages.values():  # pinned, so kept: their values are gone
-            if page.ns == ns:
-                page.in_l3, page.gen = False, None
+        self.pages.kept_by_clear(ns)
         if self.l3 is None:
             self.names.owe(ns)
             return gone

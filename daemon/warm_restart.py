@@ -320,8 +320,17 @@ class _Restorer:
             self.host.keyed[rec.kind].add(slot)
             keyed.pages.add_stored(rec.ns, rec.kind, rec.key, slot, h,  # type: ignore[union-attr]
                                    self.tree.clock - max(0, rec.age), in_l3=rec.in_l3,
-                                   gen=rec.gen if rec.gen >= 0 else None)
+                                   gen=self._stored_as(rec))
             self.kept += 1
+
+    def _stored_as(self, rec: KeyedRecord) -> int | None:
+        """A restored keyed page's clear generation (KeyedPage.gen): as saved, or when none was
+        (a snapshot from before the field, or a page kept by a clear of this daemon's that had
+        not reached Redis), None while that clear is still to be made, else 0 (older than any
+        clear: a miss where it was not, never a page of before one)."""
+        if rec.gen >= 0:
+            return rec.gen
+        return None if rec.ns in self.img.kv_clearing else 0
 
     def run(self) -> None:
         if "tree" in self.sections:

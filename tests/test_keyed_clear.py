@@ -260,20 +260,74 @@ def test_a_page_stored_before_the_generation_was_read_counts_as_older_than_any_c
     run_store(prefix, 4, "write_back", body)
 
 
-def test_a_reservation_reads_the_generation_for_its_commit(prefix: str) -> None:
-    """Redis holds generation 1, from a clear made before this daemon started. A reservation
-    reads it, so that the page committed once that read has answered is of generation 1 and
+def test_a_lookup_reads_the_generation_for_the_pages_stored_after_it(prefix: str) -> None:
+    """Redis holds generation 1, from a clear made before this daemon started. An engine looks
+    its keys up before it computes and stores what is missing; the lookup reads the
+    generation, so the page reserved once that read has answered is of generation 1 and
     written back (of generation 0 it would be taken for older than that clear, and dropped)."""
     async def body(kv: KeyedTier, host: HostTier) -> None:
         another_daemons_clear(kv, prefix)
-        r = kv.reserve("s1", "a", "full", [b"p"], 1000)
+        assert kv.lookup("s1", "a", "full", [b"p"], False, 1000).present == b"\x00"
         await asyncio.sleep(0.2)
-        host.full.write_page_bytes(r.slots[0], bytes([5]) * host.full.page_nbytes)
-        kv.commit("s1", r.pin)
+        commit(kv, host, "s1", "a", [b"p"], 5)
         assert kv.pages.get("a", "full", b"p").gen == 1  # type: ignore[union-attr]
         commit(kv, host, "s2", "b", [b"b1", b"b2", b"b3"], 9)  # p is evicted: its write queued
         await kv.drain(time.monotonic() + 5)
         assert kv.ns_counters["a"]["kv_l3_write_outdated"] == 0
         assert await fetched(kv, [b"p"]) == 1
+
+    run_store(prefix, 4, "write_back", body)
+
+
+async def written_back_after_another_daemons_clear(kv: KeyedTier, host: HostTier, prefix: str,
+                                                   key: bytes) -> int:
+    """Another daemon clears "a"; then ``key`` is evicted here, its write queued: how many of
+    it a fetch brings back (0 when its write was dropped as older than that clear)."""
+    another_daemons_clear(kv, prefix)
+    commit(kv, host, "s2", "b", [b"b1", b"b2", b"b3"], 9)
+    await kv.drain(time.monotonic() + 5)
+    return await fetched(kv, [key])
+
+
+def test_what_its_own_clear_kept_is_older_than_another_daemons_clear_after_it(
+        prefix: str) -> None:
+    """p is pinned at this daemon's clear and q reserved while that clear is on its way to
+    Redis: both are of the generation the clear raises, once it has. Another daemon clears
+    after that: written under its generation, they would be read as newer than its clear (a
+    review found both written, and fetched back)."""
+    async def body(kv: KeyedTier, host: HostTier) -> None:
+        await kv.fetch("a", "full", [b"none"], 2.0)  # the generation is known: 0
+        commit(kv, host, "s1", "a", [b"p"], 5)
+        pin = kv.lookup("s1", "a", "full", [b"p"], True, 64).pin
+        kv.clear("a")
+        r = kv.reserve("s1", "a", "full", [b"q"], 1000)
+        await kv.drain(time.monotonic() + 5)
+        kv.release("s1", pin)
+        host.full.write_page_bytes(r.slots[0], bytes([6]) * host.full.page_nbytes)
+        kv.commit("s1", r.pin)
+        assert [kv.pages.get("a", "full", k).gen for k in (b"p", b"q")] == [1, 1]  # type: ignore
+        assert await written_back_after_another_daemons_clear(kv, host, prefix, b"p") == 0
+        assert kv.ns_counters["a"]["kv_l3_write_outdated"] == 2
+
+    run_store(prefix, 4, "write_back", body)
+
+
+def test_a_page_is_of_the_generation_known_at_its_reservation(prefix: str) -> None:
+    """p is reserved (its KV computed before) while this daemon knows generation 0; another
+    daemon clears; this daemon reads the new generation (a fetch) before p is committed. Of the
+    generation known at its commit, p was written under the new one and fetched as newer than
+    that clear (a review found it)."""
+    async def body(kv: KeyedTier, host: HostTier) -> None:
+        await kv.fetch("a", "full", [b"none"], 2.0)
+        r = kv.reserve("s1", "a", "full", [b"p"], 1000)
+        host.full.write_page_bytes(r.slots[0], bytes([5]) * host.full.page_nbytes)
+        another_daemons_clear(kv, prefix)
+        await kv.fetch("a", "full", [b"other"], 2.0)
+        assert kv.names.known("a") == 1
+        kv.commit("s1", r.pin)
+        assert kv.pages.get("a", "full", b"p").gen == 0  # type: ignore[union-attr]
+        commit(kv, host, "s2", "b", [b"b1", b"b2", b"b3"], 9)  # p is evicted: its write queued
+        await kv.drain(time.monotonic() + 5)
+        assert await fetched(kv, [b"p"]) == 0
 
     run_store(prefix, 4, "write_back", body)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+from collections.abc import Callable
 
 from .redis_tier import RedisTier
 
@@ -42,6 +43,9 @@ class KeyedNames:
         self._raising: dict[str, asyncio.Task] = {}
         self._at_start: set[str] = set()  # raises a warm restart carried over
         self._learning: dict[str, asyncio.Task] = {}  # reads of a generation not yet known
+        self._l3: RedisTier | None = None  # (from start: where learn reads)
+        #: called with (namespace, generation) once this daemon's own raise has reached Redis
+        self.on_raised: Callable[[str, int], None] | None = None
 
     def page_id(self, page_hash: bytes, gen: int) -> bytes:
         """A keyed page's id in Redis under clear generation ``gen`` (0 adds nothing: the name
@@ -82,12 +86,14 @@ class KeyedNames:
         own clear of ``ns`` is on its way to Redis: the one known is of before that clear."""
         return self._known.get(ns, 0) if self.raised(ns) else None
 
-    def learn(self, l3: RedisTier, ns: str) -> None:
-        """Read the namespace's generation in the background if it is not known yet (a page
-        about to be stored is then of the generation Redis holds, not of 0)."""
-        if ns not in self._known and ns not in self._learning:
+    def learn(self, ns: str) -> None:
+        """Read the namespace's generation in the background if it is not known yet, so that
+        the pages an engine is about to store are of the generation Redis holds, not of 0 (an
+        engine looks keys up, or reserves, before it computes what it stores). Nothing before
+        :meth:`start`, or without Redis."""
+        if self._l3 is not None and ns not in self._known and ns not in self._learning:
             self._learning[ns] = asyncio.get_running_loop().create_task(
-                self._learn(l3, ns), name=f"radixd-kv-gen-{self.model}")
+                self._learn(self._l3, ns), name=f"radixd-kv-gen-{self.model}")
 
     async def _learn(self, l3: RedisTier, ns: str) -> None:
         try:
@@ -138,6 +144,8 @@ class KeyedNames:
                 got = await l3.raise_counter(self.gen_key(ns), floor)
                 if got is not None:  # (lower than the floor: another daemon counted it again)
                     self._known[ns] = max(got, floor)
+                    if self.on_raised is not None:
+                        self.on_raised(ns, self._known[ns])
                     if delay > RAISE_RETRY_S:
                         log.info("keyed %s: the kv_clear of namespace %r reached Redis",
                                  self.model, ns)
@@ -153,6 +161,7 @@ class KeyedNames:
 
     def start(self, l3: RedisTier) -> None:
         """Go on with the raises a warm restart carried over (on the running loop)."""
+        self._l3 = l3
         for ns in sorted(self._at_start):
             self.raise_gen(l3, ns)
         self._at_start.clear()

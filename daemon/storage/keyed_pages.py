@@ -68,9 +68,10 @@ class KeyedPage:
     pins: int = 0
     in_l3: bool = False  # written to Redis (or read from it): an eviction owes Redis nothing
     cleared: bool = False  # dropped by kv_clear: a Redis write of it must not bring it back
-    # the namespace's kv_clear generation as this daemon knew it when the page was stored (None:
-    # not known): a write to Redis that finds a later one drops the page, since another
-    # daemon's clear came after it
+    # the namespace's kv_clear generation as this daemon knew it when the page's reservation
+    # was made (KeyedNames.stored_as; None while a clear of this daemon's own is on its way to
+    # Redis): a write to Redis that finds a later one drops the page, since another daemon's
+    # clear came after it was computed
     gen: int | None = None
 
     def outdated(self, gen: int) -> bool:
@@ -90,6 +91,7 @@ class KvPin:
     kind: str
     pages: list[KeyedPage] = field(default_factory=list)
     reserved: dict[bytes, tuple[Slot, bytes]] | None = None
+    gen: int | None = None  # a reservation's: what its pages will be of (KeyedPage.gen)
 
     @property
     def is_reservation(self) -> bool:
@@ -204,25 +206,25 @@ class KeyedPages:
         return pin
 
     def reserve(self, owner: Hashable, ns: str, kind: str,
-                slots: dict[bytes, tuple[Slot, bytes]]) -> KvPin:
-        """A reservation pin over fresh slots (key -> (slot, hash)) the caller took."""
+                slots: dict[bytes, tuple[Slot, bytes]], gen: int | None) -> KvPin:
+        """A reservation pin over fresh slots (key -> (slot, hash)) the caller took, whose pages
+        will be of clear generation ``gen``."""
         pin = self._new_pin(owner, ns, kind, len(slots))
-        pin.reserved = dict(slots)
+        pin.reserved, pin.gen = dict(slots), gen
         for key in slots:
             self.reserving[(ns, kind, key)] = pin.id
         self._count(ns, kind, len(slots))
         return pin
 
-    def commit(self, pin: KvPin, stamp: int, gen: int | None) -> list[KeyedPage]:
-        """The reservation's keys become stored pages (the most recent), of clear generation
-        ``gen`` (KeyedPage.gen); the pin ends."""
+    def commit(self, pin: KvPin, stamp: int) -> list[KeyedPage]:
+        """The reservation's keys become stored pages (the most recent); the pin ends."""
         assert pin.reserved is not None
         self._end_pin(pin)
         out = []
         for key, (slot, h) in pin.reserved.items():
             pid = (pin.ns, pin.kind, key)
             del self.reserving[pid]
-            page = KeyedPage(pin.ns, pin.kind, key, slot, h, stamp, gen=gen)
+            page = KeyedPage(pin.ns, pin.kind, key, slot, h, stamp, gen=pin.gen)
             self.pages[pid] = page
             self.order[pin.kind][pid] = page
             out.append(page)
@@ -239,6 +241,27 @@ class KeyedPages:
             del self.reserving[(pin.ns, pin.kind, key)]
         self._count(pin.ns, pin.kind, -len(pin.reserved))
         return [slot for slot, _ in pin.reserved.values()]
+
+    def kept_by_clear(self, ns: str) -> None:
+        """A kv_clear of ``ns`` kept these pages and reservations (pinned): their values in
+        Redis are gone, and they are of the generation the clear raises, once it is known
+        (:meth:`raised`)."""
+        for page in self.pages.values():
+            if page.ns == ns:
+                page.in_l3, page.gen = False, None
+        for pin in self.pins.values():
+            if pin.ns == ns and pin.reserved is not None:
+                pin.gen = None
+
+    def raised(self, ns: str, gen: int) -> None:
+        """This daemon's kv_clear of ``ns`` reached Redis as ``gen``: what it kept, and what was
+        reserved while it was on its way, is of that generation."""
+        for page in self.pages.values():
+            if page.ns == ns and page.gen is None:
+                page.gen = gen
+        for pin in self.pins.values():
+            if pin.ns == ns and pin.reserved is not None and pin.gen is None:
+                pin.gen = gen
 
     def owner_pins(self, owner: Hashable) -> list[KvPin]:
         return [self.pins[i] for i in sorted(self.by_owner.get(owner, ()))]

@@ -574,11 +574,9 @@ def test_an_owed_clear_survives_a_saved_state_the_next_start_refuses(
     _nothing_of_before_the_clear(d3, prefix, keys)
 
 
-def test_a_page_pinned_at_a_clear_made_with_l3_off_is_written_again(
-        make_daemon, tmp_path: Path, prefix: str) -> None:
-    """A page pinned at that clear keeps its content; its Redis value of before the clear is
-    unreadable once the clear is recorded, so under write_back its eviction writes it again,
-    and a fetch finds it. It used to keep its mark of being in Redis: evicted, it was lost."""
+def _pinned_at_an_l3_off_clear(make_daemon: Any, tmp_path: Path, prefix: str) -> Any:
+    """A page "precious", written to Redis, then pinned at a clear made with L3 off; returns
+    the next run, with L3 under write_back, once it has recorded that clear."""
     d2 = _written_then_l3_off(make_daemon, tmp_path, prefix, [b"precious"])
     with Client(d2.socket) as c:
         got = c.kv_lookup("m", [b"precious"])  # pinned across the clear
@@ -589,18 +587,50 @@ def test_a_page_pinned_at_a_clear_made_with_l3_off_is_written_again(
     cfg["l3"]["write_policy"] = "write_back"
     d3 = make_daemon(cfg)
     _wait_clear_recorded(prefix)
+    return d3
+
+
+def _evict_precious(c: Client) -> None:
+    assert c.kv_lookup("m", [b"precious"], pin=False).present == b"\x01"
+    for i in range(3):  # 15 usable host slots: the restored page is the oldest to go
+        c.kv_commit("m", c.kv_reserve("m", [b"other-%d-%d" % (i, j) for j in range(8)]).pin)
+    wait_for(lambda: c.kv_lookup("m", [b"precious"], pin=False).present == b"\x00",
+             "its eviction")
+
+
+def test_a_page_pinned_at_a_clear_made_with_l3_off_is_written_again(
+        make_daemon, tmp_path: Path, prefix: str) -> None:
+    """A page pinned at that clear keeps its content; its Redis value of before the clear is
+    unreadable once the clear is recorded, so under write_back its eviction writes it again,
+    and a fetch finds it. It used to keep its mark of being in Redis: evicted, it was lost."""
+    d3 = _pinned_at_an_l3_off_clear(make_daemon, tmp_path, prefix)
     with Client(d3.socket) as c:
         pools = c.kv_attach("m")
-        assert c.kv_lookup("m", [b"precious"], pin=False).present == b"\x01"
-        for i in range(3):  # 15 usable host slots: the restored page is the oldest to go
-            r = c.kv_reserve("m", [b"other-%d-%d" % (i, j) for j in range(8)])
-            c.kv_commit("m", r.pin)
-        wait_for(lambda: c.kv_lookup("m", [b"precious"], pin=False).present == b"\x00",
-                 "its eviction")
+        _evict_precious(c)
         got = c.kv_lookup("m", [b"precious"], fetch=True, timeout_s=5)
         assert got.present == b"\x01" and got.fetched == 1
         assert int(pools.full[got.slots[0]].min()) == 0x5A == int(pools.full[got.slots[0]].max())
         c.kv_release("m", got.pin)
+
+
+def test_a_page_kept_by_its_own_clear_is_still_dropped_for_another_daemons_later_clear(
+        make_daemon, tmp_path: Path, prefix: str) -> None:
+    """The page pinned at the clear made with L3 off is of the generation that clear raises
+    once the next run records it. Another daemon clears after that, and the page's write-back
+    is dropped: of no generation, it was written under the other daemon's, and fetched as
+    newer than its clear (a review found it)."""
+    d3 = _pinned_at_an_l3_off_clear(make_daemon, tmp_path, prefix)
+    other = make_daemon(l3_config(SHARED_URL, prefix, host_pages=16, host_swa_pages=8),
+                        name="other")
+    with Client(other.socket) as b, Client(d3.socket) as c:
+        b.kv_attach("m")
+        assert b.kv_clear("m").l3_cleared is True
+        c.kv_attach("m")
+        _evict_precious(c)
+        wait_for(lambda: c.stats("m").models["m"]["kv_l3_write_outdated"] >= 1,
+                 "the dropped write-back")
+        got = b.kv_lookup("m", [b"precious"], fetch=True, timeout_s=5)
+        assert got.present == b"\x00" and got.fetched == 0
 
 
 def test_a_second_daemon_on_the_same_state_dir_is_refused(make_daemon, tmp_path: Path) -> None:
