@@ -274,6 +274,14 @@ def test_the_newer_keys_refuse_bad_values_by_name(overrides: dict, key: str) -> 
     ({"l3": {"url": "redis://127.0.0.1:6379?db=x"}}, "l3.url", "Invalid value for 'db'"),
     ({"l3": {"url": "redis://127.0.0.1:6379/notadb"}}, "l3.url", "must be a number"),
     ({"l3": {"url": "http://127.0.0.1:6379/0"}}, "l3.url", "must start with redis://"),
+    ({"l3": {"url": "redis+cluster://127.0.0.1:7000/1"}}, "l3.url", "must be 0"),
+    ({"l3": {"url": "redis+cluster://127.0.0.1:7000?db=2"}}, "l3.url", "must be 0"),
+    ({"l3": {"url": "rediss+cluster://127.0.0.1:7000?sslcacerts=/x"}}, "l3.url",
+     "unknown query option 'sslcacerts'"),
+    ({"l3": {"url": "redis://127.0.0.1:6379?ssl_ca_cert=/x"}}, "l3.url",
+     "unknown query option 'ssl_ca_cert'"),
+    ({"l3": {"url": "rediss://127.0.0.1:6379?ssl_ca_certs=/nonexistent/ca.pem"}}, "l3.url",
+     "ssl_ca_certs: no such file '/nonexistent/ca.pem'"),
     ({"admin": {"token": "abc", "token_sha256": "0" * 64}}, "admin", "not both"),
     ({"admin": {"token": ""}}, "admin", "token is empty"),
     ({"tenants": [{"name": "a", "token": ""}]}, 'tenants["a"]', "token is empty"),
@@ -283,8 +291,11 @@ def test_settings_that_would_fail_later_are_refused_when_read(overrides: dict, k
                                                               why: str) -> None:
     """A Redis URL whose port or database redis-py cannot read (before: a traceback and exit 1
     once the pools existed, while config check said ok; a database name that is no number was
-    silently db 0), both admin token forms (the digest was ignored), empty tokens (nothing
-    could authenticate) and an empty tenant name."""
+    silently db 0), a cluster URL with a database or a query option no client takes (a
+    traceback at the start), the same option on a plain URL (L3 off for good, the log saying
+    Redis was unreachable) or a TLS file that is not there, both admin token forms (the
+    digest was ignored), empty tokens (nothing could authenticate) and an empty tenant
+    name."""
     with pytest.raises(ConfigError) as info:
         load_config(None, env={}, overrides=overrides)
     assert str(info.value).startswith(f"invalid configuration: {key}"), str(info.value)
@@ -343,3 +354,13 @@ def test_an_all_digit_token_from_the_environment_is_text() -> None:
     cfg = load_config(None, env={"RADIXD_ADMIN_TOKEN": "123456",
                                  "RADIXD_SERVER_MAX_FRAME_BYTES": "4096"})
     assert cfg.admin.token == "123456" and cfg.server.max_frame_bytes == 4096
+
+
+def test_a_cluster_url_redis_py_refuses_is_a_one_line_error_at_the_start(tmp_path: Path) -> None:
+    """redis-py refuses a cluster URL with a database only when the client is built, after the
+    pools: serve died with a traceback (exit 1), and under systemd restarted in a loop."""
+    cfg = _config(tmp_path, CPU_MODEL)
+    cfg.write_text(cfg.read_text() + '[l3]\nurl = "redis+cluster://127.0.0.1:7000/1"\n')
+    for args in (("serve",), ("config", "check")):
+        line = _one_line_error(_radixd(*args, "--config", str(cfg)))
+        assert "l3.url" in line and "must be 0" in line, line

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
@@ -75,9 +76,16 @@ _CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 log = logging.getLogger("radixd.storage.redis")
 
 
+#: query options of a URL that name files (TLS): they must exist when the config is read
+_FILE_OPTIONS = ("ssl_ca_certs", "ssl_ca_path", "ssl_certfile", "ssl_keyfile")
+
+
 def url_problem(url: str) -> str | None:
-    """What is wrong with a Redis URL (its scheme, port, database), or None: what building the
-    client would raise only once the daemon's pools exist, said when the config is read."""
+    """What is wrong with a Redis URL (its scheme, port, database, query options, the files they
+    name), or None: what building the client or its first connection would raise only once the
+    daemon's pools exist (a cluster client at the start, a plain one at every connection, which
+    left L3 off for good), said when the config is read. Builds the client, connecting to
+    nothing."""
     parts = urlsplit(url)
     scheme = _CLUSTER_SCHEMES.get(parts.scheme, parts.scheme)
     if scheme not in ("redis", "rediss", "unix"):
@@ -89,7 +97,35 @@ def url_problem(url: str) -> str | None:
         return str(exc)
     if scheme != "unix" and parts.path not in ("", "/") and not parts.path[1:].isdigit():
         return f"the database must be a number (redis://host:port/0), got {parts.path[1:]!r}"
+    for key, value in parse_qsl(parts.query):
+        if key in _FILE_OPTIONS and not os.path.exists(value):
+            return f"{key}: no such file {value!r}"
+    try:
+        client = _client(url, max_connections=1, op_timeout=1.0, common={})
+        if not isinstance(client, RedisCluster):  # (a connection object; nothing is dialled)
+            client.connection_pool.make_connection()
+    except TypeError as exc:  # an option no client or connection takes (a typo)
+        name = str(exc).rpartition(" ")[2]
+        return (f"unknown query option {name} (they are redis-py's connection arguments, "
+                f"such as ssl_ca_certs: docs/operations.md, [l3])")
+    except RedisClusterException as exc:  # (a cluster has one database: no /N, no db=)
+        return str(exc)
+    except (ValueError, RedisError) as exc:
+        return str(exc)
     return None
+
+
+def _client(url: str, max_connections: int, op_timeout: float, common: dict[str, Any]) -> Any:
+    """The redis-py client of a URL: a cluster client for a ``+cluster`` scheme, else one over a
+    blocking pool, where a burst waits (bounded by ``op_timeout``) for a free connection
+    instead of failing with "too many connections"."""
+    parts = urlsplit(url)
+    if parts.scheme in _CLUSTER_SCHEMES:
+        url = urlunsplit((_CLUSTER_SCHEMES[parts.scheme],) + tuple(parts)[1:])
+        return RedisCluster.from_url(url, max_connections=max_connections, **common)
+    pool = aioredis.BlockingConnectionPool.from_url(
+        url, max_connections=max_connections, timeout=op_timeout, **common)
+    return aioredis.Redis.from_pool(pool)  # the client owns (closes) its pool
 
 
 def redact_url(url: str, mask: str = "***") -> str:
@@ -247,7 +283,6 @@ class RedisTier:
             cluster = True if cluster is None else cluster
             if not cluster:
                 raise ValueError(f"{scheme}:// names a cluster but cluster=False was passed")
-            url = urlunsplit((_CLUSTER_SCHEMES[scheme],) + tuple(urlsplit(url))[1:])
         elif scheme not in ("redis", "rediss", "unix"):
             raise ValueError(f"unsupported Redis URL scheme {scheme!r}")
         self.cluster = bool(cluster)
@@ -259,7 +294,10 @@ class RedisTier:
         self.op_timeout = float(op_timeout)
         self.max_pipeline = int(max_pipeline)
         self.max_pipeline_bytes = int(max_pipeline_bytes)
-        self._sem = asyncio.Semaphore(concurrency)
+        # a cluster node's pool refuses a connection past max_connections (a plain one waits),
+        # and redis-py then closes the whole client, failing the other pipelines in flight
+        self._sem = asyncio.Semaphore(min(concurrency, max_connections) if self.cluster
+                                      else concurrency)
         self.breaker = CircuitBreaker(breaker_threshold, breaker_open_seconds, name=self.url)
         self._start_probe: asyncio.Task[None] | None = None
         self._stats = dict.fromkeys(
@@ -280,15 +318,9 @@ class RedisTier:
             socket_keepalive=True,
             decode_responses=False,
         )
-        if self.cluster:
-            self._client = RedisCluster.from_url(url, max_connections=max_connections,
-                                                 **common)
-        else:
-            # Blocking pool: a burst waits (bounded by op_timeout) for a free connection
-            # instead of failing with "too many connections".
-            pool = aioredis.BlockingConnectionPool.from_url(
-                url, max_connections=max_connections, timeout=self.op_timeout, **common)
-            self._client = aioredis.Redis.from_pool(pool)  # the client owns (closes) its pool
+        if self.cluster and scheme not in _CLUSTER_SCHEMES:  # (cluster=True, a plain scheme)
+            url = url.replace("://", "+cluster://", 1)
+        self._client = _client(url, max_connections, self.op_timeout, common)
 
     # -- keys and stats -----------------------------------------------------------------------
 

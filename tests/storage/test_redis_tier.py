@@ -349,6 +349,30 @@ async def test_cluster_round_trip(tmp_path) -> None:
             srv.kill()
 
 
+@pytest.mark.asyncio
+async def test_a_cluster_with_fewer_connections_than_pipelines_serves_them_all(tmp_path) -> None:
+    """With max_connections below the pipelines a call runs at once (4), a node's pool refused
+    the extra connections and redis-py then closed the client: concurrent reads of a healthy
+    cluster all failed and the breaker opened. They wait for a connection instead."""
+    servers, ports = start_cluster(tmp_path)
+    try:
+        tier = RedisTier(f"redis+cluster://127.0.0.1:{ports[0]}", key_prefix=_prefix(),
+                         op_timeout=2.0, connect_timeout=2.0, max_pipeline=2,
+                         max_connections=1)
+        try:
+            hs = _hashes(32, b"fewconn")
+            assert await tier.set_pages([_page(h, size=256) for h in hs]) == 32
+            got = await asyncio.gather(*(tier.get_pages(hs, "full", FP) for _ in range(6)))
+            assert all(p is not None for pages in got for p in pages)
+            assert tier.stats["errors"] == tier.stats["timeouts"] == 0
+            assert tier.stats["breaker_state"] == CLOSED
+        finally:
+            await tier.aclose()
+    finally:
+        for srv in servers:
+            srv.kill()
+
+
 def test_environment_has_redis_cli() -> None:
     assert shutil.which("redis-cli") is not None, os.environ.get("PATH")
 
