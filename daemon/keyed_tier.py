@@ -547,21 +547,21 @@ class KeyedTier:
                     dead: dict[str, list[bytes]] = {}  # values a clear overtook: deleted too
                     for ((kind, *_, clears, page), l3id), ok in zip(named, stored, strict=True):
                         live = self._uncleared(page.ns, clears)
-                        page.in_l3 = page.in_l3 or (ok and live)
+                        page.in_l3 = page.in_l3 or (ok is True and live)
                         self.count(page.ns, "kv_l3_write_pages" if ok
                                    else "kv_l3_write_failures")
-                        if ok and not live and l3id not in self._unwanted:  # (else its
-                            dead.setdefault(kind, []).append(l3id)  # clear deletes it)
+                        if ok is not False and not live and l3id not in self._unwanted:
+                            dead.setdefault(kind, []).append(l3id)  # (else its clear does)
                     for kind, ids in dead.items():  # never charged: never left in Redis
                         self._unwanted.update(ids)
                         self._deletes.append((kind, ids))
                     uncounted = []
-                    if self.l3_charge is not None:  # what Redis confirmed it stored
+                    if self.l3_charge is not None:  # what Redis stored, or may have
                         await self.l3_charge([
                             (page.ns, l3id, kind, len(v))
                             for ((kind, *_, clears, page), l3id), v, ok in zip(
                                 named, values, stored, strict=True)
-                            if ok and self._uncleared(page.ns, clears)])
+                            if ok is not False and self._uncleared(page.ns, clears)])
                 except asyncio.CancelledError:
                     raise
                 except Exception:

@@ -208,30 +208,36 @@ class L3Tier:
     async def _store(self, batch: list[L3Write], values: list[bytes]) -> None:
         assert self.l3 is not None
         stored = await self.l3.set_pages_each(values)
-        self.counters["l3_write_values"] += sum(stored)
-        self.counters["l3_write_failures"] += len(values) - sum(stored)
-        done = [(w, v) for w, v, ok in zip(batch, values, stored, strict=True) if ok]
-        self.counters["l3_write_pages"] += sum(len(t) for (*_, t, _), _ in done) \
+        self.counters["l3_write_values"] += stored.count(True)
+        self.counters["l3_write_failures"] += len(values) - stored.count(True)
+        done = [w for w, ok in zip(batch, stored, strict=True) if ok]
+        self.counters["l3_write_pages"] += sum(len(t) for *_, t, _ in done) \
             // self.cache.tree.page_bytes
-        await self.charge([(ns, h, kind, len(v)) for (kind, ns, _, h, _, _), v in done])
+        await self.charge([(ns, h, kind, len(v)) for (kind, ns, _, h, _, _), v, ok
+                           in zip(batch, values, stored, strict=True) if ok is not False])
 
     async def charge(self, values: list[tuple[str, bytes, str, int]]) -> int:
-        """Count values just written to Redis, ``(namespace, Redis page id, pool, bytes)``,
-        against their namespace's ``quota_l3_bytes``; over it, delete the namespace's least
-        recently written values and count them. One ledger per namespace for the tree's pages
-        and the keyed store's (which calls this too), so a tenant's quota bounds both together.
-        Returns how many values were deleted."""
+        """Count values just written to Redis (or that it may hold: a write failed once sent),
+        ``(namespace, Redis page id, pool, bytes)``, against their namespace's
+        ``quota_l3_bytes``; over it, delete the namespace's least recently written values and
+        count them. One ledger per namespace for the tree's pages and the keyed store's (which
+        calls this too), so a tenant's quota bounds both together. Values whose delete Redis
+        does not answer stay counted, the oldest, and go at the next charge. Returns how many
+        values were deleted."""
         assert self.l3 is not None
-        over: dict[str, list[bytes]] = {"full": [], "swa": []}
+        over: dict[tuple[str, str], list[tuple[bytes, int]]] = {}
         for ns, h, kind, nbytes in values:
-            for old, old_kind in self.ledger.charge(ns, h, kind, nbytes,
-                                                       self.quotas.get(ns, 0)):
-                over[old_kind].append(old)
-        for kind, hashes in over.items():
-            self.counters["l3_quota_deleted_pages"] += len(hashes)
-            if hashes:
-                await self.l3.delete(hashes, kind)
-        return sum(map(len, over.values()))
+            for old, old_kind, old_bytes in self.ledger.charge(ns, h, kind, nbytes,
+                                                                  self.quotas.get(ns, 0)):
+                over.setdefault((ns, old_kind), []).append((old, old_bytes))
+        deleted = 0
+        for (ns, kind), gone in over.items():
+            if await self.l3.unlink([h for h, _ in gone], kind) is None:
+                self.ledger.adopt(ns, [(h, kind, n) for h, n in gone])
+            else:
+                deleted += len(gone)
+        self.counters["l3_quota_deleted_pages"] += deleted
+        return deleted
 
     # ------------------------------------------------------------------ prefetch (L3 -> L2)
 

@@ -22,19 +22,20 @@ class L3Ledger:
         self._totals: dict[str, int] = {}  # running sums: a ledger may hold a million values
 
     def charge(self, ns: str, page_id: bytes, pool: str, nbytes: int, quota: int
-               ) -> list[tuple[bytes, str]]:
-        """Count a value just written; returns the ``(page id, pool)`` of the values to delete
-        so that the namespace stays within ``quota`` bytes (0: unbounded, nothing counted)."""
+               ) -> list[tuple[bytes, str, int]]:
+        """Count a value just written; returns the ``(page id, pool, bytes)`` of the values to
+        delete so that the namespace stays within ``quota`` bytes (0: unbounded, nothing
+        counted)."""
         if not quota:
             return []
         values, key = self._values.setdefault(ns, OrderedDict()), (page_id, pool)
         total = self._totals.get(ns, 0) - values.pop(key, 0) + nbytes
         values[key] = nbytes
-        gone: list[tuple[bytes, str]] = []
+        gone: list[tuple[bytes, str, int]] = []
         while total > quota and values:
-            old, size = values.popitem(last=False)
+            (old, old_pool), size = values.popitem(last=False)
             total -= size
-            gone.append(old)
+            gone.append((old, old_pool, size))
         self._totals[ns] = total
         return gone
 
@@ -58,7 +59,8 @@ class L3Ledger:
                 for ns, values in self._values.items() if values}
 
     def adopt(self, ns: str, entries: Iterable[tuple[bytes, str, int]]) -> None:
-        """Entries of a previous run, older than anything this run wrote."""
+        """Entries older than anything counted since: a previous run's, or values
+        :meth:`charge` gave to delete that Redis did not delete (to go first next time)."""
         values = self._values.setdefault(ns, OrderedDict())
         older = OrderedDict(((h, pool), n) for h, pool, n in entries if (h, pool) not in values)
         older.update(values)

@@ -534,18 +534,19 @@ class RedisTier:
         """Store encoded page values (codec.encode_page), each under the key its header names;
         SET with EX when a TTL is configured. Returns how many were stored; the rest (Redis down,
         breaker open, error replies) are counted in ``set_failures``."""
-        return sum(await self.set_pages_each(values))
+        return (await self.set_pages_each(values)).count(True)
 
-    async def set_pages_each(self, values: Sequence[bytes]) -> list[bool]:
-        """:meth:`set_pages`, saying which values Redis confirmed it stored, in order: part of
-        a pipeline can fail (an ACL, ``maxmemory`` crossed half way), and a writer charges what
-        Redis took to the namespace's quota (a pipeline that timed out is all False, though
-        Redis may hold some of it)."""
+    async def set_pages_each(self, values: Sequence[bytes]) -> list[bool | None]:
+        """:meth:`set_pages`, saying of each value, in order, whether Redis confirmed it stored
+        it (True), refused it or was never asked (False), or may hold it (None: its pipeline
+        failed once sent, a timeout, or a Cluster pipeline of which one node failed while the
+        others stored their part). Part of a pipeline can fail (an ACL, ``maxmemory`` crossed
+        half way); a writer charges what Redis may hold to the namespace's quota."""
         items: list[tuple[str, bytes, int]] = []
         for i, v in enumerate(values):
             pool, page_hash = peek_header(v)
             items.append((self.key(page_hash, pool), v, i))
-        ok = [False] * len(items)
+        ok: list[bool | None] = [False] * len(items)
         if not items:
             return ok
         # Pipelines bounded by command count and by bytes.
@@ -565,7 +566,13 @@ class RedisTier:
 
         async def one(chunk: list[tuple[str, bytes, int]]) -> None:
             nonlocal stored
-            replies = await self._pipeline(lambda p: [p.set(k, v, ex=ex) for k, v, _ in chunk])
+            try:
+                replies = await self._pipeline(
+                    lambda p: [p.set(k, v, ex=ex) for k, v, _ in chunk])
+            except _CallFailed:
+                for _k, _v, i in chunk:
+                    ok[i] = None
+                raise
             self._reply_errors(replies)
             for (_k, v, i), r in zip(chunk, replies, strict=True):
                 if self._is_error(r) or not r:
@@ -630,10 +637,15 @@ class RedisTier:
 
     async def delete(self, hashes: Sequence[bytes], pool: str = "full") -> int:
         """Remove these pages of this pool; returns how many keys existed (0 when unreachable)."""
+        return await self.unlink(hashes, pool) or 0
+
+    async def unlink(self, hashes: Sequence[bytes], pool: str = "full") -> int | None:
+        """:meth:`delete`, or None when Redis did not answer (some may be gone): for a caller
+        that must know the values may still be there, to delete them again later."""
         keys = [self.key(h, pool) for h in hashes]
         if not keys:
             return 0
-        return await self._guarded(lambda: self._delete_keys(keys), lambda: 0)
+        return await self._guarded(lambda: self._delete_keys(keys), lambda: None)
 
     async def delete_stale(self, hashes: Sequence[bytes], pool: str = "full") -> int:
         """Remove values that verified but are not what a reader above the codec expects under

@@ -18,7 +18,8 @@ def _model_charge(model: list, key: tuple, nbytes: int, quota: int) -> list:
     model[:] = [(k, n) for k, n in model if k != key] + [(key, nbytes)]
     gone = []
     while sum(n for _, n in model) > quota and model:
-        gone.append(model.pop(0)[0])
+        (h, pool), n = model.pop(0)
+        gone.append((h, pool, n))
     return gone
 
 

@@ -373,6 +373,37 @@ async def test_a_cluster_with_fewer_connections_than_pipelines_serves_them_all(t
             srv.kill()
 
 
+@pytest.mark.asyncio
+async def test_a_cluster_write_that_failed_on_one_node_says_what_the_others_may_hold(
+        tmp_path) -> None:
+    """One node of three is down. A pipeline spans the nodes; the live ones store their part,
+    but the pipeline fails as a whole: every value was reported not stored, so a namespace's
+    L3 quota never counted those Redis holds (found over a shard outage: 2.9x the quota,
+    for good). A value reported not stored (False) is never in Redis; those of a failed
+    pipeline are reported as maybe (None)."""
+    servers, ports = start_cluster(tmp_path)
+    try:
+        prefix = _prefix()
+        tier = RedisTier(f"redis+cluster://127.0.0.1:{ports[0]}", key_prefix=prefix,
+                         op_timeout=2.0, connect_timeout=0.5, breaker_threshold=100)
+        try:
+            assert await tier.set_pages([_page(h, size=64) for h in _hashes(1, b"warm")]) == 1
+            servers[2].kill()
+            hs = _hashes(30, b"partial")
+            got = await tier.set_pages_each([_page(h, size=256) for h in hs])
+            keys = {k.decode() for p in ports[:2]
+                    for k in redis_sync.Redis(port=p).scan_iter(match=prefix + "*")}
+            held = [tier.key(h) in keys for h in hs]
+            assert any(held) and not all(held)  # the live nodes took their part
+            assert all(status is not False for status, h in zip(got, held, strict=True) if h)
+            assert None in got
+        finally:
+            await tier.aclose()
+    finally:
+        for srv in servers:
+            srv.kill()
+
+
 def test_environment_has_redis_cli() -> None:
     assert shutil.which("redis-cli") is not None, os.environ.get("PATH")
 
