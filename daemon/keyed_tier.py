@@ -18,11 +18,9 @@ only from its own host segments: room is made from its own oldest pages first, t
 others' oldest until segments of theirs empty and return to the free list (as on device).
 
 Quotas: a tenant's ``quota_host`` counts full host pages of its namespace, the tree's and the
-keyed ones (stored or reserved) together; over it, the namespace's own oldest host pages go
-first, then the keys that do not fit are declined (slot 0, counted in ``full``). Its
-``quota_l3_bytes`` counts the keyed pages this store writes to Redis in the tiers' own L3 ledger
-(``l3_charge``: ``TierManager.charge_l3``), beside the tree's pages: over it, the namespace's least
-recently written pages of either kind are deleted from Redis.
+keyed ones (stored or reserved) together; over it, its own oldest host pages go first, then the
+keys that do not fit are declined (slot 0, counted in ``full``). Its ``quota_l3_bytes`` counts
+what this store writes to Redis in the tiers' L3 ledger (``l3_charge``), beside the tree's pages.
 """
 
 from __future__ import annotations
@@ -100,8 +98,10 @@ class KeyedTier:
         self._unwanted: Counter[bytes] = Counter()
         #: the pages' names in Redis, under each namespace's kv_clear generation
         self.names = KeyedNames(model)
-        self.names.on_raised = self.pages.raised
+        self.names.on_raised = lambda ns, gen: self.pages.raised(  # (writes queued too: their
+            ns, gen, [item[-1] for item in (*self._l3_queue, *self._batch)])  # pages may be gone)
         self._l3_queue: list[L3Item] = []
+        self._batch: list[L3Item] = []  # the one the writer is at
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._writing = False
@@ -517,7 +517,7 @@ class KeyedTier:
                     await self._delete(*self._deletes.pop(0))
                 if not self._l3_queue:
                     break
-                batch = self._l3_queue[:L3_WRITE_BATCH]
+                batch = self._batch = self._l3_queue[:L3_WRITE_BATCH]
                 del self._l3_queue[:L3_WRITE_BATCH]
                 self._writing = True
                 uncounted, named_all = batch, False  # what a failure counts (see below)
@@ -571,7 +571,7 @@ class KeyedTier:
                         if named_all or self._uncleared(page.ns, clears):
                             self.count(page.ns, "kv_l3_write_failures")
                 finally:
-                    self._writing = False
+                    self._writing, self._batch = False, []
 
     async def _delete(self, kind: str, ids: list[bytes]) -> None:
         """Delete cleared pages' values from Redis (fail-soft); fetches may read them again

@@ -331,3 +331,39 @@ def test_a_page_is_of_the_generation_known_at_its_reservation(prefix: str) -> No
         assert await fetched(kv, [b"p"]) == 0
 
     run_store(prefix, 4, "write_back", body)
+
+
+def test_a_write_queued_while_its_own_clear_is_on_its_way_gets_that_clears_generation(
+        prefix: str) -> None:
+    """q is reserved while this daemon's clear is on its way to Redis, then evicted before the
+    clear lands: its write waits in the queue (the writer is held up by a slow batch:
+    injected). The generation the clear raised reached the pages still stored, not q's queued
+    write, which another daemon's later clear then did not stop (a review found it)."""
+    async def body(kv: KeyedTier, host: HostTier) -> None:
+        await kv.fetch("a", "full", [b"none"], 2.0)  # the generation is known: 0
+        real = kv.l3.set_pages_each  # type: ignore[union-attr]
+        gate = asyncio.Event()
+
+        async def slow(values: list[bytes]) -> list[bool | None]:
+            await gate.wait()
+            return await real(values)
+
+        kv.l3.set_pages_each = slow  # type: ignore[union-attr,method-assign]
+        commit(kv, host, "s2", "c", [b"c1", b"c2", b"c3", b"c4", b"c5"], 3)
+        commit(kv, host, "s2", "b", [b"b0"], 4)  # c1 is evicted: the writer takes it, and waits
+        await asyncio.sleep(0.05)
+        assert kv.l3_queued == 0
+        kv.clear("a")
+        commit(kv, host, "s1", "a", [b"q"], 6)
+        commit(kv, host, "s2", "b", [b"b1", b"b2", b"b3", b"b4", b"b5"], 9)  # q is evicted
+        assert kv.pages.get("a", "full", b"q") is None and kv.l3_queued >= 1
+        await asyncio.sleep(0.3)  # the clear lands
+        assert kv.names.raised("a")
+        assert [i[-1].gen for i in kv._l3_queue if i[-1].ns == "a"] == [1]
+        another_daemons_clear(kv, prefix)
+        gate.set()
+        await kv.drain(time.monotonic() + 5)
+        assert kv.ns_counters["a"]["kv_l3_write_outdated"] == 1
+        assert await fetched(kv, [b"q"]) == 0
+
+    run_store(prefix, 6, "write_back", body)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 from collections import OrderedDict
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -253,10 +253,11 @@ class KeyedPages:
             if pin.ns == ns and pin.reserved is not None:
                 pin.gen = None
 
-    def raised(self, ns: str, gen: int) -> None:
+    def raised(self, ns: str, gen: int, queued: Iterable[KeyedPage] = ()) -> None:
         """This daemon's kv_clear of ``ns`` reached Redis as ``gen``: what it kept, and what was
-        reserved while it was on its way, is of that generation."""
-        for page in self.pages.values():
+        reserved while it was on its way, is of that generation; ``queued``: pages whose Redis
+        writes wait, some of them no longer stored (evicted meanwhile)."""
+        for page in (*self.pages.values(), *queued):
             if page.ns == ns and page.gen is None:
                 page.gen = gen
         for pin in self.pins.values():
