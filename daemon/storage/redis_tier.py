@@ -347,13 +347,25 @@ class RedisTier:
     async def _ping_at_start(self) -> None:
         try:
             await asyncio.wait_for(self._client.ping(), self.op_timeout)
+            # a node of a cluster answers a plain client, then refuses (MOVED) the keys the
+            # other nodes own: most writes would fail, seen only in the counters
+            node = not self.cluster and (await asyncio.wait_for(
+                self._client.info("cluster"), self.op_timeout)).get("cluster_enabled")
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - whatever it is, it is logged, never raised
-            log.warning("L3 Redis %s unreachable at start (%s); L3 is a miss until it answers",
-                        self.url, describe(exc))
+            hint = ("; a rediss:// URL to a port that does not speak TLS times out like this"
+                    if self.url.startswith("rediss") and "timeout" in describe(exc).lower()
+                    else "")
+            log.warning("L3 Redis %s unreachable at start (%s%s); L3 is a miss until it "
+                        "answers", self.url, describe(exc), hint)
         else:
-            log.info("L3 Redis %s answers", self.url)
+            if node:
+                log.warning("L3 Redis %s is a node of a Redis Cluster: the keys the other "
+                            "nodes own are refused (MOVED); use a redis+cluster:// URL",
+                            self.url)
+            else:
+                log.info("L3 Redis %s answers", self.url)
 
     async def aclose(self) -> None:
         if self._start_probe is not None and not self._start_probe.done():

@@ -165,3 +165,39 @@ def test_redis_down_at_start_outage_and_recovery_logged_once_each(make_daemon,
         assert PASSWORD not in log
     finally:
         srv.kill()
+
+
+def test_a_plain_url_to_a_cluster_node_is_named_at_the_start(make_daemon,
+                                                             tmp_path: Path) -> None:
+    """redis:// to a node of a Redis Cluster answered the start ping ("answers"), then about
+    half the writes failed with MOVED, seen only in the counters."""
+    from tests.redis_procs import start_cluster
+
+    (tmp_path / "cluster").mkdir()
+    servers, ports = start_cluster(tmp_path / "cluster", nodes=3)
+    try:
+        d = make_daemon({"models": [SMALL_MODEL],
+                         "l3": {"url": f"redis://127.0.0.1:{ports[0]}/0",
+                                "key_prefix": "nodetest"}})
+        line = wait_line(d, "is a node of a Redis Cluster")
+        assert "WARNING" in line and "redis+cluster://" in line, line
+        assert not lines_with(d, " answers")
+    finally:
+        for srv in servers:
+            srv.kill()
+
+
+def test_a_tls_url_to_a_port_without_tls_says_so_at_the_start(make_daemon,
+                                                              tmp_path: Path) -> None:
+    """rediss:// to a plain port: the TLS handshake waits for an answer that never comes, and
+    the log said only "timeout"."""
+    srv = Server(free_port(), tmp_path)
+    srv.start()
+    try:
+        d = make_daemon({"models": [SMALL_MODEL],
+                         "l3": {"url": f"rediss://127.0.0.1:{srv.port}/0",
+                                "key_prefix": "tlstest", "op_timeout_ms": 300}})
+        line = wait_line(d, START_LINE)
+        assert "does not speak TLS" in line, line
+    finally:
+        srv.kill()
