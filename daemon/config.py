@@ -24,7 +24,7 @@ from .gpu.segments import (
     resolve_host_segment_pages,
     resolve_segment_pages,
 )
-from .storage.redis_tier import redact_url, url_problem
+from .storage.redis_urls import redact_url, url_problem
 from .tree.policy import POLICIES
 
 if sys.version_info >= (3, 11):

@@ -233,7 +233,7 @@ class L3Tier:
         deleted = 0
         for (ns, kind), gone in over.items():
             if await self.l3.unlink([h for h, _ in gone], kind) is None:
-                self.ledger.adopt(ns, [(h, kind, n) for h, n in gone])
+                self.ledger.give_back(ns, [(h, kind, n) for h, n in gone])
             else:
                 deleted += len(gone)
         self.counters["l3_quota_deleted_pages"] += deleted

@@ -58,9 +58,22 @@ class L3Ledger:
         return {ns: [(h, pool, n) for (h, pool), n in values.items()]
                 for ns, values in self._values.items() if values}
 
+    def give_back(self, ns: str, entries: list[tuple[bytes, str, int]]) -> None:
+        """Values :meth:`charge` gave to delete that Redis did not delete: counted again, as
+        the oldest, to go first next time; one written again meanwhile stays where that put it.
+        In place (unlike :meth:`adopt`): a ledger may hold a million values."""
+        values = self._values.setdefault(ns, OrderedDict())
+        total = self._totals.get(ns, 0)
+        for page_id, pool, nbytes in reversed(entries):
+            key = (page_id, pool)
+            if key not in values:
+                values[key] = nbytes
+                values.move_to_end(key, last=False)
+                total += nbytes
+        self._totals[ns] = total
+
     def adopt(self, ns: str, entries: Iterable[tuple[bytes, str, int]]) -> None:
-        """Entries older than anything counted since: a previous run's, or values
-        :meth:`charge` gave to delete that Redis did not delete (to go first next time)."""
+        """Entries of a previous run, older than anything this run wrote."""
         values = self._values.setdefault(ns, OrderedDict())
         older = OrderedDict(((h, pool), n) for h, pool, n in entries if (h, pool) not in values)
         older.update(values)

@@ -39,20 +39,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
+import re
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
-import redis.asyncio as aioredis
-from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
-from redis.connection import parse_url
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisClusterException, RedisError, ResponseError
+from redis.exceptions import MaxConnectionsError, RedisClusterException, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from daemon.storage.codec import (
@@ -63,6 +60,7 @@ from daemon.storage.codec import (
     peek_header,
     pool_code,
 )
+from daemon.storage.redis_urls import CLUSTER_SCHEMES, client_for_url, redact_url
 
 #: Fetched bytes up to which a chunk is verified on the event loop (a thread hop costs more).
 VERIFY_INLINE_BYTES = 256 * 1024
@@ -71,82 +69,7 @@ CLOSED = "closed"
 OPEN = "open"
 HALF_OPEN = "half_open"
 
-_CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
-
 log = logging.getLogger("radixd.storage.redis")
-
-
-#: query options of a URL that name files (TLS): they must exist when the config is read
-_FILE_OPTIONS = ("ssl_ca_certs", "ssl_ca_path", "ssl_certfile", "ssl_keyfile")
-
-
-def url_problem(url: str) -> str | None:
-    """What is wrong with a Redis URL (its scheme, port, database, query options, the files they
-    name), or None: what building the client or its first connection would raise only once the
-    daemon's pools exist (a cluster client at the start, a plain one at every connection, which
-    left L3 off for good), said when the config is read. Builds the client, connecting to
-    nothing."""
-    parts = urlsplit(url)
-    scheme = _CLUSTER_SCHEMES.get(parts.scheme, parts.scheme)
-    if scheme not in ("redis", "rediss", "unix"):
-        return (f"must start with redis://, rediss://, unix://, redis+cluster:// or "
-                f"rediss+cluster://, got {parts.scheme!r}")
-    try:
-        parse_url(url if scheme == parts.scheme else url.replace(parts.scheme, scheme, 1))
-    except ValueError as exc:
-        return str(exc)
-    if scheme != "unix" and parts.path not in ("", "/") and not parts.path[1:].isdigit():
-        return f"the database must be a number (redis://host:port/0), got {parts.path[1:]!r}"
-    for key, value in parse_qsl(parts.query):
-        if key in _FILE_OPTIONS and not os.path.exists(value):
-            return f"{key}: no such file {value!r}"
-    try:
-        client = _client(url, max_connections=1, op_timeout=1.0, common={})
-        if not isinstance(client, RedisCluster):  # (a connection object; nothing is dialled)
-            client.connection_pool.make_connection()
-    except TypeError as exc:  # an option no client or connection takes (a typo)
-        name = str(exc).rpartition(" ")[2]
-        return (f"unknown query option {name} (they are redis-py's connection arguments, "
-                f"such as ssl_ca_certs: docs/operations.md, [l3])")
-    except RedisClusterException as exc:  # (a cluster has one database: no /N, no db=)
-        return str(exc)
-    except (ValueError, RedisError) as exc:
-        return str(exc)
-    return None
-
-
-def _client(url: str, max_connections: int, op_timeout: float, common: dict[str, Any]) -> Any:
-    """The redis-py client of a URL: a cluster client for a ``+cluster`` scheme, else one over a
-    blocking pool, where a burst waits (bounded by ``op_timeout``) for a free connection
-    instead of failing with "too many connections"."""
-    parts = urlsplit(url)
-    if parts.scheme in _CLUSTER_SCHEMES:
-        url = urlunsplit((_CLUSTER_SCHEMES[parts.scheme],) + tuple(parts)[1:])
-        return RedisCluster.from_url(url, max_connections=max_connections, **common)
-    pool = aioredis.BlockingConnectionPool.from_url(
-        url, max_connections=max_connections, timeout=op_timeout, **common)
-    return aioredis.Redis.from_pool(pool)  # the client owns (closes) its pool
-
-
-def redact_url(url: str, mask: str = "***") -> str:
-    """``url`` with its password (in the user info or a ``password=`` query parameter) replaced
-    by ``mask``: Redis URLs carry credentials, and logs are read by more people than configs."""
-    parts = urlsplit(url)
-    netloc = parts.netloc
-    if "@" in netloc:
-        userinfo, host = netloc.rsplit("@", 1)
-        if ":" in userinfo:
-            userinfo = userinfo.split(":", 1)[0] + ":" + mask
-        netloc = f"{userinfo}@{host}"
-    query = parts.query
-    if query:
-        pairs = parse_qsl(query, keep_blank_values=True)
-        query = urlencode([(k, mask if k.lower() == "password" else v) for k, v in pairs],
-                          safe="*<>")
-    out = urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
-    if "://" in url and "://" not in out:  # unix:///path: urlunsplit drops the empty netloc
-        out = out.replace(":", "://", 1)
-    return out
 
 
 class CircuitBreaker:
@@ -236,6 +159,22 @@ class _CallFailed(Exception):
     """A pipeline of this call failed in a way that counts against the breaker."""
 
 
+def _never_dialled(exc: BaseException) -> str | None:
+    """The ``host:port`` whose connection a failure never made (redis-py's "Error 111
+    connecting to host:port."), "" when it names none (no free connection, a connect timeout),
+    None when the failure came later, once the request may have been sent."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, MaxConnectionsError) or str(seen).startswith(
+                ("Timeout connecting", "No connection available")):
+            return ""
+        found = re.search(r"connecting to (\S+?:\d+)", str(seen))
+        if found:
+            return found.group(1)
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
 def describe(exc: BaseException) -> str:
     """An exception as one short log phrase: its type and, when it has one, its message (redis-py
     messages name host and port, never credentials)."""
@@ -279,7 +218,7 @@ class RedisTier:
             raise ValueError("ttl_seconds must be >= 0")
         self.url = redact_url(url)  # as configured (+cluster included): what logs call it
         scheme = urlsplit(url).scheme
-        if scheme in _CLUSTER_SCHEMES:
+        if scheme in CLUSTER_SCHEMES:
             cluster = True if cluster is None else cluster
             if not cluster:
                 raise ValueError(f"{scheme}:// names a cluster but cluster=False was passed")
@@ -318,9 +257,9 @@ class RedisTier:
             socket_keepalive=True,
             decode_responses=False,
         )
-        if self.cluster and scheme not in _CLUSTER_SCHEMES:  # (cluster=True, a plain scheme)
+        if self.cluster and scheme not in CLUSTER_SCHEMES:  # (cluster=True, a plain scheme)
             url = url.replace("://", "+cluster://", 1)
-        self._client = _client(url, max_connections, self.op_timeout, common)
+        self._client = client_for_url(url, max_connections, self.op_timeout, common)
 
     # -- keys and stats -----------------------------------------------------------------------
 
@@ -347,10 +286,7 @@ class RedisTier:
     async def _ping_at_start(self) -> None:
         try:
             await asyncio.wait_for(self._client.ping(), self.op_timeout)
-            # a node of a cluster answers a plain client, then refuses (MOVED) the keys the
-            # other nodes own: most writes would fail, seen only in the counters
-            node = not self.cluster and (await asyncio.wait_for(
-                self._client.info("cluster"), self.op_timeout)).get("cluster_enabled")
+            node = not self.cluster and await self._cluster_node()
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - whatever it is, it is logged, never raised
@@ -366,6 +302,16 @@ class RedisTier:
                             self.url)
             else:
                 log.info("L3 Redis %s answers", self.url)
+
+    async def _cluster_node(self) -> bool:
+        """Whether a plain client's Redis is a node of a cluster, which answers, then refuses
+        (MOVED) the keys the other nodes own: most writes would fail, seen only in counters.
+        False when it cannot tell (INFO refused by an ACL or a proxy, or slow)."""
+        try:
+            info = await asyncio.wait_for(self._client.info("cluster"), self.op_timeout)
+        except (RedisError, asyncio.TimeoutError):
+            return False
+        return bool(info.get("cluster_enabled"))
 
     async def aclose(self) -> None:
         if self._start_probe is not None and not self._start_probe.done():
@@ -429,6 +375,18 @@ class RedisTier:
     def _chunks(self, n: int) -> list[range]:
         step = self.max_pipeline
         return [range(i, min(i + step, n)) for i in range(0, n, step)]
+
+    def _left_of(self, exc: BaseException, key: str) -> bool | None:
+        """What a write of ``key`` that failed with ``exc`` left in Redis: nothing (False) when
+        the connection it needed was never made, else maybe (None). A Cluster pipeline fails as
+        a whole when one node's connection fails: there only that node's keys are not stored."""
+        node = _never_dialled(exc)
+        if node is None or (self.cluster and not node):
+            return None
+        if not self.cluster:
+            return False
+        owner = self._client.get_node_from_key(key)
+        return False if owner is not None and owner.name == node else None
 
     @staticmethod
     def _is_error(reply: Any) -> bool:
@@ -581,18 +539,20 @@ class RedisTier:
             try:
                 replies = await self._pipeline(
                     lambda p: [p.set(k, v, ex=ex) for k, v, _ in chunk])
-            except _CallFailed:
-                for _k, _v, i in chunk:
-                    ok[i] = None
+            except _CallFailed as exc:
+                for (k, _v, i) in chunk:
+                    ok[i] = self._left_of(exc.__cause__ or exc, k)
                 raise
-            self._reply_errors(replies)
-            for (_k, v, i), r in zip(chunk, replies, strict=True):
-                if self._is_error(r) or not r:
+            for (k, v, i), r in zip(chunk, replies, strict=True):
+                if isinstance(r, (RedisConnectionError, RedisTimeoutError, OSError)):
+                    ok[i] = self._left_of(r, k)  # (a node of a cluster failed, the others not)
+                elif self._is_error(r) or not r:
                     self._stats["errors"] += isinstance(r, ResponseError)
-                    continue
-                stored += 1
-                ok[i] = True
-                self._stats["bytes_written"] += len(v)
+                else:
+                    stored += 1
+                    ok[i] = True
+                    self._stats["bytes_written"] += len(v)
+            self._reply_errors(replies)
 
         async def body() -> None:
             results = await asyncio.gather(*(one(c) for c in chunks), return_exceptions=True)

@@ -41,3 +41,20 @@ def test_the_ledger_keeps_the_newest_values_within_the_quota(before, quota, afte
     for ns, model in models.items():
         assert ledger.total(ns) == sum(n for _, n in model) <= max(quota, 0) or not quota
         assert ledger.entries().get(ns, []) == [(h, p, n) for (h, p), n in model]
+
+
+def test_values_given_back_are_the_oldest_and_counted_once() -> None:
+    """What Redis did not delete comes back at the old end, in its order; a value written
+    again meanwhile is not given back over its newer place."""
+    ledger = L3Ledger()
+    for page in range(4):
+        assert ledger.charge("a", bytes([page]), "full", 10, 30) == (
+            [] if page < 3 else [(bytes([0]), "full", 10)])
+    gone = ledger.charge("a", bytes([4]), "full", 20, 30)
+    assert gone == [(bytes([1]), "full", 10), (bytes([2]), "full", 10)]
+    ledger.charge("a", bytes([2]), "full", 5, 100)  # written again meanwhile (no quota pass)
+    ledger.give_back("a", [(bytes([0]), "full", 10), *gone])
+    assert ledger.entries()["a"] == [(bytes([0]), "full", 10), (bytes([1]), "full", 10),
+                                     (bytes([3]), "full", 10), (bytes([4]), "full", 20),
+                                     (bytes([2]), "full", 5)]
+    assert ledger.total("a") == 55

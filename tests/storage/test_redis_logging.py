@@ -19,7 +19,8 @@ import pytest
 import redis as redis_sync
 from radixd_client import Client
 
-from daemon.storage.redis_tier import CircuitBreaker, redact_url
+from daemon.storage.redis_tier import CircuitBreaker
+from daemon.storage.redis_urls import redact_url
 from tests.harness import daemon_conftest
 from tests.redis_procs import Server, free_port
 
@@ -199,5 +200,21 @@ def test_a_tls_url_to_a_port_without_tls_says_so_at_the_start(make_daemon,
                                 "key_prefix": "tlstest", "op_timeout_ms": 300}})
         line = wait_line(d, START_LINE)
         assert "does not speak TLS" in line, line
+    finally:
+        srv.kill()
+
+
+def test_a_redis_that_refuses_info_still_answers_at_the_start(make_daemon,
+                                                              tmp_path: Path) -> None:
+    """The cluster check asks INFO, which an ACL or a proxy may refuse: the start was logged
+    as "unreachable", though L3 worked (a review found it)."""
+    srv = Server(free_port(), tmp_path, "--rename-command", "INFO", "")
+    srv.start()
+    try:
+        d = make_daemon({"models": [SMALL_MODEL],
+                         "l3": {"url": srv.url, "key_prefix": "infotest"}})
+        line = wait_line(d, " answers")
+        assert "INFO" in line, line
+        assert not lines_with(d, START_LINE)
     finally:
         srv.kill()

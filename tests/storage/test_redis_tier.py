@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
+import signal
 import time
 import uuid
 
@@ -396,12 +398,69 @@ async def test_a_cluster_write_that_failed_on_one_node_says_what_the_others_may_
             held = [tier.key(h) in keys for h in hs]
             assert any(held) and not all(held)  # the live nodes took their part
             assert all(status is not False for status, h in zip(got, held, strict=True) if h)
-            assert None in got
+            # the dead node's keys were never sent: not stored, not maybe
+            dead = f"127.0.0.1:{ports[2]}"
+            on_dead = [tier._client.get_node_from_key(tier.key(h)).name == dead for h in hs]
+            assert any(on_dead) and all(
+                status is False for status, d in zip(got, on_dead, strict=True) if d)
         finally:
             await tier.aclose()
     finally:
         for srv in servers:
             srv.kill()
+
+
+@pytest.mark.asyncio
+async def test_a_cluster_node_that_dies_mid_write_leaves_what_the_others_stored_reported(
+        tmp_path) -> None:
+    """The third node stops, then dies while a pipeline that spans the nodes waits for it.
+    redis-py answers its keys with connection errors and the others' with OK; the write was
+    reported all not stored, though Redis held the others' values (a review found it)."""
+    servers, ports = start_cluster(tmp_path)
+    try:
+        prefix = _prefix()
+        tier = RedisTier(f"redis+cluster://127.0.0.1:{ports[0]}", key_prefix=prefix,
+                         op_timeout=3.0, connect_timeout=0.5, breaker_threshold=100)
+        try:
+            assert await tier.set_pages([_page(h, size=64) for h in _hashes(30, b"w")]) == 30
+            assert servers[2].proc is not None
+            os.kill(servers[2].proc.pid, signal.SIGSTOP)
+
+            async def kill_later() -> None:
+                await asyncio.sleep(0.5)
+                os.kill(servers[2].proc.pid, signal.SIGKILL)  # type: ignore[union-attr]
+
+            killer = asyncio.create_task(kill_later())
+            hs = _hashes(30, b"mid")
+            got = await tier.set_pages_each([_page(h, size=256) for h in hs])
+            await killer
+            keys = {k.decode() for p in ports[:2]
+                    for k in redis_sync.Redis(port=p).scan_iter(match=prefix + "*")}
+            held = [tier.key(h) in keys for h in hs]
+            assert any(held)
+            assert all(status is not False for status, h in zip(got, held, strict=True) if h)
+        finally:
+            await tier.aclose()
+    finally:
+        for srv in servers:
+            if srv.proc is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(srv.proc.pid, signal.SIGCONT)
+            srv.kill()
+
+
+@pytest.mark.asyncio
+async def test_a_write_to_a_redis_that_is_not_there_is_reported_not_stored() -> None:
+    """Nothing listens: the connection was never made, so nothing is stored (False), not
+    maybe (None): every write batch the breaker let through while Redis was down was charged
+    to the namespace's L3 quota in full, pushing real values out (a review found it)."""
+    tier = RedisTier(f"redis://127.0.0.1:{free_port()}/0", key_prefix=_prefix(),
+                     op_timeout=OP_TIMEOUT, connect_timeout=OP_TIMEOUT)
+    try:
+        got = await tier.set_pages_each([_page(h, size=64) for h in _hashes(5, b"nobody")])
+        assert got == [False] * 5
+    finally:
+        await tier.aclose()
 
 
 def test_environment_has_redis_cli() -> None:
