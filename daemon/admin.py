@@ -302,13 +302,35 @@ def _token_digest(config: Config, socket_path: str
                                         f"lock file): {exc.strerror or exc} (set "
                                         "admin.token_file, or admin.token_sha256)") from None
     try:
+        if not _a_token_or_nothing(path):
+            raise TokenFileError(errno.EEXIST, f"admin.token_file {path} exists and is not an "
+                                               "admin token this daemon wrote (64 hex digits): "
+                                               "give another path, or remove it")
         _write_secret(path, token + "\n")
+    except TokenFileError:
+        os.close(lock)
+        raise
     except OSError as exc:
         os.close(lock)
         raise TokenFileError(exc.errno, f"cannot write the admin token to {path}: "
                                         f"{exc.strerror or exc} (set admin.token_file, or "
                                         "admin.token_sha256)") from None
     return hashlib.sha256(token.encode()).digest(), path, token + "\n", lock
+
+
+def _a_token_or_nothing(path: str) -> bool:
+    """Whether ``path`` is free for a generated token: absent, or a token a daemon wrote there
+    before (one that stopped without removing it). Any other file is someone's: writing over
+    it, and removing it at the stop, lost it."""
+    try:
+        with open(path, "rb") as f:
+            text = f.read(66)
+    except FileNotFoundError:
+        return True
+    except IsADirectoryError:
+        return False
+    return len(text) == 65 and text.endswith(b"\n") and all(
+        c in b"0123456789abcdef" for c in text[:64])
 
 
 def _claim(path: str) -> int | None:
@@ -337,11 +359,16 @@ def _write_secret(path: str, text: str, mode: int = 0o600) -> None:
         tmp.unlink()
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
-        os.fchmod(fd, mode)
-        os.write(fd, text.encode())
-    finally:
-        os.close(fd)
-    os.replace(tmp, p)
+        try:
+            os.fchmod(fd, mode)
+            os.write(fd, text.encode())
+        finally:
+            os.close(fd)
+        os.replace(tmp, p)
+    except BaseException:  # (the secret must not stay behind under another name)
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
 
 
 # ---------------------------------------------------------------------------- errors and auth

@@ -169,6 +169,14 @@ class AdminConfig(_Section):
     def _hex(cls, v: str | None) -> str | None:
         return _hex_digest(v)
 
+    @field_validator("token_file")
+    @classmethod
+    def _absolute(cls, v: str | None) -> str | None:
+        if v is not None and not os.path.isabs(v):
+            raise ValueError(f"must be an absolute path (the daemon's working directory is not "
+                             f"the shell's), got {v!r}")
+        return v
+
 
 def _hex_digest(v: str | None) -> str | None:
     if v is not None:
@@ -430,10 +438,15 @@ class Config(_Section):
         tnames = [t.name for t in self.tenants]
         if len(set(tnames)) != len(tnames):
             raise ValueError(f"tenants: duplicate tenant names {tnames}")
-        digests = [t.token_digest() for t in self.tenants]
-        if len(set(digests)) != len(digests):
-            raise ValueError("tenants: two tenants have the same token (the second could never "
-                             "authenticate)")
+        seen: dict[bytes, str] = {}
+        for t in self.tenants:
+            if (first := seen.setdefault(t.token_digest(), t.name)) != t.name:
+                raise ValueError(f"tenants: {first!r} and {t.name!r} have the same token (the "
+                                 "second could never authenticate)")
+        if self.admin.unix_socket is not None and os.path.abspath(
+                self.admin.unix_socket) == os.path.abspath(self.server.socket):
+            raise ValueError("admin: unix_socket is the engines' socket (server.socket); give the "
+                             "admin endpoint a path of its own")
         for t in self.tenants:
             if t.token is None and t.token_sha256 is None:
                 raise ValueError(f"tenants: tenant {t.name!r} needs token or token_sha256 "

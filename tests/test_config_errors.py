@@ -284,6 +284,11 @@ def test_the_newer_keys_refuse_bad_values_by_name(overrides: dict, key: str) -> 
      "ssl_ca_certs: no such file '/nonexistent/ca.pem'"),
     ({"admin": {"token": "abc", "token_sha256": "0" * 64}}, "admin", "not both"),
     ({"admin": {"token": ""}}, "admin", "token is empty"),
+    ({"admin": {"token_file": "rel.token"}}, "admin.token_file", "must be an absolute path"),
+    ({"admin": {"unix_socket": "/tmp/r.sock"}, "server": {"socket": "/tmp/r.sock"}}, "admin",
+     "unix_socket is the engines' socket"),
+    ({"tenants": [{"name": "a", "token": "t"}, {"name": "b", "token": "t"}]}, "tenants",
+     "'a' and 'b' have the same token"),
     ({"tenants": [{"name": "a", "token": ""}]}, 'tenants["a"]', "token is empty"),
     ({"tenants": [{"name": "", "token": "t"}]}, "tenants", "at least 1 character"),
 ])
@@ -364,3 +369,29 @@ def test_a_cluster_url_redis_py_refuses_is_a_one_line_error_at_the_start(tmp_pat
     for args in (("serve",), ("config", "check")):
         line = _one_line_error(_radixd(*args, "--config", str(cfg)))
         assert "l3.url" in line and "must be 0" in line, line
+
+
+@pytest.mark.parametrize("what", ["someone's file", "a directory"])
+def test_an_admin_token_file_that_is_not_a_token_is_left_alone(tmp_path: Path, what: str) -> None:
+    """admin.token_file naming an existing file that is no token: the daemon wrote the token
+    over it and removed it at the stop (its text was lost); a directory failed with exit 1
+    (systemd restarts on it) and left the token behind in a temporary file beside it. Both
+    are refused with exit 2, and nothing there changes."""
+    target = tmp_path / "notes.txt"
+    if what == "a directory":
+        target.mkdir()
+    else:
+        target.write_text("my notes\n")
+    cfg = _config(tmp_path, CPU_MODEL)
+    cfg.write_text(cfg.read_text().replace("[admin]\n", f'[admin]\ntoken_file = "{target}"\n'))
+    out = _radixd("serve", "--config", str(cfg))
+    assert out.returncode == cli.EXIT_USAGE, (out.returncode, out.stderr[-2000:])
+    assert "Traceback" not in out.stderr
+    assert f"admin.token_file: admin.token_file {target} exists and is not an admin token" \
+        in out.stderr, out.stderr[-2000:]
+    if what == "a directory":
+        assert target.is_dir() and list(target.iterdir()) == []
+    else:
+        assert target.read_text() == "my notes\n"
+    assert sorted(p.name for p in tmp_path.iterdir() if "notes" in p.name) == [
+        "notes.txt", "notes.txt.lock"]

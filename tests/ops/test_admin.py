@@ -224,12 +224,14 @@ async def test_port_conflicts(tmp_path: Path, monkeypatch, caplog) -> None:
 
 @pytest.mark.asyncio
 async def test_an_unwritable_token_file_is_fatal(tmp_path: Path) -> None:
-    from daemon.admin import TokenFileError
+    """A configuration error (exit 2, which systemd does not restart on), naming the key."""
+    from daemon.config import ConfigError
 
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("")
     daemon = _in_process_daemon(tmp_path, token=None, token_file=str(blocker / "admin.token"))
-    with pytest.raises(TokenFileError, match="cannot write the admin token to .*not-a-dir"):
+    with pytest.raises(ConfigError,
+                       match="admin.token_file: cannot write the admin token to .*not-a-dir"):
         await daemon.start_admin()
     daemon.service.close()
 
