@@ -157,7 +157,7 @@ def _admin_args(p: argparse.ArgumentParser) -> None:
     tok.add_argument("--token-file", metavar="FILE",
                      help="file holding the admin token (default: admin.token_file, or "
                           "admin.token beside the engine socket, which the daemon writes)")
-    p.add_argument("--timeout", type=float, default=10.0, metavar="SECONDS",
+    p.add_argument("--timeout", type=_seconds, default=10.0, metavar="SECONDS",
                    help="seconds to wait for the answer (default 10)")
 
 
@@ -193,6 +193,17 @@ def _quiet_openmp() -> None:
     kept a core per worker busy doing nothing. OpenMP reads this once, when torch loads it: this
     runs before anything of the daemon imports torch."""
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def _seconds(text: str) -> float:
+    """A positive, finite number of seconds (argparse's type for --timeout)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0 < value <= 86_400:
+        raise argparse.ArgumentTypeError(f"seconds between 0 and 86400 (a day), got {text}")
+    return value
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -628,3 +628,17 @@ def test_l3_without_a_host_tier_is_warned_of(live, tmp_path: Path, capsys) -> No
     assert capsys.readouterr().err == ""
     d = live({"l3": l3, "models": [bare]})
     assert "WARNING radixd.app: l3.url is set but L3 is off: no model has a host tier" in d.log()
+
+
+@pytest.mark.parametrize("timeout", ["-1", "nan", "inf", "0", "soon"])
+def test_a_timeout_that_is_no_positive_number_of_seconds_is_a_usage_error(timeout: str,
+                                                                          capsys) -> None:
+    """status and check took any float: -1, nan and inf ended in a traceback, 0 in "Operation
+    now in progress"."""
+    for cmd in ("status", "check"):
+        with pytest.raises(SystemExit) as exc:
+            cli.main([cmd, "--admin", "http://127.0.0.1:1", "--token", "x",
+                      f"--timeout={timeout}"])
+        assert exc.value.code == cli.EXIT_USAGE
+        err = capsys.readouterr().err
+        assert "argument --timeout" in err and "Traceback" not in err
