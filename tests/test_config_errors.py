@@ -285,6 +285,8 @@ def test_the_newer_keys_refuse_bad_values_by_name(overrides: dict, key: str) -> 
     ({"admin": {"token": "abc", "token_sha256": "0" * 64}}, "admin", "not both"),
     ({"admin": {"token": ""}}, "admin", "token is empty"),
     ({"admin": {"token_file": "rel.token"}}, "admin.token_file", "must be an absolute path"),
+    ({"models": [{"name": "m", "page_size": 4, "sliding_window": 2048, "swa_pages": 64}]},
+     'models["m"].sliding_window', "512 pages of 4, more than the SWA pool's 63 usable"),
     ({"admin": {"unix_socket": "/tmp/r.sock"}, "server": {"socket": "/tmp/r.sock"}}, "admin",
      "unix_socket is the engines' socket"),
     ({"tenants": [{"name": "a", "token": "t"}, {"name": "b", "token": "t"}]}, "tenants",
