@@ -589,15 +589,16 @@ class _Admin:
         models = {v.name: ModelStats(
             page_size=v.info.page_size, sliding_window=v.info.sliding_window, policy=v.policy,
             pools=v.pools, nodes=v.nodes, matches=v.matches, match_tokens=v.match_tokens,
-            hit_tokens=v.hit_tokens, hit_rate=_rate(v.hit_tokens, v.match_tokens),
+            hit_tokens=v.hit_tokens, hit_rate=_rate(v.hit_tokens + v.host_hits, v.match_tokens),
             evictions=v.evictions, tiers=v.tiers.stats if v.tiers is not None else None,
-            segments=v.segments, keyed=v.keyed)
+            segments=v.segments, keyed=v.keyed, host_hit_tokens=v.host_hits)
             for v in svc.model_views()}
         tenants = [TenantStats(
             name=t.name, namespace=t.namespace, sessions=t.sessions,
-            hit_tokens=t.counters["hit_tokens"], match_tokens=t.counters["match_tokens"],
-            hit_rate=_rate(t.counters["hit_tokens"], t.counters["match_tokens"]),
-            quota_refusals=t.counters["quota_refusals"]) for t in svc.tenant_views()]
+            hit_tokens=(c := t.counters)["hit_tokens"], match_tokens=c["match_tokens"],
+            hit_rate=_rate(c["hit_tokens"] + c["host_hit_tokens"], c["match_tokens"]),
+            quota_refusals=c["quota_refusals"], host_hit_tokens=c["host_hit_tokens"])
+            for t in svc.tenant_views()]
         last = self.checker.last
         checker = CheckerOut(last.ok, last.kind, last.at, last.violations[:MAX_VIOLATIONS_SHOWN],
                              len(last.violations))

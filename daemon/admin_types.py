@@ -100,8 +100,8 @@ class ModelStats(msgspec.Struct):
     nodes: int
     matches: int
     match_tokens: int
-    hit_tokens: int
-    hit_rate: Rate
+    hit_tokens: Annotated[int, Meta(description="usable tokens already on device")]
+    hit_rate: Annotated[Rate, Meta(description="(hit_tokens + host_hit_tokens) / match_tokens")]
     evictions: Annotated[dict[str, EvictionCount], Meta(description="pages evicted per "
                                                                     "trigger")]
     tiers: Annotated[dict[str, Any] | None, Meta(
@@ -114,6 +114,8 @@ class ModelStats(msgspec.Struct):
         description="the key-addressed store, all namespaces: stored pages by pool, pins and "
                     "reservations held, the store's counters; null without a host tier")
     ] = None
+    host_hit_tokens: Annotated[int, Meta(
+        description="usable tokens loaded back from host (tiers.loaded_tokens)")] = 0
 
 
 class TenantStats(msgspec.Struct):
@@ -122,8 +124,9 @@ class TenantStats(msgspec.Struct):
     sessions: int
     hit_tokens: int
     match_tokens: int
-    hit_rate: Rate
+    hit_rate: Annotated[Rate, Meta(description="(hit_tokens + host_hit_tokens) / match_tokens")]
     quota_refusals: int
+    host_hit_tokens: int = 0
 
 
 class Stats(msgspec.Struct):

@@ -46,6 +46,9 @@ class Session:
     client: str
     started: float = field(default_factory=time.time)
     ops: int = 0
+    #: the model and tokens of its last match: a load of the same tokens continues that request
+    #: (the locked probe of protocol 9.2), which its match has counted already
+    probed: tuple[str, bytes] | None = None
 
 
 @dataclass
@@ -78,3 +81,18 @@ def namespace_quotas(tenants: list[Tenant], attr: str) -> dict[str, int]:
         if q:
             out[t.namespace] = min(q, out.get(t.namespace, q))
     return out
+
+
+def count_load(tenant: dict[str, int], model: dict[str, int], tokens: int, prefix: int,
+               loaded: int, probed: bool) -> None:
+    """A load's match counted a lookup of ``tokens`` whose ``prefix`` usable tokens were all
+    device hits: ``loaded`` of them came from host. When the session's last match probed the
+    same tokens, that match counted the request, its device hits included: the load adds only
+    its host hits (counting it again made a request that loaded count twice, and its hit rate
+    half of what it was)."""
+    undo = {"matches": 1, "match_tokens": tokens, "hit_tokens": prefix} if probed \
+        else {"hit_tokens": loaded}
+    for counters in (tenant, model):
+        for key, n in undo.items():
+            counters[key] -= n
+    tenant["host_hit_tokens"] += loaded

@@ -141,8 +141,7 @@ class Collector:
             matches.add_metric([v.name], v.matches)
             match_tokens.add_metric([v.name], v.match_tokens)
             hit_tokens.add_metric([v.name, "device"], v.hit_tokens)
-            hit_tokens.add_metric([v.name, "host"],
-                                  v.tiers.counters.get("loaded_tokens", 0) if v.tiers else 0)
+            hit_tokens.add_metric([v.name, "host"], v.host_hits)
             for reason, n in v.evictions.items():
                 evicted.add_metric([v.name, "full", reason], n.full)
                 if v.swa:

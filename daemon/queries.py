@@ -98,6 +98,11 @@ class ModelView(msgspec.Struct):
     def swa(self) -> bool:
         return "swa" in self.pools
 
+    @property
+    def host_hits(self) -> int:
+        """Usable tokens loads brought back from host (the other part of the hit rate)."""
+        return self.tiers.counters.get("loaded_tokens", 0) if self.tiers is not None else 0
+
 
 class TenantUsage(msgspec.Struct):
     """A tenant's pages in one model (tenants sharing a namespace report the same tree pages)."""

@@ -20,13 +20,7 @@ from typing import Any, TypeVar
 from radixd_client import protocol as P
 
 from .config import Config
-from .entities import (
-    ModelEntry,
-    Peer,
-    Session,
-    Tenant,
-    build_tenants,
-)
+from .entities import ModelEntry, Peer, Session, Tenant, build_tenants, count_load
 from .gpu.allocator import OutOfPages
 from .queries import ServiceQueries
 from .service_checks import ServiceChecks, mutating, mutating_async
@@ -306,6 +300,7 @@ class Service(ServiceQueries, ServiceChecks):
             self._lock_budget(s, entry)
             self.mutations += 1  # a receipt: see service_checks.mutating
         res, rid = entry.cache.match(s.id, s.tenant.namespace, tokens, lock=r.lock)
+        s.probed = (r.model, tokens)
         c = s.tenant.counters
         c["matches"] += 1
         c["match_tokens"] += len(tokens) // 4
@@ -502,12 +497,12 @@ class Service(ServiceQueries, ServiceChecks):
                 lambda full, swa: self._enforce_quota(s, entry, full, swa))
         if s.id not in self.sessions:  # the session ended during the copy: nothing to lock for
             raise ServiceError(P.Code.SHUTTING_DOWN, "the session ended during the load")
+        probed = s.probed == (r.model, tokens)
         m = self.match(s, P.Match(model=r.model, tokens=tokens, lock=r.lock))
         loaded = max(0, m.prefix_len - before) if before is not None else 0
-        # the match counted every usable token as a device hit; the loaded ones came from host
-        entry.cache.counters["hit_tokens"] -= loaded
-        s.tenant.counters["hit_tokens"] -= loaded
-        s.tenant.counters["host_hit_tokens"] += loaded
+        count_load(s.tenant.counters, entry.cache.counters, len(tokens) // 4, m.prefix_len,
+                   loaded, probed)
+        s.probed = None  # (the request ends here: a load that follows is another)
         if entry.tiers is not None:
             entry.tiers.counters["loaded_tokens"] += loaded
         return P.LoadResult(prefix_len=m.prefix_len, full_pages=m.full_pages,

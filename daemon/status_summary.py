@@ -110,9 +110,9 @@ def format_status(stats: dict[str, Any], url: str = "") -> str:
                          str(p.get("tree", 0)), str(p.get("evictable", 0)),
                          str(p.get("locked", 0)), str(p.get("held", 0))])
         lines += _table(rows)
-        lines.append(f"  hits: {m.get('hit_tokens', 0)} of {m.get('match_tokens', 0)} tokens "
-                     f"({100.0 * float(m.get('hit_rate', 0)):.1f}%) in {m.get('matches', 0)} "
-                     "matches")
+        lines.append(f"  hits: {m.get('hit_tokens', 0) + m.get('host_hit_tokens', 0)} of "
+                     f"{m.get('match_tokens', 0)} tokens ({100.0 * float(m.get('hit_rate', 0)):.1f}"
+                     f"%, device and host) in {m.get('matches', 0)} requests")
         lines += _tier_lines(m.get("tiers"), int(m.get("hit_tokens", 0)),
                              int(m.get("page_size") or 0))
         ev = {r: v for r, v in (m.get("evictions") or {}).items()
@@ -131,9 +131,10 @@ def format_status(stats: dict[str, Any], url: str = "") -> str:
         rows = [["name", "namespace", "sessions", "hit rate", "hit/match tokens",
                  "quota refusals"]]
         for t in tenants:
+            hits = t.get("hit_tokens", 0) + t.get("host_hit_tokens", 0)
             rows.append([str(t.get("name")), str(t.get("namespace")), str(t.get("sessions", 0)),
                          f"{100.0 * float(t.get('hit_rate', 0)):.1f}%",
-                         f"{t.get('hit_tokens', 0)}/{t.get('match_tokens', 0)}",
+                         f"{hits}/{t.get('match_tokens', 0)}",
                          str(t.get("quota_refusals", 0))])
         lines += _table(rows, left=2)
     return "\n".join(lines)

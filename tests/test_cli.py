@@ -186,7 +186,7 @@ def test_status_against_a_live_daemon(live, capsys) -> None:
     assert "model m: page 4 tokens, window 8 tokens, policy lru-depth" in out
     assert re.search(r"full\s+3/63\s+4\.8%", out), out
     assert re.search(r"swa\s+3/31\s+9\.7%", out), out
-    assert "hits: 12 of 12 tokens (100.0%) in 1 matches" in out
+    assert "hits: 12 of 12 tokens (100.0%, device and host) in 1 requests" in out
     assert "tenants:" in out and re.search(r"default\s+default\s+0\s+100\.0%\s+12/12", out)
     assert "last check: ok" in out
 

@@ -230,6 +230,43 @@ def test_load_extends_a_device_prefix_with_the_host_tail(make_daemon) -> None:
         e.close()
 
 
+def test_a_request_that_loads_counts_once_and_its_host_hits_in_its_hit_rate(
+        make_daemon) -> None:
+    """A cached prompt is evicted to host; the same prompt comes again as an engine sends it: a
+    locked match (the probe), then a load. The load matched again inside the daemon and
+    counted a second request, its device hits again, and the hit rate left host hits out: 0%
+    where every token was a hit (the first-hour hunt). Two requests, the second a full hit from
+    host: 50%, for the model and the tenant; a load on its own still counts as a request."""
+    d = make_daemon({"models": [{**SMALL_MODEL, "host_pages": 64, "host_swa_pages": 16}]})
+    e = Engine(d.socket)
+    try:
+        toks = seq(8)
+        assert e.c.match("m", toks).prefix_len == 0  # the first request: a miss
+        e.cache(toks)
+        wait_for(lambda: tier_stats(d)["tree_host_pages"] == 8, "the host copy")
+        e.c.evict("m", full_pages=100)
+        m = e.c.match("m", toks, lock=True)
+        assert m.prefix_len == 0 and m.host_hit_len == 8 * P
+        r = e.c.load("m", toks, lock=True)
+        assert r.loaded_len == 8 * P
+        e.c.unlock("m", m.receipt)
+        e.c.unlock("m", r.receipt)
+        stats = admin_stats(d)
+        model, tenant = stats["models"]["m"], stats["tenants"][0]
+        for v in (model, tenant):
+            assert (v["match_tokens"], v["hit_tokens"], v["host_hit_tokens"]) == (
+                16 * P, 0, 8 * P), v
+            assert v["hit_rate"] == 0.5
+        assert model["matches"] == 2
+        e.c.evict("m", full_pages=100)
+        assert e.c.load("m", toks).loaded_len == 8 * P  # no match before it: a request
+        model = admin_stats(d)["models"]["m"]
+        assert (model["matches"], model["match_tokens"], model["host_hit_tokens"]) == (
+            3, 24 * P, 16 * P)
+    finally:
+        e.close()
+
+
 def test_host_tier_off_and_bad_requests(make_daemon) -> None:
     d = make_daemon({"models": [{**SMALL_MODEL, "host_pages": 0}]})
     e = Engine(d.socket)

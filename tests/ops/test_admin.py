@@ -372,7 +372,7 @@ def test_views_tenants_sessions_models_stats(admin_daemon) -> None:
         assert set(stats["models"]["m"]) == {"page_size", "sliding_window", "policy", "pools",
                                              "nodes", "matches", "match_tokens",
                                              "hit_tokens", "hit_rate", "evictions", "tiers",
-                                             "segments", "keyed"}
+                                             "segments", "keyed", "host_hit_tokens"}
         keyed = stats["models"]["m"]["keyed"]  # the key-addressed store: all namespaces
         assert keyed["pages"] == {"full": 0, "swa": 0} and keyed["pins"] == 0
         assert keyed["counters"]["kv_lookups"] == 0
@@ -383,7 +383,7 @@ def test_views_tenants_sessions_models_stats(admin_daemon) -> None:
         ts = {t["name"]: t for t in stats["tenants"]}
         assert ts["alice"] == {"name": "alice", "namespace": "ns-a", "sessions": 1,
                                "hit_tokens": 12, "match_tokens": 12, "hit_rate": 1.0,
-                               "quota_refusals": 0}
+                               "quota_refusals": 0, "host_hit_tokens": 0}
         b.unlock("m", receipt)
         b.free("m", held.full_pages, held.swa_pages)
 
