@@ -523,6 +523,9 @@ def _env_overrides(env: dict[str, str]) -> tuple[dict[str, Any], dict[tuple[str,
         if rest == "CONFIG":
             continue
         section, _, name = rest.partition("_")
+        if section in ("MODELS", "TENANTS"):  # (tables of the file; a typo must not pass)
+            raise ConfigError(f"{key}: [[{section.lower()}]] are set in the configuration file "
+                              "only, not in the environment")
         if section not in _ENV_SECTIONS or not name:
             # another program's (a client's RADIXD_TOKEN, the test scripts'), unless it names a
             # section, is close to one of the daemon's, or names one of their keys without it
@@ -643,6 +646,8 @@ def load_config(path: str | os.PathLike | None = None, *, env: dict[str, str] | 
     data: dict[str, Any] = {}
     if path is None:
         path = env.get(ENV_PREFIX + "CONFIG")
+        if path == "":
+            raise ConfigError(f"{ENV_PREFIX}CONFIG is empty: unset it, or name a file")
     if path is not None:
         try:
             with open(path, "rb") as fh:
@@ -650,7 +655,10 @@ def load_config(path: str | os.PathLike | None = None, *, env: dict[str, str] | 
         except FileNotFoundError:
             raise ConfigError(f"config file {path} does not exist") from None
         except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"config file {path}: not valid TOML: {exc}") from None
+            with open(path, "rb") as fh:
+                bom = (" (it starts with a byte-order mark: save it without one)"
+                       if fh.read(3) == b"\xef\xbb\xbf" else "")
+            raise ConfigError(f"config file {path}: not valid TOML: {exc}{bom}") from None
         except UnicodeDecodeError as exc:
             raise ConfigError(f"config file {path}: not UTF-8 text: {exc}") from None
         except OSError as exc:  # a directory, no permission to read it, ...

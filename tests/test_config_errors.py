@@ -397,3 +397,26 @@ def test_an_admin_token_file_that_is_not_a_token_is_left_alone(tmp_path: Path, w
         assert target.read_text() == "my notes\n"
     assert sorted(p.name for p in tmp_path.iterdir() if "notes" in p.name) == [
         "notes.txt", "notes.txt.lock"]
+
+
+@pytest.mark.parametrize(("env", "why"), [
+    ({"RADIXD_MODELS_PAGE_SIZE": "8"}, "RADIXD_MODELS_PAGE_SIZE: [[models]] are set in the "
+                                       "configuration file only"),
+    ({"RADIXD_TENANTS_TOKEN": "x"}, "RADIXD_TENANTS_TOKEN: [[tenants]] are set in the "
+                                    "configuration file only"),
+    ({"RADIXD_CONFIG": ""}, "RADIXD_CONFIG is empty"),
+])
+def test_environment_a_daemon_cannot_take_is_refused(env: dict[str, str], why: str) -> None:
+    """These were ignored without a word (the docs promise a typo does not go unnoticed), and
+    an empty RADIXD_CONFIG said 'config file  does not exist'."""
+    with pytest.raises(ConfigError) as info:
+        load_config(None, env=env)
+    assert why in str(info.value), str(info.value)
+
+
+def test_a_config_file_with_a_byte_order_mark_says_so(tmp_path: Path) -> None:
+    path = tmp_path / "bom.toml"
+    path.write_bytes(b"\xef\xbb\xbf[server]\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path, env={})
+    assert "byte-order mark" in str(info.value), str(info.value)
