@@ -31,7 +31,9 @@ import importlib.resources
 import json
 import logging
 import os
+import re
 import secrets
+import stat
 import time
 from pathlib import Path
 from typing import Any, TypeVar, cast
@@ -303,8 +305,8 @@ def _token_digest(config: Config, socket_path: str
                                         "admin.token_file, or admin.token_sha256)") from None
     try:
         if not _a_token_or_nothing(path):
-            raise TokenFileError(errno.EEXIST, f"admin.token_file {path} exists and is not an "
-                                               "admin token this daemon wrote (64 hex digits): "
+            raise TokenFileError(errno.EEXIST, f"{path} exists and is not an admin token a "
+                                               "daemon wrote (a regular file of 64 hex digits): "
                                                "give another path, or remove it")
         _write_secret(path, token + "\n")
     except TokenFileError:
@@ -319,18 +321,21 @@ def _token_digest(config: Config, socket_path: str
 
 
 def _a_token_or_nothing(path: str) -> bool:
-    """Whether ``path`` is free for a generated token: absent, or a token a daemon wrote there
-    before (one that stopped without removing it). Any other file is someone's: writing over
-    it, and removing it at the stop, lost it."""
+    """Whether ``path`` is free for a generated token: absent, or a regular file holding a
+    token a daemon wrote there before (one that stopped without removing it: 64 hex digits, or
+    the 43 URL-safe characters of versions before 2026-11). Anything else is someone's:
+    writing over it, and removing it at the stop, lost it (and a FIFO would block the open)."""
     try:
-        with open(path, "rb") as f:
-            text = f.read(66)
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            return False
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         return True
-    except IsADirectoryError:
+    except OSError:
         return False
-    return len(text) == 65 and text.endswith(b"\n") and all(
-        c in b"0123456789abcdef" for c in text[:64])
+    with os.fdopen(fd, "rb") as f:
+        text = f.read(66)
+    return re.fullmatch(rb"[0-9a-f]{64}\n|[A-Za-z0-9_-]{43}\n", text) is not None
 
 
 def _claim(path: str) -> int | None:

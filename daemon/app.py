@@ -274,7 +274,8 @@ class Daemon:
             return await start_admin(self.config, self.service, self.server, self.checker,
                                      str(self.server.socket_path))
         except TokenFileError as exc:  # (exit 2, as a configuration error: see cli)
-            raise ConfigError(f"admin.token_file: {exc.strerror or exc}") from None
+            why = str(exc.strerror or exc).removeprefix("admin.token_file ")
+            raise ConfigError(f"admin.token_file: {why}") from None
         except SocketPathError as exc:
             exc.key = "admin.unix_socket"
             raise

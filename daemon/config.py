@@ -273,12 +273,13 @@ class ModelConfig(_Section):
         if profile.sliding_window is not None:
             self.__dict__["swa_pages"] = profile.swa_pages
             window_pages = -(-profile.sliding_window // profile.page_size)
-            if window_pages > profile.swa_pages - 1:  # (page 0 is reserved)
+            if window_pages + 1 > profile.swa_pages - 1:  # (page 0 is reserved)
                 raise ValueError(
                     f"sliding_window: {profile.sliding_window} tokens are {window_pages} pages "
-                    f"of {profile.page_size}, more than the SWA pool's {profile.swa_pages - 1} "
-                    "usable pages (swa_pages): no request longer than the window could be "
-                    "served; give the SWA pool at least a window per request served at once")
+                    f"of {profile.page_size}, and a request past the window holds them and one "
+                    f"more: more than the SWA pool's {profile.swa_pages - 1} usable pages "
+                    "(swa_pages); give it at least a window and a page per request served at "
+                    "once")
         self.segments(profile)  # raises naming segment_pages
         if self.host_pages == 1 or self.host_swa_pages == 1:
             raise ValueError("host_pages and host_swa_pages: 0 (off) or at least 2 (page 0 is "

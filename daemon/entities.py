@@ -46,9 +46,10 @@ class Session:
     client: str
     started: float = field(default_factory=time.time)
     ops: int = 0
-    #: the model and tokens of its last match: a load of the same tokens continues that request
-    #: (the locked probe of protocol 9.2), which its match has counted already
-    probed: tuple[str, bytes] | None = None
+    #: its last match, when no load has followed it yet: (model, tokens' fingerprint, the
+    #: device hits it counted). A load of the same tokens continues that request (protocol
+    #: 9.2's probe), which the match has counted already
+    probed: tuple[str, tuple[int, bytes, bytes], int] | None = None
 
 
 @dataclass
@@ -83,16 +84,29 @@ def namespace_quotas(tenants: list[Tenant], attr: str) -> dict[str, int]:
     return out
 
 
+def fingerprint(tokens: bytes) -> tuple[int, bytes, bytes]:
+    """Tells a request's tokens from another's at no cost per token (a hash of a long prompt
+    costs microseconds on every match): their length and their two ends."""
+    return len(tokens), tokens[:64], tokens[-64:]
+
+
 def count_load(tenant: dict[str, int], model: dict[str, int], tokens: int, prefix: int,
-               loaded: int, probed: bool) -> None:
+               loaded: int, probed: int | None) -> None:
     """A load's match counted a lookup of ``tokens`` whose ``prefix`` usable tokens were all
-    device hits: ``loaded`` of them came from host. When the session's last match probed the
-    same tokens, that match counted the request, its device hits included: the load adds only
-    its host hits (counting it again made a request that loaded count twice, and its hit rate
-    half of what it was)."""
-    undo = {"matches": 1, "match_tokens": tokens, "hit_tokens": prefix} if probed \
-        else {"hit_tokens": loaded}
+    device hits: ``loaded`` of them came from host. ``probed``: the device hits the session's
+    match of the same tokens counted just before, when it did; that match counted the request,
+    and the load adds only the hits past those, from host as far as it loaded them (counting
+    the request again made one that loaded count twice, and its hit rate half of what it was;
+    counting every loaded token made it pass 100% when the probe's device pages were evicted
+    before the load brought them back)."""
+    if probed is None:
+        undo = {"hit_tokens": loaded}
+        host = loaded
+    else:
+        host = min(loaded, max(0, prefix - probed))
+        undo = {"matches": 1, "match_tokens": tokens,
+                "hit_tokens": prefix - max(0, prefix - probed - host)}
     for counters in (tenant, model):
         for key, n in undo.items():
             counters[key] -= n
-    tenant["host_hit_tokens"] += loaded
+        counters["host_hit_tokens"] += host

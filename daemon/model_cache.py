@@ -112,6 +112,7 @@ class ModelCache:
             "matches": 0,
             "match_tokens": 0,
             "hit_tokens": 0,
+            "host_hit_tokens": 0,  # (counted by the service's loads: entities.count_load)
             "allocs": 0,
             "alloc_failures": 0,
             "evicted_for_alloc_full": 0,

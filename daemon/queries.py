@@ -98,10 +98,7 @@ class ModelView(msgspec.Struct):
     def swa(self) -> bool:
         return "swa" in self.pools
 
-    @property
-    def host_hits(self) -> int:
-        """Usable tokens loads brought back from host (the other part of the hit rate)."""
-        return self.tiers.counters.get("loaded_tokens", 0) if self.tiers is not None else 0
+    host_hits: int = 0  # usable tokens loads brought back from host, each request's once
 
 
 class TenantUsage(msgspec.Struct):
@@ -228,7 +225,8 @@ class ServiceQueries:
         return ModelView(
             name=model, info=entry.info, policy=tree.policy.name, pools=self.pool_usage(model),
             nodes=len(tree.nodes) - len(tree.namespaces), matches=c["matches"],
-            match_tokens=c["match_tokens"], hit_tokens=c["hit_tokens"], evictions=evictions,
+            match_tokens=c["match_tokens"], hit_tokens=c["hit_tokens"],
+            host_hits=c["host_hit_tokens"], evictions=evictions,
             tiers=_tier_view(entry), segments=_segment_view(cache),
             compacted_nodes=tree.stats["compacted_nodes"],
             expanded_nodes=tree.stats["expanded_nodes"],

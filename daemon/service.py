@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 from radixd_client import protocol as P
 
 from .config import Config
-from .entities import ModelEntry, Peer, Session, Tenant, build_tenants, count_load
+from .entities import ModelEntry, Peer, Session, Tenant, build_tenants, count_load, fingerprint
 from .gpu.allocator import OutOfPages
 from .queries import ServiceQueries
 from .service_checks import ServiceChecks, mutating, mutating_async
@@ -300,7 +300,7 @@ class Service(ServiceQueries, ServiceChecks):
             self._lock_budget(s, entry)
             self.mutations += 1  # a receipt: see service_checks.mutating
         res, rid = entry.cache.match(s.id, s.tenant.namespace, tokens, lock=r.lock)
-        s.probed = (r.model, tokens)
+        s.probed = (r.model, fingerprint(tokens), res.prefix_len)
         c = s.tenant.counters
         c["matches"] += 1
         c["match_tokens"] += len(tokens) // 4
@@ -497,7 +497,8 @@ class Service(ServiceQueries, ServiceChecks):
                 lambda full, swa: self._enforce_quota(s, entry, full, swa))
         if s.id not in self.sessions:  # the session ended during the copy: nothing to lock for
             raise ServiceError(P.Code.SHUTTING_DOWN, "the session ended during the load")
-        probed = s.probed == (r.model, tokens)
+        last = s.probed
+        probed = last[2] if last and last[:2] == (r.model, fingerprint(tokens)) else None
         m = self.match(s, P.Match(model=r.model, tokens=tokens, lock=r.lock))
         loaded = max(0, m.prefix_len - before) if before is not None else 0
         count_load(s.tenant.counters, entry.cache.counters, len(tokens) // 4, m.prefix_len,

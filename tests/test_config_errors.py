@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -286,7 +287,9 @@ def test_the_newer_keys_refuse_bad_values_by_name(overrides: dict, key: str) -> 
     ({"admin": {"token": ""}}, "admin", "token is empty"),
     ({"admin": {"token_file": "rel.token"}}, "admin.token_file", "must be an absolute path"),
     ({"models": [{"name": "m", "page_size": 4, "sliding_window": 2048, "swa_pages": 64}]},
-     'models["m"].sliding_window', "512 pages of 4, more than the SWA pool's 63 usable"),
+     'models["m"].sliding_window', "512 pages of 4, and a request past the window holds"),
+    ({"models": [{"name": "m", "page_size": 4, "sliding_window": 8, "swa_pages": 3}]},
+     'models["m"].sliding_window', "more than the SWA pool's 2 usable pages"),
     ({"admin": {"unix_socket": "/tmp/r.sock"}, "server": {"socket": "/tmp/r.sock"}}, "admin",
      "unix_socket is the engines' socket"),
     ({"tenants": [{"name": "a", "token": "t"}, {"name": "b", "token": "t"}]}, "tenants",
@@ -373,7 +376,7 @@ def test_a_cluster_url_redis_py_refuses_is_a_one_line_error_at_the_start(tmp_pat
         assert "l3.url" in line and "must be 0" in line, line
 
 
-@pytest.mark.parametrize("what", ["someone's file", "a directory"])
+@pytest.mark.parametrize("what", ["someone's file", "a directory", "a FIFO", "a symlink"])
 def test_an_admin_token_file_that_is_not_a_token_is_left_alone(tmp_path: Path, what: str) -> None:
     """admin.token_file naming an existing file that is no token: the daemon wrote the token
     over it and removed it at the stop (its text was lost); a directory failed with exit 1
@@ -382,6 +385,11 @@ def test_an_admin_token_file_that_is_not_a_token_is_left_alone(tmp_path: Path, w
     target = tmp_path / "notes.txt"
     if what == "a directory":
         target.mkdir()
+    elif what == "a FIFO":  # (opened to be read, it blocked the start for good)
+        os.mkfifo(target)
+    elif what == "a symlink":  # (to a token-like file: the link was replaced, then removed)
+        (tmp_path / "real").write_text("a" * 64 + "\n")
+        target.symlink_to(tmp_path / "real")
     else:
         target.write_text("my notes\n")
     cfg = _config(tmp_path, CPU_MODEL)
@@ -389,10 +397,14 @@ def test_an_admin_token_file_that_is_not_a_token_is_left_alone(tmp_path: Path, w
     out = _radixd("serve", "--config", str(cfg))
     assert out.returncode == cli.EXIT_USAGE, (out.returncode, out.stderr[-2000:])
     assert "Traceback" not in out.stderr
-    assert f"admin.token_file: admin.token_file {target} exists and is not an admin token" \
+    assert f"admin.token_file: {target} exists and is not an admin token" \
         in out.stderr, out.stderr[-2000:]
     if what == "a directory":
         assert target.is_dir() and list(target.iterdir()) == []
+    elif what == "a FIFO":
+        assert stat.S_ISFIFO(target.lstat().st_mode)
+    elif what == "a symlink":
+        assert target.is_symlink() and (tmp_path / "real").read_text() == "a" * 64 + "\n"
     else:
         assert target.read_text() == "my notes\n"
     assert sorted(p.name for p in tmp_path.iterdir() if "notes" in p.name) == [

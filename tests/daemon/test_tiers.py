@@ -263,6 +263,23 @@ def test_a_request_that_loads_counts_once_and_its_host_hits_in_its_hit_rate(
         model = admin_stats(d)["models"]["m"]
         assert (model["matches"], model["match_tokens"], model["host_hit_tokens"]) == (
             3, 24 * P, 16 * P)
+        # an unlocked probe finds the head on device; it is evicted before the load brings the
+        # whole back: each token is one hit (counting every loaded one passed 100%)
+        other = seq(8, base=5000)
+        e.c.evict("m", full_pages=100)  # (so that the eviction below takes other's tail)
+        e.cache(other)
+        wait_for(lambda: tier_stats(d)["tree_host_pages"] == 16, "the host copy")
+        e.c.evict("m", full_pages=4)  # the tail (deepest first): the head stays on device
+        before = admin_stats(d)["models"]["m"]
+        probe = e.c.match("m", other)
+        assert (probe.prefix_len, probe.host_hit_len) == (4 * P, 4 * P)
+        e.c.evict("m", full_pages=100)
+        assert e.c.load("m", other).loaded_len == 8 * P
+        after = admin_stats(d)["models"]["m"]
+        assert after["matches"] - before["matches"] == 1
+        assert (after["hit_tokens"] - before["hit_tokens"],
+                after["host_hit_tokens"] - before["host_hit_tokens"]) == (4 * P, 4 * P)
+        assert after["hit_rate"] <= 1.0
     finally:
         e.close()
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import socket
 import stat
 import time
@@ -234,6 +235,23 @@ async def test_an_unwritable_token_file_is_fatal(tmp_path: Path) -> None:
                        match="admin.token_file: cannot write the admin token to .*not-a-dir"):
         await daemon.start_admin()
     daemon.service.close()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("left", ["a" * 64 + "\n", "Ab-_" * 10 + "xyz\n"])
+async def test_a_token_a_daemon_left_behind_is_written_over(tmp_path: Path, left: str) -> None:
+    """A daemon that did not stop cleanly leaves its token file; versions before 2026-11 wrote
+    43 URL-safe characters and never removed it. Either is taken for a daemon's, not refused
+    as someone's file."""
+    path = tmp_path / "admin.token"
+    path.write_text(left)
+    daemon = _in_process_daemon(tmp_path, token=None, token_file=str(path))
+    handle = await daemon.start_admin()
+    try:
+        assert handle is not None and re.fullmatch(r"[0-9a-f]{64}\n", path.read_text())
+    finally:
+        await handle.stop()  # type: ignore[union-attr]
+        daemon.service.close()
 
 
 def test_idle_connections_are_limited_and_closed(admin_daemon) -> None:

@@ -133,7 +133,7 @@ def expected_metrics(stats: dict[str, Any], sessions: list[dict[str, Any]]) -> d
     for name, m in stats["models"].items():
         b = f"model.{name}"
         for k in ("page_size", "sliding_window", "policy", "nodes", "matches", "match_tokens",
-                  "hit_tokens", "hit_rate"):
+                  "hit_tokens", "host_hit_tokens", "hit_rate"):
             want[f"{b}.{k}"] = m[k]
         for pool, p in m["pools"].items():
             for k in ("capacity", "free", "tree", "evictable", "locked", "held"):
@@ -145,8 +145,8 @@ def expected_metrics(stats: dict[str, Any], sessions: list[dict[str, Any]]) -> d
                 want[f"{b}.evictions.{reason}.{pool}"] = by_pool.get(pool, 0)
     for t in stats["tenants"]:
         b = f"tenant.{t['name']}"
-        for k in ("namespace", "sessions", "hit_tokens", "match_tokens", "hit_rate",
-                  "quota_refusals"):
+        for k in ("namespace", "sessions", "hit_tokens", "host_hit_tokens", "match_tokens",
+                  "hit_rate", "quota_refusals"):
             want[f"{b}.{k}"] = t[k]
     for s in sessions:
         b = f"session.{s['id']}"
