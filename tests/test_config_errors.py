@@ -85,12 +85,15 @@ def test_full_bytes_and_swa_bytes_size_the_pools() -> None:
             "device": "cpu", "memory_isolation": "none"}  # 10 pages: no whole OS pages
     page = 2 * 4 * 1 * 4 * 4  # k and v, page_size, heads, head_dim, 4 bytes: one layer's page
     cfg = load_config(None, env={}, overrides={"models": [
-        {**base, "full_bytes": 10 * page + 5, "swa_bytes": 3 * page}]})
-    assert (cfg.models[0].full_pages, cfg.models[0].swa_pages) == (10, 3)
+        {**base, "full_bytes": 10 * page + 5, "swa_bytes": 4 * page}]})
+    assert (cfg.models[0].full_pages, cfg.models[0].swa_pages) == (10, 4)
     assert cfg.models[0].profile().full_pages == 10
     with pytest.raises(ConfigError, match=r'models\["b"\]\.full_bytes: .*not both'):
         load_config(None, env={}, overrides={"models": [
             {**base, "full_bytes": 10 * page, "full_pages": 10}]})
+    # a pool sized in bytes too small for a window and a page past it is refused as well
+    with pytest.raises(ConfigError, match=r'models\["b"\]\.sliding_window: .*2 usable pages'):
+        load_config(None, env={}, overrides={"models": [{**base, "swa_bytes": 3 * page}]})
 
 
 def test_pools_in_bytes_round_to_pages_segments_can_be_mapped_apart_at() -> None:
