@@ -61,7 +61,7 @@ class L3Ledger:
     def give_back(self, ns: str, entries: list[tuple[bytes, str, int]]) -> None:
         """Values :meth:`charge` gave to delete that Redis did not delete: counted again, as
         the oldest, to go first next time; one written again meanwhile stays where that put it.
-        In place (unlike :meth:`adopt`): a ledger may hold a million values."""
+        In place: a ledger may hold a million values."""
         values = self._values.setdefault(ns, OrderedDict())
         total = self._totals.get(ns, 0)
         for page_id, pool, nbytes in reversed(entries):
@@ -73,9 +73,5 @@ class L3Ledger:
         self._totals[ns] = total
 
     def adopt(self, ns: str, entries: Iterable[tuple[bytes, str, int]]) -> None:
-        """Entries of a previous run, older than anything this run wrote."""
-        values = self._values.setdefault(ns, OrderedDict())
-        older = OrderedDict(((h, pool), n) for h, pool, n in entries if (h, pool) not in values)
-        older.update(values)
-        self._values[ns] = older
-        self._totals[ns] = sum(older.values())
+        """Entries of a previous run, older than anything this run wrote (:meth:`give_back`)."""
+        self.give_back(ns, list(entries))

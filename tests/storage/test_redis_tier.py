@@ -9,6 +9,7 @@ import shutil
 import signal
 import time
 import uuid
+from collections.abc import Iterator
 
 import pytest
 import pytest_asyncio
@@ -323,130 +324,130 @@ async def test_slow_redis_is_a_miss_within_timeout(own_server) -> None:
 # -- Redis Cluster ---------------------------------------------------------------------------
 
 
-@pytest.mark.asyncio
-async def test_cluster_round_trip(tmp_path) -> None:
+@pytest.fixture
+def cluster(tmp_path) -> Iterator[tuple[list[Server], list[int]]]:
+    """A real three-node Redis Cluster (servers, ports); every node is killed at the end, a
+    stopped one (SIGSTOP) too."""
     servers, ports = start_cluster(tmp_path)
     try:
-        tier = RedisTier(f"redis+cluster://127.0.0.1:{ports[0]}", key_prefix=_prefix(),
-                         op_timeout=2.0, connect_timeout=2.0, ttl_seconds=60, max_pipeline=16)
-        try:
-            assert tier.cluster
-            hs = _hashes(48, b"cluster")
-            values = [_page(h, size=2048) for h in hs] + [_page(h, "swa", 512) for h in hs[-8:]]
-            assert await tier.set_pages(values) == 56
-            assert await tier.exists_prefix(hs) == 48
-            assert await tier.exists_prefix(hs[-8:], "swa") == 8
-            got = await tier.get_pages(hs, "full", FP)
-            assert [bytes(p.payload) for p in got] == [v[-2048:] for v in values[:48]]
-            # the pages spread over the three nodes
-            per_node = [redis_sync.Redis(port=p).dbsize() for p in ports]
-            assert all(n > 0 for n in per_node) and sum(per_node) == 56
-            assert await tier.delete(hs[:10]) == 10
-            assert await tier.exists_prefix(hs) == 0
-            assert tier.stats["errors"] == tier.stats["timeouts"] == 0
-        finally:
-            await tier.aclose()
-    finally:
-        for srv in servers:
-            srv.kill()
-
-
-@pytest.mark.asyncio
-async def test_a_cluster_with_fewer_connections_than_pipelines_serves_them_all(tmp_path) -> None:
-    """With max_connections below the pipelines a call runs at once (4), a node's pool refused
-    the extra connections and redis-py then closed the client: concurrent reads of a healthy
-    cluster all failed and the breaker opened. They wait for a connection instead."""
-    servers, ports = start_cluster(tmp_path)
-    try:
-        tier = RedisTier(f"redis+cluster://127.0.0.1:{ports[0]}", key_prefix=_prefix(),
-                         op_timeout=2.0, connect_timeout=2.0, max_pipeline=2,
-                         max_connections=1)
-        try:
-            hs = _hashes(32, b"fewconn")
-            assert await tier.set_pages([_page(h, size=256) for h in hs]) == 32
-            got = await asyncio.gather(*(tier.get_pages(hs, "full", FP) for _ in range(6)))
-            assert all(p is not None for pages in got for p in pages)
-            assert tier.stats["errors"] == tier.stats["timeouts"] == 0
-            assert tier.stats["breaker_state"] == CLOSED
-        finally:
-            await tier.aclose()
-    finally:
-        for srv in servers:
-            srv.kill()
-
-
-@pytest.mark.asyncio
-async def test_a_cluster_write_that_failed_on_one_node_says_what_the_others_may_hold(
-        tmp_path) -> None:
-    """One node of three is down. A pipeline spans the nodes; the live ones store their part,
-    but the pipeline fails as a whole: every value was reported not stored, so a namespace's
-    L3 quota never counted those Redis holds (found over a shard outage: 2.9x the quota,
-    for good). A value reported not stored (False) is never in Redis; those of a failed
-    pipeline are reported as maybe (None)."""
-    servers, ports = start_cluster(tmp_path)
-    try:
-        prefix = _prefix()
-        tier = RedisTier(f"redis+cluster://127.0.0.1:{ports[0]}", key_prefix=prefix,
-                         op_timeout=2.0, connect_timeout=0.5, breaker_threshold=100)
-        try:
-            assert await tier.set_pages([_page(h, size=64) for h in _hashes(1, b"warm")]) == 1
-            servers[2].kill()
-            hs = _hashes(30, b"partial")
-            got = await tier.set_pages_each([_page(h, size=256) for h in hs])
-            keys = {k.decode() for p in ports[:2]
-                    for k in redis_sync.Redis(port=p).scan_iter(match=prefix + "*")}
-            held = [tier.key(h) in keys for h in hs]
-            assert any(held) and not all(held)  # the live nodes took their part
-            assert all(status is not False for status, h in zip(got, held, strict=True) if h)
-            # the dead node's keys were never sent: not stored, not maybe
-            dead = f"127.0.0.1:{ports[2]}"
-            on_dead = [tier._client.get_node_from_key(tier.key(h)).name == dead for h in hs]
-            assert any(on_dead) and all(
-                status is False for status, d in zip(got, on_dead, strict=True) if d)
-        finally:
-            await tier.aclose()
-    finally:
-        for srv in servers:
-            srv.kill()
-
-
-@pytest.mark.asyncio
-async def test_a_cluster_node_that_dies_mid_write_leaves_what_the_others_stored_reported(
-        tmp_path) -> None:
-    """The third node stops, then dies while a pipeline that spans the nodes waits for it.
-    redis-py answers its keys with connection errors and the others' with OK; the write was
-    reported all not stored, though Redis held the others' values (a review found it)."""
-    servers, ports = start_cluster(tmp_path)
-    try:
-        prefix = _prefix()
-        tier = RedisTier(f"redis+cluster://127.0.0.1:{ports[0]}", key_prefix=prefix,
-                         op_timeout=3.0, connect_timeout=0.5, breaker_threshold=100)
-        try:
-            assert await tier.set_pages([_page(h, size=64) for h in _hashes(30, b"w")]) == 30
-            assert servers[2].proc is not None
-            os.kill(servers[2].proc.pid, signal.SIGSTOP)
-
-            async def kill_later() -> None:
-                await asyncio.sleep(0.5)
-                os.kill(servers[2].proc.pid, signal.SIGKILL)  # type: ignore[union-attr]
-
-            killer = asyncio.create_task(kill_later())
-            hs = _hashes(30, b"mid")
-            got = await tier.set_pages_each([_page(h, size=256) for h in hs])
-            await killer
-            keys = {k.decode() for p in ports[:2]
-                    for k in redis_sync.Redis(port=p).scan_iter(match=prefix + "*")}
-            held = [tier.key(h) in keys for h in hs]
-            assert any(held)
-            assert all(status is not False for status, h in zip(got, held, strict=True) if h)
-        finally:
-            await tier.aclose()
+        yield servers, ports
     finally:
         for srv in servers:
             if srv.proc is not None:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(srv.proc.pid, signal.SIGCONT)
             srv.kill()
+
+
+def _keys_on(ports: list[int], prefix: str) -> set[str]:
+    """The keys under ``prefix`` that these nodes hold."""
+    return {k.decode() for p in ports
+            for k in redis_sync.Redis(port=p).scan_iter(match=prefix + "*")}
+
+
+@pytest.mark.asyncio
+async def test_cluster_round_trip(cluster) -> None:
+    servers, ports = cluster
+    tier = RedisTier(f"redis+cluster://127.0.0.1:{ports[0]}", key_prefix=_prefix(),
+                     op_timeout=2.0, connect_timeout=2.0, ttl_seconds=60, max_pipeline=16)
+    try:
+        assert tier.cluster
+        hs = _hashes(48, b"cluster")
+        values = [_page(h, size=2048) for h in hs] + [_page(h, "swa", 512) for h in hs[-8:]]
+        assert await tier.set_pages(values) == 56
+        assert await tier.exists_prefix(hs) == 48
+        assert await tier.exists_prefix(hs[-8:], "swa") == 8
+        got = await tier.get_pages(hs, "full", FP)
+        assert [bytes(p.payload) for p in got] == [v[-2048:] for v in values[:48]]
+        # the pages spread over the three nodes
+        per_node = [redis_sync.Redis(port=p).dbsize() for p in ports]
+        assert all(n > 0 for n in per_node) and sum(per_node) == 56
+        assert await tier.delete(hs[:10]) == 10
+        assert await tier.exists_prefix(hs) == 0
+        assert tier.stats["errors"] == tier.stats["timeouts"] == 0
+    finally:
+        await tier.aclose()
+
+
+@pytest.mark.asyncio
+async def test_a_cluster_with_fewer_connections_than_pipelines_serves_them_all(cluster) -> None:
+    """With max_connections below the pipelines a call runs at once (4), a node's pool refused
+    the extra connections and redis-py then closed the client: concurrent reads of a healthy
+    cluster all failed and the breaker opened. They wait for a connection instead."""
+    servers, ports = cluster
+    tier = RedisTier(f"redis+cluster://127.0.0.1:{ports[0]}", key_prefix=_prefix(),
+                     op_timeout=2.0, connect_timeout=2.0, max_pipeline=2,
+                     max_connections=1)
+    try:
+        hs = _hashes(32, b"fewconn")
+        assert await tier.set_pages([_page(h, size=256) for h in hs]) == 32
+        got = await asyncio.gather(*(tier.get_pages(hs, "full", FP) for _ in range(6)))
+        assert all(p is not None for pages in got for p in pages)
+        assert tier.stats["errors"] == tier.stats["timeouts"] == 0
+        assert tier.stats["breaker_state"] == CLOSED
+    finally:
+        await tier.aclose()
+
+
+@pytest.mark.asyncio
+async def test_a_cluster_write_that_failed_on_one_node_says_what_the_others_may_hold(
+        cluster) -> None:
+    """One node of three is down. A pipeline spans the nodes; the live ones store their part,
+    but the pipeline fails as a whole: every value was reported not stored, so a namespace's
+    L3 quota never counted those Redis holds (found over a shard outage: 2.9x the quota,
+    for good). A value reported not stored (False) is never in Redis; those of a failed
+    pipeline are reported as maybe (None)."""
+    servers, ports = cluster
+    prefix = _prefix()
+    tier = RedisTier(f"redis+cluster://127.0.0.1:{ports[0]}", key_prefix=prefix,
+                     op_timeout=2.0, connect_timeout=0.5, breaker_threshold=100)
+    try:
+        assert await tier.set_pages([_page(h, size=64) for h in _hashes(1, b"warm")]) == 1
+        servers[2].kill()
+        hs = _hashes(30, b"partial")
+        got = await tier.set_pages_each([_page(h, size=256) for h in hs])
+        keys = _keys_on(ports[:2], prefix)
+        held = [tier.key(h) in keys for h in hs]
+        assert any(held) and not all(held)  # the live nodes took their part
+        assert all(status is not False for status, h in zip(got, held, strict=True) if h)
+        # the dead node's keys were never sent: not stored, not maybe
+        dead = f"127.0.0.1:{ports[2]}"
+        on_dead = [tier._client.get_node_from_key(tier.key(h)).name == dead for h in hs]
+        assert any(on_dead) and all(
+            status is False for status, d in zip(got, on_dead, strict=True) if d)
+    finally:
+        await tier.aclose()
+
+
+@pytest.mark.asyncio
+async def test_a_cluster_node_that_dies_mid_write_leaves_what_the_others_stored_reported(
+        cluster) -> None:
+    """The third node stops, then dies while a pipeline that spans the nodes waits for it.
+    redis-py answers its keys with connection errors and the others' with OK; the write was
+    reported all not stored, though Redis held the others' values (a review found it)."""
+    servers, ports = cluster
+    prefix = _prefix()
+    tier = RedisTier(f"redis+cluster://127.0.0.1:{ports[0]}", key_prefix=prefix,
+                     op_timeout=3.0, connect_timeout=0.5, breaker_threshold=100)
+    try:
+        assert await tier.set_pages([_page(h, size=64) for h in _hashes(30, b"w")]) == 30
+        assert servers[2].proc is not None
+        os.kill(servers[2].proc.pid, signal.SIGSTOP)
+
+        async def kill_later() -> None:
+            await asyncio.sleep(0.5)
+            os.kill(servers[2].proc.pid, signal.SIGKILL)  # type: ignore[union-attr]
+
+        killer = asyncio.create_task(kill_later())
+        hs = _hashes(30, b"mid")
+        got = await tier.set_pages_each([_page(h, size=256) for h in hs])
+        await killer
+        keys = _keys_on(ports[:2], prefix)
+        held = [tier.key(h) in keys for h in hs]
+        assert any(held)
+        assert all(status is not False for status, h in zip(got, held, strict=True) if h)
+    finally:
+        await tier.aclose()
 
 
 @pytest.mark.asyncio
