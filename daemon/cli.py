@@ -171,7 +171,7 @@ def _load(args: argparse.Namespace):
     from .config import ConfigError, load_config
 
     overrides: dict = {}
-    if getattr(args, "socket", None):
+    if getattr(args, "socket", None) is not None:  # '' too: refused, not the default
         overrides.setdefault("server", {})["socket"] = args.socket
     if getattr(args, "strict", None):
         overrides.setdefault("checker", {})["strict"] = True
@@ -300,6 +300,11 @@ class AdminError(Exception):
     """The admin endpoint could not be reached or refused the request; the message says why."""
 
 
+class TokenRefused(AdminError):
+    """The endpoint answered 401: the token is not its daemon's, or the endpoint is not the
+    daemon's that was meant."""
+
+
 
 class AdminClient:
     """A small blocking client of the admin endpoint: ``http://host:port`` or ``unix:/path``.
@@ -369,7 +374,7 @@ class AdminClient:
         if isinstance(data, dict) and isinstance(data.get("error"), dict):
             message = str(data["error"].get("message", ""))
         if status == 401:
-            raise AdminError(f"the admin endpoint at {self.url} refused the token ({message}); "
+            raise TokenRefused(f"the admin endpoint at {self.url} refused the token ({message}); "
                              + self.refused_hint)
         raise AdminError(f"{method} {path} at {self.url}: HTTP {status}"
                          + (f": {message}" if message else ""))
@@ -385,7 +390,15 @@ class AdminClient:
                                  f"{got}, not {self.expect_instance} (the one on "
                                  f"{self.expect_socket}); pass --admin")
         elif self.expect_socket is not None:
-            server = self.json("GET", "/v1/config").get("server") or {}
+            try:
+                server = self.json("GET", "/v1/config").get("server") or {}
+            except TokenRefused:  # no endpoint file: this may be any daemon's endpoint
+                raise AdminError(
+                    f"the admin endpoint at {self.url} refused the token, and the daemon on "
+                    f"{self.expect_socket} wrote no endpoint file ({self.expect_socket}.admin) "
+                    "to say which endpoint is its own: this one may be another daemon's (is "
+                    "that daemon's admin endpoint up? its log says); pass --admin URL for its "
+                    "endpoint, or --token") from None
             theirs = str(server.get("socket", ""))
             if os.path.realpath(theirs) != os.path.realpath(self.expect_socket):
                 raise AdminError(f"the admin endpoint at {self.url} answers for the daemon on "
@@ -397,6 +410,10 @@ class AdminClient:
 def admin_url(config: Any) -> str:
     """The admin endpoint's URL per the configuration."""
     a = config.admin
+    if not a.enabled:
+        raise AdminError("the configuration turns the admin endpoint off (admin.enabled = "
+                         "false): status and check need it; pass --admin URL if another "
+                         "configuration runs this daemon")
     if a.unix_socket:
         return f"unix:{a.unix_socket}"
     if a.port == 0:

@@ -14,7 +14,7 @@ import os
 import sys
 import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -37,8 +37,13 @@ class ConfigError(ValueError):
     """The configuration is invalid; the message names the key."""
 
 
+#: a uid or gid: (uid_t) -1 is "no id", never a peer's
+PosixId = Annotated[int, Field(ge=0, le=2**32 - 2)]
+
+
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True,
+                              allow_inf_nan=False)
 
 
 #: The socket of the shipped systemd unit (RuntimeDirectory=radixd), and root's default.
@@ -63,10 +68,10 @@ class ServerConfig(_Section):
     socket: str = Field(default_factory=default_socket_path,
                         description="path of the Unix socket engines connect to")
     socket_mode: str = Field("0660", description="octal file mode of the socket")
-    allowed_uids: list[int] = Field(default_factory=list,
-                                    description="peer uids allowed to connect (empty: any)")
-    allowed_gids: list[int] = Field(default_factory=list,
-                                    description="peer gids allowed to connect (empty: any)")
+    allowed_uids: list[PosixId] = Field(default_factory=list,
+                                        description="peer uids allowed to connect (empty: any)")
+    allowed_gids: list[PosixId] = Field(default_factory=list,
+                                        description="peer gids allowed to connect (empty: any)")
     max_frame_bytes: int = Field(16 * 1024 * 1024, ge=1024, le=1 << 31,
                                  description="largest frame body accepted")
     max_tokens: int = Field(1 << 20, ge=1, description="most tokens in one request")
@@ -199,7 +204,8 @@ class CheckerConfig(_Section):
 
 
 class ModelConfig(_Section):
-    name: str = "default"
+    name: str = Field("default", min_length=1, description="what engines name the model by; "
+                                                           "not '*' (tenants' 'all models')")
     page_size: int = 16
     sliding_window: int | None = 128
     num_full_layers: int = 2
@@ -243,6 +249,14 @@ class ModelConfig(_Section):
                                                          "model is isolated; 0: automatic, "
                                                          "about 128 segments over the host "
                                                          "pools")
+
+    @field_validator("name")
+    @classmethod
+    def _not_all(cls, v: str) -> str:
+        if v == "*":
+            raise ValueError("'*' means every model in a tenant's models: name the model "
+                             "otherwise")
+        return v
 
     @field_validator("sliding_window")
     @classmethod
@@ -387,7 +401,8 @@ class TenantConfig(_Section):
     name: str = Field(min_length=1)
     token: str | None = Field(None, description="the tenant's token (prefer token_sha256)")
     token_sha256: str | None = Field(None, description="hex SHA-256 of the tenant's token")
-    namespace: str | None = Field(None, description="prefix namespace (default: the name); "
+    namespace: str | None = Field(None, min_length=1,
+                                  description="prefix namespace (default: the name); "
                                                     "tenants may share one")
     models: list[str] = Field(default_factory=lambda: ["*"],
                               description="models the tenant may use ('*': all)")

@@ -86,14 +86,31 @@ def test_bad_l3_settings_name_the_key(tmp_path: Path, capsys) -> None:
         ("[server]\nhello_timeout_s = 0\n", "server.hello_timeout_s"),
         ("[server]\nmax_locks_per_session = 0\n", "server.max_locks_per_session"),
         ("[[models]]\nname = \"m\"\nnum_swa_layers = 1\nsliding_window = 0\n", "num_swa_layers"),
+        # accepted before 2026-11-29, each a surprise later: a checker that never ran, a model
+        # a tenant's models could not name apart from "all", a namespace silently the tenant's
+        # name, a uid no peer has
+        ("[checker]\ninterval_s = inf\n", "checker.interval_s"),
+        ("[server]\nhello_timeout_s = inf\n", "server.hello_timeout_s"),
+        ("[[models]]\nname = \"*\"\n", "means every model"),
+        ("[[models]]\nname = \"\"\n", ".name"),
+        ("[[tenants]]\nname = \"t\"\ntoken = \"x\"\nnamespace = \"\"\n", "namespace"),
+        ("[server]\nallowed_uids = [-5]\n", "server.allowed_uids"),
+        ("[server]\nallowed_gids = [4294967295]\n", "server.allowed_gids"),
     ],
 )
 def test_bad_config_is_rejected_naming_the_key(tmp_path: Path, capsys, toml: str, key: str) -> None:
     cfg = tmp_path / "c.toml"
-    cfg.write_text(toml)
-    assert cli.main(["serve", "--config", str(cfg)]) == cli.EXIT_USAGE
+    cfg.write_text(toml)  # (config check loads it as serve does; accepted, it returns)
+    assert cli.main(["config", "check", "--config", str(cfg)]) == cli.EXIT_USAGE
     err = capsys.readouterr().err
     assert "invalid configuration" in err and key in err
+
+
+def test_an_empty_socket_flag_is_refused_not_the_default(tmp_path: Path, capsys) -> None:
+    """``--socket ''`` (an unset shell variable) served on the default socket, silently."""
+    for cmd in (["config", "check"], ["config", "show"]):  # (serve loads it the same way)
+        assert cli.main([*cmd, "--socket", ""]) == cli.EXIT_USAGE
+        assert "server.socket" in capsys.readouterr().err
 
 
 def test_missing_and_malformed_config_files(tmp_path: Path, capsys) -> None:
@@ -174,6 +191,22 @@ def _cache(sock: str, n_pages: int, base: int = 1) -> None:
         assert c.match("m", tokens).prefix_len == n_pages * 4
 
 
+def test_status_does_not_load_torch_where_no_gpu_driver_is(tmp_path: Path) -> None:
+    """Validating a configuration whose device is "auto" imported torch to ask for a GPU: two
+    seconds before every ``radixd status`` answered. Without a GPU driver's device node the
+    answer is known without it (the node list is pointed at nothing, for GPU hosts too)."""
+    code = ("import sys\n"
+            "import daemon.gpu.segments as s\n"
+            f"s.GPU_DEVICE_NODES = ({str(tmp_path / 'nvidiactl')!r},)\n"
+            "from daemon import cli\n"
+            f"code = cli.main(['status', '--socket', {str(tmp_path / 'none.sock')!r}])\n"
+            "print(code, 'torch' in sys.modules)\n")
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=REPO_ROOT, timeout=60)
+    assert got.stdout.split() == [str(cli.EXIT_FAILURE), "False"], got.stdout + got.stderr
+    assert "no daemon at" in got.stderr
+
+
 def test_status_against_a_live_daemon(live, capsys) -> None:
     d = live()
     _cache(d.socket, 3)
@@ -228,6 +261,32 @@ def test_status_refuses_an_endpoint_that_answers_for_another_daemon(live, tmp_pa
         assert cli.main([cmd, "--config", str(other)]) == cli.EXIT_FAILURE
         err = capsys.readouterr().err
         assert f"answers for the daemon on {d.socket}, not {b.socket}" in err
+    assert cli.main(["status", "--config", str(d.config_path)]) == 0  # its own: fine
+    capsys.readouterr()
+
+
+def test_status_does_not_blame_the_token_when_the_endpoint_may_be_another_daemons(
+        live, tmp_path: Path, capsys) -> None:
+    """A daemon that wrote no endpoint file (its admin endpoint off, or not up) and whose
+    configuration names an address another daemon holds: status asked that other daemon with
+    this one's token and said the token was wrong, sending the operator after the wrong thing.
+    A configuration that turns the endpoint off says so before asking anyone."""
+    sock = tmp_path / "admin-http.sock"
+    d = live({"admin": {"unix_socket": str(sock), "token": "d-token"}})
+    b = live({"admin": {"token": "b-token"}})
+    Path(b.socket + ".admin").unlink()  # as when b's admin endpoint did not come up
+    other = tmp_path / "other.toml"
+    other.write_text(f'[server]\nsocket = "{b.socket}"\n'
+                     f'[admin]\nunix_socket = "{sock}"\ntoken = "b-token"\n')
+    for cmd in ("status", "check"):
+        assert cli.main([cmd, "--config", str(other)]) == cli.EXIT_FAILURE
+        err = capsys.readouterr().err
+        assert f"the daemon on {b.socket} wrote no endpoint file" in err, err
+        assert "may be another daemon's" in err and "is not this daemon's" not in err, err
+    off = tmp_path / "off.toml"
+    off.write_text(f'[server]\nsocket = "{b.socket}"\n[admin]\nenabled = false\n')
+    assert cli.main(["status", "--config", str(off)]) == cli.EXIT_FAILURE
+    assert "admin.enabled = false" in capsys.readouterr().err
     assert cli.main(["status", "--config", str(d.config_path)]) == 0  # its own: fine
     capsys.readouterr()
 
