@@ -36,6 +36,8 @@ import fcntl
 import logging
 import mmap
 import os
+import pathlib
+import stat
 import struct
 import zlib
 from array import array
@@ -193,6 +195,31 @@ def check_state_dir(path: str, create: bool = True) -> str:
         return f"{path!r} is not a directory"
     if not os.access(path, os.W_OK | os.X_OK):
         return f"{path!r} is not writable by uid {os.getuid()}"
+    return _others_could_write(path)
+
+
+def _others_could_write(path: str) -> str:
+    """Why another user could put files in ``path`` (empty: none could). A start restores the
+    host tier from what it finds there and serves it to every tenant as cached KV, so whoever
+    can write the directory, or replace it, decides what engines read: it, every symbolic link
+    on the way, and every directory up to the highest one where anyone may make names (as /tmp)
+    must be this user's or root's, and it must not be writable by group or others."""
+    me = (0, os.geteuid())
+    st = os.stat(path)
+    if st.st_mode & 0o022:
+        return (f"{path!r} is writable by its group or others (mode {st.st_mode & 0o777:04o}): "
+                "anyone who can write it can put a host tier there that this daemon would "
+                "restore and serve to every tenant as cached KV; chmod go-w it, or give a "
+                "directory only this user writes")
+    chain = [path, *(str(p) for p in pathlib.PurePath(path).parents)]
+    sticky = [i for i, d in enumerate(chain)
+              if (m := os.stat(d).st_mode) & 0o002 and m & stat.S_ISVTX]
+    for d in chain[: (sticky[-1] + 1) if sticky else 1]:
+        for owner in {os.lstat(d).st_uid, os.stat(d).st_uid}:  # the link, what it leads to
+            if owner not in me:
+                return (f"{path!r}: {d} belongs to uid {owner}, not to this user "
+                        f"({os.geteuid()}): its owner could replace what this daemon restores "
+                        "and serves as cached KV; give a directory of this user's")
     return ""
 
 

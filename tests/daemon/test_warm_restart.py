@@ -656,3 +656,28 @@ def test_a_second_daemon_on_the_same_state_dir_is_refused(make_daemon, tmp_path:
     _stop(d1)
     d3 = make_daemon(_config(state))
     assert admin_stats(d3)["warm_restart"]["kept_pages"] >= 6
+
+
+def test_a_state_dir_others_could_write_is_refused(make_daemon, tmp_path: Path) -> None:
+    """What a start finds in the state directory it restores and serves to every tenant as
+    cached KV: a directory another user could write (mode 0777, as a state_dir under /tmp made
+    by hand often is), or one that belongs to another user, let them choose what engines read.
+    The start is refused (exit 2, naming the key and why); made private, it starts."""
+    state = tmp_path / "state"
+    state.mkdir()
+    state.chmod(0o777)
+    with pytest.raises(RuntimeError) as info:
+        make_daemon(_config(state))
+    assert "radixd exited with 2" in str(info.value)
+    assert (f"radixd: server.state_dir: '{state}' is writable by its group or others "
+            "(mode 0777)") in str(info.value)
+    state.chmod(0o700)
+    if os.geteuid() == 0:  # (only root can give a directory away)
+        os.chown(state, 54321, -1)
+        with pytest.raises(RuntimeError) as info:
+            make_daemon(_config(state))
+        assert f"{state} belongs to uid 54321, not to this user" in str(info.value)
+        os.chown(state, 0, -1)
+    d = make_daemon(_config(state))
+    with Client(d.socket) as c:
+        assert c.match("m", seq(2)).prefix_len == 0
