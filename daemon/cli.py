@@ -206,6 +206,23 @@ def _seconds(text: str) -> float:
     return value
 
 
+def readable_tokens(args: argparse.Namespace, config: Any) -> str:
+    """The warning to give (empty: none) when the configuration file holds plaintext tokens and
+    every user of the host may read it: any of them could then open a session as a tenant, or
+    drive the admin endpoint. Not refused: a file with mode 0644 is many tools' default."""
+    path = args.config or os.environ.get("RADIXD_CONFIG")
+    keys = (["admin.token"] if config.admin.token else []) + \
+        [f"tenants[\"{t.name}\"].token" for t in config.tenants if t.token]
+    try:
+        readable = bool(path) and bool(keys) and bool(os.stat(path).st_mode & 0o004)
+    except OSError:
+        return ""
+    if not readable:
+        return ""
+    return (f"{path} is readable by every user and holds plaintext tokens ({', '.join(keys)}): "
+            f"chmod o-r {path}, or give token_sha256 (the SHA-256 of the token) instead")
+
+
 def _serve(args: argparse.Namespace) -> int:
     _quiet_openmp()
     config = _load(args)
@@ -213,6 +230,9 @@ def _serve(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    exposed = readable_tokens(args, config)
+    if exposed:
+        logging.getLogger("radixd").warning("%s", exposed)
     from .app import run
     from .config import ConfigError
 
@@ -272,9 +292,9 @@ def _config_check(args: argparse.Namespace) -> int:
         return summary
     from .app import l3_unused
 
-    unused = l3_unused(config)
-    if unused:  # it starts, but not as the operator meant it to
-        print(f"radixd: warning: {unused}", file=sys.stderr)
+    for warning in (l3_unused(config), readable_tokens(args, config)):
+        if warning:  # it starts, but not as the operator meant it to
+            print(f"radixd: warning: {warning}", file=sys.stderr)
     print(f"ok: configuration valid; {summary}; socket {config.server.socket}")
     return EXIT_OK
 

@@ -243,6 +243,8 @@ def test_status_and_check_find_the_endpoint_in_the_config(live, tmp_path: Path, 
     assert "model m" in capsys.readouterr().out
     assert cli.main(["check", "--config", str(d.config_path)]) == 0
     assert capsys.readouterr().out.startswith("ok: no invariant violations")
+    exposed = "is readable by every user and holds plaintext tokens (admin.token)"
+    assert (exposed in d.log()) == bool(d.config_path.stat().st_mode & 0o004), d.log()
 
 
 def test_status_refuses_an_endpoint_that_answers_for_another_daemon(live, tmp_path: Path,
@@ -701,3 +703,24 @@ def test_a_timeout_that_is_no_positive_number_of_seconds_is_a_usage_error(timeou
         assert exc.value.code == cli.EXIT_USAGE
         err = capsys.readouterr().err
         assert "argument --timeout" in err and "Traceback" not in err
+
+
+def test_a_config_everyone_may_read_with_plaintext_tokens_is_warned_of(tmp_path: Path,
+                                                                       capsys) -> None:
+    """Any user of the host could read a tenant's token from a 0644 configuration file and
+    open sessions as that tenant: ``config check`` and ``serve`` warn (the start goes on)."""
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[admin]\ntoken = "a-token"\n[[tenants]]\nname = "t"\ntoken = "t-token"\n'
+                   '[[tenants]]\nname = "u"\ntoken_sha256 = "' + "ab" * 32 + '"\n')
+    cfg.chmod(0o644)
+    assert cli.main(["config", "check", "--config", str(cfg)]) == cli.EXIT_OK
+    err = capsys.readouterr().err
+    assert (f"radixd: warning: {cfg} is readable by every user and holds plaintext tokens "
+            '(admin.token, tenants["t"].token)') in err, err
+    cfg.chmod(0o640)
+    assert cli.main(["config", "check", "--config", str(cfg)]) == cli.EXIT_OK
+    assert "readable by every user" not in capsys.readouterr().err
+    cfg.write_text('[[tenants]]\nname = "u"\ntoken_sha256 = "' + "ab" * 32 + '"\n')
+    cfg.chmod(0o644)  # digests only: nothing to read
+    assert cli.main(["config", "check", "--config", str(cfg)]) == cli.EXIT_OK
+    assert "readable by every user" not in capsys.readouterr().err
