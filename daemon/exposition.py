@@ -441,9 +441,19 @@ def _tenant_families(reg: _Families, service: Service, limit: int) -> None:
                 tree.add_metric([lb, m, pool], sums[lb][f"tree_{pool}_pages"])
                 held.add_metric([lb, m, pool], sums[lb][f"held_{pool}_pages"])
 
+    def summed(key: str) -> dict[str, int]:
+        out = dict.fromkeys(labels, 0)
+        for t in tenants:
+            out[label[t.name]] += t.counters.get(key, 0)
+        return out
+
+    hits = reg.counter("radixd_tenant_hit_tokens_total",
+                       "Tokens of the usable cached prefixes the tenant's matches found (every "
+                       "model), by tier, as radixd_hit_tokens_total.", ("tenant", "tier"))
+    for tier, key in (("device", "hit_tokens"), ("host", "host_hit_tokens")):
+        for lb, n in summed(key).items():
+            hits.add_metric([lb, tier], n)
     counters = (
-        ("hit_tokens", "radixd_tenant_hit_tokens_total",
-         "Tokens of cached prefixes the tenant's matches found (every model, device tier)."),
         ("match_tokens", "radixd_tenant_match_tokens_total",
          "Tokens the tenant's matches looked up (every model)."),
         ("quota_refusals", "radixd_tenant_quota_refusals_total",
@@ -451,8 +461,5 @@ def _tenant_families(reg: _Families, service: Service, limit: int) -> None:
     )
     for key, name, text in counters:
         fam = reg.counter(name, text, ("tenant",))
-        sums_c = dict.fromkeys(labels, 0)
-        for t in tenants:
-            sums_c[label[t.name]] += t.counters.get(key, 0)
-        for lb in labels:
-            fam.add_metric([lb], sums_c[lb])
+        for lb, n in summed(key).items():
+            fam.add_metric([lb], n)

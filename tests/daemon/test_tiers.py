@@ -258,6 +258,12 @@ def test_a_request_that_loads_counts_once_and_its_host_hits_in_its_hit_rate(
                 16 * P, 0, 8 * P), v
             assert v["hit_rate"] == 0.5
         assert model["matches"] == 2
+        metrics = admin_get(d, "/metrics").decode()  # the tenant's series by tier, as the model's
+        for tier, n in (("device", 0), ("host", 8 * P)):
+            for series in (f'radixd_hit_tokens_total{{model="m",tier="{tier}"}} {n}',
+                           f'radixd_tenant_hit_tokens_total{{tenant="default",tier="{tier}"}} '
+                           f'{n}'):
+                assert series in metrics, (series, metrics)
         e.c.evict("m", full_pages=100)
         assert e.c.load("m", toks).loaded_len == 8 * P  # no match before it: a request
         model = admin_stats(d)["models"]["m"]

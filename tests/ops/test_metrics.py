@@ -84,7 +84,10 @@ def test_metrics_follow_real_traffic(admin_daemon) -> None:
         assert model["hit_rate"] == pytest.approx(32 / 40)
         assert (tenant["matches"], tenant["match_tokens"], tenant["hit_tokens"]) == (3, 40, 32)
         assert metric(samples, "radixd_tenant_match_tokens_total", tenant="default") == 40
-        assert metric(samples, "radixd_tenant_hit_tokens_total", tenant="default") == 32
+        assert metric(samples, "radixd_tenant_hit_tokens_total", tenant="default",
+                      tier="device") == 32
+        assert metric(samples, "radixd_tenant_hit_tokens_total", tenant="default",
+                      tier="host") == 0
         assert metric(samples, "radixd_tenant_quota_refusals_total", tenant="default") == 0
 
         # evictions by trigger (evicting a leaf's full KV frees its SWA KV too)
@@ -166,12 +169,16 @@ def test_metric_label_values_are_escaped_and_tenants_guarded(tmp_path: Path) -> 
     svc = daemon.service
     for i, t in enumerate(svc.tenants):
         t.counters["hit_tokens"] = 10 ** i
+        t.counters["host_hit_tokens"] = 2 * 10 ** i
         svc.open_session(t, Peer())
     text = scrape(daemon)
     assert 'tenant="we\\"ird\\\\ten\\nant"' in text
     _, samples = parse_metrics(text)
-    hits = {lb["tenant"]: v for lb, v in series(samples, "radixd_tenant_hit_tokens_total")}
-    assert hits == {"a": 1, weird: 10, "_other": 100 + 1000 + 10000}
+    hits = {(lb["tenant"], lb["tier"]): v
+            for lb, v in series(samples, "radixd_tenant_hit_tokens_total")}
+    assert hits == {("a", "device"): 1, (weird, "device"): 10,
+                    ("_other", "device"): 100 + 1000 + 10000, ("a", "host"): 2,
+                    (weird, "host"): 20, ("_other", "host"): 2 * (100 + 1000 + 10000)}
     tree = {(lb["tenant"], lb["pool"]) for lb, _ in series(samples, "radixd_tenant_tree_pages")}
     assert tree == {(t, p) for t in ("a", weird, "_other") for p in ("full", "swa")}
     assert metric(samples, "radixd_sessions") == 5
