@@ -206,21 +206,32 @@ def _seconds(text: str) -> float:
     return value
 
 
-def readable_tokens(args: argparse.Namespace, config: Any) -> str:
-    """The warning to give (empty: none) when the configuration file holds plaintext tokens and
-    every user of the host may read it: any of them could then open a session as a tenant, or
-    drive the admin endpoint. Not refused: a file with mode 0644 is many tools' default."""
+def readable_tokens(args: argparse.Namespace) -> str:
+    """The warning to give (empty: none) when the configuration file holds secrets in clear
+    and every user of the host can read it: any of them could then open sessions as a tenant,
+    drive the admin endpoint or reach Redis. Not refused: mode 0644 is many tools' default."""
+    import tomllib
+
     path = args.config or os.environ.get("RADIXD_CONFIG")
-    keys = (["admin.token"] if config.admin.token else []) + \
-        [f"tenants[\"{t.name}\"].token" for t in config.tenants if t.token]
     try:
-        readable = bool(path) and bool(keys) and bool(os.stat(path).st_mode & 0o004)
-    except OSError:
+        everyone = bool(path) and os.stat(path).st_mode & 0o004 and all(
+            os.stat(d).st_mode & 0o001 for d in Path(path).resolve().parents)
+        data = tomllib.loads(Path(path).read_text(encoding="utf-8")) if everyone else {}
+    except (OSError, ValueError):
         return ""
-    if not readable:
+    admin = data.get("admin") if isinstance(data.get("admin"), dict) else {}
+    tenants = data.get("tenants") if isinstance(data.get("tenants"), list) else []
+    l3 = data.get("l3") if isinstance(data.get("l3"), dict) else {}
+    keys = ["admin.token"] if admin.get("token") else []
+    keys += [f"tenants[\"{t.get('name')}\"].token" for t in tenants
+             if isinstance(t, dict) and t.get("token")]
+    with contextlib.suppress(ValueError, TypeError):
+        if urllib.parse.urlsplit(l3.get("url") or "").password:
+            keys.append("the password in l3.url")
+    if not keys:
         return ""
-    return (f"{path} is readable by every user and holds plaintext tokens ({', '.join(keys)}): "
-            f"chmod o-r {path}, or give token_sha256 (the SHA-256 of the token) instead")
+    return (f"{path} can be read by every user and holds secrets in clear ({', '.join(keys)}):"
+            f" chmod o-r {path} (tokens can be given as token_sha256 instead)")
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -230,7 +241,7 @@ def _serve(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    exposed = readable_tokens(args, config)
+    exposed = readable_tokens(args)
     if exposed:
         logging.getLogger("radixd").warning("%s", exposed)
     from .app import run
@@ -292,7 +303,7 @@ def _config_check(args: argparse.Namespace) -> int:
         return summary
     from .app import l3_unused
 
-    for warning in (l3_unused(config), readable_tokens(args, config)):
+    for warning in (l3_unused(config), readable_tokens(args)):
         if warning:  # it starts, but not as the operator meant it to
             print(f"radixd: warning: {warning}", file=sys.stderr)
     print(f"ok: configuration valid; {summary}; socket {config.server.socket}")
@@ -341,6 +352,8 @@ class AdminClient:
                              "to admin.token beside its socket)")
         self.expect_instance: str | None = None
         self.expect_socket: str | None = None
+        #: the daemon on expect_socket wrote no endpoint file: the endpoint was only configured
+        self.unconfirmed = False
         if self.url.startswith("unix:"):
             self._unix: str | None = self.url[len("unix:"):]
             if not self._unix:
@@ -412,7 +425,9 @@ class AdminClient:
         elif self.expect_socket is not None:
             try:
                 server = self.json("GET", "/v1/config").get("server") or {}
-            except TokenRefused:  # no endpoint file: this may be any daemon's endpoint
+            except TokenRefused:
+                if not self.unconfirmed:
+                    raise
                 raise AdminError(
                     f"the admin endpoint at {self.url} refused the token, and the daemon on "
                     f"{self.expect_socket} wrote no endpoint file ({self.expect_socket}.admin) "
@@ -555,7 +570,7 @@ def _admin_client(args: argparse.Namespace) -> AdminClient | None:
     is "no daemon at PATH", and its endpoint is found in the file it wrote beside the socket.
     Unless ``--admin`` alone names the endpoint, one that answers for another daemon than the
     one on the named or configured socket is refused (see :meth:`AdminClient.verify`)."""
-    named = getattr(args, "socket", None)
+    named = getattr(args, "socket", None) is not None  # '' too: the configuration refuses it
     if args.admin and args.token and not named:  # nothing left to look up
         return AdminClient(args.admin, args.token, timeout=args.timeout)
     config = _load(args)
@@ -580,6 +595,7 @@ def _admin_client(args: argparse.Namespace) -> AdminClient | None:
         # for another one that holds the configured port (another daemon's configuration)
         client.expect_socket = sock
         client.expect_instance = info.get("instance") if info else None
+        client.unconfirmed = info is None and not args.admin  # (may be any daemon's endpoint)
     return client
 
 

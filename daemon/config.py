@@ -120,11 +120,12 @@ class ServerConfig(_Section):
             raise ValueError(f"must be between 0000 and 0777, got {v!r}")
         return v
 
-    @field_validator("state_dir")
+    @field_validator("socket", "state_dir")
     @classmethod
-    def _state_dir(cls, v: str | None) -> str | None:
+    def _absolute(cls, v: str | None) -> str | None:
         if v is not None and (not v or not os.path.isabs(v)):
-            raise ValueError(f"must be an absolute path, got {v!r}")
+            raise ValueError(f"{v!r} is not an absolute path (the daemon, its engines and "
+                             "radixd status each have their own working directory)")
         return v
 
     @property

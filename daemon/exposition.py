@@ -119,7 +119,7 @@ class Collector:
             "radixd_hit_tokens_total",
             "Tokens of the usable cached prefixes matches found, by tier (device: already on "
             "device; host: copied back by a load; pages fetched from L3 are loaded from host and "
-            "count there). Hit ratio: sum(rate(radixd_hit_tokens_total[5m])) / "
+            "count there). Hit ratio: sum without (tier) (rate(radixd_hit_tokens_total[5m])) / "
             "rate(radixd_match_tokens_total[5m]).", ("model", "tier"))
         evicted = reg.counter(
             "radixd_evicted_pages_total",

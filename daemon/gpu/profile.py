@@ -16,6 +16,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -89,6 +90,23 @@ def _require_int(field: str, value: object, minimum: int) -> int:
     if value < minimum:
         raise ProfileError(f"{field}: must be >= {minimum}, got {value!r}")
     return value
+
+
+#: device nodes of the GPU drivers torch's CUDA (or ROCm) builds talk to: NVIDIA's, Jetson's,
+#: AMD's, WSL's. With none of them torch cannot see a GPU, and importing it (1-2 s) only to hear
+#: so slowed every ``radixd status`` on a CPU host
+GPU_DEVICE_NODES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/nvhost-ctrl", "/dev/nvmap",
+                    "/dev/kfd", "/dev/dxg")
+
+
+def cuda_available() -> bool:
+    """Whether device "auto" means CUDA: the one answer for where pools go and for what
+    depends on it (memory isolation), so that the two cannot disagree."""
+    if not any(os.path.exists(node) for node in GPU_DEVICE_NODES):
+        return False
+    import torch
+
+    return bool(torch.cuda.is_available())
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -248,7 +266,7 @@ class ModelProfile:
         if self.device == "cpu":
             return torch.device("cpu")
         if self.device == "auto":
-            return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+            return torch.device("cuda:0" if cuda_available() else "cpu")
         index = int(self.device.partition(":")[2] or 0)
         if not torch.cuda.is_available():
             raise ProfileError(f"device: {self.device!r} requested but CUDA is not available")

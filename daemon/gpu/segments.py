@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import math
 import mmap
-import os
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import pairwise
@@ -50,6 +49,7 @@ from daemon.gpu.allocator import (
     page_ids,
     set_states,
 )
+from daemon.gpu.profile import cuda_available
 
 if TYPE_CHECKING:
     from daemon.gpu.profile import ModelProfile
@@ -68,7 +68,7 @@ def effective_isolation(isolation: str, device: str) -> str:
     GPU; the daemon logs a warning then). An explicit ``segments`` on CUDA is a config error."""
     if isolation not in ISOLATION_MODES:
         raise ValueError(f"memory_isolation: {isolation!r} is not one of {list(ISOLATION_MODES)}")
-    on_cuda = device.startswith("cuda") or (device == "auto" and _cuda_available())
+    on_cuda = device.startswith("cuda") or (device == "auto" and cuda_available())
     if isolation == "auto":
         return "none" if on_cuda else "segments"
     if isolation == "segments" and on_cuda:
@@ -76,19 +76,6 @@ def effective_isolation(isolation: str, device: str) -> str:
                          'version; on a CUDA device use "auto" or "none" (no memory isolation '
                          "between tenants)")
     return isolation
-
-
-#: device nodes of the GPU drivers torch's CUDA (or ROCm) build talks to: with none of them
-#: torch cannot see a GPU, and importing it (1-2 s) only to hear so slowed every ``radixd status``
-GPU_DEVICE_NODES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd", "/dev/dxg")
-
-
-def _cuda_available() -> bool:
-    if not any(os.path.exists(node) for node in GPU_DEVICE_NODES):
-        return False
-    import torch  # only for device "auto": where the pools will live decides
-
-    return torch.cuda.is_available()
 
 
 def _os_page_unit(profile: ModelProfile) -> int:

@@ -188,7 +188,7 @@ def check_state_dir(path: str, create: bool = True) -> str:
         return f"{path!r} is not a directory" if os.path.lexists(path) and \
             not os.path.isdir(path) else ""
     try:
-        os.makedirs(path, mode=0o700, exist_ok=True)
+        _make_private(path)
     except OSError as exc:
         return f"cannot create {path!r}: {exc.strerror}"
     if not os.path.isdir(path):
@@ -198,28 +198,44 @@ def check_state_dir(path: str, create: bool = True) -> str:
     return _others_could_write(path)
 
 
+def _make_private(path: str) -> None:
+    """Make ``path`` and the missing directories above it, each mode 0700 (makedirs gives
+    those above the umask's mode: 0770 under the shipped unit's UMask=0007, which would let the
+    engines' group rename the state directory)."""
+    missing = []
+    while not os.path.lexists(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    for d in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(d, 0o700)
+
+
 def _others_could_write(path: str) -> str:
     """Why another user could put files in ``path`` (empty: none could). A start restores the
     host tier from what it finds there and serves it to every tenant as cached KV, so whoever
-    can write the directory, or replace it, decides what engines read: it, every symbolic link
-    on the way, and every directory up to the highest one where anyone may make names (as /tmp)
-    must be this user's or root's, and it must not be writable by group or others."""
+    can write the directory, or rename it or a directory above it, decides what engines read:
+    every directory from it to the root (where it really is: links followed) must be this
+    user's or root's, none writable by group or others but sticky ones above it (as /tmp), and
+    every symbolic link on the path as written must be this user's or root's."""
     me = (0, os.geteuid())
-    st = os.stat(path)
-    if st.st_mode & 0o022:
-        return (f"{path!r} is writable by its group or others (mode {st.st_mode & 0o777:04o}): "
-                "anyone who can write it can put a host tier there that this daemon would "
-                "restore and serve to every tenant as cached KV; chmod go-w it, or give a "
-                "directory only this user writes")
-    chain = [path, *(str(p) for p in pathlib.PurePath(path).parents)]
-    sticky = [i for i, d in enumerate(chain)
-              if (m := os.stat(d).st_mode) & 0o002 and m & stat.S_ISVTX]
-    for d in chain[: (sticky[-1] + 1) if sticky else 1]:
-        for owner in {os.lstat(d).st_uid, os.stat(d).st_uid}:  # the link, what it leads to
-            if owner not in me:
-                return (f"{path!r}: {d} belongs to uid {owner}, not to this user "
-                        f"({os.geteuid()}): its owner could replace what this daemon restores "
-                        "and serves as cached KV; give a directory of this user's")
+    for d in (path, *map(str, pathlib.PurePath(path).parents)):
+        if os.path.islink(d) and (owner := os.lstat(d).st_uid) not in me:
+            return (f"{path!r}: the symbolic link {d} belongs to uid {owner}, not to this user "
+                    f"({os.geteuid()}): its owner could point it elsewhere; give a path of "
+                    "this user's")
+    real = os.path.realpath(path)
+    for d in (real, *map(str, pathlib.PurePath(real).parents)):
+        st = os.stat(d)
+        if st.st_uid not in me:
+            return (f"{path!r}: {d} belongs to uid {st.st_uid}, not to this user "
+                    f"({os.geteuid()}): its owner could replace what this daemon restores and "
+                    "serves as cached KV; give a directory of this user's")
+        if st.st_mode & 0o022 and (d == real or not st.st_mode & stat.S_ISVTX):
+            return (f"{path!r}: {d} is writable by its group or others (mode "
+                    f"{st.st_mode & 0o7777:04o}): they could put a host tier there that this "
+                    "daemon would restore and serve to every tenant as cached KV; chmod go-w "
+                    "it, or give a directory only this user writes")
     return ""
 
 

@@ -661,23 +661,34 @@ def test_a_second_daemon_on_the_same_state_dir_is_refused(make_daemon, tmp_path:
 def test_a_state_dir_others_could_write_is_refused(make_daemon, tmp_path: Path) -> None:
     """What a start finds in the state directory it restores and serves to every tenant as
     cached KV: a directory another user could write (mode 0777, as a state_dir under /tmp made
-    by hand often is), or one that belongs to another user, let them choose what engines read.
-    The start is refused (exit 2, naming the key and why); made private, it starts."""
+    by hand often is), or replace (one of another user's, or below one, also through a link),
+    let them choose what engines read. The start is refused (exit 2, naming the key and why);
+    the directories a start makes are 0700, those above the state directory too (the umask
+    made them 0770 under the shipped unit: its engines' group could have renamed it)."""
     state = tmp_path / "state"
     state.mkdir()
     state.chmod(0o777)
     with pytest.raises(RuntimeError) as info:
         make_daemon(_config(state))
     assert "radixd exited with 2" in str(info.value)
-    assert (f"radixd: server.state_dir: '{state}' is writable by its group or others "
+    assert (f"radixd: server.state_dir: '{state}': {state} is writable by its group or others "
             "(mode 0777)") in str(info.value)
     state.chmod(0o700)
     if os.geteuid() == 0:  # (only root can give a directory away)
-        os.chown(state, 54321, -1)
-        with pytest.raises(RuntimeError) as info:
-            make_daemon(_config(state))
-        assert f"{state} belongs to uid 54321, not to this user" in str(info.value)
-        os.chown(state, 0, -1)
-    d = make_daemon(_config(state))
+        other = tmp_path / "other"
+        (other / "state").mkdir(parents=True, mode=0o700)
+        os.chown(other, 54321, -1)
+        (tmp_path / "link").symlink_to(other / "state")
+        for given in (other / "state", tmp_path / "link"):
+            with pytest.raises(RuntimeError) as info:
+                make_daemon(_config(given))
+            assert f"{other} belongs to uid 54321, not to this user" in str(info.value)
+    umask = os.umask(0o007)
+    try:
+        d = make_daemon(_config(tmp_path / "warm" / "state"))
+    finally:
+        os.umask(umask)
+    assert ((tmp_path / "warm").stat().st_mode & 0o777,
+            (tmp_path / "warm" / "state").stat().st_mode & 0o777) == (0o700, 0o700)
     with Client(d.socket) as c:
         assert c.match("m", seq(2)).prefix_len == 0
