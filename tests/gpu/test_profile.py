@@ -401,9 +401,18 @@ def test_resolve_cuda_without_cuda_is_named(monkeypatch: pytest.MonkeyPatch) -> 
 def test_resolve_cuda_indices(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 
+    import daemon.gpu.profile as profile_module
+    from daemon.gpu.segments import effective_isolation
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    # no GPU driver node: "auto" is the CPU, for the pools and for memory isolation alike
+    monkeypatch.setattr(profile_module, "GPU_DEVICE_NODES", ("/nonexistent/nvidiactl",))
+    assert full_profile(device="auto").resolve_device() == torch.device("cpu")
+    assert effective_isolation("auto", "auto") == "segments"
+    monkeypatch.setattr(profile_module, "GPU_DEVICE_NODES", ("/",))  # (a path that exists)
     assert full_profile(device="auto").resolve_device() == torch.device("cuda", 0)
+    assert effective_isolation("auto", "auto") == "none"
     assert full_profile(device="cuda").resolve_device() == torch.device("cuda", 0)
     assert full_profile(device="cuda:1").resolve_device() == torch.device("cuda", 1)
     with pytest.raises(ProfileError, match=r"^device: 'cuda:2' requested but only 2 CUDA"):
