@@ -247,18 +247,26 @@ def test_status_and_check_find_the_endpoint_in_the_config(live, tmp_path: Path, 
     assert capsys.readouterr().out.startswith("ok: no invariant violations")
 
 
+def _b_configured_with_ds_endpoint(live, tmp_path: Path, d_token: str,
+                                   b_token: str) -> tuple:
+    """Daemons d (admin on a Unix socket) and b (whose endpoint file is gone, as when its admin
+    endpoint did not come up), and a configuration of b's socket that names d's endpoint."""
+    sock = tmp_path / "admin-http.sock"
+    d = live({"admin": {"unix_socket": str(sock), "token": d_token}})
+    b = live({"admin": {"token": b_token}})
+    Path(b.socket + ".admin").unlink()
+    other = tmp_path / "other.toml"
+    other.write_text(f'[server]\nsocket = "{b.socket}"\n'
+                     f'[admin]\nunix_socket = "{sock}"\ntoken = "{b_token}"\n')
+    return d, b, other
+
+
 def test_status_refuses_an_endpoint_that_answers_for_another_daemon(live, tmp_path: Path,
                                                                     capsys) -> None:
     """A config whose admin address another daemon holds (its own daemon runs without an
     endpoint, or not at all) printed that other daemon's status and ran its check, as a
     review found: the endpoint must answer for the configuration's socket."""
-    sock = tmp_path / "admin-http.sock"
-    d = live({"admin": {"unix_socket": str(sock), "token": "shared-token"}})
-    b = live({"admin": {"token": "shared-token"}})
-    Path(b.socket + ".admin").unlink()  # as when b's admin endpoint did not come up
-    other = tmp_path / "other.toml"
-    other.write_text(f'[server]\nsocket = "{b.socket}"\n'
-                     f'[admin]\nunix_socket = "{sock}"\ntoken = "shared-token"\n')
+    d, b, other = _b_configured_with_ds_endpoint(live, tmp_path, "shared-token", "shared-token")
     for cmd in ("status", "check"):
         assert cli.main([cmd, "--config", str(other)]) == cli.EXIT_FAILURE
         err = capsys.readouterr().err
@@ -273,13 +281,7 @@ def test_status_does_not_blame_the_token_when_the_endpoint_may_be_another_daemon
     configuration names an address another daemon holds: status asked that other daemon with
     this one's token and said the token was wrong, sending the operator after the wrong thing.
     A configuration that turns the endpoint off says so before asking anyone."""
-    sock = tmp_path / "admin-http.sock"
-    d = live({"admin": {"unix_socket": str(sock), "token": "d-token"}})
-    b = live({"admin": {"token": "b-token"}})
-    Path(b.socket + ".admin").unlink()  # as when b's admin endpoint did not come up
-    other = tmp_path / "other.toml"
-    other.write_text(f'[server]\nsocket = "{b.socket}"\n'
-                     f'[admin]\nunix_socket = "{sock}"\ntoken = "b-token"\n')
+    d, b, other = _b_configured_with_ds_endpoint(live, tmp_path, "d-token", "b-token")
     for cmd in ("status", "check"):
         assert cli.main([cmd, "--config", str(other)]) == cli.EXIT_FAILURE
         err = capsys.readouterr().err
