@@ -336,7 +336,6 @@ class TokenRefused(AdminError):
     daemon's that was meant."""
 
 
-
 class AdminClient:
     """A small blocking client of the admin endpoint: ``http://host:port`` or ``unix:/path``.
 
@@ -408,7 +407,7 @@ class AdminClient:
             message = str(data["error"].get("message", ""))
         if status == 401:
             raise TokenRefused(f"the admin endpoint at {self.url} refused the token ({message}); "
-                             + self.refused_hint)
+                               + self.refused_hint)
         raise AdminError(f"{method} {path} at {self.url}: HTTP {status}"
                          + (f": {message}" if message else ""))
 

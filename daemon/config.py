@@ -404,7 +404,7 @@ class TenantConfig(_Section):
     token_sha256: str | None = Field(None, description="hex SHA-256 of the tenant's token")
     namespace: str | None = Field(None, min_length=1,
                                   description="prefix namespace (default: the name); "
-                                                    "tenants may share one")
+                                              "tenants may share one")
     models: list[str] = Field(default_factory=lambda: ["*"],
                               description="models the tenant may use ('*': all)")
     quota_full_pages: int = Field(0, ge=0, description="per model; 0: unlimited")

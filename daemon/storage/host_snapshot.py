@@ -214,28 +214,30 @@ def _make_private(path: str) -> None:
 def _others_could_write(path: str) -> str:
     """Why another user could put files in ``path`` (empty: none could). A start restores the
     host tier from what it finds there and serves it to every tenant as cached KV, so whoever
-    can write the directory, or rename it or a directory above it, decides what engines read:
-    every directory from it to the root (where it really is: links followed) must be this
-    user's or root's, none writable by group or others but sticky ones above it (as /tmp), and
-    every symbolic link on the path as written must be this user's or root's."""
-    me = (0, os.geteuid())
-    for d in (path, *map(str, pathlib.PurePath(path).parents)):
-        if os.path.islink(d) and (owner := os.lstat(d).st_uid) not in me:
-            return (f"{path!r}: the symbolic link {d} belongs to uid {owner}, not to this user "
-                    f"({os.geteuid()}): its owner could point it elsewhere; give a path of "
-                    "this user's")
+    can write the directory, or rename it, a directory above it or a link on its way, decides
+    what engines read. Along the path as written and along where it really is (links
+    followed), every directory and link must be this user's or root's, and no directory
+    writable by group or others, but sticky ones above the state directory (as /tmp)."""
     real = os.path.realpath(path)
-    for d in (real, *map(str, pathlib.PurePath(real).parents)):
-        st = os.stat(d)
-        if st.st_uid not in me:
-            return (f"{path!r}: {d} belongs to uid {st.st_uid}, not to this user "
-                    f"({os.geteuid()}): its owner could replace what this daemon restores and "
-                    "serves as cached KV; give a directory of this user's")
-        if st.st_mode & 0o022 and (d == real or not st.st_mode & stat.S_ISVTX):
-            return (f"{path!r}: {d} is writable by its group or others (mode "
-                    f"{st.st_mode & 0o7777:04o}): they could put a host tier there that this "
-                    "daemon would restore and serve to every tenant as cached KV; chmod go-w "
-                    "it, or give a directory only this user writes")
+    for leaf, chain in ((path, (path, *map(str, pathlib.PurePath(path).parents))),
+                        (real, (real, *map(str, pathlib.PurePath(real).parents)))):
+        for d in chain:
+            problem = _writable_by_others(path, d, os.lstat(d), d == leaf)
+            if problem:
+                return problem
+    return ""
+
+
+def _writable_by_others(path: str, d: str, st: os.stat_result, leaf: bool) -> str:
+    if st.st_uid not in (0, os.geteuid()):
+        return (f"{path!r}: {d} belongs to uid {st.st_uid}, not to this user ({os.geteuid()}): "
+                "its owner could replace what this daemon restores and serves as cached KV; "
+                "give a directory of this user's")
+    if stat.S_ISDIR(st.st_mode) and st.st_mode & 0o022 and (leaf or not st.st_mode & stat.S_ISVTX):
+        return (f"{path!r}: {d} is writable by its group or others (mode "
+                f"{st.st_mode & 0o7777:04o}): they could put a host tier there that this daemon "
+                "would restore and serve to every tenant as cached KV; chmod go-w it, or give "
+                "a directory only this user writes")
     return ""
 
 

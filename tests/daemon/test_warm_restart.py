@@ -683,6 +683,11 @@ def test_a_state_dir_others_could_write_is_refused(make_daemon, tmp_path: Path) 
             with pytest.raises(RuntimeError) as info:
                 make_daemon(_config(given))
             assert f"{other} belongs to uid 54321, not to this user" in str(info.value)
+        (tmp_path / "ours").mkdir(mode=0o700)  # a link of ours, in their directory: they
+        (other / "to-ours").symlink_to(tmp_path / "ours")  # could point it elsewhere
+        with pytest.raises(RuntimeError) as info:
+            make_daemon(_config(other / "to-ours"))
+        assert f"{other} belongs to uid 54321, not to this user" in str(info.value)
     umask = os.umask(0o007)
     try:
         d = make_daemon(_config(tmp_path / "warm" / "state"))
