@@ -225,8 +225,11 @@ def readable_tokens(args: argparse.Namespace) -> str:
     keys = ["admin.token"] if admin.get("token") else []
     keys += [f"tenants[\"{t.get('name')}\"].token" for t in tenants
              if isinstance(t, dict) and t.get("token")]
-    with contextlib.suppress(ValueError, TypeError):
-        if urllib.parse.urlsplit(l3.get("url") or "").password:
+    url = l3.get("url")
+    with contextlib.suppress(ValueError):  # (a URL urlsplit refuses: the load says so)
+        parts = urllib.parse.urlsplit(url) if isinstance(url, str) else None
+        if parts is not None and (parts.password or any(
+                k == "password" for k, _ in urllib.parse.parse_qsl(parts.query))):
             keys.append("the password in l3.url")
     if not keys:
         return ""
@@ -523,10 +526,11 @@ def _endpoint_info(socket_path: str) -> dict[str, Any] | None:
     runs (a daemon killed without a clean stop leaves the file behind)."""
     from .config import admin_endpoint_file
 
+    info = None
     try:
         info = json.loads(Path(admin_endpoint_file(socket_path)).read_text(encoding="utf-8"))
         os.kill(int(info["pid"]), 0)
-    except PermissionError:  # alive, another user's
+    except PermissionError:  # alive, another user's (None: the file is not ours to read)
         return info if isinstance(info, dict) else None
     except (OSError, ValueError, KeyError, TypeError):
         return None

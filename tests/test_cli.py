@@ -739,6 +739,17 @@ def test_a_config_everyone_may_read_with_secrets_in_clear_is_warned_of(monkeypat
             [sys.executable, "-m", "daemon.cli", "serve", "--config", str(cfg), "--socket",
              str(not_a_socket)], capture_output=True, text=True, cwd=REPO_ROOT, timeout=60)
         assert served.returncode == cli.EXIT_USAGE and warning in served.stderr, served.stderr
+        cfg.write_text('[l3]\nurl = "redis://127.0.0.1:6379/0?password=secret"\n')
+        assert cli.main(["config", "check", "--config", str(cfg)]) == cli.EXIT_OK
+        assert "clear (the password in l3.url)" in capsys.readouterr().err
+        cfg.write_text('[admin]\ntoken = "a-token"\n[l3]\nurl = 5\n')  # (not a URL: refused)
+        assert cli.main(["config", "check", "--config", str(cfg)]) == cli.EXIT_USAGE
+        assert "l3.url" in capsys.readouterr().err
+        monkeypatch.setenv("RADIXD_L3_URL", "redis://127.0.0.1:6379/0")  # the file's replaced
+        assert cli.main(["config", "check", "--config", str(cfg)]) == cli.EXIT_OK
+        assert "clear (admin.token)" in capsys.readouterr().err  # (it crashed on the 5)
+        monkeypatch.delenv("RADIXD_L3_URL")
+        cfg.write_text('[admin]\ntoken = "a-token"\n')
         top.chmod(0o700)  # a directory on its way others cannot enter
         assert cli.main(["config", "check", "--config", str(cfg)]) == cli.EXIT_OK
         assert "can be read by every user" not in capsys.readouterr().err
@@ -753,3 +764,19 @@ def test_a_config_everyone_may_read_with_secrets_in_clear_is_warned_of(monkeypat
         assert "can be read by every user" not in capsys.readouterr().err
     finally:
         shutil.rmtree(top, ignore_errors=True)
+
+
+def test_an_endpoint_file_this_user_cannot_read_is_no_crash(tmp_path: Path,
+                                                           monkeypatch) -> None:
+    """A user outside the daemon's group asking about its socket: reading the endpoint file
+    beside it failed with PermissionError before anything was read, and the handler of that
+    error (meant for a live daemon of another user) used what was never read. (The refusal is
+    injected: the tests may run as root, whom nothing refuses, and the interpreter may not be
+    readable by a user made up for the test.)"""
+    (tmp_path / "radixd.sock.admin").write_text('{"url": "http://127.0.0.1:1", "pid": 1}')
+
+    def refused(self: Path, *args: object, **kwargs: object) -> str:
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "read_text", refused)
+    assert cli._endpoint_info(str(tmp_path / "radixd.sock")) is None

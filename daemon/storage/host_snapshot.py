@@ -32,6 +32,7 @@ that crashes later never restores pages it has since overwritten.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import logging
 import mmap
@@ -212,33 +213,59 @@ def _make_private(path: str) -> None:
 
 
 def _others_could_write(path: str) -> str:
-    """Why another user could put files in ``path`` (empty: none could). A start restores the
-    host tier from what it finds there and serves it to every tenant as cached KV, so whoever
-    can write the directory, or rename it, a directory above it or a link on its way, decides
-    what engines read. Along the path as written and along where it really is (links
-    followed), every directory and link must be this user's or root's, and no directory
-    writable by group or others, but sticky ones above the state directory (as /tmp)."""
-    real = os.path.realpath(path)
-    for leaf, chain in ((path, (path, *map(str, pathlib.PurePath(path).parents))),
-                        (real, (real, *map(str, pathlib.PurePath(real).parents)))):
-        for d in chain:
-            problem = _writable_by_others(path, d, os.lstat(d), d == leaf)
-            if problem:
-                return problem
+    """Why another user could read or change what ``path`` holds (empty: none could). A stop
+    writes every tenant's host-tier KV there, and a start serves what it finds there as cached
+    KV, so it must be open to this user only, and no one else may be able to rename it, a
+    directory on its way or a link on its way: every directory and link the lookup of ``path``
+    passes through (links followed one at a time) must be this user's or root's, and none of
+    those directories writable by group or others unless sticky (as /tmp)."""
+    try:
+        walked, real = _lookup_walk(path)
+    except OSError as exc:
+        return f"{path!r}: {exc.strerror or exc}"
+    me = (0, os.geteuid())
+    for d in walked:
+        st = os.lstat(d)
+        if st.st_uid not in me:
+            return (f"{path!r}: {d} belongs to uid {st.st_uid}, not to this user "
+                    f"({os.geteuid()}): its owner could replace what this daemon restores and "
+                    "serves as cached KV; give a directory of this user's")
+        if d == real and st.st_mode & 0o077:
+            return (f"{path!r}: {d} is open to its group or others (mode "
+                    f"{st.st_mode & 0o7777:04o}): a stop writes every tenant's KV there and a "
+                    "start serves what it finds there; chmod 700 it")
+        if stat.S_ISDIR(st.st_mode) and st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+            return (f"{path!r}: {d} is writable by its group or others (mode "
+                    f"{st.st_mode & 0o7777:04o}): they could rename what it holds on the way to "
+                    "the state directory; chmod go-w it, or give a directory elsewhere")
     return ""
 
 
-def _writable_by_others(path: str, d: str, st: os.stat_result, leaf: bool) -> str:
-    if st.st_uid not in (0, os.geteuid()):
-        return (f"{path!r}: {d} belongs to uid {st.st_uid}, not to this user ({os.geteuid()}): "
-                "its owner could replace what this daemon restores and serves as cached KV; "
-                "give a directory of this user's")
-    if stat.S_ISDIR(st.st_mode) and st.st_mode & 0o022 and (leaf or not st.st_mode & stat.S_ISVTX):
-        return (f"{path!r}: {d} is writable by its group or others (mode "
-                f"{st.st_mode & 0o7777:04o}): they could put a host tier there that this daemon "
-                "would restore and serve to every tenant as cached KV; chmod go-w it, or give "
-                "a directory only this user writes")
-    return ""
+def _lookup_walk(path: str) -> tuple[list[str], str]:
+    """Every directory and symbolic link the kernel passes through to look ``path`` up (links
+    followed one at a time, as realpath does not show), and where it ends."""
+    cur, todo, walked, hops = "/", list(pathlib.PurePath(path).parts[1:]), ["/"], 0
+    while todo:
+        part = todo.pop(0)
+        if part in ("", "."):
+            continue
+        if part == "..":
+            cur = os.path.dirname(cur)
+            continue
+        step = os.path.join(cur, part)
+        walked.append(step)
+        if not os.path.islink(step):
+            cur = step
+            continue
+        hops += 1
+        if hops > 40:
+            raise OSError(errno.ELOOP, "too many levels of symbolic links")
+        target = pathlib.PurePath(os.readlink(step))
+        if target.is_absolute():
+            cur, todo = "/", [*target.parts[1:], *todo]
+        else:
+            todo = [*target.parts, *todo]
+    return walked, cur
 
 
 #: the file a daemon holds locked (flock) in ``state_dir`` for its whole life
@@ -283,7 +310,7 @@ def write_pool(state_dir: str | None, name: str, pages: Iterator[tuple[int, memo
     the slots and checksums are recorded."""
     slots, crcs = array("i"), array("I")
     with contextlib.ExitStack() as stack:
-        f = stack.enter_context(open(os.path.join(state_dir, name), "wb", buffering=1 << 20)) \
+        f = stack.enter_context(_private_file(os.path.join(state_dir, name))) \
             if state_dir is not None else None
         for slot, data in pages:
             if f is not None:
@@ -291,6 +318,13 @@ def write_pool(state_dir: str | None, name: str, pages: Iterator[tuple[int, memo
             slots.append(slot)
             crcs.append(zlib.crc32(data))
     return PoolImage(name, page_nbytes, slots.tobytes(), crcs.tobytes())
+
+
+def _private_file(path: str) -> Any:
+    """``path`` opened to write anew, mode 0600 whatever the umask: it holds tenants' KV."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    os.fchmod(fd, 0o600)  # (a file left by an older version keeps its mode through O_TRUNC)
+    return os.fdopen(fd, "wb", buffering=1 << 20)
 
 
 def encode_index(snap: HostSnapshot) -> bytes:
@@ -304,7 +338,7 @@ def write_index(state_dir: str, snap: HostSnapshot) -> int:
     raw = encode_index(snap)
     path = os.path.join(state_dir, INDEX_NAME)
     tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
+    with _private_file(tmp) as f:
         f.write(raw)
         f.flush()
         os.fsync(f.fileno())
