@@ -212,6 +212,8 @@ def readable_tokens(args: argparse.Namespace) -> str:
     drive the admin endpoint or reach Redis. Not refused: mode 0644 is many tools' default."""
     import tomllib
 
+    from .storage.redis_urls import has_password
+
     path = args.config or os.environ.get("RADIXD_CONFIG")
     try:
         everyone = bool(path) and os.stat(path).st_mode & 0o004 and all(
@@ -225,12 +227,8 @@ def readable_tokens(args: argparse.Namespace) -> str:
     keys = ["admin.token"] if admin.get("token") else []
     keys += [f"tenants[\"{t.get('name')}\"].token" for t in tenants
              if isinstance(t, dict) and t.get("token")]
-    url = l3.get("url")
-    with contextlib.suppress(ValueError):  # (a URL urlsplit refuses: the load says so)
-        parts = urllib.parse.urlsplit(url) if isinstance(url, str) else None
-        if parts is not None and (parts.password or any(
-                k == "password" for k, _ in urllib.parse.parse_qsl(parts.query))):
-            keys.append("the password in l3.url")
+    if isinstance(l3.get("url"), str) and has_password(l3["url"]):
+        keys.append("the password in l3.url")
     if not keys:
         return ""
     return (f"{path} can be read by every user and holds secrets in clear ({', '.join(keys)}):"

@@ -60,7 +60,7 @@ from daemon.gpu.allocator import (
     ascends,
     page_ids,
 )
-from daemon.gpu.profile import DTYPE_ITEMSIZE, ModelProfile, torch_dtype
+from daemon.gpu.profile import DTYPE_ITEMSIZE, ModelProfile, cuda_available, torch_dtype
 from daemon.gpu.segments import SegmentedAllocator
 from daemon.gpu.shared_memory import (
     available_host_bytes,
@@ -170,7 +170,7 @@ class HostPool:
         self.page_nbytes = math.prod(self.page_shape) * DTYPE_ITEMSIZE[profile.dtype]
         self.nbytes = capacity_pages * self.page_nbytes
         if pin_memory is None:
-            pin_memory = torch.cuda.is_available()
+            pin_memory = cuda_available()
         self.pinned = bool(pin_memory)
         self.fd: int | None = None  # the single memfd (not segmented), else None
         self._finalizer: weakref.finalize | None = None

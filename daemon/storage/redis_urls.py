@@ -67,6 +67,17 @@ def client_for_url(url: str, max_connections: int, op_timeout: float,
     return aioredis.Redis.from_pool(pool)  # the client owns (closes) its pool
 
 
+def has_password(url: str) -> bool:
+    """Whether ``url`` carries a password where :func:`redact_url` would hide one (a URL that
+    does not parse carries none)."""
+    try:
+        parts = urlsplit(url)
+        return bool(parts.password) or any(
+            k.lower() == "password" for k, _ in parse_qsl(parts.query, keep_blank_values=True))
+    except ValueError:
+        return False
+
+
 def redact_url(url: str, mask: str = "***") -> str:
     """``url`` with its password (in the user info or a ``password=`` query parameter) replaced
     by ``mask``: Redis URLs carry credentials, and logs are read by more people than configs."""

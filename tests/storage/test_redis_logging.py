@@ -20,7 +20,7 @@ import redis as redis_sync
 from radixd_client import Client
 
 from daemon.storage.redis_tier import CircuitBreaker
-from daemon.storage.redis_urls import redact_url
+from daemon.storage.redis_urls import has_password, redact_url
 from tests.harness import daemon_conftest
 from tests.redis_procs import Server, free_port
 
@@ -94,6 +94,12 @@ def test_redact_url() -> None:
         "rediss://user:***@h:1/2?password=***&x=1"
     assert redact_url("redis://h:6379/0") == "redis://h:6379/0"
     assert redact_url("unix:///run/redis.sock?password=pw") == "unix:///run/redis.sock?password=***"
+    # has_password: a password exactly where redact_url hides one
+    for url in ("redis://:pw@h:1/0", "rediss://user:pw@h:1/2", "redis://h:1/0?PASSWORD=pw",
+                "unix:///run/redis.sock?password=pw"):
+        assert has_password(url) and redact_url(url) != url, url
+    for url in ("redis://h:6379/0", "redis://user@h:1/0", "redis://h:1/0?x=1", "redis://[::1"):
+        assert not has_password(url), url
 
 
 def test_breaker_logs_an_outage_in_two_lines(caplog: pytest.LogCaptureFixture) -> None:
