@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import socket
 from collections.abc import AsyncIterator
 from types import TracebackType
@@ -128,6 +129,7 @@ class AsyncClient(Operations):
         """The per-connection state, fresh: at construction and after a reconnect."""
         sock.setblocking(False)
         self._sock: socket.socket | None = sock
+        self._pid = os.getpid()  # the process the connection is this client's in
         # Each request's future is its context in the connection; an entry stays until its
         # response arrives, even if its caller was cancelled, because the daemon counts it as in
         # flight until then.
@@ -392,6 +394,11 @@ class AsyncClient(Operations):
             self._closed_error = err
         sock, self._sock = self._sock, None
         if sock is not None:
+            # shut down first, as the blocking client does: a child forked meanwhile holds a
+            # copy that would keep the session, and what it holds, open until the child exits
+            with contextlib.suppress(OSError):
+                if os.getpid() == self._pid:
+                    sock.shutdown(socket.SHUT_RDWR)
             with contextlib.suppress(OSError):
                 sock.close()
         close_fds(self._attach_fds)
@@ -541,24 +548,29 @@ class AsyncClient(Operations):
     @contextlib.asynccontextmanager
     async def locked(self, model: str, tokens: Any) -> AsyncIterator[MatchResult]:
         """``match(lock=True)``, then ``unlock`` of its receipt (if any) when the block ends
-        (set ``m.receipt = None`` inside the block if the receipt was handed on)."""
+        (set ``m.receipt = None`` inside the block if the receipt was handed on). A lock whose
+        session the client lost meanwhile went with it: nothing is unlocked (see the sync
+        client)."""
         try:
             m = await self.match(model, tokens, lock=True)
         except SegmentsNotMapped as err:  # (its receipt is released: see the sync client)
-            receipt = getattr(err.result, "receipt", None)
-            if receipt is not None and not self.closed:
-                with contextlib.suppress(RadixdError):
-                    await self.unlock(model, receipt)
+            await self._unlock_quietly(model, getattr(err.result, "receipt", None), self.restarts)
             raise
+        restarts = self.restarts  # (no await since the match: the session it answered on)
         try:
             yield m
         except BaseException:
-            if m.receipt is not None and not self.closed:
-                with contextlib.suppress(RadixdError):
-                    await self.unlock(model, m.receipt)
+            await self._unlock_quietly(model, m.receipt, restarts)
             raise
-        if m.receipt is not None:
+        if m.receipt is not None and self.restarts == restarts:
             await self.unlock(model, m.receipt)
+
+    async def _unlock_quietly(self, model: str, receipt: int | None, restarts: int) -> None:
+        """A call made now is sent on this session or raises: checking ``restarts`` just before
+        it, with no await between, is enough here (one loop, one task at a time)."""
+        if receipt is not None and not self.closed and self.restarts == restarts:
+            with contextlib.suppress(RadixdError):
+                await self.unlock(model, receipt)
 
     async def attach(self, model: str) -> AttachedPools:
         """Map the KV pools of ``model`` into this process (needs torch); see

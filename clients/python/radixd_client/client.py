@@ -9,7 +9,7 @@ segments included), so that none reads another's reply; for calls that overlap, 
 thread its own client or use :class:`radixd_client.aio.AsyncClient` to share one connection
 among tasks. With a reconnect policy, only the call a restart cut raises ``SessionRestarted``:
 the other threads' next calls run in the new session, where what the old one held (receipts,
-pages) is gone.
+pages) is gone; calls that carry that session's ids belong inside :meth:`Client.on_session`.
 
 Everything a session holds (receipts, allocated pages) is released by the daemon when the
 connection ends, however it ends. When that happens mid-call the client raises
@@ -180,6 +180,7 @@ class Client(Operations):
 
     def _start(self, sock: socket.socket, token: str | None, client_name: str) -> None:
         self._io = threading.RLock()  # one call at a time (reentrant: a call may attach)
+        self._bound = threading.local()  # this thread's on_session() count, if any
         self._token, self._client_name = token, client_name
         self._attached: dict[str, AttachedPools] = {}  # to map segments as they come
         self._dropped: dict[str, str] = {}  # pools a reconnect closed before it was cut too
@@ -270,8 +271,16 @@ class Client(Operations):
     def _in_turn(self, once: Callable[[str, Request], T], op: str, req: Request) -> T:
         """``once(op, req)`` while holding the client (threads take turns, a whole call each);
         with a reconnect policy, a lost session is opened again before the call raises
-        ``SessionRestarted``."""
+        ``SessionRestarted``. Inside :meth:`on_session`, a call made for a session the client
+        has since left raises it before sending anything."""
         with self._io:
+            bound = getattr(self._bound, "restarts", None)
+            if bound is not None and bound != self.restarts:
+                raise SessionRestarted(
+                    f"{op} was not sent: it was made for the session this client had before "
+                    f"{self.restarts - bound} reconnect(s) (another call met the restart); the "
+                    f"client is now session {self.session} of daemon instance {self.instance}, "
+                    "which numbers pages and receipts afresh", details={"attach_again": {}})
             try:
                 return once(op, req)
             except (ConnectionLost, ShuttingDown) as exc:
@@ -331,6 +340,22 @@ class Client(Operations):
         return ClientBatch(self, stop_on_error)
 
     @contextlib.contextmanager
+    def on_session(self, restarts: int) -> Iterator[None]:
+        """Calls this thread makes inside the block go only to the session the client had when
+        :attr:`restarts` was ``restarts``: once another thread's call has met a daemon restart
+        and the client has connected again, each raises ``SessionRestarted`` without sending
+        anything. For calls that carry ids of that session (receipts, page ids, node ids): the
+        new session numbers them afresh, so the same ids may be another request's there.
+        Checking ``restarts`` before the call is not enough where threads share the client:
+        another thread may reconnect between the check and the send."""
+        outer = getattr(self._bound, "restarts", None)
+        self._bound.restarts = restarts
+        try:
+            yield
+        finally:
+            self._bound.restarts = outer
+
+    @contextlib.contextmanager
     def locked(self, model: str, tokens: Any) -> Iterator[MatchResult]:
         """``match(lock=True)``, then ``unlock`` of its receipt (if any) when the block ends.
 
@@ -338,25 +363,30 @@ class Client(Operations):
         which moves or drops the lock), set ``m.receipt = None`` so that it is not released twice.
         If the block raises, an error from the unlock is suppressed in favour of the block's.
         A match whose segments cannot be mapped here (``SegmentsNotMapped``) never reaches the
-        block: its receipt is released before the error goes on.
+        block: its receipt is released before the error goes on. A lock whose session the
+        client lost (a restart, met by this or another thread's call) went with that session:
+        nothing is unlocked, since its receipt's number may be another request's lock now.
         """
+        restarts = self.restarts
         try:
-            m = self.match(model, tokens, lock=True)
+            with self.on_session(restarts):
+                m = self.match(model, tokens, lock=True)
         except SegmentsNotMapped as err:
-            receipt = getattr(err.result, "receipt", None)
-            if receipt is not None and self._sock is not None:
-                with contextlib.suppress(RadixdError):
-                    self.unlock(model, receipt)
+            self._unlock_quietly(model, getattr(err.result, "receipt", None), restarts)
             raise
         try:
             yield m
         except BaseException:
-            if m.receipt is not None and self._sock is not None:
-                with contextlib.suppress(RadixdError):
-                    self.unlock(model, m.receipt)
+            self._unlock_quietly(model, m.receipt, restarts)
             raise
-        if m.receipt is not None:
-            self.unlock(model, m.receipt)
+        if m.receipt is not None and self.restarts == restarts:
+            with self.on_session(restarts):  # (another thread may reconnect meanwhile)
+                self.unlock(model, m.receipt)
+
+    def _unlock_quietly(self, model: str, receipt: int | None, restarts: int) -> None:
+        if receipt is not None and self._sock is not None:
+            with contextlib.suppress(RadixdError), self.on_session(restarts):
+                self.unlock(model, receipt)
 
     # -- pools ----------------------------------------------------------------------------------
 
@@ -473,9 +503,16 @@ class Client(Operations):
         return True
 
     def _drop(self) -> None:
+        """Close the connection. In the process that opened it, shut it down first: a child
+        forked meanwhile (multiprocessing, data loader workers) holds a copy of the socket, and
+        a close alone would keep the connection, and the session with every page and lock it
+        holds, open until that child exits. A forked child's copy is only closed."""
         sock, self._sock = self._sock, None
         if sock is not None:
             self._conn.abandon()
+            with contextlib.suppress(OSError):
+                if os.getpid() == self._pid:
+                    sock.shutdown(socket.SHUT_RDWR)
             with contextlib.suppress(OSError):
                 sock.close()
 

@@ -169,6 +169,14 @@ class RequestLifecycle:
                                    "daemon session the client has lost (another call met the "
                                    "restart); call restart(), then admit()")
 
+    def _on_session(self) -> contextlib.AbstractContextManager[Any]:
+        """The step's calls go only to the session its ids belong to
+        (:meth:`~radixd_client.Client.on_session`): another thread sharing the client may
+        reconnect between :meth:`_check_session` and a send. A stand-in client without it is
+        trusted to be used by one thread."""
+        on_session = getattr(self.client, "on_session", None)
+        return contextlib.nullcontext() if on_session is None else on_session(self._session)
+
     # -- admission --------------------------------------------------------------------------
 
     def admit(self) -> Admission:
@@ -183,6 +191,10 @@ class RequestLifecycle:
         if not self.full_table and self.receipt is None:  # holds nothing yet: any session
             self._session = _restarts(c)
         self._check_session()
+        with self._on_session():
+            return self._admit(c, name, adm)
+
+    def _admit(self, c: Any, name: str, adm: Admission) -> Admission:
         prompt = self.tokens.tobytes()
         if self.use_l3:
             self.last_op = "prefetch"
@@ -239,7 +251,9 @@ class RequestLifecycle:
         self._check_session()
         if need > 0:
             self.last_op = "alloc"
-            self._take(self._applied(self.client.alloc, self.model, need), need)
+            with self._on_session():
+                res = self._applied(self.client.alloc, self.model, need)
+            self._take(res, need)
             self._raise_not_mapped()
 
     def _take(self, res: Any, n: int) -> None:
@@ -310,7 +324,8 @@ class RequestLifecycle:
         ids = self.out_of_window(length)
         if ids:
             self.last_op = "free"
-            self.client.free(self.model, swa_pages=ids)
+            with self._on_session():
+                self.client.free(self.model, swa_pages=ids)
         return len(ids)
 
     def _release_due(self, length: int) -> bool:
@@ -341,6 +356,11 @@ class RequestLifecycle:
                              need and ("alloc", need)) if x]
         if not calls:
             return
+        with self._on_session():
+            self._decode_calls(calls, free_ids, release, need)
+
+    def _decode_calls(self, calls: list[Any], free_ids: list[int], release: bool,
+                      need: int) -> None:
         c, name = self.client, self.model
         if len(calls) == 1:
             self.last_op = calls[0][0] if calls[0][0] != "release" else "release_swa"
@@ -385,8 +405,9 @@ class RequestLifecycle:
         self._check_session()
         toks, full, swa, prev, frontier = self._insert_args(end)
         self.last_op = "cache_unfinished"
-        res: InsertResult = self._applied(self.client.cache_unfinished,
-            self.model, toks, full, swa, prev, frontier, self.receipt)
+        with self._on_session():
+            res: InsertResult = self._applied(self.client.cache_unfinished,
+                self.model, toks, full, swa, prev, frontier, self.receipt)
         lo = prev // self.page_size
         handed = range(lo, res.inserted_len // self.page_size)
         self.writable_full.difference_update(self.full_table[j] for j in handed)
@@ -415,6 +436,15 @@ class RequestLifecycle:
         rest_full = [p for p in self.full_table[hi:] if p in self.writable_full]
         rest_swa = [p for p in self.swa_table[hi:] if p and p in self.writable_swa]
         self.last_op = "cache_finished"
+        with self._on_session():
+            res = self._finish_calls(toks, full, swa, prev, frontier, rest_full, rest_swa)
+        self.finished_inserted_len = res.inserted_len
+        self._forget()
+        return res
+
+    def _finish_calls(self, toks: bytes, full: list[int], swa: list[int], prev: int,
+                      frontier: int, rest_full: list[int], rest_swa: list[int]
+                      ) -> InsertResult:
         if not rest_full and not rest_swa:
             # (the request holds nothing afterwards: segments its result names that are not
             # mapped here are no error for it)
@@ -429,13 +459,12 @@ class RequestLifecycle:
             res = fin.result()
             self.last_op = "free"
             freed.result()
-        self.finished_inserted_len = res.inserted_len
-        self._forget()
         return res
 
     def abort(self) -> None:
         """Give back every page and the receipt, in one round trip, without inserting anything
-        (the KV may be incomplete). Safe to call twice; errors come from the daemon only."""
+        (the KV may be incomplete). Safe to call twice; errors come from the daemon, or are
+        ``SessionRestarted`` where the session went meanwhile, taking all of it."""
         if self.closed:
             return
         full, swa = sorted(self.writable_full), sorted(self.writable_swa)
@@ -445,7 +474,7 @@ class RequestLifecycle:
             return  # nothing held, or all of it went with the old session: the ids may be
             # another request's in the new one
         self.last_op = "abort"
-        with self.client.batch(stop_on_error=False) as b:
+        with self._on_session(), self.client.batch(stop_on_error=False) as b:
             freed = b.free(self.model, full, swa) if full or swa else None
             unlocked = b.unlock(self.model, receipt) if receipt is not None else None
         errors = [f.exception() for f in (freed, unlocked) if f is not None]

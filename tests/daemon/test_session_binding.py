@@ -1,0 +1,192 @@
+"""Ids of one session never reach the next, and a closed client's session ends at once.
+
+A daemon restart gives a reconnecting client a new session that numbers receipts and pages
+afresh, so an old id sent on the new session names another request's lock or pages there.
+``locked()`` used to release the old receipt's number at the end of its block, and a
+``RequestLifecycle`` step that waited for the client while another thread reconnected was sent
+on the new session. And a client's close left the connection open while a forked child held a
+copy of its socket, with every page and lock of the session. Real daemons, restarted for real.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+from array import array
+from pathlib import Path
+from typing import Any
+
+import pytest
+from radixd_client import AsyncClient, Client, RequestLifecycle, SessionRestarted, TimedOut
+
+from .test_ride_through import FAST, _config, _restart
+from .test_tiers import P, seq
+
+
+def _held(c: Client) -> int:
+    return int(c.stats("m").models["m"]["held_full_pages"])
+
+
+def _cache(c: Client, tokens: bytes) -> None:
+    a = c.alloc("m", len(tokens) // 4 // P)
+    c.insert("m", tokens, a.full_pages, a.swa_pages)
+
+
+def test_locked_does_not_release_the_new_sessions_lock_of_the_same_number(
+        make_daemon, tmp_path: Path) -> None:
+    d1 = make_daemon(_config(tmp_path), name="before")
+    mine, other = (array("i", seq(2, base=b)).tobytes() for b in (100, 200))
+    with Client(d1.socket, reconnect=FAST) as c:
+        _cache(c, mine)
+        with c.locked("m", mine) as m:
+            d2 = _restart(make_daemon, d1, tmp_path)
+            with pytest.raises(SessionRestarted):
+                c.ping(b"cut")
+            _cache(c, other)
+            theirs = c.match("m", other, lock=True)  # another request's lock, same number
+            assert theirs.receipt == m.receipt
+        c.unlock("m", theirs.receipt)  # still held: the block's end released nothing
+    d2.check()
+
+
+def test_an_async_locked_does_not_release_the_new_sessions_lock_of_the_same_number(
+        make_daemon, tmp_path: Path) -> None:
+    d1 = make_daemon(_config(tmp_path), name="before")
+    mine, other = (array("i", seq(2, base=b)).tobytes() for b in (300, 400))
+
+    async def main() -> Any:
+        c = await AsyncClient.connect(d1.socket, reconnect=FAST)
+        try:
+            a = await c.alloc("m", 2)
+            await c.insert("m", mine, a.full_pages, a.swa_pages)
+            async with c.locked("m", mine) as m:
+                d2 = await asyncio.to_thread(_restart, make_daemon, d1, tmp_path)
+                with pytest.raises(SessionRestarted):
+                    await c.ping(b"cut")
+                a = await c.alloc("m", 2)
+                await c.insert("m", other, a.full_pages, a.swa_pages)
+                theirs = await c.match("m", other, lock=True)
+                assert theirs.receipt == m.receipt
+            await c.unlock("m", theirs.receipt)
+            return d2
+        finally:
+            await c.close()
+
+    asyncio.run(main()).check()
+
+
+def test_a_lifecycle_step_that_waited_out_another_threads_reconnect_is_not_sent(
+        make_daemon, tmp_path: Path) -> None:
+    """Thread B's call meets the restart and reconnects, holding the client; request A's
+    reserve, made for the old session, waits for the client meanwhile. Before, it was sent on
+    the new session once B let go: its alloc took pages there that A then forgot on
+    restart(), held until the client closed (a commit sent so carried the old ids onto
+    another request's pages)."""
+    d1 = make_daemon(_config(tmp_path), name="before")
+    with Client(d1.socket, reconnect=FAST) as c:
+        a = RequestLifecycle(c, "m", seq(3, base=500), label="A")
+        a.admit()
+        d1.check()
+        assert d1.stop() == 0
+        raised: dict[str, BaseException] = {}
+
+        def call(who: str, fn: Any) -> threading.Thread:
+            def run() -> None:
+                try:
+                    fn()
+                except BaseException as exc:  # noqa: BLE001 - the test looks at it
+                    raised[who] = exc
+            t = threading.Thread(target=run)
+            t.start()
+            return t
+
+        b = call("B", lambda: c.ping(b"cut"))  # reconnects, holding the client
+        time.sleep(0.5)
+        step = call("A", lambda: a.reserve(3 * P))  # waits for the client
+        time.sleep(0.3)
+        assert c.restarts == 0 and step.is_alive()
+        d2 = make_daemon(_config(tmp_path), name="after")
+        for t in (b, step):
+            t.join(60)
+        assert type(raised["B"]) is SessionRestarted
+        assert type(raised["A"]) is SessionRestarted and "was not sent" in str(raised["A"])
+        assert c.restarts == 1 and _held(c) == 0  # nothing taken on the new session
+        a.restart()
+        a.admit()
+        a.reserve(3 * P)
+        assert _held(c) == 3
+        a.abort()
+        assert _held(c) == 0
+    d2.check()
+
+
+def _child_holding_a_copy() -> tuple[int, int]:
+    """A forked child that keeps its copies of this process's descriptors until the returned
+    pipe end is closed; (pid, that end)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: wait, and leave without running the parent's cleanup
+        os.close(w)
+        os.read(r, 1)
+        os._exit(0)
+    os.close(r)
+    return pid, w
+
+
+def _ended_while_child_lives(d: Any, pid: int, w: int) -> bool:
+    """Whether the daemon released the closed session's pages while the child still holds a
+    copy of its socket; then lets the child go."""
+    try:
+        with Client(d.socket) as probe:
+            deadline = time.monotonic() + 5
+            while _held(probe) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            return _held(probe) == 0
+    finally:
+        os.close(w)
+        assert os.waitpid(pid, 0)[1] == 0
+
+
+def test_closing_a_client_ends_its_session_while_a_forked_child_lives(make_daemon,
+                                                                    tmp_path: Path) -> None:
+    d = make_daemon(_config(tmp_path))
+    c = Client(d.socket)
+    c.alloc("m", 2)
+    pid, w = _child_holding_a_copy()
+    c.close()
+    assert _ended_while_child_lives(d, pid, w)
+
+
+def test_closing_an_async_client_ends_its_session_while_a_forked_child_lives(
+        make_daemon, tmp_path: Path) -> None:
+    d = make_daemon(_config(tmp_path))
+
+    async def main() -> tuple[int, int]:
+        c = await AsyncClient.connect(d.socket)
+        await c.alloc("m", 2)
+        child = _child_holding_a_copy()
+        await c.close()
+        return child
+
+    assert _ended_while_child_lives(d, *asyncio.run(main()))
+
+
+def test_a_timed_out_call_ends_its_session_while_a_forked_child_lives(make_daemon,
+                                                                     tmp_path: Path) -> None:
+    """A timeout closes the connection (the stream is out of step); the session must end with
+    it, not live on with a child's copy, beside the one the client reconnects to."""
+    d = make_daemon(_config(tmp_path))
+    c = Client(d.socket, timeout=0.5)
+    c.alloc("m", 2)
+    pid, w = _child_holding_a_copy()
+    d.proc.send_signal(signal.SIGSTOP)  # no answer comes
+    try:
+        with pytest.raises(TimedOut):
+            c.ping(b"late")
+    finally:
+        d.proc.send_signal(signal.SIGCONT)
+    assert c.closed
+    assert _ended_while_child_lives(d, pid, w)
