@@ -358,9 +358,21 @@ def test_batch_refused_as_a_whole_raises_at_the_end_of_the_block(fake_daemon: An
     c = connect(fake_daemon(lambda req: P.error_frame(req.id, P.Code.TOO_MANY_INFLIGHT, "many")))
     with pytest.raises(LimitExceeded), c.batch() as b:
         f = b.ping()
-    with pytest.raises(BatchSkipped, match="failed as a whole") as e:
+    with pytest.raises(BatchSkipped, match="not run: the batch failed as a whole") as e:
         f.result()
     assert isinstance(e.value.__cause__, LimitExceeded)
+
+
+def test_batch_cut_after_it_was_sent_may_have_run(fake_daemon: Any, kit: Any) -> None:
+    """The daemon may have carried the batch out before the connection went: its operations
+    are not said to have not run (a free or an unlock that did run, retried, would be refused
+    or, after a reconnect, hit another request's ids)."""
+    c = connect(fake_daemon(lambda req: kit.CLOSE if isinstance(req, P.Batch) else None))
+    with pytest.raises(ConnectionLost), c.batch() as b:
+        f = b.unlock("tiny", 1)
+    with pytest.raises(BatchSkipped, match="no result, it may have run") as e:
+        f.result()
+    assert isinstance(e.value.__cause__, ConnectionLost)
 
 
 def test_batch_not_sent_when_the_block_raises(fake_daemon: Any) -> None:
@@ -370,7 +382,7 @@ def test_batch_not_sent_when_the_block_raises(fake_daemon: Any) -> None:
         f = b.match("tiny", TOK)
         raise KeyError("engine bug")
     assert d.ops() == ["hello"]
-    with pytest.raises(BatchSkipped, match="not sent"):
+    with pytest.raises(BatchSkipped, match="not run: the batch was not sent"):
         f.result()
     with pytest.raises(RuntimeError, match="already sent"):
         b.ping()

@@ -75,7 +75,8 @@ class AsyncClientBatch(BatchBuilder):
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> None:
         if exc is not None:
-            self._abandon("the batch was not sent: its `async with` block raised", exc)
+            self._abandon("the batch was not sent: its `async with` block raised", exc,
+                          sent=False)
             return
         if not self._ops:
             self._sent = True
@@ -89,7 +90,7 @@ class AsyncClientBatch(BatchBuilder):
             self._abandon(f"the batch failed as a whole ({err.code})", err)
             raise
         except BaseException as err:
-            self._abandon("the batch was interrupted (it may still have run)", err)
+            self._abandon("the batch was interrupted", err)
             raise
         self._distribute(outcomes)
 

@@ -111,7 +111,7 @@ class ClientBatch(BatchBuilder):
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         if exc is not None:
-            self._abandon("the batch was not sent: its `with` block raised", exc)
+            self._abandon("the batch was not sent: its `with` block raised", exc, sent=False)
             return
         if not self._ops:
             self._sent = True

@@ -252,8 +252,12 @@ class ConnectFailed(RadixdError):
 
 
 class BatchSkipped(RadixdError):
-    """A batch operation that did not run: an earlier one failed (``stop_on_error``), the batch
-    was never sent (the ``with`` block raised), or the whole batch was refused."""
+    """A batch operation without a result of its own. Either it did not run (an earlier one
+    failed with ``stop_on_error``, the batch was never sent because the ``with`` block raised,
+    or the daemon refused the whole batch: the message says "not run"), or the batch was sent
+    and then the connection was lost or the call interrupted (a cancelled task, a timeout), so
+    it may have run: the message says so, and whatever it took belongs to the session (with a
+    reconnect policy, to the session that ended)."""
 
     default_code = Code.NOT_EXECUTED
 
