@@ -99,7 +99,7 @@ class ServerConfig(_Section):
     long_runs_in_use: bool = Field(True, description="a tree node keeps device page ids of "
                                                      "1,024 pages or more that are one to four "
                                                      "ascending runs as their runs while in use "
-                                                     "too (7.3 instead of 10.7 B/token of "
+                                                     "too (7.6 instead of 10.7 B/token of "
                                                      "metadata at page 1, for a few microseconds "
                                                      "more per match there); false: a node "
                                                      "takes them as arrays, kept as runs once "
