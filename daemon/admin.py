@@ -67,7 +67,7 @@ from .config import Config, admin_endpoint_file, admin_token_file, redacted
 from .log_throttle import LogThrottle
 from .queries import NotFound, ServerState
 from .service import Service
-from .sockets import bind_tcp, bind_unix_socket
+from .sockets import bind_tcp, bind_unix_socket, replaceable_by_others
 
 __all__ = ["AdminHandle", "BadRequest", "TokenFileError", "openapi_document", "start_admin"]
 
@@ -229,6 +229,8 @@ async def start_admin(config: Config, service: Service, state: ServerState, chec
         await runner.setup()
         if cfg.unix_socket is not None:
             sock = bind_unix_socket(cfg.unix_socket, 0o660)
+            if problem := replaceable_by_others(cfg.unix_socket):
+                log.warning("admin.unix_socket: %s", problem)
             url, port, unix_path = f"unix:{cfg.unix_socket}", None, cfg.unix_socket
         else:
             sock = bind_tcp(cfg.host, cfg.port)

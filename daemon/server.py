@@ -37,7 +37,7 @@ from .open_files import NearLimit
 from .process_memory import HeapTrimmer
 from .sdnotify import Notifier, listen_fds, watchdog_interval
 from .service import Service, ServiceError, error_of
-from .sockets import LISTEN_BACKLOG, bind_unix_socket
+from .sockets import LISTEN_BACKLOG, bind_unix_socket, replaceable_by_others
 
 log = logging.getLogger("radixd.server")
 
@@ -468,6 +468,8 @@ class Server:
                 extra.close()
         else:
             sock = bind_unix_socket(path, self.config.server.socket_mode_int)
+            if problem := replaceable_by_others(path):
+                log.warning("server.socket: %s", problem)
         # create_unix_server listens again with its own default backlog (100) unless told
         self._server = await self.loop.create_unix_server(lambda: Connection(self), sock=sock,
                                                           backlog=LISTEN_BACKLOG)

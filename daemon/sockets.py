@@ -91,6 +91,28 @@ def check_socket_owner(path: str) -> None:
                                  "choose a socket path in a directory of this user's")
 
 
+def replaceable_by_others(path: str) -> str:
+    """Why users other than this one could replace the socket at ``path`` (empty: no reason
+    found): a directory on its way, symbolic links resolved, that its group or others may
+    write and that is not sticky lets them rename the socket, or the directory holding it, and
+    bind their own in its place, which clients would then send their tokens to. Only a
+    warning: such a directory (a volume shared on purpose) is the operator's choice, and the
+    shipped layout (/run/radixd, 0750) is not one."""
+    real = Path(path).resolve()
+    for d in real.parents:
+        try:
+            mode = d.stat().st_mode
+        except OSError:
+            continue
+        if mode & 0o022 and not mode & stat.S_ISVTX:
+            who = "anyone" if mode & 0o002 else "its group"
+            return (f"{path}: {d} is writable by {who} (mode {mode & 0o7777:04o}) and not "
+                    "sticky: they could put their own socket in place of this one and read "
+                    f"what clients send it, tokens included; chmod go-w {d}, or set its sticky "
+                    "bit")
+    return ""
+
+
 def refuse_served_socket(path: str) -> None:
     """OSError (EADDRINUSE) when a process accepts connections on the socket at ``path``:
     another daemon serves there, and taking its socket over would cut its engines off. The

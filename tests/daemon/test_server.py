@@ -107,3 +107,23 @@ def test_served_openmp_workers_sleep_after_a_region_unless_the_operator_chose(
     spin = re.search(r"GOMP_SPINCOUNT = '(\d+)'", log)
     assert spin is not None, log[-3000:]
     assert (int(spin.group(1)) == 0) == (preset is None), spin.group(0)
+
+
+def test_a_socket_directory_others_may_write_is_warned_of(make_daemon, tmp_path) -> None:
+    """Whoever may write the directory that holds the engines' socket (or the admin one), or
+    one above it, could rename the socket and bind their own, then read the tokens clients
+    send: served, as the operator chose, but with a warning naming the directory. A directory
+    only its owner writes, or a sticky one, gets none."""
+    shared, private = tmp_path / "shared", tmp_path / "private"
+    for d, mode in ((shared, 0o2770), (private, 0o750)):
+        d.mkdir()
+        d.chmod(mode)
+    loud = make_daemon({"server": {"socket": str(shared / "radixd.sock")},
+                        "admin": {"unix_socket": str(shared / "admin.sock")}}, name="loud")
+    quiet = make_daemon({"server": {"socket": str(private / "radixd.sock")},
+                         "admin": {"unix_socket": str(private / "admin.sock")}}, name="quiet")
+    text = loud.log()
+    for key, name in (("server.socket", "radixd.sock"), ("admin.unix_socket", "admin.sock")):
+        assert (f"{key}: {shared / name}: {shared} is writable by its group (mode 2770) and not "
+                "sticky") in text, text
+    assert "is writable by" not in quiet.log()
