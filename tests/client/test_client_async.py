@@ -500,3 +500,37 @@ def test_a_reconnect_after_shutting_down_opens_one_connection(tmp_path: Any, kit
 
     d.run(run, main)
     assert [i for i, op in d.seen if op == "hello"] == [0, 1], d.seen
+
+
+def test_a_cancelled_batch_says_whether_it_may_have_run(fake_daemon: Any, kit: Any,
+                                                        run: Any) -> None:
+    """A batch cancelled once sent may have run (the daemon got it); one cancelled while it
+    waited for a slot was never sent: its operations did not run."""
+    d = fake_daemon(lambda req: None, hello=kit.hello_result(max_inflight=1))  # no answers
+
+    async def cancelled_batch(c: AsyncClient) -> Any:
+        b = c.batch()
+        f = b.unlock("tiny", 1)
+
+        async def send() -> None:
+            async with b:
+                pass
+        task = asyncio.ensure_future(send())
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return f
+
+    async def main() -> None:
+        c = await aconnect(d)
+        sent = await cancelled_batch(c)  # it takes the only slot, and keeps it: no answer
+        with pytest.raises(BatchSkipped, match="unlock: no result, it may have run"):
+            sent.result()
+        waiting = await cancelled_batch(c)
+        with pytest.raises(BatchSkipped, match="unlock not run: the batch was interrupted"):
+            waiting.result()
+        assert [type(r) for r in d.requests] == [P.Hello, P.Batch]
+        await c.close()
+
+    run(main())

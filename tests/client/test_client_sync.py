@@ -21,7 +21,9 @@ from radixd_client import (
     ProtocolError,
     RadixdError,
     ReceiptError,
+    SessionRestarted,
     TimedOut,
+    UndecodableResult,
 )
 from radixd_client import protocol as P
 
@@ -373,6 +375,28 @@ def test_batch_cut_after_it_was_sent_may_have_run(fake_daemon: Any, kit: Any) ->
     with pytest.raises(BatchSkipped, match="no result, it may have run") as e:
         f.result()
     assert isinstance(e.value.__cause__, ConnectionLost)
+
+
+def test_a_batch_whose_answer_cannot_be_decoded_may_have_run(fake_daemon: Any) -> None:
+    """The daemon ran it and answered; only this client cannot read the answer."""
+    c = connect(fake_daemon(lambda req: P.ok_frame(req.id, {"results": "not a list"})))
+    with pytest.raises(UndecodableResult), c.batch() as b:
+        f = b.unlock("tiny", 1)
+    with pytest.raises(BatchSkipped, match="no result, it may have run"):
+        f.result()
+    assert not c.closed
+
+
+def test_calls_bound_to_two_sessions_at_once_are_refused(fake_daemon: Any) -> None:
+    """Nested on_session blocks naming different sessions: no call could go to both."""
+    d = fake_daemon()
+    c = connect(d)
+    with c.on_session(c.restarts):
+        assert c.unlock("tiny", 1) is not None
+        with pytest.raises(SessionRestarted, match="not sent"), c.on_session(c.restarts + 1):
+            c.unlock("tiny", 2)
+        c.unlock("tiny", 3)  # the outer binding holds again
+    assert [getattr(r, "receipt", None) for r in d.requests] == [None, 1, 3]
 
 
 def test_batch_not_sent_when_the_block_raises(fake_daemon: Any) -> None:

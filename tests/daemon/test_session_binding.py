@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import sys
 import threading
 import time
 from array import array
@@ -20,7 +21,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from radixd_client import AsyncClient, Client, RequestLifecycle, SessionRestarted, TimedOut
+from radixd_client import (
+    AsyncClient,
+    Client,
+    ReceiptError,
+    RequestLifecycle,
+    SessionRestarted,
+    TimedOut,
+)
 
 from .test_ride_through import FAST, _config, _restart
 from .test_tiers import P, seq
@@ -78,48 +86,107 @@ def test_an_async_locked_does_not_release_the_new_sessions_lock_of_the_same_numb
     asyncio.run(main()).check()
 
 
+def _thread(fn: Any) -> tuple[threading.Thread, dict[str, Any]]:
+    """``fn`` running in a thread, and what it returned or raised once it ends."""
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            out["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - the test looks at it
+            out["error"] = exc
+    t = threading.Thread(target=run)
+    t.start()
+    return t, out
+
+
+def _in(t: threading.Thread, function: str) -> bool:
+    """Whether ``t`` is running ``function`` (a frame of it is on its stack)."""
+    frame = sys._current_frames().get(t.ident)  # noqa: SLF001 - where a thread waits
+    while frame is not None:
+        if frame.f_code.co_name == function:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _while_another_thread_reconnects(make_daemon: Any, d1: Any, tmp_path: Path, c: Client,
+                                     step: Any, waits_in: str = "_in_turn") -> tuple[Any, Any]:
+    """Stop ``d1``; thread B's ping meets it and reconnects, holding the client, while
+    ``step`` runs in thread A and waits for the client (in ``waits_in``); then a new daemon
+    starts. (the new daemon, what A returned or raised)"""
+    d1.check()
+    assert d1.stop() == 0
+    b, b_out = _thread(lambda: c.ping(b"cut"))
+    deadline = time.monotonic() + 30
+    while not _in(b, "_ride_through"):
+        assert time.monotonic() < deadline, "B never reconnected"
+        time.sleep(0.01)
+    a, a_out = _thread(step)
+    while not (_in(a, waits_in) and _in(b, "_ride_through")):
+        assert time.monotonic() < deadline and a.is_alive(), a_out
+        time.sleep(0.01)
+    d2 = make_daemon(_config(tmp_path), name="after")
+    for t in (a, b):
+        t.join(60)
+    assert type(b_out.get("error")) is SessionRestarted and c.restarts == 1
+    return d2, a_out
+
+
+STEPS = {  # a step of a request holding two pages and a receipt, made for the old session
+    "reserve": lambda lc: lc.reserve(3 * P),
+    "commit": lambda lc: lc.commit(2 * P),
+    "decode_step": lambda lc: lc.decode_step(2 * P, 3 * P),
+    "finish": lambda lc: lc.finish(2 * P),
+    "abort": lambda lc: lc.abort(),
+}
+
+
+@pytest.mark.parametrize("name", sorted(STEPS))
 def test_a_lifecycle_step_that_waited_out_another_threads_reconnect_is_not_sent(
-        make_daemon, tmp_path: Path) -> None:
-    """Thread B's call meets the restart and reconnects, holding the client; request A's
-    reserve, made for the old session, waits for the client meanwhile. Before, it was sent on
-    the new session once B let go: its alloc took pages there that A then forgot on
-    restart(), held until the client closed (a commit sent so carried the old ids onto
-    another request's pages)."""
+        make_daemon, tmp_path: Path, name: str) -> None:
+    """Before, such a step was sent on the new session once B let go of the client: an alloc
+    took pages there that the request then forgot (held until the client closed), a commit or
+    finish put the old page ids (another request's there) in the tree, an abort freed them.
+    Now each raises SessionRestarted unsent, and abort returns quietly: all of it went with
+    the old session."""
     d1 = make_daemon(_config(tmp_path), name="before")
     with Client(d1.socket, reconnect=FAST) as c:
-        a = RequestLifecycle(c, "m", seq(3, base=500), label="A")
-        a.admit()
-        d1.check()
-        assert d1.stop() == 0
-        raised: dict[str, BaseException] = {}
+        lc = RequestLifecycle(c, "m", seq(3, base=500), label="A")
+        lc.admit()
+        lc.reserve(2 * P)
+        lc.computed_len = 2 * P
+        d2, out = _while_another_thread_reconnects(make_daemon, d1, tmp_path, c,
+                                                   lambda: STEPS[name](lc))
+        if name == "abort":
+            assert out == {"value": None} and lc.done
+        else:
+            assert type(out["error"]) is SessionRestarted, out
+            assert "was not sent" in str(out["error"])
+        assert _held(c) == 0 and c.stats("m").models["m"]["tree_full_pages"] == 0
+        lc.restart()
+        lc.admit()
+        lc.reserve(3 * P)
+        assert _held(c) == 3  # the request starts over on the new session
+        lc.abort()
+    d2.check()
 
-        def call(who: str, fn: Any) -> threading.Thread:
-            def run() -> None:
-                try:
-                    fn()
-                except BaseException as exc:  # noqa: BLE001 - the test looks at it
-                    raised[who] = exc
-            t = threading.Thread(target=run)
-            t.start()
-            return t
 
-        b = call("B", lambda: c.ping(b"cut"))  # reconnects, holding the client
-        time.sleep(0.5)
-        step = call("A", lambda: a.reserve(3 * P))  # waits for the client
-        time.sleep(0.3)
-        assert c.restarts == 0 and step.is_alive()
-        d2 = make_daemon(_config(tmp_path), name="after")
-        for t in (b, step):
-            t.join(60)
-        assert type(raised["B"]) is SessionRestarted
-        assert type(raised["A"]) is SessionRestarted and "was not sent" in str(raised["A"])
-        assert c.restarts == 1 and _held(c) == 0  # nothing taken on the new session
-        a.restart()
-        a.admit()
-        a.reserve(3 * P)
-        assert _held(c) == 3
-        a.abort()
-        assert _held(c) == 0
+def test_locked_that_waited_out_another_threads_reconnect_locks_on_the_new_session(
+        make_daemon, tmp_path: Path) -> None:
+    """locked() entered while another thread reconnects: its match runs on the new session,
+    no error (it holds nothing of the old one), and the block's end releases that lock."""
+    d1 = make_daemon(_config(tmp_path), name="before")
+    tokens = array("i", seq(2, base=700)).tobytes()
+    with Client(d1.socket, reconnect=FAST) as c:
+        def block() -> int:
+            with c.locked("m", tokens) as m:
+                return m.receipt
+        d2, out = _while_another_thread_reconnects(make_daemon, d1, tmp_path, c, block,
+                                                   waits_in="locked")
+        assert isinstance(out.get("value"), int), out
+        with pytest.raises(ReceiptError):  # the block's end released it, on the new session
+            c.unlock("m", out["value"])
     d2.check()
 
 
@@ -179,7 +246,7 @@ def test_a_timed_out_call_ends_its_session_while_a_forked_child_lives(make_daemo
     """A timeout closes the connection (the stream is out of step); the session must end with
     it, not live on with a child's copy, beside the one the client reconnects to."""
     d = make_daemon(_config(tmp_path))
-    c = Client(d.socket, timeout=0.5)
+    c = Client(d.socket, timeout=2.0)
     c.alloc("m", 2)
     pid, w = _child_holding_a_copy()
     d.proc.send_signal(signal.SIGSTOP)  # no answer comes

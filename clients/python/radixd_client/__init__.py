@@ -41,6 +41,7 @@ from .errors import (
     SessionRestarted,
     ShuttingDown,
     TimedOut,
+    UndecodableResult,
 )
 from .lifecycle import NotWritable, RequestLifecycle
 from .protocol import int32_bytes
@@ -78,6 +79,7 @@ __all__ = [
     "SessionRestarted",
     "ShuttingDown",
     "TimedOut",
+    "UndecodableResult",
     "__version__",
     "int32_bytes",
     "pages",

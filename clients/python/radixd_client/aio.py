@@ -81,16 +81,17 @@ class AsyncClientBatch(BatchBuilder):
         if not self._ops:
             self._sent = True
             return
+        req = self._request()
         try:
-            outcomes = await self._client._call("batch", self._request())
+            outcomes = await self._client._call("batch", req)
         except SegmentsNotMapped as err:
             self._distribute(err.result)  # it ran: the futures hold its results
             raise
-        except RadixdError as err:
-            self._abandon(f"the batch failed as a whole ({err.code})", err)
+        except RadixdError as err:  # (an id is given as the frame is made: then it was sent)
+            self._abandon(f"the batch failed as a whole ({err.code})", err, sent=req.id != 0)
             raise
         except BaseException as err:
-            self._abandon("the batch was interrupted", err)
+            self._abandon("the batch was interrupted", err, sent=req.id != 0)
             raise
         self._distribute(outcomes)
 
@@ -557,7 +558,9 @@ class AsyncClient(Operations):
         except SegmentsNotMapped as err:  # (its receipt is released: see the sync client)
             await self._unlock_quietly(model, getattr(err.result, "receipt", None), self.restarts)
             raise
-        restarts = self.restarts  # (no await since the match: the session it answered on)
+        # the session the match answered on: a reconnect cannot end between its answer and
+        # this line (a call on a lost connection raises, it does not answer)
+        restarts = self.restarts
         try:
             yield m
         except BaseException:

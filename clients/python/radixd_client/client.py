@@ -116,16 +116,17 @@ class ClientBatch(BatchBuilder):
         if not self._ops:
             self._sent = True
             return
+        req = self._request()
         try:
-            outcomes = self._client._call("batch", self._request())
+            outcomes = self._client._call("batch", req)
         except SegmentsNotMapped as err:
             self._distribute(err.result)  # it ran: the futures hold its results
             raise
-        except RadixdError as err:
-            self._abandon(f"the batch failed as a whole ({err.code})", err)
+        except RadixdError as err:  # (an id is given as the frame is made: then it was sent)
+            self._abandon(f"the batch failed as a whole ({err.code})", err, sent=req.id != 0)
             raise
         except BaseException as err:
-            self._abandon("the batch was interrupted", err)
+            self._abandon("the batch was interrupted", err, sent=req.id != 0)
             raise
         self._distribute(outcomes)
 
@@ -184,6 +185,7 @@ class Client(Operations):
         self._token, self._client_name = token, client_name
         self._attached: dict[str, AttachedPools] = {}  # to map segments as they come
         self._dropped: dict[str, str] = {}  # pools a reconnect closed before it was cut too
+        self._unmapped: dict[str, str] = {}  # those the last reconnect closed
         self._kv_attached: dict[str, KvHostPools] = {}  # the same for host pools
         self._closed_by_user = False
         self._open_session(sock)
@@ -240,6 +242,7 @@ class Client(Operations):
             except (RadixdError, OSError) as err:  # (a PoolError too)
                 drop_unmappable(self._attached, model, err, unmapped)
         self._dropped = {}
+        self._unmapped = dict(unmapped)
         return restarted(cause, old, self, unmapped)
 
     # -- calls ----------------------------------------------------------------------------------
@@ -276,17 +279,23 @@ class Client(Operations):
         with self._io:
             bound = getattr(self._bound, "restarts", None)
             if bound is not None and bound != self.restarts:
-                raise SessionRestarted(
-                    f"{op} was not sent: it was made for the session this client had before "
-                    f"{self.restarts - bound} reconnect(s) (another call met the restart); the "
-                    f"client is now session {self.session} of daemon instance {self.instance}, "
-                    "which numbers pages and receipts afresh", details={"attach_again": {}})
+                raise self._unsent(op, bound)
             try:
                 return once(op, req)
             except (ConnectionLost, ShuttingDown) as exc:
                 if not self._may_reconnect() or isinstance(exc, SessionRestarted):
                     raise
                 raise self._ride_through(exc) from exc
+
+    def _unsent(self, op: str, bound: int) -> SessionRestarted:
+        """The error of a call made for a session this client has left (:meth:`on_session`);
+        ``details["attach_again"]``: what the last reconnect could not map again."""
+        return SessionRestarted(
+            f"{op} was not sent: it was made for another session of this client than its "
+            f"current one (a call met a daemon restart meanwhile: restarts was {bound}, is "
+            f"{self.restarts}); the client is now session {self.session} of daemon instance "
+            f"{self.instance}, which numbers pages and receipts afresh",
+            details={"attach_again": dict(self._unmapped)})
 
     def _call_once(self, op: str, req: Request) -> Any:
         """One request, one reply, decoded completely by the connection before the buffer is
@@ -349,6 +358,8 @@ class Client(Operations):
         Checking ``restarts`` before the call is not enough where threads share the client:
         another thread may reconnect between the check and the send."""
         outer = getattr(self._bound, "restarts", None)
+        if outer is not None and outer != restarts:  # no session could be both
+            raise self._unsent("on_session", outer)
         self._bound.restarts = restarts
         try:
             yield
@@ -367,25 +378,26 @@ class Client(Operations):
         client lost (a restart, met by this or another thread's call) went with that session:
         nothing is unlocked, since its receipt's number may be another request's lock now.
         """
-        restarts = self.restarts
-        try:
-            with self.on_session(restarts):
+        with self._io:  # (no other thread reconnects between the count and the match)
+            restarts = self.restarts
+            try:
                 m = self.match(model, tokens, lock=True)
-        except SegmentsNotMapped as err:
-            self._unlock_quietly(model, getattr(err.result, "receipt", None), restarts)
-            raise
+            except SegmentsNotMapped as err:
+                with contextlib.suppress(RadixdError):
+                    self._unlock_on(restarts, model, getattr(err.result, "receipt", None))
+                raise
         try:
             yield m
         except BaseException:
-            self._unlock_quietly(model, m.receipt, restarts)
+            with contextlib.suppress(RadixdError):
+                self._unlock_on(restarts, model, m.receipt)
             raise
-        if m.receipt is not None and self.restarts == restarts:
-            with self.on_session(restarts):  # (another thread may reconnect meanwhile)
-                self.unlock(model, m.receipt)
+        self._unlock_on(restarts, model, m.receipt)
 
-    def _unlock_quietly(self, model: str, receipt: int | None, restarts: int) -> None:
-        if receipt is not None and self._sock is not None:
-            with contextlib.suppress(RadixdError), self.on_session(restarts):
+    def _unlock_on(self, restarts: int, model: str, receipt: int | None) -> None:
+        """Unlock ``receipt`` unless its session is gone (and its lock with it)."""
+        with self._io:
+            if receipt is not None and self._sock is not None and self.restarts == restarts:
                 self.unlock(model, receipt)
 
     # -- pools ----------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from typing import Any
 
 import msgspec
 
-from .errors import AuthError, ProtocolError, RadixdError, error_from_wire
+from .errors import AuthError, ProtocolError, RadixdError, UndecodableResult, error_from_wire
 from .protocol import (
     HEADER,
     HEADER_SIZE,
@@ -62,7 +62,7 @@ def decode_ok(op: str, raw: msgspec.Raw) -> Any:
     try:
         return decode_result(op, raw)
     except _DECODE_ERRORS as exc:
-        raise ProtocolError(f"undecodable {op} result: {exc}", code=Code.BAD_FRAME) from exc
+        raise UndecodableResult(f"undecodable {op} result: {exc}", code=Code.BAD_FRAME) from exc
 
 
 def decode_batch(ops: list[str], raw: msgspec.Raw) -> list[tuple[bool, Any]]:
@@ -76,7 +76,8 @@ def decode_batch(ops: list[str], raw: msgspec.Raw) -> list[tuple[bool, Any]]:
     try:
         items = decode_result("batch", raw).results  # type: ignore[attr-defined]
     except _DECODE_ERRORS as exc:
-        raise ProtocolError(f"undecodable batch result: {exc}", code=Code.BAD_FRAME) from exc
+        raise UndecodableResult(f"undecodable batch result: {exc}",
+                                code=Code.BAD_FRAME) from exc
     outcomes: list[tuple[bool, Any]] = []
     for op, item in zip(ops, items, strict=False):
         if not item.ok:
@@ -85,7 +86,7 @@ def decode_batch(ops: list[str], raw: msgspec.Raw) -> list[tuple[bool, Any]]:
         try:
             outcomes.append((True, decode_result(op, item.result)))
         except _DECODE_ERRORS as exc:
-            outcomes.append((True, ProtocolError(
+            outcomes.append((True, UndecodableResult(
                 f"undecodable {op} result in a batch: {exc}", code=Code.BAD_FRAME)))
     return outcomes
 

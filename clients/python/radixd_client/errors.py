@@ -87,6 +87,11 @@ class ProtocolError(RadixdError):
     default_code = Code.BAD_FRAME
 
 
+class UndecodableResult(ProtocolError):
+    """The daemon answered, but this client could not decode the result (a daemon newer than
+    the client, or a bug in one of them): unlike a refusal, the operation ran."""
+
+
 class AuthError(RadixdError):
     """not_authenticated, auth_failed, already_authenticated, model_not_allowed."""
 

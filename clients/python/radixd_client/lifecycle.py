@@ -37,7 +37,9 @@ step may raise :class:`~radixd_client.errors.SessionRestarted`: call ``lc.restar
 to ``lc.admit()``, recomputing from the prefix it finds.
 
 Only public methods of :class:`~radixd_client.Client` are used, so any object with the same
-methods (a test double, an adapter over an in-process cache) can stand in for it.
+methods (a test double, an adapter over an in-process cache) can stand in for it; its
+``on_session`` is used where it has one (a stand-in without it is trusted to be used by one
+thread).
 """
 
 from __future__ import annotations
@@ -463,8 +465,9 @@ class RequestLifecycle:
 
     def abort(self) -> None:
         """Give back every page and the receipt, in one round trip, without inserting anything
-        (the KV may be incomplete). Safe to call twice; errors come from the daemon, or are
-        ``SessionRestarted`` where the session went meanwhile, taking all of it."""
+        (the KV may be incomplete). Safe to call twice; errors come from the daemon (or are
+        ``ConnectionLost`` without a reconnect policy). Where the session went before or
+        during the call, all of it went with it, and nothing is sent or raised."""
         if self.closed:
             return
         full, swa = sorted(self.writable_full), sorted(self.writable_swa)
@@ -474,9 +477,12 @@ class RequestLifecycle:
             return  # nothing held, or all of it went with the old session: the ids may be
             # another request's in the new one
         self.last_op = "abort"
-        with self._on_session(), self.client.batch(stop_on_error=False) as b:
-            freed = b.free(self.model, full, swa) if full or swa else None
-            unlocked = b.unlock(self.model, receipt) if receipt is not None else None
+        try:
+            with self._on_session(), self.client.batch(stop_on_error=False) as b:
+                freed = b.free(self.model, full, swa) if full or swa else None
+                unlocked = b.unlock(self.model, receipt) if receipt is not None else None
+        except SessionRestarted:
+            return  # the session went meanwhile, with all of it
         errors = [f.exception() for f in (freed, unlocked) if f is not None]
         first = next((e for e in errors if e is not None), None)
         if first is not None:

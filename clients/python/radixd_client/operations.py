@@ -15,7 +15,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
-from .errors import BatchSkipped, ConnectionLost, ProtocolError, RadixdError
+from .errors import (
+    BatchSkipped,
+    ConnectionLost,
+    ProtocolError,
+    RadixdError,
+    UndecodableResult,
+)
 from .protocol import (
     Alloc,
     AllocResult,
@@ -268,14 +274,15 @@ class BatchBuilder(BatchOperations):
         self._sent = True
         return Batch(ops=self._ops, stop_on_error=self.stop_on_error)
 
-    def _abandon(self, why: str, cause: BaseException | None = None, *, sent: bool = True
-                 ) -> None:
-        """Fail every unsettled future: the batch did not run (never ``sent``, or the daemon
-        refused it whole), or no one knows whether it did (the connection went, or the call
-        was interrupted, once it was sent)."""
+    def _abandon(self, why: str, cause: BaseException | None, *, sent: bool) -> None:
+        """Fail every unsettled future: the batch did not run (never ``sent``: refused before
+        its frame was made, or the daemon refused it whole), or no one knows whether it did
+        (the connection went, or the call was interrupted, once its frame was made; or the
+        answer could not be decoded)."""
         self._sent = True
-        unknown = sent and (isinstance(cause, ConnectionLost)
-                            or not isinstance(cause, RadixdError))
+        refused = (isinstance(cause, RadixdError)
+                   and not isinstance(cause, (ConnectionLost, UndecodableResult)))
+        unknown = sent and not refused
         for fut in self._futures:
             if not fut.done():
                 err = BatchSkipped(f"{fut.op}: no result, it may have run: {why}" if unknown
