@@ -63,6 +63,7 @@ class PassStats(msgspec.Struct):
     done: int = 0  # passes that read a state nothing changed during, to the end
     given_up: int = 0  # passes a change cut short
     unconfirmed: int = 0  # passes whose findings the complete check did not confirm
+    failed: int = 0  # passes that raised (logged): the checker goes on at the next interval
     steps: int = 0
     slices: int = 0
     gave_way: int = 0  # slices ended because a request waited
@@ -211,9 +212,15 @@ class Checker:
         while True:
             await asyncio.sleep(self.config.interval_s)
             ops = self._ops()
-            violations = self.run_counters() if ops != seen else []
-            if not violations:
-                violations = await self.run_stepped() or []
+            try:
+                violations = self.run_counters() if ops != seen else []
+                if not violations:
+                    violations = await self.run_stepped() or []
+            except Exception:  # (out of descriptors, memory): no verdict, and the next pass
+                self.passes.failed += 1  # must still run, or the checker is gone for good
+                log.exception("the background invariant check failed; it runs again in %s s",
+                              self.config.interval_s)
+                violations = []
             seen = self._ops()
             if violations:
                 log.error("invariant violations: %s", "; ".join(violations[:20]))

@@ -190,9 +190,9 @@ class Collector:
                              "Background full checks run in steps between requests, by outcome "
                              "(done: to the end over an unchanged state; given_up: the state "
                              "changed during it; unconfirmed: the complete check did not confirm "
-                             "what it found).", ("outcome",))
+                             "what it found; failed: it raised, logged).", ("outcome",))
         for outcome, n in (("done", ps.done), ("given_up", ps.given_up),
-                           ("unconfirmed", ps.unconfirmed)):
+                           ("unconfirmed", ps.unconfirmed), ("failed", ps.failed)):
             passes.add_metric([outcome], n)
         ended = reg.counter("radixd_invariant_slices_total",
                             "Slices of the stepped background check, by what ended them (request: "

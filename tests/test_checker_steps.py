@@ -13,6 +13,7 @@ import os
 import random
 from array import array
 from collections.abc import Callable
+from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -197,3 +198,36 @@ def test_the_state_version_moves_with_changes_the_counters_alone_miss() -> None:
     svc.stats(s, P.Stats())
     assert svc.state_version() == before
     assert svc.check() == []
+
+
+def test_a_background_pass_that_raises_is_counted_and_the_next_one_runs() -> None:
+    """A check that cannot run (out of descriptors, a lazy import that fails under EMFILE) is
+    an error of that pass, logged and counted as failed; the background checker goes on, and
+    the next pass gives a verdict. Before, the exception ended the checker's task, silently,
+    for the rest of the daemon's life."""
+    svc = _service()
+    Engine(svc, 2).step()
+    checker = Checker(svc, CheckerConfig(interval_s=0.01, slice_ms=1.0))
+    checker.bind(ops=lambda: 0, stop=lambda code: None)
+    real = svc.check_steps
+    faults = [OSError(24, "Too many open files")]
+
+    def check_steps(v: list[str], *, deep: bool = True) -> Any:
+        if faults:  # the fault: the first pass cannot run
+            raise faults.pop()
+        return real(v, deep=deep)
+
+    svc.check_steps = check_steps  # type: ignore[method-assign]
+
+    async def run() -> None:
+        task = asyncio.ensure_future(checker.loop())
+        for _ in range(500):
+            await asyncio.sleep(0.01)
+            if checker.passes.done:
+                break
+        assert not task.done(), task
+        task.cancel()
+
+    asyncio.run(run())
+    assert checker.passes.failed == 1 and checker.passes.done >= 1
+    assert checker.last.ok is True
