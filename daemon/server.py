@@ -338,56 +338,85 @@ class Connection(asyncio.Protocol):
         self._process()
 
     def _attach(self, req: Any) -> None:
-        """An ``attach`` or ``kv_attach``: the response carries descriptors."""
+        """An ``attach`` or ``kv_attach``: the response carries descriptors (SCM_RIGHTS), so it
+        goes out with sendmsg on the socket itself, after every byte written before it."""
         handler = Service.FD_HANDLERS[req.__struct_config__.tag]
         result, fds = handler(self.service, self.session, req)  # type: ignore[arg-type]
-        frame = P.ok_frame(req.id, result)
         if not fds:
-            self._write(frame)
+            self._write(P.ok_frame(req.id, result))
             return
-        # The send may wait for the transport's buffer, and other sessions' requests run
-        # meanwhile: one of them may renew a listed segment, closing its memfd, and a number the
-        # daemon closes is soon another memfd (another namespace's). What is sent must be the
-        # descriptions the handler meant, so they are duplicated now and closed once sent.
-        fds = [os.dup(fd) for fd in fds]
-        # SCM_RIGHTS needs sendmsg on the socket itself, after everything the transport still
-        # buffers: until then later frames wait, so responses stay in request order
+        self._flush()  # the responses before it go first
+        self._out = []
+        if self._send_fds_now(P.ok_frame(req.id, result), fds):
+            return
+        # The client has not read what was written before: until it does, later frames wait
+        # (responses stay in request order) and nothing more is read. No descriptor is kept
+        # meanwhile: a client that never reads would pin one per segment, and other sessions
+        # may renew a listed segment, closing its memfd (a number soon another namespace's).
+        # The answer is made again when it can be sent, from the pools as they are then.
         self.holding = True
-        self.transport.pause_reading()  # type: ignore[union-attr]  # nothing piles up meanwhile
-        self.server.loop.create_task(self._send_with_fds(frame, fds))
+        self.transport.pause_reading()  # type: ignore[union-attr]
+        self.server.loop.create_task(self._send_with_fds(req, handler))
 
-    async def _send_with_fds(self, frame: bytes, fds: list[int]) -> None:
+    def _send_fds_now(self, frame: bytes, fds: list[int]) -> bool:
+        """Send ``frame`` with ``fds`` if nothing written before it still waits and the socket
+        takes it now; False: nothing was sent. A socket error closes the connection (True)."""
         transport = self.transport
         assert transport is not None
-        loop = self.server.loop
-        deadline = loop.time() + ATTACH_SEND_TIMEOUT_S
+        if transport.is_closing():
+            return True
+        if not fds:  # (a namespace that no segment serves yet)
+            transport.write(frame)
+            return True
+        if transport.get_write_buffer_size():
+            return False
         rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack(f"{len(fds)}i", *fds))]
+        # the loop's own socket, borrowed (detached, never closed, here): a dup of it would
+        # take a descriptor, which a daemon at its limit does not have
+        sock = socket.socket(fileno=transport.get_extra_info("socket").fileno())
         try:
-            raw = transport.get_extra_info("socket")
-            # a dup shares the file status flags: it stays non-blocking, as the loop needs it
-            with socket.socket(fileno=os.dup(raw.fileno())) as sock:
-                while True:
-                    if transport.is_closing():
-                        return
-                    if not transport.get_write_buffer_size():
-                        try:
-                            sent = sock.sendmsg([frame], rights)
-                            break
-                        except (BlockingIOError, InterruptedError):
-                            pass
-                    if loop.time() > deadline:
-                        raise TimeoutError(f"the client read nothing for {ATTACH_SEND_TIMEOUT_S}s")
-                    await asyncio.sleep(0.005)
-            if sent < len(frame):  # the fds went with the first bytes; the rest is plain data
-                transport.write(frame[sent:])
-        except (OSError, TimeoutError) as exc:
+            sent = sock.sendmsg([frame], rights)
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError as exc:
             log.warning("could not send pool fds to session %s: %s",
                         self.session.id if self.session else "?", exc)
             transport.close()
             self.closed = True
+            return True
         finally:
-            for fd in fds:
-                os.close(fd)
+            sock.detach()
+        if sent < len(frame):  # the fds went with the first bytes; the rest is plain data
+            transport.write(frame[sent:])
+        return True
+
+    async def _send_with_fds(self, req: Any, handler: Any) -> None:
+        transport = self.transport
+        assert transport is not None
+        loop = self.server.loop
+        deadline = loop.time() + ATTACH_SEND_TIMEOUT_S
+        try:
+            while True:
+                await asyncio.sleep(0.005)
+                if self.closed or transport.is_closing():
+                    break
+                if transport.get_write_buffer_size():
+                    if loop.time() > deadline:
+                        log.warning("could not send pool fds to session %s: the client read "
+                                    "nothing for %ss", self.session.id if self.session else "?",
+                                    ATTACH_SEND_TIMEOUT_S)
+                        transport.close()
+                        self.closed = True
+                    continue
+                try:
+                    result, fds = handler(self.service, self.session, req)
+                except Exception as exc:  # (a pool closed meanwhile: the daemon is stopping)
+                    code, message, details = error_of(exc)
+                    transport.write(P.error_frame(req.id, code, message, details))
+                    break
+                if self._send_fds_now(P.ok_frame(req.id, result), fds):
+                    break
+        finally:
             self.holding = False
             if not self.closed:
                 if not self.paused:

@@ -1,0 +1,94 @@
+"""The descriptors an ``attach`` sends (SCM_RIGHTS) cost the daemon none of its own: an attach
+answered at once needs no copy of them, and one that waits behind responses the client has not
+read holds none while it waits. Before, each attach duplicated every memfd it listed: a daemon
+near its descriptor limit answered ``internal`` and leaked the copies made before the one that
+failed, and a client that never read pinned one descriptor per segment for 30 s."""
+
+from __future__ import annotations
+
+import array
+import os
+import resource
+import socket
+import time
+from typing import Any
+
+from radixd_client import Client
+from radixd_client import protocol as P
+
+from .conftest import Raw
+
+
+def _open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def test_an_attach_at_the_descriptor_limit_is_answered_and_leaks_nothing(make_daemon) -> None:
+    d = make_daemon({"checker": {"interval_s": 3600.0}})
+    pid = d.proc.pid
+    with Client(d.socket) as c:
+        c.alloc("m", 24)  # pages from several segments of the namespace
+        time.sleep(0.2)
+        n = _open_fds(pid)
+        soft, hard = resource.prlimit(pid, resource.RLIMIT_NOFILE)
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, (n + 1, hard))  # one descriptor free
+        try:
+            pools = c.attach("m")
+        finally:
+            resource.prlimit(pid, resource.RLIMIT_NOFILE, (soft, hard))
+        assert len(pools.segments) >= 3, pools.segments  # more than the daemon had free
+        assert _open_fds(pid) == n
+    d.check()
+
+
+def _exactly(sock: socket.socket, n: int) -> bytes:
+    out = bytearray()
+    while len(out) < n:
+        chunk = sock.recv(n - len(out))
+        assert chunk, "closed"
+        out += chunk
+    return bytes(out)
+
+
+def _recv_with_fds(sock: socket.socket) -> tuple[P.Response, list[int]]:
+    buf, fds = b"", []
+    while len(buf) < 4 or len(buf) < 4 + int.from_bytes(buf[:4], "little"):
+        data, anc, _flags, _addr = sock.recvmsg(1 << 20, socket.CMSG_SPACE(64 * 4))
+        for level, kind, raw in anc:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds += array.array("i", raw[: len(raw) - len(raw) % 4]).tolist()
+        assert data, "closed"
+        buf += data
+    return P.decode_response(buf[4:]), fds
+
+
+def test_an_attach_behind_an_unread_response_holds_no_descriptors_meanwhile(make_daemon
+                                                                             ) -> None:
+    d = make_daemon({"checker": {"interval_s": 3600.0}})
+    pid = d.proc.pid
+    c = Raw(d.socket)
+    try:
+        assert c.call(P.Alloc(id=1, model="m", n=24)).ok
+        before = _open_fds(pid)
+        # one response of 4 MiB the client does not read yet: the attach waits behind it
+        c.send(P.encode_body(P.Ping(id=2, payload=b"\0" * (4 << 20))))
+        c.send(P.encode_body(P.Attach(id=3, model="m")))
+        time.sleep(0.5)
+        assert _open_fds(pid) == before
+        head = _exactly(c.s, 4)
+        ping = P.decode_response(_exactly(c.s, int.from_bytes(head, "little")))
+        assert ping.ok and ping.id == 2
+        reply, fds = _recv_with_fds(c.s)
+        try:
+            assert reply.ok and reply.id == 3, reply
+            result: Any = P.decode_result("attach", reply.result)
+            assert len(fds) == len(result.segments) >= 3
+            for seg in result.segments:  # each descriptor is the segment it is listed as
+                assert os.fstat(fds[seg.fd_index]).st_size == seg.nbytes
+        finally:
+            for fd in fds:
+                os.close(fd)
+        assert c.call(P.Ping(id=4, payload=b"after")).ok  # the frames behind it went on
+    finally:
+        c.close()
+    d.check()
