@@ -43,6 +43,10 @@ log = logging.getLogger("radixd.server")
 
 _PEEK = msgspec.msgpack.Decoder(dict)
 ATTACH_SEND_TIMEOUT_S = 30.0
+#: the largest frame a connection may send before its hello succeeds (a hello is well under
+#: 1 KiB): a connection that never says hello must not make the daemon hold max_frame_bytes
+#: (16 MiB) of it until hello_timeout_s, times every such connection
+MAX_FRAME_BEFORE_HELLO = 64 * 1024
 #: failed hellos are logged at most once per this many seconds per daemon; the next line says
 #: how many were left out meanwhile, so a token-guessing client cannot flood the log
 AUTH_LOG_INTERVAL_S = 5.0
@@ -74,7 +78,8 @@ class Connection(asyncio.Protocol):
         limits = server.config.server
         self.max_frame = limits.max_frame_bytes
         self.max_inflight = limits.max_inflight
-        self.frames = FrameSplitter(self.max_frame)  # the framing rules, shared with the tests
+        # the framing rules, shared with the tests; max_frame once the hello has succeeded
+        self.frames = FrameSplitter(min(self.max_frame, MAX_FRAME_BEFORE_HELLO))
         self._out: list[bytes] | None = None  # responses held while _process runs, then flushed
 
     # ------------------------------------------------------------------ transport events
@@ -259,6 +264,7 @@ class Connection(asyncio.Protocol):
             self.server.auth_failed(self.peer, str(exc))
             raise
         self.session = self.service.open_session(tenant, self.peer, req.client)
+        self.frames.max_frame = self.max_frame
         if self._hello_timer is not None:
             self._hello_timer.cancel()
         log.debug("session %d opened: tenant %s, peer %s, client %r", self.session.id,

@@ -168,11 +168,18 @@ class Raw:
         self.s.sendall(struct.pack("<I", len(body)) + body)
 
     def recv(self) -> protocol.Response:
-        head = self.s.recv(4, socket.MSG_WAITALL)
-        if len(head) < 4:
-            raise ConnectionError("closed")
-        (n,) = struct.unpack("<I", head)
-        return protocol.decode_response(self.s.recv(n, socket.MSG_WAITALL))
+        (n,) = struct.unpack("<I", self._exactly(4))
+        return protocol.decode_response(self._exactly(n))
+
+    def _exactly(self, n: int) -> bytes:
+        """(MSG_WAITALL does not wait on a socket with a timeout: Python polls it instead.)"""
+        out = bytearray()
+        while len(out) < n:
+            chunk = self.s.recv(n - len(out))
+            if not chunk:
+                raise ConnectionError("closed")
+            out += chunk
+        return bytes(out)
 
     def call(self, req: Any) -> protocol.Response:
         self.send(protocol.encode_body(req))

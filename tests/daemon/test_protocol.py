@@ -158,6 +158,31 @@ def test_malformed_frames(daemon) -> None:
     daemon.check()
 
 
+def test_before_hello_a_frame_over_64_kib_is_refused_and_after_it_the_limit_is_max_frame(
+        daemon) -> None:
+    """A connection that has not said hello may not make the daemon hold max_frame_bytes (16
+    MiB) of it until hello_timeout_s: its length prefix over 64 KiB is frame_too_large, and the
+    connection closes. Once the hello succeeds, max_frame_bytes is the limit."""
+    stranger = Raw(daemon.socket, hello=False)
+    stranger.s.sendall(struct.pack("<I", (64 << 10) + 1))  # the body never follows
+    r = stranger.recv()
+    assert r.error.code == "frame_too_large" and r.error.details["limit"] == 64 << 10
+    with pytest.raises(ConnectionError):
+        stranger.recv()
+    engine = Raw(daemon.socket)
+    payload = b"x" * (1 << 20)
+    assert engine.call(protocol.Ping(id=1, payload=payload)).ok
+    # a hello and a large request in one write: the request is read under the session's limit
+    both = Raw(daemon.socket, hello=False)
+    both.send(protocol.encode_body(protocol.Hello(id=1)))
+    both.send(protocol.encode_body(protocol.Ping(id=2, payload=payload)))
+    assert both.recv().ok
+    assert both.recv().ok
+    for c in (engine, both):
+        c.close()
+    daemon.check()
+
+
 def test_too_many_tokens(make_daemon) -> None:
     d = make_daemon({"server": {"max_tokens": 16}})
     with Client(d.socket) as c:
