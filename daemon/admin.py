@@ -36,12 +36,13 @@ import secrets
 import stat
 import time
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Any, cast
 
 import msgspec
 from aiohttp import web
 
 from . import __version__, exposition
+from .admin_requests import BadRequest, decode_body, decode_query
 from .admin_types import (
     MAX_VIOLATIONS_SHOWN,
     ROUTES,
@@ -71,7 +72,6 @@ from .sockets import bind_tcp, bind_unix_socket, replaceable_by_others
 
 __all__ = ["AdminHandle", "BadRequest", "TokenFileError", "openapi_document", "start_admin"]
 
-T = TypeVar("T")
 
 log = logging.getLogger("radixd.admin")
 
@@ -194,14 +194,6 @@ def remove_if_unchanged(path: str, text: str) -> bool:
     except OSError:
         return False
     return True
-
-
-class BadRequest(Exception):
-    """A query parameter or body field is invalid: 400, naming it."""
-
-    def __init__(self, message: str, parameter: str | None = None):
-        super().__init__(message)
-        self.parameter = parameter
 
 
 class TokenFileError(OSError):
@@ -405,6 +397,14 @@ async def _middleware(request: web.Request, handler: Any) -> web.StreamResponse:
         if denied is not None:
             return denied
     try:
+        if request.body_exists:  # all of it in time: a body that never ends held a slot forever
+            try:
+                await asyncio.wait_for(request.read(), IDLE_TIMEOUT_S)
+            except TimeoutError:
+                late = _error(408, "request_timeout",
+                              f"the request body did not arrive within {IDLE_TIMEOUT_S:g} s")
+                late.force_close()
+                return late
         return await handler(request)
     except BadRequest as exc:
         return _error(400, "bad_request", str(exc), exc.parameter)
@@ -424,89 +424,6 @@ async def _middleware(request: web.Request, handler: Any) -> web.StreamResponse:
         log.exception("admin endpoint: internal error handling %s %s", request.method,
                       request.path)
         return _error(500, "internal", "internal error in the admin endpoint (see the log)")
-
-
-# ---------------------------------------------------------------------------- input
-
-def decode_query(request: web.Request, t: type[T]) -> T:
-    """The query string as a ``t``: unknown, repeated or invalid parameters are a 400 naming
-    the parameter (values are strings; numbers are converted)."""
-    allowed = _field_names(t)
-    given: dict[str, str] = {}
-    for key in request.query:
-        if key not in allowed:
-            raise BadRequest(f"unknown query parameter {key!r}"
-                             + (f"; this route takes {', '.join(allowed)}" if allowed
-                                else "; this route takes none"), key)
-        values = request.query.getall(key)
-        if len(values) > 1:
-            raise BadRequest(f"query parameter {key!r} is given {len(values)} times; give it "
-                             "once", key)
-        given[key] = values[0]
-    return _convert(given, t, strict=False)
-
-
-async def decode_body(request: web.Request, t: type[T]) -> T:
-    """The JSON body as a ``t``: anything else is a 400 naming the field at fault."""
-    raw = await request.read()
-    if not raw.strip():
-        raise BadRequest("a JSON body is required (Content-Type: application/json)")
-    try:
-        body = json.loads(raw, parse_constant=_no_constant)
-    except (ValueError, RecursionError) as exc:
-        raise BadRequest(f"the body is not valid JSON: {exc}"[:300]) from None
-    if not isinstance(body, dict):
-        raise BadRequest(f"the body must be a JSON object, got {_json_type(body)}")
-    known = _field_names(t)
-    for key in body:
-        if key not in known:
-            raise BadRequest(f"unknown field {key!r}; fields: {', '.join(known)}", key)
-    # JSON Schema counts 3.0 as an integer; the types (and Python) would not
-    body = {k: int(v) if isinstance(v, float) and v.is_integer() else v for k, v in body.items()}
-    return _convert(body, t, strict=True)
-
-
-def _field_names(t: type) -> list[str]:
-    return [f.encode_name for f in msgspec.structs.fields(t)]
-
-
-def _convert(values: dict[str, Any], t: type[T], *, strict: bool) -> T:
-    try:
-        return msgspec.convert(values, t, strict=strict)
-    except msgspec.ValidationError as exc:
-        field = str(exc).rpartition("at `$.")[2].rstrip("`") if "at `$." in str(exc) else None
-        if field is None or field not in values:
-            raise BadRequest(str(exc)) from None
-        raise BadRequest(f"{field} must be {_expected(t, field)}, got {values[field]!r}"[:200],
-                         field) from None
-
-
-def _expected(t: type, field: str) -> str:
-    """What a field accepts, in words, from its type (constraints included)."""
-    info = next(f for f in msgspec.inspect.type_info(t).fields  # type: ignore[union-attr]
-                if f.encode_name == field).type
-    if isinstance(info, msgspec.inspect.Metadata):
-        info = info.type
-    if isinstance(info, msgspec.inspect.UnionType):
-        info = next(x for x in info.types if not isinstance(x, msgspec.inspect.UnsetType))
-    if isinstance(info, msgspec.inspect.Metadata):
-        info = info.type
-    if isinstance(info, msgspec.inspect.IntType):
-        if info.ge is not None and info.le is not None:
-            return f"an integer from {info.ge} to {info.le}"
-        return "an integer"
-    if isinstance(info, msgspec.inspect.StrType):
-        return "a string"
-    return "valid"
-
-
-def _json_type(v: Any) -> str:
-    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean",
-            int: "an integer", float: "a number", type(None): "null"}.get(type(v), type(v).__name__)
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
 
 
 # ---------------------------------------------------------------------------- the routes
@@ -665,7 +582,6 @@ class _Admin:
     # -- actions
 
     async def check(self, request: web.Request, _: NoQuery) -> web.Response:
-        await request.read()  # no body is used, but one over client_max_size is a 413 here too
         violations = self.checker.run(deep=True)
         seconds = self.checker.last.seconds
         # strict mode stops the daemon after this response is on its way

@@ -2,7 +2,7 @@
 
 Each route's query, body and response is a msgspec Struct (the read models come from the
 service's query API, daemon/queries.py). The same types validate what comes in (``decode_query``
-and ``decode_body`` in daemon/admin.py), encode what goes out, and produce the schemas of
+and ``decode_body`` in daemon/admin_requests.py), encode what goes out, and produce the schemas of
 ``/v1/openapi.json``, so the document cannot drift from what the endpoint does.
 """
 

@@ -283,6 +283,29 @@ def test_idle_connections_are_limited_and_closed(admin_daemon) -> None:
     assert "admin endpoint: 4 connections open (admin.max_connections)" in d.log()
 
 
+def test_a_request_whose_body_never_ends_is_timed_out(admin_daemon) -> None:
+    """An authenticated POST that sends its headers and part of its body, then nothing: once
+    the idle limit (10 s) has passed since, it gets 408 and the connection is closed; before,
+    it held the connection for good, and admin.max_connections of them shut every operator
+    out."""
+    d = admin_daemon({"admin": {"token": ADMIN_TOKEN, "max_connections": 2}})
+    host, _, port = d.admin_url[len("http://"):].rpartition(":")
+    stuck = socket.create_connection((host, int(port)), timeout=30)
+    try:
+        stuck.sendall(b"POST /v1/check HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Authorization: Bearer " + ADMIN_TOKEN.encode() +
+                      b"\r\nContent-Length: 100\r\n\r\n{")
+        t0 = time.monotonic()
+        answer = b""
+        while chunk := stuck.recv(4096):
+            answer += chunk
+        assert time.monotonic() - t0 < 25
+        assert answer.startswith(b"HTTP/1.1 408") and b'"request_timeout"' in answer, answer
+    finally:
+        stuck.close()
+    assert d.get("/v1/stats").status == 200
+
+
 def test_a_configured_port_in_use_stops_the_daemon(admin_daemon) -> None:
     busy = socket.socket()
     busy.bind(("127.0.0.1", 0))
