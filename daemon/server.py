@@ -47,6 +47,10 @@ ATTACH_SEND_TIMEOUT_S = 30.0
 #: 1 KiB): a connection that never says hello must not make the daemon hold max_frame_bytes
 #: (16 MiB) of it until hello_timeout_s, times every such connection
 MAX_FRAME_BEFORE_HELLO = 64 * 1024
+#: how long one connection's frames may run before the others' turn: a client that pipelines
+#: thousands of small requests in one write would otherwise hold every other engine back for as
+#: long as they all take (one stalled the others 0.2-5 s)
+TURN_S = 0.002
 #: failed hellos are logged at most once per this many seconds per daemon; the next line says
 #: how many were left out meanwhile, so a token-guessing client cannot flood the log
 AUTH_LOG_INTERVAL_S = 5.0
@@ -139,12 +143,18 @@ class Connection(asyncio.Protocol):
         self._process()
 
     def _process(self) -> None:
-        """Handle every complete frame received, in order, until the connection closes or an
-        operation holds it (an attach sending fds, a load): later frames wait for it."""
+        """Handle every complete frame received, in order, until the connection closes, an
+        operation holds it (an attach sending fds, a load: later frames wait for it), or its
+        turn (TURN_S) is over while frames remain: then the others' go first."""
         frames = self.frames
         self._out = []
+        start, handled = perf_counter(), 0
         try:
             while not self.closed and not self.holding:
+                if handled and frames.buffered and perf_counter() - start > TURN_S:
+                    self._next_turn()
+                    return
+                handled += 1
                 try:
                     body = frames.next_frame()
                 except FrameTooLarge as exc:
@@ -341,6 +351,21 @@ class Connection(asyncio.Protocol):
         self.server.loop.call_soon(self._resume)
 
     def _resume(self) -> None:
+        self._process()
+
+    def _next_turn(self) -> None:
+        """Give way: nothing more is read meanwhile, and the frames already read are handled
+        from the event loop's queue, after what the other connections sent (I/O first)."""
+        self.holding = True
+        self.transport.pause_reading()  # type: ignore[union-attr]
+        self.server.loop.call_soon(self._turn)
+
+    def _turn(self) -> None:
+        self.holding = False
+        if self.closed or self.transport is None:
+            return
+        if not self.paused:
+            self.transport.resume_reading()
         self._process()
 
     def _attach(self, req: Any) -> None:
