@@ -400,7 +400,7 @@ async def _middleware(request: web.Request, handler: Any) -> web.StreamResponse:
         if request.body_exists:  # all of it in time: a body that never ends held a slot forever
             try:
                 await asyncio.wait_for(request.read(), IDLE_TIMEOUT_S)
-            except TimeoutError:
+            except asyncio.TimeoutError:  # (not the builtin before Python 3.11)
                 late = _error(408, "request_timeout",
                               f"the request body did not arrive within {IDLE_TIMEOUT_S:g} s")
                 late.force_close()

@@ -23,8 +23,9 @@ from .entities import ModelEntry, Tenant, build_tenants, namespace_quotas
 from .gpu.shared_memory import hide_descriptors
 from .model_cache import ModelCache
 from .open_files import raise_soft_limit
+from .process_memory import tune_gc
 from .sdnotify import Notifier, fdstore_enabled, fdstore_max, passed_fds
-from .server import Server, tune_gc
+from .server import Server
 from .service import Service
 from .sockets import (
     ConfiguredAddressError,

@@ -216,11 +216,15 @@ class Checker:
                 violations = self.run_counters() if ops != seen else []
                 if not violations:
                     violations = await self.run_stepped() or []
-            except Exception:  # (out of descriptors, memory): no verdict, and the next pass
-                self.passes.failed += 1  # must still run, or the checker is gone for good
-                log.exception("the background invariant check failed; it runs again in %s s",
-                              self.config.interval_s)
+            except (OSError, MemoryError):  # the process's limits, not the state: no verdict,
+                self.passes.failed += 1  # and the next pass must still run (before, the task
+                log.exception("the background invariant check could not run; it runs again "
+                              "in %s s", self.config.interval_s)  # ended, silently)
                 violations = []
+            except Exception as exc:  # the complete check itself breaks on the state: a finding
+                log.exception("the background invariant check raised")
+                violations = [f"the invariant check raised {type(exc).__name__}: {exc}"]
+                self._record("full", violations, 0.0)
             seen = self._ops()
             if violations:
                 log.error("invariant violations: %s", "; ".join(violations[:20]))

@@ -9,6 +9,7 @@ plus what a trim cannot split off. It runs in a worker thread (ctypes releases t
 call), so the event loop keeps serving; glibc locks one arena at a time while it trims it.
 
 Outside glibc (musl, macOS) both functions report that they are unavailable and nothing runs.
+The cyclic garbage collector's settings for a long-lived daemon (:func:`tune_gc`) live here too.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import ctypes.util
+import gc
 import logging
 import os
 import time
@@ -110,3 +112,16 @@ class HeapTrimmer:
         if before is not None and after is not None and before > after:
             self.released_bytes += before - after
             log.debug("malloc_trim gave back %d bytes of RSS", before - after)
+
+
+def tune_gc() -> None:
+    """Keep the cyclic GC off the hot path.
+
+    After start-up the heap holds torch and every module it imported: hundreds of thousands of
+    objects that live forever, which every full collection would traverse again. Freeze them out
+    of the collector, and collect the young generation less often (each operation allocates a few
+    dozen short-lived objects, most freed by reference counting alone).
+    """
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(20_000, 20, 20)

@@ -2,9 +2,11 @@
 
 One asyncio loop (uvloop when installed) runs everything. A connection is an asyncio Protocol:
 complete frames are decoded and handled as they arrive, in order, so the service is never
-re-entered; the responses to all the frames one read delivered go out in one write (a pipelining
-client costs one send per read, not one per response). A malformed body gets an error
-response and the session goes on; a length prefix over the limit closes only that connection.
+re-entered; the responses to the frames handled in one turn go out in one write (a pipelining
+client costs one send per read, not one per response). A connection's turn ends after TURN_S
+when frames remain: the others' requests go first, then its next turn. A malformed body gets
+an error response and the session goes on; a length prefix over the limit closes only that
+connection.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import gc
 import logging
 import os
 import select
@@ -77,7 +78,9 @@ class Connection(asyncio.Protocol):
         self._hello_timer: asyncio.TimerHandle | None = None
         self.paused = False
         self.closed = False
-        self.holding = False  # an attach is sending fds: later frames wait, in order
+        # later frames wait, in order: an operation that waits (load, an attach's send) or the
+        # connection's next turn
+        self.holding = False
         self.fd: int | None = None  # the socket's, watched for waiting requests
         limits = server.config.server
         self.max_frame = limits.max_frame_bytes
@@ -357,11 +360,13 @@ class Connection(asyncio.Protocol):
         """Give way: nothing more is read meanwhile, and the frames already read are handled
         from the event loop's queue, after what the other connections sent (I/O first)."""
         self.holding = True
+        self.server.turns_waiting += 1  # (read already: the background work gives way to them)
         self.transport.pause_reading()  # type: ignore[union-attr]
         self.server.loop.call_soon(self._turn)
 
     def _turn(self) -> None:
         self.holding = False
+        self.server.turns_waiting -= 1
         if self.closed or self.transport is None:
             return
         if not self.paused:
@@ -426,23 +431,28 @@ class Connection(asyncio.Protocol):
         assert transport is not None
         loop = self.server.loop
         deadline = loop.time() + ATTACH_SEND_TIMEOUT_S
+        writable = select.poll()  # (poll(2): no descriptor taken, unlike epoll)
+        writable.register(transport.get_extra_info("socket").fileno(), select.POLLOUT)
         try:
             while True:
                 await asyncio.sleep(0.005)
                 if self.closed or transport.is_closing():
                     break
-                if transport.get_write_buffer_size():
-                    if loop.time() > deadline:
-                        log.warning("could not send pool fds to session %s: the client read "
-                                    "nothing for %ss", self.session.id if self.session else "?",
-                                    ATTACH_SEND_TIMEOUT_S)
-                        transport.close()
-                        self.closed = True
-                    continue
+                if loop.time() > deadline:
+                    log.warning("could not send pool fds to session %s: the client read "
+                                "nothing for %ss", self.session.id if self.session else "?",
+                                ATTACH_SEND_TIMEOUT_S)
+                    transport.close()
+                    self.closed = True
+                    break
+                if transport.get_write_buffer_size() or not writable.poll(0):
+                    continue  # (the answer is made only when it can go: no fds are held)
                 try:
                     result, fds = handler(self.service, self.session, req)
                 except Exception as exc:  # (a pool closed meanwhile: the daemon is stopping)
                     code, message, details = error_of(exc)
+                    if code == P.Code.INTERNAL:
+                        log.exception("internal error handling %s", type(req).__name__)
                     transport.write(P.error_frame(req.id, code, message, details))
                     break
                 if self._send_fds_now(P.ok_frame(req.id, result), fds):
@@ -496,6 +506,7 @@ class Server:
         #: operations that wait (load, prefetch, a fetching kv_lookup, kv_clear) in flight, by
         #: task: the model each one uses
         self.async_ops: dict[asyncio.Task, str] = {}
+        self.turns_waiting = 0  # connections with frames read, waiting for their next turn
         self._auth_log = LogThrottle(AUTH_LOG_INTERVAL_S)
 
     def async_op_done(self, task: asyncio.Task) -> None:
@@ -583,6 +594,8 @@ class Server:
     def request_pending(self) -> bool:
         """Whether a connection or a new client waits to be read (one epoll_wait, no wait): the
         background check gives way to it (about a microsecond, asked after every step)."""
+        if self.turns_waiting:  # frames read already, waiting for their connection's turn
+            return True
         try:
             return bool(self._readable.poll(0))
         except (OSError, ValueError):
@@ -672,19 +685,6 @@ class Server:
         self.service.close()
         self._readable.close()
         log.info("stopped")
-
-
-def tune_gc() -> None:
-    """Keep the cyclic GC off the hot path.
-
-    After start-up the heap holds torch and every module it imported: hundreds of thousands of
-    objects that live forever, which every full collection would traverse again. Freeze them out
-    of the collector, and collect the young generation less often (each operation allocates a few
-    dozen short-lived objects, most freed by reference counting alone).
-    """
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(20_000, 20, 20)
 
 
 def _no_reload() -> None:

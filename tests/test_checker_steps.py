@@ -231,3 +231,29 @@ def test_a_background_pass_that_raises_is_counted_and_the_next_one_runs() -> Non
     asyncio.run(run())
     assert checker.passes.failed == 1 and checker.passes.done >= 1
     assert checker.last.ok is True
+
+
+def test_a_check_that_raises_on_the_state_is_a_violation_and_stops_a_strict_daemon() -> None:
+    """A check that trips over the state itself (a node missing from an index) is not the
+    process's limits: it is reported as a violation, the last verdict says so, and strict mode
+    stops the daemon (exit 3), as for any other violation."""
+    svc = _service()
+    Engine(svc, 3).step()
+    stops: list[int] = []
+    checker = Checker(svc, CheckerConfig(interval_s=0.01, slice_ms=1.0, strict=True))
+    checker.bind(ops=lambda: 0, stop=stops.append)
+    assert checker.run() == []
+
+    def broken(v: list[str], *, deep: bool = True) -> Any:
+        raise KeyError("node 17 is not in the tree's index")
+
+    svc.check_steps = broken  # type: ignore[method-assign]
+    svc.check = lambda *, deep=True: broken([])  # type: ignore[method-assign]
+
+    async def run() -> None:
+        task = asyncio.ensure_future(checker.loop())
+        await asyncio.wait_for(task, 10)  # strict: the loop ends after stopping the daemon
+
+    asyncio.run(run())
+    assert stops == [3] and checker.passes.failed == 0
+    assert checker.last.ok is False and "raised KeyError" in checker.last.violations[0]

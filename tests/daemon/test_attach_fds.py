@@ -7,6 +7,7 @@ failed, and a client that never read pinned one descriptor per segment for 30 s.
 from __future__ import annotations
 
 import array
+import contextlib
 import os
 import resource
 import socket
@@ -82,3 +83,56 @@ def test_an_attach_behind_an_unread_response_holds_no_descriptors_meanwhile(make
     finally:
         c.close()
     d.check()
+
+
+def test_an_attach_the_socket_never_takes_ends_at_its_deadline(monkeypatch) -> None:
+    """The transport has sent everything, but the kernel's buffer toward the client is full
+    (the client reads nothing): the attach waits without making its answer again and again,
+    and the connection is closed once ATTACH_SEND_TIMEOUT_S has passed. Before, that state
+    had no deadline (only a transport buffer that was not empty had one), and the answer was
+    made 200 times a second. In process: the kernel buffer is filled through a copy of the
+    daemon's end of a socket pair, as a client that stops reading leaves it."""
+    import asyncio
+
+    from daemon import server as server_module
+    from daemon.app import build_service
+    from daemon.config import Config
+    from daemon.server import Connection, Server
+    from daemon.service import Service
+
+    from .conftest import SMALL_MODEL
+
+    monkeypatch.setattr(server_module, "ATTACH_SEND_TIMEOUT_S", 0.2)
+    made = []
+    attach = Service.FD_HANDLERS["attach"]
+    monkeypatch.setitem(Service.FD_HANDLERS, "attach", lambda *a: made.append(1) or attach(*a))
+    config = Config(models=[SMALL_MODEL])
+    service = build_service(config)
+
+    async def main() -> bool:
+        loop = asyncio.get_running_loop()
+        server = Server(config, service)
+        server.loop = loop
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        ours.setblocking(False)
+        fill = theirs.dup()
+        fill.setblocking(False)
+        await loop.connect_accepted_socket(lambda: Connection(server), theirs)
+        for req in (P.Hello(id=1), P.Alloc(id=2, model="m", n=24)):
+            await loop.sock_sendall(ours, P.encode(req))
+            await asyncio.sleep(0.05)
+        assert len(ours.recv(1 << 16)) > 0  # (both answers)
+        conn = next(iter(server.connections))
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                fill.send(b"\0" * 4096)
+        await loop.sock_sendall(ours, P.encode(P.Attach(id=3, model="m")))
+        await asyncio.sleep(1.0)
+        closed = conn.closed  # (by the daemon: the client has not closed its end yet)
+        for s in (ours, fill):
+            s.close()
+        return closed
+
+    closed = asyncio.run(main())
+    assert closed and len(made) == 1, (closed, len(made))
+    service.close()
