@@ -42,6 +42,12 @@ class KeptWrites:
     def close(self) -> None:
         pass
 
+    def pause_reading(self) -> None:  # (a connection's turn ends: frames wait in its buffer)
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
 
 async def _settled(service: Any) -> None:
     """Wait until the host tier has copied what was inserted (no backup queued or landing, twice
@@ -63,7 +69,12 @@ async def _run(job: dict[str, Any], scratch: str) -> dict[str, float]:
 
     from daemon.app import build
     from daemon.config import load_config
-    from daemon.server import Connection, tune_gc
+    from daemon.server import Connection
+
+    try:
+        from daemon.process_memory import tune_gc
+    except ImportError:  # a baseline from before 2026-11-30 keeps it in daemon.server
+        from daemon.server import tune_gc  # type: ignore[attr-defined,no-redef]
 
     model, page = job["model"], job["page"]
     path = os.path.join(scratch, "radixd.toml")
