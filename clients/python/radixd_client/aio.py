@@ -75,23 +75,21 @@ class AsyncClientBatch(BatchBuilder):
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> None:
         if exc is not None:
-            self._abandon("the batch was not sent: its `async with` block raised", exc,
-                          sent=False)
+            self._abandon("the batch was not sent: its `async with` block raised", exc)
             return
         if not self._ops:
             self._sent = True
             return
-        req = self._request()
         try:
-            outcomes = await self._client._call("batch", req)
+            outcomes = await self._client._call("batch", self._request())
         except SegmentsNotMapped as err:
             self._distribute(err.result)  # it ran: the futures hold its results
             raise
-        except RadixdError as err:  # (an id is given as the frame is made: then it was sent)
-            self._abandon(f"the batch failed as a whole ({err.code})", err, sent=req.id != 0)
+        except RadixdError as err:
+            self._abandon(f"the batch failed as a whole ({err.code})", err)
             raise
         except BaseException as err:
-            self._abandon("the batch was interrupted", err, sent=req.id != 0)
+            self._abandon("the batch was interrupted", err)
             raise
         self._distribute(outcomes)
 

@@ -258,6 +258,7 @@ class BatchBuilder(BatchOperations):
         self._ops: list[Any] = []
         self._futures: list[BatchFuture[Any]] = []
         self._sent = False
+        self._batch: Batch | None = None  # the request, once made (its id is given as it is sent)
 
     def __len__(self) -> int:
         return len(self._ops)
@@ -272,14 +273,16 @@ class BatchBuilder(BatchOperations):
 
     def _request(self) -> Batch:
         self._sent = True
-        return Batch(ops=self._ops, stop_on_error=self.stop_on_error)
+        self._batch = Batch(ops=self._ops, stop_on_error=self.stop_on_error)
+        return self._batch
 
-    def _abandon(self, why: str, cause: BaseException | None, *, sent: bool) -> None:
-        """Fail every unsettled future: the batch did not run (never ``sent``: refused before
-        its frame was made, or the daemon refused it whole), or no one knows whether it did
-        (the connection went, or the call was interrupted, once its frame was made; or the
-        answer could not be decoded)."""
+    def _abandon(self, why: str, cause: BaseException | None) -> None:
+        """Fail every unsettled future: the batch did not run (its frame never made: the id a
+        request is given as its frame is made is still 0; or the daemon refused it whole), or
+        no one knows whether it did (the connection went, or the call was interrupted, once its
+        frame was made; or the answer could not be decoded)."""
         self._sent = True
+        sent = self._batch is not None and self._batch.id != 0
         refused = (isinstance(cause, RadixdError)
                    and not isinstance(cause, (ConnectionLost, UndecodableResult)))
         unknown = sent and not refused
