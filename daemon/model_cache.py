@@ -536,10 +536,9 @@ class ModelCache:
         if h is None:
             return (0, 0, 0)
         receipts = len(h.receipts)
-        for rid in sorted(h.receipts):
-            _, r = self._receipts.pop(rid)
-            h.receipts.discard(rid)
-            self.tree.unlock(r)
+        if receipts:
+            self.tree.unlock_all([self._receipts.pop(rid)[1] for rid in h.receipts])
+            h.receipts.clear()
             self.settle()
         full, swa = self.disown(owner)
         if full:

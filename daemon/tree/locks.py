@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import heapq
+from collections.abc import Collection
 from typing import Any
 
 from .errors import NodeNotUsable, ReceiptError
@@ -63,15 +65,17 @@ class Locking:
         self._release_swa(receipt)
         receipt.swa_released = True
 
-    def _release_swa(self, r: Receipt) -> None:
+    def _release_swa(self, r: Receipt, times: int = 1) -> None:
+        """Release ``r``'s SWA locks ``times`` times over (receipts alike in anchor and SWA
+        pages, released together)."""
         left = r.swa_pages
         n = r.anchor
         pb = self.page_bytes
         while left > 0:
             np_ = len(n.tokens) // pb
-            if n.swa_lock <= 0 or n.swa is None or n.parent is None:
+            if n.swa_lock < times or n.swa is None or n.parent is None:
                 raise AssertionError(f"SWA release walked onto an unlocked node {n!r} for {r!r}")
-            n.swa_lock -= 1
+            n.swa_lock -= times
             if n.swa_lock == 0 and not n.pin:
                 self.swa_protected -= np_
                 self.swa_evictable += np_
@@ -90,21 +94,74 @@ class Locking:
             self._release_swa(receipt)
         anchor = receipt.anchor
         n = anchor
-        pb = self.page_bytes
         while n.parent is not None:
             if n.full_lock <= 0:
                 raise AssertionError(f"full release walked onto an unlocked node {n!r}")
             n.full_lock -= 1
             if n.full_lock == 0 and not n.pin:
-                np_ = len(n.tokens) // pb
-                self.full_protected -= np_
-                self.full_evictable += np_
-                self._requeue(n)
+                self._full_unguarded(n)
             n = n.parent
         receipt.active = False
         self.receipts.discard(receipt)
         if anchor.full_lock == 0:  # (only an unlocked node can be a dead leaf)
             self._drop_dead_leaf(anchor)
+
+    def unlock_all(self, receipts: Collection[Receipt]) -> None:
+        """Release every one of ``receipts`` (a session that ended): what one :meth:`unlock`
+        each would leave, but each node of their paths is visited once, not once per receipt
+        through it. A session's thousands of locks on one deep path (pages of one token) cost
+        seconds of the event loop one at a time. All of them are checked before anything moves."""
+        rs = list({id(r): r for r in receipts}.values())
+        if any(not r.active for r in rs):
+            raise ReceiptError("one of these locks was already released")
+        alike: dict[tuple[int, int], list[Receipt]] = {}
+        for r in rs:
+            if not r.swa_released:
+                alike.setdefault((r.anchor.id, r.swa_pages), []).append(r)
+        for group in alike.values():
+            self._release_swa(group[0], len(group))
+            for r in group:
+                r.swa_pages = 0
+        # locks to release per node, deepest node first: a node's count is its own receipts'
+        # plus what every node below it passed up (a child is always deeper than its parent)
+        owed: dict[int, int] = {}
+        heap: list[tuple[int, int, Node]] = []
+        for r in rs:
+            a = r.anchor
+            if a.parent is None:  # a lock of nothing (an empty match) holds no node
+                continue
+            if a.id not in owed:
+                owed[a.id] = 0
+                heapq.heappush(heap, (-a.depth, a.id, a))
+            owed[a.id] += 1
+        while heap:
+            _, _, n = heapq.heappop(heap)
+            k = owed[n.id]
+            if n.full_lock < k:
+                raise AssertionError(f"full release walked onto an unlocked node {n!r}")
+            n.full_lock -= k
+            if n.full_lock == 0 and not n.pin:
+                self._full_unguarded(n)
+            p = n.parent
+            if p.parent is not None:
+                if p.id not in owed:
+                    owed[p.id] = 0
+                    heapq.heappush(heap, (-p.depth, p.id, p))
+                owed[p.id] += k
+        for r in rs:
+            r.active = False
+            self.receipts.discard(r)
+        anchors = {r.anchor.id: r.anchor for r in rs}
+        for a in sorted(anchors.values(), key=lambda n: -n.depth):  # a leaf's cleanup climbs
+            if a.full_lock == 0 and self.nodes.get(a.id) is a:
+                self._drop_dead_leaf(a)
+
+    def _full_unguarded(self, n: Node) -> None:
+        """``n``'s last lock went and no pin guards it: its pages are evictable again."""
+        np_ = len(n.tokens) // self.page_bytes
+        self.full_protected -= np_
+        self.full_evictable += np_
+        self._requeue(n)
 
     # ------------------------------------------------------------------ pins (tier copies)
 

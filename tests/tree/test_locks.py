@@ -6,8 +6,10 @@ the shape of that failure and assert what radixd does instead.
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from daemon.tree import ReceiptError
+from daemon.tree import ReceiptError, as_token_bytes
 
 from .helpers import (
     NS,
@@ -125,3 +127,121 @@ def test_window_edge_moved_by_split_keeps_receipt_valid(P):
     tree.evict(100, 100)
     ok(tree)
     assert set(tree.nodes) == {tree.namespace(NS).root.id}
+
+
+# ---------------------------------------------------------------------- many locks at once
+
+#: a tree and the locks on it: sequences (page labels) inserted in order, then locks, each a
+#: match of a prefix of one of them (its index and page count; 0: a lock of nothing), some with
+#: their SWA released
+#: early; then an SWA eviction of some pages (tombstones under the released windows)
+lock_scripts = st.fixed_dictionaries({
+    "P": st.sampled_from(PAGE_SIZES),
+    "seqs": st.lists(st.lists(st.integers(1, 4), min_size=1, max_size=8), min_size=1,
+                     max_size=6),
+    "locks": st.lists(st.tuples(st.integers(0, 5), st.integers(0, 8), st.booleans()),
+                      min_size=1, max_size=12),
+    "swa_evict": st.integers(0, 12),
+    "release": st.lists(st.integers(0, 11), max_size=12),
+})
+
+
+def _locked_tree(script: dict):
+    """The script's tree, with its locks taken: (tree, sink, receipts)."""
+    P = script["P"]
+    tree, sink = make_tree(P)
+    ids = Ids()
+    seqs = [seq(P, labels) for labels in script["seqs"]]
+    for s in seqs:
+        m = tree.match(NS, s)
+        new = len(s) // 4 // P - m.prefix_len // P
+        tree.insert(NS, s, ids.full(new), ids.swa(new), m.prefix_len)
+    receipts = []
+    for i, pages, swa_early in script["locks"]:
+        s = seqs[i % len(seqs)]
+        r = tree.match(NS, s[: min(pages * P, len(s) // 4) * 4], lock=True).receipt
+        if r is None:
+            continue
+        if swa_early:
+            tree.release_swa(r)
+        receipts.append(r)
+    tree.evict(0, script["swa_evict"])
+    return tree, sink, receipts
+
+
+def _whole_state(tree, sink):
+    """Nodes with their ids, locks and eviction-queue keys, the counters, and what was freed."""
+    nodes = sorted((n.id, bytes(n.tokens), tuple(n.full or ()),
+                    None if n.swa is None else tuple(n.swa), n.full_lock, n.swa_lock,
+                    None if n.full_entry is None else n.full_entry[0],
+                    None if n.swa_entry is None else n.swa_entry[0]) for n in tree.iter_nodes())
+    return nodes, counters(tree), len(tree.receipts), sorted(sink.full), sorted(sink.swa)
+
+
+@settings(max_examples=150, deadline=None)
+@given(script=lock_scripts)
+def test_unlock_all_leaves_what_unlocking_one_at_a_time_leaves(script):
+    """A session's end releases its locks in one pass (``unlock_all``): the tree, its counters,
+    its eviction queues and the pages freed (dead leaves) must be what one ``unlock`` per
+    receipt gives (between nodes of equal keys the queues' order may differ: lru.py)."""
+    one, one_sink, one_rs = _locked_tree(script)
+    every, every_sink, every_rs = _locked_tree(script)
+    ok(one)
+    picked = sorted({i % len(one_rs) for i in script["release"]}) if one_rs else []
+    for i in picked:
+        one.unlock(one_rs[i])
+    every.unlock_all([every_rs[i] for i in picked] + [every_rs[i] for i in picked[:1]])
+    ok(one)
+    ok(every)
+    assert _whole_state(every, every_sink) == _whole_state(one, one_sink)
+    assert all(not every_rs[i].active for i in picked)
+    for tree in (one, every):
+        tree.evict(10**6, 10**6)
+        ok(tree)
+    assert _whole_state(every, every_sink) == _whole_state(one, one_sink)
+
+
+def test_unlock_all_refuses_a_released_receipt_and_moves_nothing():
+    tree, _ = make_tree(4)
+    ids = Ids()
+    s = seq(4, [1, 2, 3])
+    tree.insert(NS, s, ids.full(3), ids.swa(3))
+    r1 = tree.match(NS, s, lock=True).receipt
+    r2 = tree.match(NS, s, lock=True).receipt
+    tree.unlock(r1)
+    before = (lock_counts(tree), counters(tree))
+    with pytest.raises(ReceiptError):
+        tree.unlock_all([r2, r1])
+    assert (lock_counts(tree), counters(tree)) == before and r2.active
+    tree.unlock_all([r2])
+    ok(tree)
+    assert all(v == (0, 0) for v in lock_counts(tree).values())
+
+
+def test_a_session_of_many_locks_on_one_deep_path_ends_in_one_pass():
+    """Pages of one token, a path of 300 nodes (a branch at every token), 400 locks of one
+    owner on its end and 50 on a middle node: the owner's end releases all of them, the
+    counters and the checker agree, and the other owner's lock still holds its path."""
+    cache = make_cache(P=1, window_pages=8, full=1024, swa=1024)
+    path = list(range(1, 301))
+    f, w = cache.alloc(1, 300)
+    cache.insert(1, NS, as_token_bytes(path), f, w)
+    for i in range(1, 300):
+        f, w = cache.alloc(1, 1)
+        cache.insert(1, NS, as_token_bytes(path[:i] + [10_000 + i]), f, w, i)
+    assert sum(1 for _ in cache.tree.iter_nodes()) >= 600
+    end = cache.match(2, NS, as_token_bytes(path), lock=True)[0]
+    middle = cache.match(2, NS, as_token_bytes(path[:150]), lock=True)[0]
+    for _ in range(399):
+        cache.lock(2, NS, end.node_id)
+    for _ in range(49):
+        cache.lock(2, NS, middle.node_id)
+    kept = cache.match(3, NS, as_token_bytes(path[:100]), lock=True)[1]
+    assert cache.release_owner(2) == (450, 0, 0)
+    assert cache.check() == []
+    assert counters(cache.tree) == recount(cache.tree)
+    locked = [n for n in cache.tree.iter_nodes() if n.full_lock]
+    assert locked and max(n.depth for n in locked) == 100
+    assert all(n.full_lock == 1 for n in locked)
+    cache.unlock(3, kept)
+    assert cache.check() == [] and not any(n.full_lock for n in cache.tree.iter_nodes())
