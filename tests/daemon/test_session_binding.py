@@ -172,6 +172,28 @@ def test_a_lifecycle_step_that_waited_out_another_threads_reconnect_is_not_sent(
     d2.check()
 
 
+def test_an_admit_that_waited_out_another_threads_reconnect_admits_on_the_new_session(
+        make_daemon, tmp_path: Path) -> None:
+    """A request that holds nothing is bound to the session the client had when admit() began;
+    another thread reconnected before admit() could send, so its match was refused unsent
+    (SessionRestarted) although nothing of the request belonged to the old session. Now it
+    admits on the new session, and its lock and pages are that session's."""
+    d1 = make_daemon(_config(tmp_path), name="before")
+    with Client(d1.socket, reconnect=FAST) as c:
+        lc = RequestLifecycle(c, "m", seq(3, base=800), label="A")
+        d2, out = _while_another_thread_reconnects(make_daemon, d1, tmp_path, c, lc.admit)
+        assert "error" not in out, out
+        assert out["value"].prefix_len == 0 and lc.receipt is not None
+        rid = lc.receipt
+        lc.reserve(3 * P)
+        assert _held(c) == 3
+        lc.abort()
+        assert _held(c) == 0
+        with pytest.raises(ReceiptError):  # abort released the new session's lock
+            c.unlock("m", rid)
+    d2.check()
+
+
 def test_locked_that_waited_out_another_threads_reconnect_locks_on_the_new_session(
         make_daemon, tmp_path: Path) -> None:
     """locked() entered while another thread reconnects: its match runs on the new session,

@@ -187,14 +187,25 @@ class RequestLifecycle:
         The first match is locked, so it is the request's prefix as it stands when no load is
         needed (the common case costs one round trip); when it reports host hits, ``load``
         takes its own lock and the match's is dropped (protocol 9.2, a locked probe). On an
-        error the request keeps what it took: :meth:`abort` gives it back.
+        error the request keeps what it took: :meth:`abort` gives it back. A request that holds
+        nothing yet is bound to whichever session the client has, and tries once more on the
+        next one if the client reconnected under it before it took anything (another thread's
+        call met a restart between the two).
         """
         c, name, adm = self.client, self.model, self.admission
-        if not self.full_table and self.receipt is None:  # holds nothing yet: any session
-            self._session = _restarts(c)
-        self._check_session()
-        with self._on_session():
-            return self._admit(c, name, adm)
+        retried = False
+        while True:
+            fresh = not self.full_table and self.receipt is None  # holds nothing: any session
+            if fresh:
+                self._session = _restarts(c)
+            self._check_session()
+            try:
+                with self._on_session():
+                    return self._admit(c, name, adm)
+            except SessionRestarted:
+                if retried or not fresh or self.full_table or self.receipt is not None:
+                    raise
+                retried = True
 
     def _admit(self, c: Any, name: str, adm: Admission) -> Admission:
         prompt = self.tokens.tobytes()
