@@ -21,7 +21,7 @@ from typing import Any
 
 from .hashing import HASH_BYTES, block_hashes
 from .lru import EvictionQueue
-from .node import Node
+from .node import Node, path_totals
 from .page_ids import nonzero, nonzero_count
 from .radix import RadixTree
 
@@ -250,7 +250,9 @@ def _check_locks(tree: RadixTree, reachable: dict[int, Node], v: list[str]) -> I
     full: Counter[int] = Counter()
     swa: Counter[int] = Counter()
     pb = tree.page_bytes
-    for chunk in chunked(tree.receipts, STEP_ITEMS // 8):  # each walks up to its root
+    anchored: Counter[int] = Counter()  # receipts per anchor
+    spans: dict[tuple[int, int], list] = {}  # (anchor, SWA pages): [receipts, one of them]
+    for chunk in chunked(tree.receipts):
         for r in chunk:
             if not r.active:
                 v.append(f"inactive receipt still registered: {r!r}")
@@ -259,18 +261,26 @@ def _check_locks(tree: RadixTree, reachable: dict[int, Node], v: list[str]) -> I
             if reachable.get(a.id) is not a:
                 v.append(f"receipt anchored at node {a.id}, which is not in the tree")
                 continue
-            n = a
-            while n.parent is not None:
-                full[n.id] += 1
-                n = n.parent
-            left = r.swa_pages
-            n = a
+            anchored[a.id] += 1
+            if r.swa_pages:
+                spans.setdefault((a.id, r.swa_pages), [0, r])[0] += 1
+        yield
+    for chunk in chunked(spans.items(), STEP_ITEMS // 8):  # each walks up to a window's nodes
+        for (aid, pages), (k, r) in chunk:
+            left = pages
+            n = reachable[aid]
             while left > 0 and n.parent is not None:
-                swa[n.id] += 1
+                swa[n.id] += k
                 left -= len(n.tokens) // pb
                 n = n.parent
             if left != 0:
                 v.append(f"receipt {r!r}: SWA segment does not end on a node boundary")
+        yield
+    # each node of the receipts' paths once, however many receipts pass through it
+    for chunk in chunked(path_totals((reachable[aid], k) for aid, k in anchored.items()),
+                         STEP_ITEMS * 4):
+        for n, k in chunk:
+            full[n.id] = k
         yield
     for chunk in chunked(reachable.values()):
         for n in chunk:
@@ -288,17 +298,22 @@ def _check_locks(tree: RadixTree, reachable: dict[int, Node], v: list[str]) -> I
         yield
     pins: Counter[int] = Counter()
     host_pins: Counter[int] = Counter()
-    for chunk in chunked(tree.pins, STEP_ITEMS // 8):
+    anchored = {False: Counter(), True: Counter()}  # pins per anchor, by host_only
+    for chunk in chunked(tree.pins):
         for p in chunk:
             a = p.anchor
             if not p.active or reachable.get(a.id) is not a:
                 v.append(f"pin {p!r}: inactive, or anchored at a node not in the tree")
                 continue
-            count = host_pins if p.host_only else pins
-            while a.parent is not None:
-                count[a.id] += 1
-                a = a.parent
+            anchored[p.host_only][a.id] += 1
         yield
+    for host_only, count in ((False, pins), (True, host_pins)):
+        for chunk in chunked(path_totals((reachable[aid], k)
+                                         for aid, k in anchored[host_only].items()),
+                             STEP_ITEMS * 4):
+            for n, k in chunk:
+                count[n.id] = k
+            yield
     for chunk in chunked(reachable.values()):
         for n in chunk:
             if n.parent is not None and (n.pin, n.host_pin) != (pins[n.id], host_pins[n.id]):

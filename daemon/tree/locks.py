@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Collection
 from typing import Any
 
 from .errors import NodeNotUsable, ReceiptError
-from .node import Node, Pin, Receipt
+from .node import Node, Pin, Receipt, path_totals
 
 
 class Locking:
@@ -122,32 +121,12 @@ class Locking:
             self._release_swa(group[0], len(group))
             for r in group:
                 r.swa_pages = 0
-        # locks to release per node, deepest node first: a node's count is its own receipts'
-        # plus what every node below it passed up (a child is always deeper than its parent)
-        owed: dict[int, int] = {}
-        heap: list[tuple[int, int, Node]] = []
-        for r in rs:
-            a = r.anchor
-            if a.parent is None:  # a lock of nothing (an empty match) holds no node
-                continue
-            if a.id not in owed:
-                owed[a.id] = 0
-                heapq.heappush(heap, (-a.depth, a.id, a))
-            owed[a.id] += 1
-        while heap:
-            _, _, n = heapq.heappop(heap)
-            k = owed[n.id]
+        for n, k in path_totals((r.anchor, 1) for r in rs):
             if n.full_lock < k:
                 raise AssertionError(f"full release walked onto an unlocked node {n!r}")
             n.full_lock -= k
             if n.full_lock == 0 and not n.pin:
                 self._full_unguarded(n)
-            p = n.parent
-            if p.parent is not None:
-                if p.id not in owed:
-                    owed[p.id] = 0
-                    heapq.heappush(heap, (-p.depth, p.id, p))
-                owed[p.id] += k
         for r in rs:
             r.active = False
             self.receipts.discard(r)
