@@ -536,8 +536,10 @@ class ModelCache:
         if h is None:
             return (0, 0, 0)
         receipts = len(h.receipts)
-        if receipts:
-            self.tree.unlock_all([self._receipts.pop(rid)[1] for rid in h.receipts])
+        if receipts:  # (unlock_all refuses before it moves anything: nothing is dropped then)
+            self.tree.unlock_all([self._receipts[rid][1] for rid in h.receipts])
+            for rid in h.receipts:
+                del self._receipts[rid]
             h.receipts.clear()
             self.settle()
         full, swa = self.disown(owner)

@@ -586,3 +586,23 @@ def test_page_one_cold_nodes_are_kept_as_runs_and_listed_back_exactly():
     assert set(forms().values()) == {"range"}
     cache.evict(full_pages=6000, swa_pages=6000)
     assert all_free(cache) and cache.check() == []
+
+
+def test_a_session_end_refused_whole_leaves_every_lock_registered_for_the_next_try():
+    """release_owner hands the tree all the owner's receipts at once; when the tree refuses
+    them (a registered receipt already released: a bug elsewhere, injected here), nothing is
+    forgotten, and once the fault is gone the owner's end releases everything."""
+    cache = make_cache()
+    f, w = cache.alloc(1, 3)
+    cache.insert(1, NS, seq([1, 2, 3]), f, w)
+    _, a = cache.match(1, NS, seq([1, 2, 3]), lock=True)
+    _, b = cache.match(1, NS, seq([1, 2]), lock=True)
+    r = cache._receipts[b][1]
+    r.active = False  # the fault
+    with pytest.raises(ReceiptError):
+        cache.release_owner(1)
+    assert sorted(cache.holdings[1].receipts) == sorted([a, b])
+    assert a in cache._receipts and b in cache._receipts
+    r.active = True
+    assert cache.release_owner(1) == (2, 0, 0)
+    assert cache.check() == [] and 1 not in cache.holdings

@@ -30,6 +30,7 @@ from radixd_client import (
     TimedOut,
 )
 
+from .conftest import SMALL_MODEL
 from .test_ride_through import FAST, _config, _restart
 from .test_tiers import P, seq
 
@@ -191,6 +192,28 @@ def test_an_admit_that_waited_out_another_threads_reconnect_admits_on_the_new_se
         assert _held(c) == 0
         with pytest.raises(ReceiptError):  # abort released the new session's lock
             c.unlock("m", rid)
+    d2.check()
+
+
+def test_an_admit_whose_own_call_a_restart_cut_raises_with_the_pools_to_attach_again(
+        make_daemon, tmp_path: Path) -> None:
+    """The retry above is for a call refused unsent only. When the restart cuts admit()'s own
+    match, that SessionRestarted is the one that names the pools the reconnect closed (here a
+    new layout): admit() raises it, so the engine rebuilds its views before writing KV."""
+    def config(full_pages: int) -> dict[str, Any]:
+        return {"server": {"socket": str(tmp_path / "shared.sock")},
+                "models": [dict(SMALL_MODEL, full_pages=full_pages, memory_isolation="none")]}
+
+    d1 = make_daemon(config(64), name="before")
+    with Client(d1.socket, reconnect=FAST) as c:
+        old = c.attach("m")
+        lc = RequestLifecycle(c, "m", seq(3, base=900), label="fresh")
+        assert d1.stop() == 0
+        d2 = make_daemon(config(128), name="after")  # another layout: not mapped again
+        with pytest.raises(SessionRestarted) as exc:
+            lc.admit()
+        assert "m" in exc.value.details["attach_again"] and old.closed
+        assert exc.value.details.get("sent", True) is not False
     d2.check()
 
 

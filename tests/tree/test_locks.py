@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from daemon.tree import ReceiptError, as_token_bytes, check_tree
+from daemon.tree import CollectingSink, RadixTree, ReceiptError, as_token_bytes, check_tree
 
 from .helpers import (
     NS,
@@ -131,74 +131,156 @@ def test_window_edge_moved_by_split_keeps_receipt_valid(P):
 
 # ---------------------------------------------------------------------- many locks at once
 
-#: a tree and the locks on it: sequences (page labels) inserted in order, then locks, each a
-#: match of a prefix of one of them (its index and page count; 0: a lock of nothing), some with
-#: their SWA released
-#: early; then an SWA eviction of some pages (tombstones under the released windows)
+NAMESPACES = ("alpha", "beta")
+#: a tree, its locks and pins, step by step: sequences inserted (namespace, page labels; a few
+#: first, so that the steps have paths to work on); locks,
+#: each a match of a prefix of a sequence inserted before (its index and page count; 0: a lock
+#: of nothing), some with their SWA released early; evictions between them (tombstones, splits
+#: under locks); host copies along a sequence's path, top down; pins (device or host only)
+#: taken and given back
+lock_steps = st.lists(st.one_of(
+    st.tuples(st.just("insert"), st.sampled_from(NAMESPACES),
+              st.lists(st.integers(1, 4), min_size=1, max_size=8)),
+    st.tuples(st.just("lock"), st.integers(0, 20), st.integers(0, 8), st.booleans()),
+    # (every unlocked SWA page at once: the released windows of locked paths become tombstones)
+    st.tuples(st.just("evict"), st.integers(0, 4), st.sampled_from([0, 1, 3, 6, 10**6])),
+    st.tuples(st.just("host"), st.integers(0, 20), st.integers(1, 8)),
+    st.tuples(st.just("pin"), st.integers(0, 20), st.integers(1, 8), st.booleans()),
+    st.tuples(st.just("unpin"), st.integers(0, 20)),
+), min_size=1, max_size=30)
 lock_scripts = st.fixed_dictionaries({
     "P": st.sampled_from(PAGE_SIZES),
-    "seqs": st.lists(st.lists(st.integers(1, 4), min_size=1, max_size=8), min_size=1,
-                     max_size=6),
-    "locks": st.lists(st.tuples(st.integers(0, 5), st.integers(0, 8), st.booleans()),
-                      min_size=1, max_size=12),
-    "swa_evict": st.integers(0, 12),
-    "release": st.lists(st.integers(0, 11), max_size=12),
+    "first": st.lists(st.tuples(st.just("insert"), st.sampled_from(NAMESPACES),
+                                st.lists(st.integers(1, 4), min_size=1, max_size=8)),
+                      min_size=1, max_size=4),
+    "steps": lock_steps,
+    "copy_hits": st.sampled_from([None, 0]),  # 0: a cleaned-up node is named for a host copy
+    "release": st.lists(st.integers(0, 29), max_size=16),
 })
 
 
 def _locked_tree(script: dict):
-    """The script's tree, with its locks taken: (tree, sink, receipts)."""
+    """The script's tree with its locks and pins: (tree, sink, receipts still held)."""
     P = script["P"]
-    tree, sink = make_tree(P)
+    sink = CollectingSink()
+    tree = RadixTree(P, 2 * P, sink, host_sink=sink, policy="lru")
     ids = Ids()
-    seqs = [seq(P, labels) for labels in script["seqs"]]
-    for s in seqs:
-        m = tree.match(NS, s)
-        new = len(s) // 4 // P - m.prefix_len // P
-        tree.insert(NS, s, ids.full(new), ids.swa(new), m.prefix_len)
-    receipts = []
-    for i, pages, swa_early in script["locks"]:
-        s = seqs[i % len(seqs)]
-        r = tree.match(NS, s[: min(pages * P, len(s) // 4) * 4], lock=True).receipt
-        if r is None:
+    slots = Ids()
+    seqs: list[tuple[str, bytes]] = []
+    receipts, pins = [], []
+    for step in script["first"] + script["steps"]:
+        if step[0] == "insert":
+            ns, s = step[1], seq(P, step[2])
+            m = tree.match(ns, s)
+            new = len(s) // 4 // P - m.prefix_len // P
+            if new:
+                tree.insert(ns, s, ids.full(new), ids.swa(new), m.prefix_len)
+            seqs.append((ns, s))
             continue
-        if swa_early:
-            tree.release_swa(r)
-        receipts.append(r)
-    tree.evict(0, script["swa_evict"])
-    return tree, sink, receipts
+        if not seqs:
+            continue
+        if step[0] == "evict":
+            tree.evict(step[1], step[2])
+            continue
+        if step[0] == "unpin":
+            if pins:
+                tree.unpin(pins.pop(step[1] % len(pins)))
+            continue
+        ns, s = seqs[step[1] % len(seqs)]
+        s = s[: min(step[2] * P, len(s) // 4) * 4]
+        if step[0] == "lock":
+            r = tree.match(ns, s, lock=True).receipt
+            if r is not None:
+                if step[3]:
+                    tree.release_swa(r)
+                receipts.append(r)
+            continue
+        n = tree.nodes.get(tree.match(ns, s).node_id)
+        path = []
+        while n is not None and n.parent is not None:
+            path.append(n)
+            n = n.parent
+        if step[0] == "host":
+            for n in reversed(path):  # prefix closed: stop at the first that cannot have one
+                if n.host is None and (n.full is None or n.parent.host is None
+                                       and n.parent.parent is not None):
+                    break
+                if n.host is None:
+                    k = len(n.tokens) // tree.page_bytes
+                    tree.set_host(n.id, slots.full(k))
+        elif path and (not step[3] or path[0].host is not None):
+            pins.append(tree.pin(path[0], host_only=step[3]))
+    tree.host_copy_hits = script["copy_hits"]
+    return tree, sink, [r for r in receipts if r.active]
 
 
 def _whole_state(tree, sink):
-    """Nodes with their ids, locks and eviction-queue keys, the counters, and what was freed."""
+    """Nodes with their ids, locks, pins and eviction-queue keys, the counters, the nodes named
+    for a host copy, and what was freed."""
+    def key(entry):
+        return None if entry is None else entry[0]
     nodes = sorted((n.id, bytes(n.tokens), tuple(n.full or ()),
-                    None if n.swa is None else tuple(n.swa), n.full_lock, n.swa_lock,
-                    None if n.full_entry is None else n.full_entry[0],
-                    None if n.swa_entry is None else n.swa_entry[0]) for n in tree.iter_nodes())
-    return nodes, counters(tree), len(tree.receipts), sorted(sink.full), sorted(sink.swa)
+                    None if n.swa is None else tuple(n.swa), tuple(n.host or ()),
+                    n.full_lock, n.swa_lock, n.pin, n.host_pin, n.dev_children,
+                    key(n.full_entry), key(n.swa_entry), key(n.host_entry),
+                    key(n.host_swa_entry)) for n in tree.iter_nodes())
+    return (nodes, counters(tree), tree.full_protected, tree.swa_protected,
+            len(tree.receipts), len(tree.pins), sorted(n.id for n in tree.awaiting_copy),
+            [n.id for n in tree.host_drops], sorted(sink.full), sorted(sink.swa),
+            sorted(sink.host), dict(tree.stats))
 
 
-@settings(max_examples=150, deadline=None)
-@given(script=lock_scripts)
-def test_unlock_all_leaves_what_unlocking_one_at_a_time_leaves(script):
-    """A session's end releases its locks in one pass (``unlock_all``): the tree, its counters,
-    its eviction queues and the pages freed (dead leaves) must be what one ``unlock`` per
-    receipt gives (between nodes of equal keys the queues' order may differ: lru.py)."""
+def _same_as_one_at_a_time(script: dict) -> None:
     one, one_sink, one_rs = _locked_tree(script)
     every, every_sink, every_rs = _locked_tree(script)
-    ok(one)
+    assert _whole_state(every, every_sink) == _whole_state(one, one_sink)
     picked = sorted({i % len(one_rs) for i in script["release"]}) if one_rs else []
     for i in picked:
         one.unlock(one_rs[i])
     every.unlock_all([every_rs[i] for i in picked] + [every_rs[i] for i in picked[:1]])
-    ok(one)
-    ok(every)
     assert _whole_state(every, every_sink) == _whole_state(one, one_sink)
     assert all(not every_rs[i].active for i in picked)
     for tree in (one, every):
-        tree.evict(10**6, 10**6)
+        while tree.awaiting_copy:
+            tree.commit_evictions()
         ok(tree)
     assert _whole_state(every, every_sink) == _whole_state(one, one_sink)
+    for tree in (one, every):  # all that can go, whichever of equal keys goes first
+        for _ in range(100):
+            before = len(tree.nodes), tree.device_pages()
+            tree.evict(10**6, 10**6)
+            while tree.awaiting_copy:
+                tree.commit_evictions()
+            if (len(tree.nodes), tree.device_pages()) == before:
+                break
+        ok(tree)
+    assert _whole_state(every, every_sink)[:2] == _whole_state(one, one_sink)[:2]
+
+
+@settings(max_examples=300, deadline=None)
+@given(script=lock_scripts)
+def test_unlock_all_leaves_what_unlocking_one_at_a_time_leaves(script):
+    """A session's end releases its locks in one pass (``unlock_all``): the tree, its counters,
+    its eviction queues, the nodes its cleanup names for a host copy and the pages freed must
+    be what one ``unlock`` per receipt gives (between nodes of equal keys the queues' order
+    may differ: lru.py), and so must the state once the named nodes' evictions commit."""
+    _same_as_one_at_a_time(script)
+
+
+@pytest.mark.parametrize("copy_hits", [None, 0])
+@pytest.mark.parametrize("P", PAGE_SIZES)
+def test_unlock_all_cleans_up_every_anchor_left_a_tombstone(P, copy_hits):
+    """Locks whose windows were released early, on two sibling leaves (one with a host copy)
+    and on their parent, with every unlocked SWA page evicted meanwhile: each anchor is a
+    tombstone once unlocked, and each must be cleaned up (deleted, demoted to its host copy,
+    or named for one) as one unlock at a time would."""
+    _same_as_one_at_a_time({
+        "P": P, "copy_hits": copy_hits,
+        "first": [("insert", "alpha", [1, 2, 3, 4]), ("insert", "alpha", [1, 2, 5, 6])],
+        "steps": [("host", 0, 4), ("lock", 0, 4, True), ("lock", 1, 4, True),
+                  ("lock", 0, 2, True), ("evict", 0, 10**6)],
+        "release": [0, 1, 2],
+    })
 
 
 def test_unlock_all_refuses_a_released_receipt_and_moves_nothing():

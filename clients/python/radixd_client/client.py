@@ -288,13 +288,14 @@ class Client(Operations):
 
     def _unsent(self, op: str, bound: int) -> SessionRestarted:
         """The error of a call made for a session this client has left (:meth:`on_session`);
-        ``details["attach_again"]``: what the last reconnect could not map again."""
+        ``details["attach_again"]``: what the last reconnect could not map again (the call that
+        met the restart raised it first); ``details["sent"]``: False, as only here."""
         return SessionRestarted(
             f"{op} was not sent: it was made for another session of this client than its "
             f"current one (a call met a daemon restart meanwhile: restarts was {bound}, is "
             f"{self.restarts}); the client is now session {self.session} of daemon instance "
             f"{self.instance}, which numbers pages and receipts afresh",
-            details={"attach_again": dict(self._unmapped)})
+            details={"attach_again": dict(self._unmapped), "sent": False})
 
     def _call_once(self, op: str, req: Request) -> Any:
         """One request, one reply, decoded completely by the connection before the buffer is

@@ -189,8 +189,9 @@ class RequestLifecycle:
         takes its own lock and the match's is dropped (protocol 9.2, a locked probe). On an
         error the request keeps what it took: :meth:`abort` gives it back. A request that holds
         nothing yet is bound to whichever session the client has, and tries once more on the
-        next one if the client reconnected under it before it took anything (another thread's
-        call met a restart between the two).
+        next one when its call was refused unsent because another thread's call met a restart
+        meanwhile (``details["sent"]`` False). A restart that cuts its own call raises, as for
+        every call: that error is the one that says which pools to attach again.
         """
         c, name, adm = self.client, self.model, self.admission
         retried = False
@@ -202,8 +203,9 @@ class RequestLifecycle:
             try:
                 with self._on_session():
                     return self._admit(c, name, adm)
-            except SessionRestarted:
-                if retried or not fresh or self.full_table or self.receipt is not None:
+            except SessionRestarted as exc:
+                if (retried or not fresh or self.full_table or self.receipt is not None
+                        or exc.details.get("sent", True)):
                     raise
                 retried = True
 
