@@ -3,8 +3,9 @@ end, and the background check's steps.
 
 The tree: pages of one token and a branch at every token of one ``--depth`` token path (a node
 per token), ``--locks`` locks of one owner on the path's end (a session whose requests all
-share it). One lock or unlock walks the whole path. Both parts run in this process, on fresh
-identical caches, ``--rounds`` times (medians):
+share it), or spread in turn over ``--anchors`` nodes evenly down to it. One lock or unlock
+walks the whole path. Both parts run in this process, on fresh identical caches, ``--rounds``
+times (medians):
 
 - **session end**: the model cache's ``release_owner`` (every lock in one pass of the tree,
   ``RadixTree.unlock_all``) against releasing the same locks one ``unlock`` at a time (what a
@@ -15,7 +16,8 @@ identical caches, ``--rounds`` times (medians):
   without them: its longest step and its whole time in milliseconds, and their ratios. The
   check counts each node's locks from the receipts; a request waits at most one step.
 
-    python bench/deep_locks_bench.py [--depth 2000] [--locks 4000] [--rounds 3] [--json PATH]
+    python bench/deep_locks_bench.py [--depth 2000] [--locks 4000] [--anchors 1] [--rounds 3]
+        [--json PATH]
 """
 
 from __future__ import annotations
@@ -41,9 +43,10 @@ NS = "bench"
 OWNER, BUILDER = 2, 1
 
 
-def deep_cache(depth: int, locks: int) -> tuple[ModelCache, list[int]]:
+def deep_cache(depth: int, locks: int, anchors: int = 1) -> tuple[ModelCache, list[int]]:
     """A page-1 cache whose path of ``depth`` tokens has a branch at every token, and
-    ``locks`` locks of OWNER on its end: (cache, receipt ids)."""
+    ``locks`` locks of OWNER on ``anchors`` nodes of it spread evenly down to its end, in turn:
+    (cache, receipt ids)."""
     profile = ModelProfile(
         name="m", page_size=1, num_full_layers=1, num_kv_heads=1, head_dim=1,
         full_pages=2 * depth + 16, sliding_window=128, num_swa_layers=1,
@@ -55,9 +58,10 @@ def deep_cache(depth: int, locks: int) -> tuple[ModelCache, list[int]]:
     for i in range(1, depth):
         f, w = cache.alloc(BUILDER, 1)
         cache.insert(BUILDER, NS, as_token_bytes(path[:i] + [10**6 + i]), f, w, i)
-    end, rid = cache.match(OWNER, NS, as_token_bytes(path), lock=True)
-    rids = [rid] + [cache.lock(OWNER, NS, end.node_id) for _ in range(locks - 1)]
-    return cache, rids  # type: ignore[return-value]
+    ends = [cache.match(OWNER, NS, as_token_bytes(path[:depth * (i + 1) // anchors]))[0]
+            for i in range(anchors)]
+    rids = [cache.lock(OWNER, NS, ends[i % anchors].node_id) for i in range(locks)]
+    return cache, rids
 
 
 def one_at_a_time(cache: ModelCache, rids: list[int]) -> None:
@@ -85,7 +89,7 @@ def stepped_check(cache: ModelCache) -> tuple[float, float]:
     return longest, whole
 
 
-def measure(depth: int, locks: int, rounds: int) -> dict[str, float]:
+def measure(depth: int, locks: int, rounds: int, anchors: int = 1) -> dict[str, float]:
     """Median milliseconds of each over ``rounds`` fresh caches, and the ratios."""
     times: dict[str, list[float]] = {k: [] for k in (
         "one_at_a_time", "in_one_pass", "check_step_locked", "check_step_unlocked",
@@ -93,7 +97,7 @@ def measure(depth: int, locks: int, rounds: int) -> dict[str, float]:
     for r in range(rounds):
         ways = [one_at_a_time, in_one_pass]
         for way in ways if r % 2 == 0 else ways[::-1]:
-            cache, rids = deep_cache(depth, locks)
+            cache, rids = deep_cache(depth, locks, anchors)
             if way is in_one_pass:  # the check, with the locks and then without them
                 for side in ("locked", "unlocked"):
                     if side == "unlocked":
@@ -101,7 +105,7 @@ def measure(depth: int, locks: int, rounds: int) -> dict[str, float]:
                     step, whole = stepped_check(cache)
                     times[f"check_step_{side}"].append(step * 1e3)
                     times[f"check_{side}"].append(whole * 1e3)
-                cache, rids = deep_cache(depth, locks)
+                cache, rids = deep_cache(depth, locks, anchors)
             t0 = time.perf_counter()
             way(cache, rids)
             times[way.__name__].append((time.perf_counter() - t0) * 1e3)
@@ -119,15 +123,21 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--depth", type=int, default=2000, help="tokens (nodes) of the deep path")
     ap.add_argument("--locks", type=int, default=4000, help="locks the session holds on it")
+    ap.add_argument("--anchors", type=int, default=1,
+                    help="nodes the locks are spread over, evenly down the path (default 1: "
+                         "all on its end)")
     ap.add_argument("--rounds", type=int, default=3, help="fresh caches per way (median)")
     ap.add_argument("--json", metavar="PATH", help="write the figures as a JSON object")
     args = ap.parse_args(argv)
-    for name in ("depth", "locks", "rounds"):
+    for name in ("depth", "locks", "anchors", "rounds"):
         if getattr(args, name) < 1:
             ap.error(f"--{name}: at least 1, got {getattr(args, name)}")
     tune_gc()  # as radixd serve does: the collector's pauses are not what is measured
-    f = measure(args.depth, args.locks, args.rounds)
-    print(f"page 1, a path of {args.depth} nodes, {args.locks} locks on its end, "
+    if args.anchors > min(args.depth, args.locks):
+        ap.error(f"--anchors: at most --depth and --locks, got {args.anchors}")
+    f = measure(args.depth, args.locks, args.rounds, args.anchors)
+    print(f"page 1, a path of {args.depth} nodes, {args.locks} locks on "
+          + ("its end" if args.anchors == 1 else f"{args.anchors} nodes down to its end") + ", "
           f"median of {args.rounds} rounds, milliseconds")
     print("session end: one unlock at a time {:10.2f}   in one pass {:10.2f}   ratio {:8.1f}x"
           .format(f["one_at_a_time_ms"], f["in_one_pass_ms"], f["session_end_ratio"]))

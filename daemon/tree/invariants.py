@@ -21,7 +21,7 @@ from typing import Any
 
 from .hashing import HASH_BYTES, block_hashes
 from .lru import EvictionQueue
-from .node import Node, path_totals
+from .node import Node
 from .page_ids import nonzero, nonzero_count
 from .radix import RadixTree
 
@@ -247,10 +247,15 @@ def _check_node(tree: RadixTree, n: Node, v: list[str], deep: bool) -> Iterator[
 
 
 def _check_locks(tree: RadixTree, reachable: dict[int, Node], v: list[str]) -> Iterator[None]:
+    pb = tree.page_bytes
+    # receipts and pins per anchor; then each node's count is its own anchors' plus its
+    # children's, added up in one pass over the nodes children first (``reachable`` is in walk
+    # order, every node after its parent), where each node is compared as soon as its count is
+    # complete: bounded steps however many anchors, no reliance on ``depth``
     full: Counter[int] = Counter()
     swa: Counter[int] = Counter()
-    pb = tree.page_bytes
-    anchored: Counter[int] = Counter()  # receipts per anchor
+    pins: Counter[int] = Counter()
+    host_pins: Counter[int] = Counter()
     spans: dict[tuple[int, int], list] = {}  # (anchor, SWA pages): [receipts, one of them]
     for chunk in chunked(tree.receipts):
         for r in chunk:
@@ -261,64 +266,60 @@ def _check_locks(tree: RadixTree, reachable: dict[int, Node], v: list[str]) -> I
             if reachable.get(a.id) is not a:
                 v.append(f"receipt anchored at node {a.id}, which is not in the tree")
                 continue
-            anchored[a.id] += 1
+            full[a.id] += 1
             if r.swa_pages:
                 spans.setdefault((a.id, r.swa_pages), [0, r])[0] += 1
         yield
-    for chunk in chunked(spans.items(), STEP_ITEMS // 8):  # each walks up to a window's nodes
-        for (aid, pages), (k, r) in chunk:
-            left = pages
-            n = reachable[aid]
-            while left > 0 and n.parent is not None:
-                swa[n.id] += k
-                left -= len(n.tokens) // pb
-                n = n.parent
-            if left != 0:
-                v.append(f"receipt {r!r}: SWA segment does not end on a node boundary")
-        yield
-    # each node of the receipts' paths once, however many receipts pass through it
-    for chunk in chunked(path_totals((reachable[aid], k) for aid, k in anchored.items()),
-                         STEP_ITEMS * 4):
-        for n, k in chunk:
-            full[n.id] = k
-        yield
-    for chunk in chunked(reachable.values()):
-        for n in chunk:
-            if n.full_lock < 0 or n.swa_lock < 0:
-                v.append(f"node {n.id}: negative lock count {n.full_lock}/{n.swa_lock}")
-            if n.full_lock < n.swa_lock:
-                v.append(f"node {n.id}: full lock {n.full_lock} < SWA lock {n.swa_lock}")
-            if n.parent is None:
-                continue
-            if n.full_lock != full[n.id] or n.swa_lock != swa[n.id]:
-                v.append(f"node {n.id}: locks {n.full_lock}/{n.swa_lock}, receipts account "
-                         f"for {full[n.id]}/{swa[n.id]} (a lost or doubled receipt)")
-            if n.swa_lock and n.swa is None:
-                v.append(f"node {n.id}: SWA-locked tombstone")
-        yield
-    pins: Counter[int] = Counter()
-    host_pins: Counter[int] = Counter()
-    anchored = {False: Counter(), True: Counter()}  # pins per anchor, by host_only
+    walked = 0
+    for (aid, pages), (k, r) in spans.items():  # a local dict: steps of STEP_ITEMS nodes walked
+        left = pages
+        n = reachable[aid]
+        while left > 0 and n.parent is not None:
+            swa[n.id] += k
+            left -= len(n.tokens) // pb
+            n = n.parent
+            walked += 1
+            if walked >= STEP_ITEMS:
+                walked = 0
+                yield
+        if left != 0:
+            v.append(f"receipt {r!r}: SWA segment does not end on a node boundary")
+    yield
     for chunk in chunked(tree.pins):
         for p in chunk:
             a = p.anchor
             if not p.active or reachable.get(a.id) is not a:
                 v.append(f"pin {p!r}: inactive, or anchored at a node not in the tree")
                 continue
-            anchored[p.host_only][a.id] += 1
+            (host_pins if p.host_only else pins)[a.id] += 1
         yield
-    for host_only, count in ((False, pins), (True, host_pins)):
-        for chunk in chunked(path_totals((reachable[aid], k)
-                                         for aid, k in anchored[host_only].items()),
-                             STEP_ITEMS * 4):
-            for n, k in chunk:
-                count[n.id] = k
-            yield
-    for chunk in chunked(reachable.values()):
+    for chunk in chunked(reversed(reachable.values())):
         for n in chunk:
-            if n.parent is not None and (n.pin, n.host_pin) != (pins[n.id], host_pins[n.id]):
-                v.append(f"node {n.id}: pin counts {n.pin}/{n.host_pin}, pins in flight "
-                         f"account for {pins[n.id]}/{host_pins[n.id]}")
+            if n.full_lock < 0 or n.swa_lock < 0:
+                v.append(f"node {n.id}: negative lock count {n.full_lock}/{n.swa_lock}")
+            if n.full_lock < n.swa_lock:
+                v.append(f"node {n.id}: full lock {n.full_lock} < SWA lock {n.swa_lock}")
+            p = n.parent
+            if p is None:
+                continue
+            i = n.id
+            f, s, pn, hp = full[i], swa[i], pins[i], host_pins[i]
+            if n.full_lock != f or n.swa_lock != s:
+                v.append(f"node {i}: locks {n.full_lock}/{n.swa_lock}, receipts account "
+                         f"for {f}/{s} (a lost or doubled receipt)")
+            if n.swa_lock and n.swa is None:
+                v.append(f"node {i}: SWA-locked tombstone")
+            if (n.pin, n.host_pin) != (pn, hp):
+                v.append(f"node {i}: pin counts {n.pin}/{n.host_pin}, pins in flight "
+                         f"account for {pn}/{hp}")
+            if p.parent is not None:  # what passes through this node passes through its parent
+                j = p.id
+                if f:
+                    full[j] += f
+                if pn:
+                    pins[j] += pn
+                if hp:
+                    host_pins[j] += hp
         yield
 
 

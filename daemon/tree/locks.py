@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection
+import heapq
+from collections.abc import Collection, Iterable, Iterator
 from typing import Any
 
 from .errors import NodeNotUsable, ReceiptError
-from .node import Node, Pin, Receipt, path_totals
+from .node import Node, Pin, Receipt
 
 
 class Locking:
@@ -121,7 +122,7 @@ class Locking:
             self._release_swa(group[0], len(group))
             for r in group:
                 r.swa_pages = 0
-        for n, k in path_totals((r.anchor, 1) for r in rs):
+        for n, k in _path_totals((r.anchor, 1) for r in rs):
             if n.full_lock < k:
                 raise AssertionError(f"full release walked onto an unlocked node {n!r}")
             n.full_lock -= k
@@ -201,3 +202,30 @@ class Locking:
         for n in freed:
             if self.nodes.get(n.id) is n:
                 self._drop_dead_leaf(n)
+
+
+def _path_totals(counted: Iterable[tuple[Node, int]]) -> Iterator[tuple[Node, int]]:
+    """Every node on the paths from the ``counted`` nodes up to their root (the root left out),
+    once, deepest first, with the sum of the counts of the nodes at or below it: what one walk
+    to the root per count would add to each node, in one visit per node of the paths' union
+    (thousands of locks on a path thousands of nodes deep cost seconds walked one by one). A
+    node is given only once every node below it was; the paths must not change meanwhile."""
+    owed: dict[int, int] = {}
+    heap: list[tuple[int, int, Node]] = []
+    for n, k in counted:
+        if n.parent is None:
+            continue
+        if n.id not in owed:
+            owed[n.id] = 0
+            heapq.heappush(heap, (-n.depth, n.id, n))  # a child is deeper than its parent
+        owed[n.id] += k
+    while heap:
+        _, _, n = heapq.heappop(heap)
+        k = owed.pop(n.id)
+        yield n, k
+        p = n.parent
+        if p.parent is not None:
+            if p.id not in owed:
+                owed[p.id] = 0
+                heapq.heappush(heap, (-p.depth, p.id, p))
+            owed[p.id] += k

@@ -25,9 +25,7 @@ copy instead of deleting it.
 
 from __future__ import annotations
 
-import heapq
 from array import array
-from collections.abc import Iterable, Iterator
 from typing import Any
 
 from .page_ids import HostSwaIds, PageIds
@@ -137,29 +135,3 @@ class Pin:
         return (f"Pin(anchor={self.anchor.id}, active={self.active}, "
                 f"host_only={self.host_only})")
 
-
-def path_totals(counted: Iterable[tuple[Node, int]]) -> Iterator[tuple[Node, int]]:
-    """Every node on the paths from the ``counted`` nodes up to their root (the root left out),
-    once, deepest first, with the sum of the counts of the nodes at or below it: what one walk
-    to the root per count would add to each node, in one visit per node of the paths' union
-    (thousands of locks on a path thousands of nodes deep cost seconds walked one by one). A
-    node is given only once every node below it was; the paths must not change meanwhile."""
-    owed: dict[int, int] = {}
-    heap: list[tuple[int, int, Node]] = []
-    for n, k in counted:
-        if n.parent is None:
-            continue
-        if n.id not in owed:
-            owed[n.id] = 0
-            heapq.heappush(heap, (-n.depth, n.id, n))  # a child is deeper than its parent
-        owed[n.id] += k
-    while heap:
-        _, _, n = heapq.heappop(heap)
-        k = owed.pop(n.id)
-        yield n, k
-        p = n.parent
-        if p.parent is not None:
-            if p.id not in owed:
-                owed[p.id] = 0
-                heapq.heappush(heap, (-p.depth, p.id, p))
-            owed[p.id] += k

@@ -233,6 +233,7 @@ def _whole_state(tree, sink):
 def _same_as_one_at_a_time(script: dict) -> None:
     one, one_sink, one_rs = _locked_tree(script)
     every, every_sink, every_rs = _locked_tree(script)
+    ok(one)
     assert _whole_state(every, every_sink) == _whole_state(one, one_sink)
     picked = sorted({i % len(one_rs) for i in script["release"]}) if one_rs else []
     for i in picked:

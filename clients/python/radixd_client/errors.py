@@ -238,6 +238,9 @@ class SessionRestarted(ConnectionLost):
     fresh ``match`` (``RequestLifecycle.restart``). Calls made after it work.
     ``details["attach_again"]``: the models whose pools could not be mapped again in place and
     were closed (model -> why); ``attach`` them again and rebuild the views.
+    ``details["sent"]``: False when the call was refused before it was sent because it was made
+    for a session the client had left (``Client.on_session``); without the key, the call may
+    have been sent.
     """
 
     default_code = "session_restarted"
