@@ -264,46 +264,44 @@ class _Restorer:
                 self.host.pool(kind).release(s)
 
     def tree_nodes(self) -> None:
+        """Each saved node under the node made for its parent (a record comes after its
+        parent's), so that no node is found again from the root."""
         tree = self.tree
         pb = tree.page_bytes
         swa_pool = self.host.swa is not None
-        # per record index: the tokens from the root when restored, else None
-        paths: list[bytes | None] = []
+        made: list[Node | None] = []  # per record index: its node when restored, else None
         for rec in self.img.tree:
             host = as_slots(rec.host)
             hswa = as_slots(rec.host_swa) if rec.host_swa else array("i", bytes(4 * len(host)))
             npages = len(rec.tokens) // pb
-            parent = paths[rec.parent] if 0 <= rec.parent < len(paths) else None
+            parent = made[rec.parent] if 0 <= rec.parent < len(made) else None
             if (rec.parent >= 0 and parent is None) or npages == 0 \
                     or len(rec.tokens) != npages * pb or len(host) != npages \
                     or len(hswa) != npages:
-                paths.append(None)
+                made.append(None)
                 self.dropped += len(host) + sum(1 for s in hswa if s)
                 continue
-            prefix = parent if parent is not None else b""
             full = [self._copy("full", host[j], None, rec.ns) for j in range(npages)]
             if any(s is None for s in full):
                 self._give_back("full", full)
-                paths.append(None)
+                made.append(None)
                 self.dropped += npages + sum(1 for s in hswa if s)
                 continue
             swa = [self._copy("swa", hswa[j], None, rec.ns) if swa_pool else None
                    for j in range(npages)]
             self.dropped += sum(1 for j in range(npages) if hswa[j] and swa[j] is None)
-            start = len(prefix) // pb
-            tokens = prefix + rec.tokens
-            slots = {start + j: s for j, s in enumerate(full)}
-            swa_slots = {start + j: s for j, s in enumerate(swa) if s}
-            got, got_swa = tree.adopt_host(rec.ns, tokens, start, start + npages, slots,
-                                           swa_slots, used=tree.clock - max(0, rec.age))
-            self._give_back("full", slots.values())
-            self._give_back("swa", swa_slots.values())
-            if got != npages:  # pragma: no cover - a saved tree is a tree
-                paths.append(None)
+            node = tree.adopt_host_under(
+                parent if parent is not None else tree.namespace(rec.ns).root, rec.tokens,
+                array("i", full), array("i", (s or 0 for s in swa)),  # type: ignore[arg-type]
+                used=tree.clock - max(0, rec.age))
+            if node is None:  # pragma: no cover - a saved tree is a tree
+                self._give_back("full", full)
+                self._give_back("swa", swa)
+                made.append(None)
                 self.dropped += npages
                 continue
-            self.kept += got + got_swa
-            paths.append(tokens)
+            self.kept += npages + sum(1 for s in swa if s)
+            made.append(node)
 
     def keyed_pages(self) -> None:
         keyed = self.entry.keyed

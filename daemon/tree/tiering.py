@@ -233,19 +233,40 @@ class Tiering:
             stop += 1
         if stop == i:
             return got, got_swa
-        seg = tokens[i * pb : stop * pb]
-        new = Node(self._new_id(), node, ns, seg,
+        sw = array("i", (swa_slots.pop(k, 0) for k in range(i, stop)))
+        self._new_host_node(node, tokens[i * pb : stop * pb], _take(slots, i, stop), sw,
+                            used)  # type: ignore[arg-type]
+        return got + stop - i, got_swa + sum(1 for p in sw if p)
+
+    def adopt_host_under(self, parent: Node, seg: bytes, slots: array, swa_slots: array, *,
+                         used: int | None = None) -> Node | None:
+        """A new host-only child of ``parent`` holding ``seg`` (whole pages) in host slots
+        ``slots`` (``swa_slots``: 0 for a page without an SWA copy): a warm restart rebuilds its
+        tree parent before child, so it attaches each node under the one it made last, with no
+        walk from the root (which made a path thousands of nodes deep quadratic). None, taking
+        nothing, when ``parent`` (not a root) has no host copy, already has a child of that
+        first page, or the lengths disagree."""
+        pb = self.page_bytes
+        k = len(seg) // pb
+        if (parent.parent is not None and parent.host is None) or not k or len(seg) != k * pb \
+                or len(slots) != k or len(swa_slots) != k \
+                or (parent.children is not None and seg[:pb] in parent.children):
+            return None
+        return self._new_host_node(parent, seg, slots, swa_slots, used)
+
+    def _new_host_node(self, node: Node, seg: bytes, slots: array, swa_slots: array,
+                       used: int | None) -> Node:
+        new = Node(self._new_id(), node, node.ns, seg,
                    block_hashes(*self.chain_state(node), seg, self.block_bytes))
         if node.children is None:
             node.children = {}
-        node.children[seg[:pb]] = new
+        node.children[seg[: self.page_bytes]] = new
         self.nodes[new.id] = new
-        sw = array("i", (swa_slots.pop(k, 0) for k in range(i, stop)))
-        self._give_host(new, _take(slots, i, stop), sw)  # type: ignore[arg-type]
+        self._give_host(new, slots, swa_slots)
         new.ts = self._clock if used is None else used
         self._requeue(new)
         self._requeue(node)
-        return got + stop - i, got_swa + sum(1 for p in sw if p)
+        return new
 
     def _fill_swa(self, n: Node, a: int, swa_slots: dict[int, int]) -> int:
         """Missing SWA copies of a node that has a host copy, from fetched slots."""

@@ -117,6 +117,30 @@ def test_device_only_pages_are_copied_to_host_at_stop(make_daemon, tmp_path: Pat
         e2.close()
 
 
+def test_a_path_branching_at_every_page_comes_back_whole(make_daemon, tmp_path: Path) -> None:
+    """A path of 30 pages with a branch at every page (59 nodes, 30 deep): each node is
+    restored under the node made for its parent, every saved page kept, byte exact."""
+    state = tmp_path / "state"
+    main = seq(30)
+    seqs = [main] + [main[: i * P] + seq(1, base=100_000 + 10 * i) for i in range(1, 30)]
+    e1, d1 = _fill(make_daemon, state, seqs, full_pages=256, swa_pages=256)
+    saved = re.search(r"warm restart: saved (\d+) host pages", d1.log())
+    d2 = make_daemon(_config(state, full_pages=256, swa_pages=256))
+    kept = re.search(r"warm restart: kept (\d+)", d2.log())
+    assert saved and kept and kept.group(1) == saved.group(1), d2.log()[-2000:]
+    assert admin_stats(d2)["warm_restart"]["dropped_pages"] == 0
+    assert tier_stats(d2)["tree_host_pages"] == 30 + 29
+    e2 = Engine(d2.socket, seed=9)
+    try:
+        for toks in (main, seqs[-1], seqs[1]):
+            r = e2.c.load("m", toks)
+            assert r.prefix_len == len(toks)
+            e2.verify(toks, r, expect=e1)
+    finally:
+        e2.close()
+    d2.check()
+
+
 def test_a_corrupted_page_is_dropped_never_served(make_daemon, tmp_path: Path) -> None:
     state = tmp_path / "state"
     a = seq(8)
