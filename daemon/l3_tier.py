@@ -112,8 +112,15 @@ class L3Tier:
         named = sorted({r.last for _, r in items})
         # from the node's tokens: a digest for each value's key, not one for every page
         key = dict(zip(named, self.cache.tree.page_keys([node], named), strict=True))
-        for kind, run in items:
+        for i, (kind, run) in enumerate(items):
             slots, toks = run.slots, run.tokens
+            if self.pending and self.queued_pages + len(toks) // pb > self.max_queued_pages:
+                # full: this value and the node's rest are refused, not the oldest dropped. A
+                # value is read only after every value before it on its path (a prefetch stops
+                # at the first miss), and the oldest are the paths' beginnings: dropping them
+                # lost whole paths
+                self.counters["l3_write_failures"] += len(items) - i
+                break
             l3_id = self.id_of(key[run.last])
             if snapshot:  # the slots are being freed: take their bytes now
                 pool = self.host.pool(kind)
@@ -130,12 +137,6 @@ class L3Tier:
                 continue
             self.pending.append((kind, ns, slots, l3_id, toks, None))
             self.queued_pages += len(toks) // pb
-        while self.queued_pages > self.max_queued_pages and len(self.pending) > 1:
-            kind, _, slots, _, toks, _ = self.pending.pop(0)
-            if slots:
-                self.host.unhold(kind, slots)
-            self.queued_pages -= len(toks) // pb
-            self.counters["l3_write_failures"] += 1
         if self.wake is not None:
             self.wake.set()
 

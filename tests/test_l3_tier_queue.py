@@ -65,16 +65,23 @@ def test_runs_hold_their_slots_until_taken_and_the_count_returns_to_zero(tiers) 
     assert host.full.audit() == []
 
 
-def test_an_overflowing_queue_gives_back_the_oldest_values_slots(tiers) -> None:
+def test_a_full_queue_refuses_new_values_and_keeps_the_ones_before_them(tiers) -> None:
+    """A value is read only after the values before it on its path, which were queued first:
+    a full queue refuses what comes, holding none of its slots, and keeps the beginnings (it
+    used to drop the oldest, so a burst of a deep path's nodes left no prefix in Redis)."""
     mc, host, l3 = tiers
     l3.max_queued_pages = 20
     a = cached_on_host(mc, host, 1000, 16)
     b = cached_on_host(mc, host, 50_000, 16)
     l3.queue(a, a.host, None)
-    l3.queue(b, b.host, None)  # 32 pages > 20: a's run is dropped, its slots unheld
-    assert [slots for _, _, slots, *_ in l3.pending] == [tuple(b.host)]
+    l3.queue(b, b.host, None)  # 32 pages > 20: b's run is refused, its slots never held
+    assert [slots for _, _, slots, *_ in l3.pending] == [tuple(a.host)]
     assert l3.queued_pages == 16 and readers(host) == 16
     assert l3.counters["l3_write_failures"] == 1
+    for kind, _, slots, *_ in l3.take_batch():  # the writer takes a's run: room again
+        host.unhold(kind, slots)
+    l3.queue(b, b.host, None)
+    assert [slots for _, _, slots, *_ in l3.pending] == [tuple(b.host)]
 
 
 def test_a_run_with_a_slot_being_filled_is_skipped_and_holds_nothing(tiers) -> None:
