@@ -49,9 +49,9 @@ L3_WRITE_BATCH = 256
 #: (an evict of host pages from outside the tiers); every reuse of a host slot looks first anyway.
 HOST_DROPS_POLL_S = 0.05
 #: Most pages waiting for Redis, at least: each holds its host slot, so a slow Redis must not pin
-#: the whole host pool; past the bound the oldest values are dropped (counted as L3 write
-#: failures). The bound is this or a quarter of the host pool, whichever is more: at small pages
-#: a burst of inserts is many pages, and the host pool holds many more of them.
+#: the whole host pool; past the bound the values farthest from the root are lost (counted as L3
+#: write failures: L3Tier.queue). The bound is this or a quarter of the host pool, whichever is
+#: more: at small pages a burst of inserts is many pages, and the host pool holds many more.
 MAX_L3_QUEUE = 16384
 
 
@@ -114,11 +114,10 @@ class L3Tier:
         key = dict(zip(named, self.cache.tree.page_keys([node], named), strict=True))
         for i, (kind, run) in enumerate(items):
             slots, toks = run.slots, run.tokens
-            if self.pending and self.queued_pages + len(toks) // pb > self.max_queued_pages:
-                # full: this value and the node's rest are refused, not the oldest dropped. A
-                # value is read only after every value before it on its path (a prefetch stops
-                # at the first miss), and the oldest are the paths' beginnings: dropping them
-                # lost whole paths
+            if not snapshot and self.pending \
+                    and self.queued_pages + len(toks) // pb > self.max_queued_pages:
+                # full, under write-through, which queues a path root first: this value and the
+                # node's rest are refused, the path's beginning kept (see below)
                 self.counters["l3_write_failures"] += len(items) - i
                 break
             l3_id = self.id_of(key[run.last])
@@ -137,6 +136,16 @@ class L3Tier:
                 continue
             self.pending.append((kind, ns, slots, l3_id, toks, None))
             self.queued_pages += len(toks) // pb
+        # A value is read only after every value before it on its path (a prefetch stops at the
+        # first miss), so a full queue loses a path's deepest values, never its beginning: under
+        # write-through the newest (refused above); under write_back the oldest, since a host
+        # eviction drops a parent only after its children, which were queued first
+        while snapshot and self.queued_pages > self.max_queued_pages and len(self.pending) > 1:
+            kind, _, slots, _, toks, _ = self.pending.pop(0)
+            if slots:
+                self.host.unhold(kind, slots)
+            self.queued_pages -= len(toks) // pb
+            self.counters["l3_write_failures"] += 1
         if self.wake is not None:
             self.wake.set()
 

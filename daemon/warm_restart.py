@@ -13,8 +13,9 @@ size changed restores nothing (one log line says why); each page is verified aga
 checksum and a page that fails is dropped with everything below it in the tree, never served.
 Kept pages get new slots in the fresh pools (allocator, reference counts, the keyed pages'
 content index and the tree's host-page counts, the per-namespace quotas included, all follow from
-the ordinary operations: ``HostPool.store_unnamed`` and ``RadixTree.adopt_host`` for the tree's
-pages, ``HostPool.store`` and ``KeyedPages.add_stored`` for keyed pages).
+the ordinary operations: ``HostPool.store_unnamed`` and ``RadixTree.adopt_host_under`` (each
+node under the one made for its parent) for the tree's pages, ``HostPool.store`` and
+``KeyedPages.add_stored`` for keyed pages).
 
 Two places keep the state between the stop and the start, with one restore for both
 (:func:`_restore`): ``[server] state_dir`` (the held pages copied into files) and, under systemd
@@ -275,7 +276,7 @@ class _Restorer:
             hswa = as_slots(rec.host_swa) if rec.host_swa else array("i", bytes(4 * len(host)))
             npages = len(rec.tokens) // pb
             parent = made[rec.parent] if 0 <= rec.parent < len(made) else None
-            if (rec.parent >= 0 and parent is None) or npages == 0 \
+            if (rec.parent >= 0 and (parent is None or parent.ns.name != rec.ns)) or npages == 0 \
                     or len(rec.tokens) != npages * pb or len(host) != npages \
                     or len(hswa) != npages:
                 made.append(None)

@@ -1,6 +1,7 @@
 """The L3 writer's queue (daemon.l3_tier.L3Tier) over a real tree and a real host tier: every
-slot it holds is given back exactly once (when a batch is taken, when the queue overflows, when
-a run cannot be held whole), and its page count returns to 0 when it empties."""
+slot it holds is given back exactly once (when a batch is taken, when a run cannot be held
+whole), a full queue holds none for what it refuses, its page count returns to 0 when it
+empties, and a full queue keeps the beginnings of paths under both write policies."""
 
 from __future__ import annotations
 
@@ -66,9 +67,10 @@ def test_runs_hold_their_slots_until_taken_and_the_count_returns_to_zero(tiers) 
 
 
 def test_a_full_queue_refuses_new_values_and_keeps_the_ones_before_them(tiers) -> None:
-    """A value is read only after the values before it on its path, which were queued first:
-    a full queue refuses what comes, holding none of its slots, and keeps the beginnings (it
-    used to drop the oldest, so a burst of a deep path's nodes left no prefix in Redis)."""
+    """Under write-through a path is queued root first, and a value is read only after the
+    values before it: a full queue refuses what comes, holding none of its slots, and keeps
+    the beginnings (it used to drop the oldest, so a burst of a deep path's nodes left no
+    prefix in Redis)."""
     mc, host, l3 = tiers
     l3.max_queued_pages = 20
     a = cached_on_host(mc, host, 1000, 16)
@@ -101,3 +103,27 @@ def test_values_left_queued_at_a_stop_give_their_slots_back(tiers) -> None:
     l3.drop_pending()  # the stop, once the writer has ended
     assert l3.pending == [] and l3.queued_pages == 0 and readers(host) == 0
     assert host.full.refcount(node.host[0]) == 1 and host.full.audit() == []
+
+
+def test_a_full_queue_under_write_back_keeps_the_beginning_of_a_path(tiers) -> None:
+    """Under write_back a host eviction hands nodes over leaf first (a parent leaves host only
+    after its children): the oldest queued values are the deepest, and they are the ones a
+    full queue loses; the path's first pages stay queued."""
+    mc, host, l3 = tiers
+    depth = 40
+    path = list(range(1000, 1000 + depth * P))
+    parent = mc.tree.namespace(NS).root
+    for i in range(depth):  # a host-only path of one-page nodes
+        slots = host.take("full", 1, NS)
+        host.filled("full", slots, NS)
+        parent = mc.tree.adopt_host_under(parent, as_token_bytes(path[i * P:(i + 1) * P]),
+                                          array("i", slots), array("i", [0]))
+        assert parent is not None
+    mc.tree.report_host_drops = True
+    mc.read_host_drops = l3.host_dropped
+    l3.max_queued_pages = 10
+    mc.evict_host(depth)
+    starts = sorted((int.from_bytes(toks[:4], "little") - 1000) // P
+                    for *_, toks, _ in l3.pending)
+    assert starts and starts[0] == 0 and l3.queued_pages <= 10
+    assert l3.counters["l3_write_failures"] > 0
