@@ -74,7 +74,7 @@ def in_one_pass(cache: ModelCache, rids: list[int]) -> None:
 
 
 def stepped_check(cache: ModelCache) -> tuple[float, float]:
-    """The stepped full check's (longest step, whole) in seconds; raises on a violation."""
+    """The stepped full check's (longest step, whole) in milliseconds; raises on a violation."""
     problems: list[str] = []
     steps = cache.check_steps(problems)
     longest, t_all = 0.0, time.perf_counter()
@@ -86,32 +86,33 @@ def stepped_check(cache: ModelCache) -> tuple[float, float]:
     whole = time.perf_counter() - t_all
     if problems:
         raise RuntimeError(f"the check found problems: {problems[:3]}")
-    return longest, whole
+    return longest * 1e3, whole * 1e3
 
 
 def measure(depth: int, locks: int, rounds: int, anchors: int = 1) -> dict[str, float]:
     """Median milliseconds of each over ``rounds`` fresh caches, and the ratios."""
-    times: dict[str, list[float]] = {k: [] for k in (
-        "one_at_a_time", "in_one_pass", "check_step_locked", "check_step_unlocked",
-        "check_locked", "check_unlocked")}
+    times: dict[str, list[float]] = {}
+
+    def add(name: str, ms: float) -> None:
+        times.setdefault(name, []).append(ms)
+
     for r in range(rounds):
         ways = [one_at_a_time, in_one_pass]
         for way in ways if r % 2 == 0 else ways[::-1]:
             cache, rids = deep_cache(depth, locks, anchors)
-            if way is in_one_pass:  # the check, with the locks and then without them
-                for side in ("locked", "unlocked"):
-                    if side == "unlocked":
-                        in_one_pass(cache, rids)
-                    step, whole = stepped_check(cache)
-                    times[f"check_step_{side}"].append(step * 1e3)
-                    times[f"check_{side}"].append(whole * 1e3)
-                cache, rids = deep_cache(depth, locks, anchors)
             t0 = time.perf_counter()
             way(cache, rids)
-            times[way.__name__].append((time.perf_counter() - t0) * 1e3)
+            add(way.__name__, (time.perf_counter() - t0) * 1e3)
             problems = cache.check()
             if problems or any(n.full_lock for n in cache.tree.iter_nodes()):
                 raise RuntimeError(f"{way.__name__} left the cache wrong: {problems[:3]}")
+        cache, rids = deep_cache(depth, locks, anchors)  # the check, with the locks, then without
+        for side in ("locked", "unlocked"):
+            step, whole = stepped_check(cache)
+            add(f"check_step_{side}", step)
+            add(f"check_{side}", whole)
+            if side == "locked":
+                in_one_pass(cache, rids)
     out = {f"{k}_ms": statistics.median(v) for k, v in times.items()}
     out["session_end_ratio"] = out["one_at_a_time_ms"] / out["in_one_pass_ms"]
     out["check_step_ratio"] = out["check_step_locked_ms"] / out["check_step_unlocked_ms"]
