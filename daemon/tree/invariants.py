@@ -21,7 +21,7 @@ from typing import Any
 
 from .hashing import HASH_BYTES, block_hashes
 from .lru import EvictionQueue
-from .node import Node
+from .node import Node, Receipt
 from .page_ids import nonzero, nonzero_count
 from .radix import RadixTree
 
@@ -142,14 +142,17 @@ def audit_steps(tree: RadixTree, a: TreeAudit, *, deep: bool = True) -> Iterator
                 v.append(f"node {n.id} belongs to namespace {getattr(n.ns, 'name', None)!r}, "
                          f"found under {name!r}")
             dev_children = 0
-            for key, c in (n.children or {}).items():
-                if c.parent is not n:
-                    v.append(f"node {c.id}: parent pointer does not point at {n.id}")
-                if key != c.tokens[:pb]:
-                    v.append(f"node {c.id}: registered under a key that is not its first page")
-                if c.full is not None:
-                    dev_children += 1
-                stack.append(c)
+            for chunk in chunked((n.children or {}).items()):  # a root may have thousands
+                for key, c in chunk:
+                    if c.parent is not n:
+                        v.append(f"node {c.id}: parent pointer does not point at {n.id}")
+                    if key != c.tokens[:pb]:
+                        v.append(f"node {c.id}: registered under a key that is not its first "
+                                 "page")
+                    if c.full is not None:
+                        dev_children += 1
+                    stack.append(c)
+                yield
             if n.children is not None and not n.children:
                 v.append(f"node {n.id}: empty children dict (must be None)")
             if n.dev_children != dev_children:
@@ -166,16 +169,21 @@ def audit_steps(tree: RadixTree, a: TreeAudit, *, deep: bool = True) -> Iterator
 
     a.nodes = len(reachable)
     yield
-    if set(reachable) != set(tree.nodes):
-        ghosts = sorted(set(tree.nodes) - set(reachable))[:10]
-        lost = sorted(set(reachable) - set(tree.nodes))[:10]
-        v.append(f"node registry disagrees with the tree: unreachable {ghosts}, "
-                 f"unregistered {lost}")
+    ghosts: list[int] = []  # registered, not reachable
     for chunk in chunked(tree.nodes.items()):
         for k, i in chunk:
             if i.id != k:
                 v.append(f"node registry maps {k} to node {i.id}")
+            if reachable.get(k) is not i:
+                ghosts.append(k)
         yield
+    if ghosts or len(tree.nodes) != len(reachable):
+        lost: list[int] = []  # reachable, not registered
+        for chunk in chunked(reachable):
+            lost += [k for k in chunk if k not in tree.nodes]
+            yield
+        v.append(f"node registry disagrees with the tree: unreachable {sorted(ghosts)[:10]}, "
+                 f"unregistered {sorted(lost)[:10]}")
     if tree.awaiting_copy:  # a two-phase eviction must be committed before anything else runs
         v.append(f"eviction left half-done: nodes {[n.id for n in tree.awaiting_copy][:10]} "
                  "await a host copy")
@@ -256,7 +264,10 @@ def _check_locks(tree: RadixTree, reachable: dict[int, Node], v: list[str]) -> I
     swa: Counter[int] = Counter()
     pins: Counter[int] = Counter()
     host_pins: Counter[int] = Counter()
-    spans: dict[tuple[int, int], list] = {}  # (anchor, SWA pages): [receipts, one of them]
+    # SWA windows by (anchor, SWA pages) as one int, so that no GC-tracked object is made per
+    # receipt (20,000 of them set off a collection of as many, milliseconds in one step)
+    spans: Counter[int] = Counter()
+    span_receipt: dict[int, Receipt] = {}  # one receipt of each, to name in a violation
     for chunk in chunked(tree.receipts):
         for r in chunk:
             if not r.active:
@@ -267,12 +278,18 @@ def _check_locks(tree: RadixTree, reachable: dict[int, Node], v: list[str]) -> I
                 v.append(f"receipt anchored at node {a.id}, which is not in the tree")
                 continue
             full[a.id] += 1
-            if r.swa_pages:
-                spans.setdefault((a.id, r.swa_pages), [0, r])[0] += 1
+            if not 0 <= r.swa_pages < 1 << 32:
+                v.append(f"receipt {r!r}: {r.swa_pages} SWA pages")
+            elif r.swa_pages:
+                key = a.id << 32 | r.swa_pages
+                spans[key] += 1
+                span_receipt[key] = r
         yield
     walked = 0
-    for (aid, pages), (k, r) in spans.items():  # a local dict: steps of STEP_ITEMS nodes walked
-        left = pages
+    while spans:  # emptied as it goes: freeing 10,000s of entries at once is a long step too
+        key, k = spans.popitem()
+        r = span_receipt.pop(key)
+        aid, left = key >> 32, key & 0xFFFFFFFF
         n = reachable[aid]
         while left > 0 and n.parent is not None:
             swa[n.id] += k
@@ -302,8 +319,8 @@ def _check_locks(tree: RadixTree, reachable: dict[int, Node], v: list[str]) -> I
             p = n.parent
             if p is None:
                 continue
-            i = n.id
-            f, s, pn, hp = full[i], swa[i], pins[i], host_pins[i]
+            i = n.id  # (popped, as the SWA spans above)
+            f, s, pn, hp = full.pop(i, 0), swa.pop(i, 0), pins.pop(i, 0), host_pins.pop(i, 0)
             if n.full_lock != f or n.swa_lock != s:
                 v.append(f"node {i}: locks {n.full_lock}/{n.swa_lock}, receipts account "
                          f"for {f}/{s} (a lost or doubled receipt)")
@@ -393,9 +410,13 @@ def _check_queue(label: str, q: EvictionQueue, want: set[int], key: Callable[[No
         v.append(f"{label} queue holds a node twice")
     if q.live != len(live):
         v.append(f"{label} queue counts {q.live} live entries, holds {len(live)}")
-    if got != want:
+    missing: list[int] = []
+    for chunk in chunked(want):  # (a set compare of 10,000s of nodes is a long step)
+        missing += [i for i in chunk if i not in got]
+        yield
+    if missing or len(got) != len(want):
         v.append(f"{label} queue holds {sorted(got - want)[:10]} that are not eligible and misses "
-                 f"{sorted(want - got)[:10]}")
+                 f"{sorted(missing)[:10]}")
     for start in range(1, len(heap), STEP_ITEMS):
         if any(heap[(i - 1) // 2][:2] > heap[i][:2]
                for i in range(start, min(len(heap), start + STEP_ITEMS))):
