@@ -27,6 +27,23 @@ def write_json(path: str, figures: dict[str, Any]) -> None:
         fh.write("\n")
 
 
+def run_worker(argv: list[str], label: str, timeout_s: float, *, cwd: str = _ROOT,
+               env: dict[str, str] | None = None, stdin: bytes | None = None) -> Any:
+    """A benchmark's worker process (a side measured in a fresh process of its own): the JSON
+    value of the last line it printed. A worker that fails, prints nothing or outlives
+    ``timeout_s`` is a ``RuntimeError`` with the end of its stderr, never a figure."""
+    try:
+        got = subprocess.run(argv, input=stdin, capture_output=True, cwd=cwd, env=env,
+                             timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"the worker {label} took more than {timeout_s} s") from None
+    lines = got.stdout.decode(errors="replace").strip().splitlines()
+    if got.returncode or not lines:
+        raise RuntimeError(f"the worker {label} failed (exit {got.returncode}):\n"
+                           f"{got.stderr.decode(errors='replace')[-4000:]}")
+    return json.loads(lines[-1])
+
+
 _TICK = os.sysconf("SC_CLK_TCK")
 
 

@@ -33,7 +33,6 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import shutil  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import time  # noqa: E402
 from array import array  # noqa: E402
 from typing import Any  # noqa: E402
@@ -101,22 +100,14 @@ def measure(roots: int, locks: int, passes: int) -> dict[str, Any]:
 def run_side(root: str, roots: int, locks: int, passes: int, cpu: int | None
              ) -> dict[str, Any]:
     """A worker process on ``root``'s daemon; its figures."""
-    from bench._common import tree_env
+    from bench._common import run_worker, tree_env
 
     argv = [sys.executable, os.path.abspath(__file__), WORKER_FLAG, str(roots), str(locks),
             str(passes)]
     if cpu is not None:
         argv = ["taskset", "-c", str(cpu), *argv]
-    try:
-        got = subprocess.run(argv, capture_output=True, env=tree_env(root), cwd=root,
-                             timeout=WORKER_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        raise RuntimeError(f"the worker on {root} took more than {WORKER_TIMEOUT_S} s") from None
-    lines = got.stdout.decode(errors="replace").strip().splitlines()
-    if got.returncode or not lines:
-        raise RuntimeError(f"the worker on {root} failed (exit {got.returncode}):\n"
-                           f"{got.stderr.decode(errors='replace')[-4000:]}")
-    figures: dict[str, Any] = json.loads(lines[-1])
+    figures: dict[str, Any] = run_worker(argv, f"on {root}", WORKER_TIMEOUT_S, cwd=root,
+                                         env=tree_env(root))
     if os.path.realpath(figures.pop("source")) != os.path.realpath(root):
         raise RuntimeError(f"the worker for {root} ran another tree's daemon")
     return figures

@@ -42,14 +42,12 @@ if _ROOT not in sys.path:
 
 import argparse  # noqa: E402
 import functools  # noqa: E402
-import json  # noqa: E402
 import pickle  # noqa: E402
 import random  # noqa: E402
 import shutil  # noqa: E402
-import subprocess  # noqa: E402
 from array import array  # noqa: E402
 
-from bench._common import export_ref, tree_env, write_json  # noqa: E402
+from bench._common import export_ref, run_worker, tree_env, write_json  # noqa: E402
 from bench.rpc_bench import MODEL, PAGE, _prefixes, _requests, config  # noqa: E402
 
 #: the operations timed, in the order a request sends them (request_path_worker.py)
@@ -75,17 +73,8 @@ def run_side(root: str, rounds: int, cpu: int | None) -> dict[str, float]:
     prefixes, requests = workload()
     job = {"config": config(), "model": MODEL, "page": PAGE, "prefixes": prefixes,
            "requests": requests, "rounds": rounds, "cpu": cpu}
-    try:
-        got = subprocess.run([sys.executable, WORKER], input=pickle.dumps(job),
-                             capture_output=True, env=tree_env(root), cwd=root,
-                             timeout=WORKER_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        raise RuntimeError(f"the worker on {root} took more than {WORKER_TIMEOUT_S} s") from None
-    lines = got.stdout.decode(errors="replace").strip().splitlines()
-    if got.returncode or not lines:
-        raise RuntimeError(f"the worker on {root} failed (exit {got.returncode}):\n"
-                           f"{got.stderr.decode(errors='replace')[-4000:]}")
-    figures = json.loads(lines[-1])
+    figures = run_worker([sys.executable, WORKER], f"on {root}", WORKER_TIMEOUT_S, cwd=root,
+                         env=tree_env(root), stdin=pickle.dumps(job))
     source = figures.pop("source")
     if os.path.realpath(source) != os.path.realpath(root):  # a baseline measuring this tree
         raise RuntimeError(f"the worker for {root} ran the daemon of {source}")

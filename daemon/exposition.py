@@ -31,7 +31,7 @@ from radixd_client import protocol as P
 from . import __version__
 from .checker import CHECK_KINDS, Checker
 from .config import OTHER_TENANT
-from .metrics import LATENCY_BUCKETS
+from .metrics import LATENCY_BUCKETS, GcPauses
 from .open_files import NearLimit, open_count, soft_limit
 from .process_memory import HeapTrimmer, heap_stats, rss_bytes
 from .queries import ModelView, ServerState
@@ -224,6 +224,7 @@ class Collector:
         reg.gauge("radixd_info", "Build and instance information (always 1).",
                   ("version", "instance")).add_metric([__version__, service.instance], 1)
         _heap_families(reg, self.state.heap_trimmer)
+        _gc_families(reg, self.state.gc_pauses)
         _descriptor_families(reg, self.state.near_limit)
         reg.counter("radixd_idle_compaction_seconds",
                     "Seconds the event loop spent keeping cold nodes' page ids as runs, while no "
@@ -297,6 +298,21 @@ def _heap_families(reg: _Families, trimmer: HeapTrimmer) -> None:
     reg.counter("radixd_malloc_trim_released_bytes",
                 "RSS the trims gave back (RSS before minus after each trim).").add_metric(
         [], trimmer.released_bytes)
+
+
+def _gc_families(reg: _Families, gc_pauses: GcPauses) -> None:
+    pauses = reg.histogram(
+        "radixd_gc_pause_seconds",
+        "Collections of Python's cyclic garbage collector, by generation, and how long each held "
+        "the event loop (every request waits for one in progress).", ("generation",))
+    longest = reg.gauge("radixd_gc_longest_pause_seconds",
+                        "The longest collection of each generation since the start.",
+                        ("generation",))
+    bounds = [floatToGoString(b) for b in (*LATENCY_BUCKETS, math.inf)]
+    for g, h in gc_pauses.pauses.items():
+        pauses.add_metric([str(g)], list(zip(bounds, (n for _, n in h.cumulative()), strict=True)),
+                          h.total)
+        longest.add_metric([str(g)], gc_pauses.longest[g])
 
 
 #: L3 client events, as RedisTier.stats names them: (key, family, help)

@@ -7,8 +7,16 @@ scrape (daemon/exposition.py).
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import logging
+import time
 from bisect import bisect_left
 from dataclasses import dataclass, field
+
+from .log_throttle import LogThrottle
+
+log = logging.getLogger("radixd.gc")
 
 # seconds; fine at the bottom, where the daemon's operations live (microseconds)
 LATENCY_BUCKETS: tuple[float, ...] = (
@@ -69,3 +77,48 @@ class OpStats:
             if h.n > refused:
                 out[(op, "ok")] = h.n - refused
         return out
+
+
+#: a collection at least this long is logged (a warning, one line a minute at most)
+GC_WARN_S = 0.05
+GENERATIONS = (0, 1, 2)
+
+
+class GcPauses:
+    """How long Python's cyclic collector stopped the daemon, by generation.
+
+    A collection holds the GIL, and with it the event loop and every request, for its whole
+    length; a full one traverses every container object the tree keeps (about five per node) and
+    the young ones whatever survived since theirs, so on a large tree under churn they are the
+    longest stalls a request can meet (tens to hundreds of milliseconds: docs/operations.md,
+    "Garbage collector pauses"). Installed as a ``gc.callbacks`` entry while the server runs;
+    recording is two clock reads and a histogram update per collection."""
+
+    def __init__(self, warn_s: float = GC_WARN_S) -> None:
+        self.pauses = {g: Histogram() for g in GENERATIONS}
+        self.longest = dict.fromkeys(GENERATIONS, 0.0)
+        self.warn_s = warn_s
+        self._log = LogThrottle(60.0)
+        self._started = 0.0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+            return
+        s = time.perf_counter() - self._started
+        g = min(info.get("generation", 2), 2)
+        self.pauses[g].observe(s)
+        if s > self.longest[g]:
+            self.longest[g] = s
+        if s >= self.warn_s and self._log.due():
+            log.warning("the garbage collector (generation %d) stopped the daemon for %.0f ms; "
+                        "%d more collections of %.0f ms or longer since the last such line",
+                        g, s * 1e3, self._log.take_held_back(), self.warn_s * 1e3)
+
+    def install(self) -> None:
+        if self not in gc.callbacks:
+            gc.callbacks.append(self)
+
+    def remove(self) -> None:
+        with contextlib.suppress(ValueError):
+            gc.callbacks.remove(self)

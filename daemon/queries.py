@@ -16,7 +16,7 @@ import msgspec
 from radixd_client import protocol as P
 
 from .entities import ModelEntry, Session, Tenant
-from .metrics import OpStats
+from .metrics import GcPauses, OpStats
 from .model_cache import ModelCache
 from .open_files import NearLimit
 from .process_memory import HeapTrimmer
@@ -173,6 +173,7 @@ class ServerState(Protocol):
     ops: int  # frames handled
     op_stats: OpStats
     heap_trimmer: HeapTrimmer
+    gc_pauses: GcPauses
     near_limit: NearLimit
 
 

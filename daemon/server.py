@@ -33,7 +33,7 @@ from .checker import Checker
 from .config import Config
 from .entities import Peer, Session
 from .log_throttle import LogThrottle
-from .metrics import OpStats
+from .metrics import GcPauses, OpStats
 from .open_files import NearLimit
 from .process_memory import HeapTrimmer
 from .sdnotify import Notifier, listen_fds, watchdog_interval
@@ -499,6 +499,7 @@ class Server:
         self.started = time.time()
         self.op_stats = OpStats()
         self.heap_trimmer = HeapTrimmer(config.server.malloc_trim_interval_s)
+        self.gc_pauses = GcPauses()
         self.near_limit = NearLimit()
         self.compact_seconds = 0.0  # in _compact_idle
         self.socket_path = config.server.socket
@@ -551,6 +552,13 @@ class Server:
                  " (socket passed by systemd)" if passed else "")
 
     async def serve(self) -> int:
+        self.gc_pauses.install()
+        try:
+            return await self._serve()
+        finally:
+            self.gc_pauses.remove()
+
+    async def _serve(self) -> int:
         await self.start()
         # handlers first: the socket exists now, and a signal before them would kill the process
         for sig in (signal.SIGTERM, signal.SIGINT):

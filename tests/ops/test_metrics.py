@@ -229,7 +229,9 @@ def test_openmetrics_on_request(admin_daemon) -> None:
     volatile = {"radixd_uptime_seconds", "radixd_operations_total", "radixd_heap_bytes",
                 "radixd_resident_memory_bytes",
                 "radixd_operation_duration_seconds_bucket",
-                "radixd_operation_duration_seconds_count", "radixd_operation_duration_seconds_sum"}
+                "radixd_operation_duration_seconds_count", "radixd_operation_duration_seconds_sum",
+                "radixd_gc_pause_seconds_bucket", "radixd_gc_pause_seconds_count",
+                "radixd_gc_pause_seconds_sum", "radixd_gc_longest_pause_seconds"}
     assert {k for k in om_samples if k[0] not in volatile} == {
         k for k in text_samples if k[0] not in volatile}
     assert metric(om_samples, "radixd_matches_total", model="m") == 0
@@ -356,3 +358,34 @@ def test_cold_nodes_page_ids_are_compacted_while_idle_and_expanded_when_used(
     assert metric(samples, "radixd_tree_page_id_compactions_total", model="m",
                   direction="compacted") == 0
     assert metric(samples, "radixd_idle_compaction_seconds_total") == 0
+
+
+def test_garbage_collector_pauses_are_counted_by_generation(admin_daemon) -> None:
+    """Every collection of Python's cyclic collector holds the event loop: /metrics counts them
+    by generation with how long they took (each generation's series there from the start). A
+    few thousand new nodes (several tracked objects each) set off young collections."""
+    model = {**SMALL_MODEL, "full_pages": 6000, "swa_pages": 6000, "host_pages": 0}
+    d = admin_daemon({"admin": {"token": ADMIN_TOKEN}, "models": [model]})
+    _, before = parse_metrics(d.get("/metrics").text)
+    for g in ("0", "1", "2"):
+        assert metric(before, "radixd_gc_pause_seconds_count", generation=g) >= 0
+        assert metric(before, "radixd_gc_longest_pause_seconds", generation=g) >= 0
+    with Client(d.socket) as c:
+        a = c.alloc("m", 5000)
+        for start in range(0, 5000, 250):
+            with c.batch() as b:
+                for i in range(start, start + 250):
+                    b.insert("m", toks(1, base=10 * P * i + 1),
+                             a.full_pages[4 * i:4 * i + 4], a.swa_pages[4 * i:4 * i + 4])
+    _, after = parse_metrics(d.get("/metrics").text)
+    young = (metric(after, "radixd_gc_pause_seconds_count", generation="0")
+             - metric(before, "radixd_gc_pause_seconds_count", generation="0"))
+    assert young >= 1
+    for g in ("0", "1", "2"):
+        n = metric(after, "radixd_gc_pause_seconds_count", generation=g)
+        assert metric(after, "radixd_gc_pause_seconds_bucket", generation=g, le="+Inf") == n
+        total = metric(after, "radixd_gc_pause_seconds_sum", generation=g)
+        longest = metric(after, "radixd_gc_longest_pause_seconds", generation=g)
+        assert (n == 0) == (total == 0) == (longest == 0)
+        assert longest <= total
+    assert metric(after, "radixd_gc_longest_pause_seconds", generation="0") > 0
