@@ -509,7 +509,8 @@ def test_async_calls_made_while_the_new_session_opens_raise_session_restarted(
         make_daemon, tmp_path: Path) -> None:
     """A call made while the reconnect waits for the new daemon's hello is not sent before it
     (the daemon would refuse it as not authenticated): it raises SessionRestarted with the cut
-    call, and one new connection serves the client."""
+    call, saying it was not sent (``details["sent"]`` False, on its own error: the cut call's
+    says nothing of the kind), and one new connection serves the client."""
     import asyncio
     import signal
 
@@ -532,6 +533,9 @@ def test_async_calls_made_while_the_new_session_opens_raise_session_restarted(
         d2.proc.send_signal(signal.SIGCONT)
         got = await asyncio.wait_for(asyncio.gather(cut, other, return_exceptions=True), 20)
         assert [type(g) for g in got] == [SessionRestarted] * 2, got
+        # the call made meanwhile was refused unsent; the cut one may have been sent
+        assert got[1].details["sent"] is False and "sent" not in got[0].details
+        assert got[1].details["attach_again"] == got[0].details["attach_again"] == {}
         assert c.restarts == 1 and (await c.ping(b"after")).payload == b"after"
         assert c.session == 1  # the new daemon's first: no connection opened and dropped
         await c.close()

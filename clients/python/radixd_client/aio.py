@@ -455,6 +455,12 @@ class AsyncClient(Operations):
         generation = self._generation
         try:
             self._refuse_while_reconnecting()
+        except ConnectionLost as exc:
+            err = await self._cut(exc, generation)
+            if isinstance(err, SessionRestarted):  # (a copy: the reconnect's is everyone's)
+                err = SessionRestarted(err.message, details={**err.details, "sent": False})
+            raise err from exc
+        try:
             return await self._call_once(op, req, exclusive)
         except (ConnectionLost, ShuttingDown) as exc:
             raise await self._cut(exc, generation) from exc

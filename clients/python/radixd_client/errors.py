@@ -239,8 +239,8 @@ class SessionRestarted(ConnectionLost):
     ``details["attach_again"]``: the models whose pools could not be mapped again in place and
     were closed (model -> why); ``attach`` them again and rebuild the views.
     ``details["sent"]``: False when the call was refused before it was sent because it was made
-    for a session the client had left (``Client.on_session``); without the key, the call may
-    have been sent.
+    for a session the client had left (``Client.on_session``) or, on an ``AsyncClient``, while
+    the new session was being opened; without the key, the call may have been sent.
     """
 
     default_code = "session_restarted"
