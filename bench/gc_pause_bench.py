@@ -11,16 +11,18 @@ used when the pool is full. The first ``--pages`` / 4 requests fill the pool and
 then ``--ops`` requests are, each alloc+insert alone (``perf_counter``), and every collection
 (``gc.callbacks``).
 
-A side is a set of collector settings, run in a process of its own (a fresh heap: the
-collector's state is the process's): ``daemon`` (what ``radixd serve`` sets: the start-up heap
-frozen, thresholds ``daemon.process_memory.tune_gc``'s) and, with ``--thresholds T0,T1,T2``,
-``other`` (the same, then those thresholds). ``--rounds`` processes per side, in turns; the
-figures are their medians: per generation the collections, the longest and the total pause in
-milliseconds; the alloc+insert p50 (µs), p99.9 and max (ms); requests per second; and the
-ratios other/daemon.
+A side runs in a process of its own (a fresh heap: the collector's state is the process's):
+``daemon``, this checkout with what ``radixd serve`` sets (the start-up heap frozen, thresholds
+``daemon.process_memory.tune_gc``'s); with ``--thresholds T0,T1,T2``, ``other``: the same, then
+those thresholds; with ``--baseline REF``, ``baseline``: the daemon of git ``REF`` (exported with
+``git archive``) with its own settings. ``--rounds`` processes per side, in turns; the figures
+are their medians: per generation the collections, the longest and the total pause in
+milliseconds (wall clock: on a shared machine the longest also holds the moments the process
+was not running; the totals divided by the counts are the steadier figure); the alloc+insert
+p50 (µs), p99.9 and max (ms); requests per second; and the ratios of each side to ``daemon``.
 
     python bench/gc_pause_bench.py [--pages 100000] [--ops 100000] [--rounds 3]
-        [--thresholds 5000,4,20] [--cpu N] [--json PATH]
+        [--thresholds 5000,4,20] [--baseline REF] [--cpu N] [--json PATH]
 """
 
 from __future__ import annotations
@@ -29,12 +31,14 @@ import os
 import sys
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _ROOT not in sys.path:
+WORKER_FLAG = "--worker"
+if WORKER_FLAG not in sys.argv and _ROOT not in sys.path:  # a worker imports its own tree
     sys.path.insert(0, _ROOT)
 
 import argparse  # noqa: E402
 import json  # noqa: E402
 import random  # noqa: E402
+import shutil  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 from array import array  # noqa: E402
@@ -42,12 +46,11 @@ from typing import Any  # noqa: E402
 
 PAGE = 16
 DOCS = 500
-WORKER_FLAG = "--worker"
 #: one worker's whole run
 WORKER_TIMEOUT_S = 900
 
 
-def churn(pages: int, ops: int, thresholds: tuple[int, int, int] | None) -> dict[str, float]:
+def churn(pages: int, ops: int, thresholds: tuple[int, int, int] | None) -> dict[str, Any]:
     """One side, in this process: the figures of the module docstring."""
     import gc
 
@@ -97,7 +100,11 @@ def churn(pages: int, ops: int, thresholds: tuple[int, int, int] | None) -> dict
     gc.callbacks.remove(on_gc)
     if cache.check(deep=False):
         raise RuntimeError(f"the cache is inconsistent: {cache.check(deep=False)[:3]}")
-    out = {"requests_per_s": ops / elapsed, "nodes": float(len(cache.tree.nodes))}
+    import daemon
+
+    out: dict[str, Any] = {
+        "source": os.path.dirname(os.path.dirname(os.path.abspath(daemon.__file__))),
+        "requests_per_s": ops / elapsed, "nodes": float(len(cache.tree.nodes))}
     ordered = sorted(lat)
     out["insert_p50_us"] = ordered[len(ordered) // 2] * 1e6
     out["insert_p999_ms"] = ordered[min(len(ordered) - 1, int(len(ordered) * 0.999))] * 1e3
@@ -109,15 +116,19 @@ def churn(pages: int, ops: int, thresholds: tuple[int, int, int] | None) -> dict
     return out
 
 
-def run_side(pages: int, ops: int, thresholds: tuple[int, int, int] | None, cpu: int | None
-             ) -> dict[str, float]:
-    from bench._common import run_worker
+def run_side(pages: int, ops: int, thresholds: tuple[int, int, int] | None, cpu: int | None,
+             root: str = _ROOT) -> dict[str, float]:
+    """One side's worker process, on ``root``'s daemon."""
+    from bench._common import run_worker, tree_env
 
     argv = [sys.executable, os.path.abspath(__file__), WORKER_FLAG,
             json.dumps([pages, ops, thresholds])]
     if cpu is not None:
         argv = ["taskset", "-c", str(cpu), *argv]
-    figures: dict[str, float] = run_worker(argv, f"with thresholds {thresholds}", WORKER_TIMEOUT_S)
+    figures: dict[str, float] = run_worker(argv, f"on {root}, thresholds {thresholds}",
+                                           WORKER_TIMEOUT_S, cwd=root, env=tree_env(root))
+    if os.path.realpath(str(figures.pop("source"))) != os.path.realpath(root):
+        raise RuntimeError(f"the worker for {root} ran another tree's daemon")
     return figures
 
 
@@ -132,7 +143,7 @@ def _thresholds(text: str) -> tuple[int, int, int]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    from bench._common import write_json
+    from bench._common import export_ref, write_json
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pages", type=int, default=100_000, help="pages in each pool")
@@ -140,6 +151,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--rounds", type=int, default=3, help="processes per side")
     ap.add_argument("--thresholds", type=_thresholds,
                     help="the other side's gc thresholds, T0,T1,T2")
+    ap.add_argument("--baseline", metavar="REF", help="also run the daemon of this git ref")
     ap.add_argument("--cpu", type=int, default=min(os.sched_getaffinity(0)),
                     help="the CPU every worker runs on (default: the first this process may use)")
     ap.add_argument("--json", help="write the figures as JSON")
@@ -152,29 +164,38 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.cpu not in os.sched_getaffinity(0):
         ap.error(f"--cpu: one of the CPUs this process may use, "
                  f"{sorted(os.sched_getaffinity(0))}, got {args.cpu}")
-    sides: list[tuple[str, tuple[int, int, int] | None]] = [("daemon", None)]
+    sides: list[tuple[str, tuple[int, int, int] | None, str]] = [("daemon", None, _ROOT)]
     if args.thresholds is not None:
-        sides.append(("other", args.thresholds))
-    got: dict[str, list[dict[str, float]]] = {name: [] for name, _ in sides}
-    for i in range(args.rounds):
-        for name, t in sides[::-1] if i % 2 else sides:
-            got[name].append(run_side(args.pages, args.ops, t, args.cpu))
+        sides.append(("other", args.thresholds, _ROOT))
+    base_root = export_ref(args.baseline) if args.baseline else None
+    if base_root is not None:
+        sides.append(("baseline", None, base_root))
+    got: dict[str, list[dict[str, float]]] = {name: [] for name, _, _ in sides}
+    try:
+        for i in range(args.rounds):
+            for name, t, root in sides[::-1] if i % 2 else sides:
+                got[name].append(run_side(args.pages, args.ops, t, args.cpu, root))
+    finally:
+        if base_root is not None:
+            shutil.rmtree(base_root, ignore_errors=True)
     med = {name: {k: statistics.median(f[k] for f in runs) for k in runs[0]}
            for name, runs in got.items()}
-    other = f"; other: thresholds {','.join(map(str, args.thresholds))}" if len(sides) > 1 else ""
+    named = [name for name, _, _ in sides]
+    what = "".join([f"; other: thresholds {','.join(map(str, args.thresholds))}"
+                    if args.thresholds else "", f"; baseline {args.baseline}" if base_root else ""])
     print(f"gc pauses under tree churn, page {PAGE}, {args.pages} pages, {args.ops} requests; "
-          f"medians of {args.rounds} processes on CPU {args.cpu}{other}")
-    print(f"{'figure':<22}" + "".join(f"{name:>12}" for name, _ in sides)
-          + ("    ratio" if len(sides) > 1 else ""))
+          f"medians of {args.rounds} processes on CPU {args.cpu}{what}")
+    print(f"{'figure':<22}" + "".join(f"{name:>12}" for name in named)
+          + "".join(f"{name + '/daemon':>17}" for name in named[1:]))
     out: dict[str, Any] = {}
     for k in med["daemon"]:
-        row = [med[name][k] for name, _ in sides]
-        for (name, _), v in zip(sides, row, strict=True):
-            out[f"{k}_{name}"] = v
+        row = [med[name][k] for name in named]
         line = f"{k:<22}" + "".join(f"{v:>12.3f}" for v in row)
-        if len(sides) > 1:
-            out[f"{k}_ratio"] = row[1] / row[0] if row[0] else None
-            line += f"{row[1] / row[0]:>8.2f}x" if row[0] else "        -"
+        for name, v in zip(named, row, strict=True):
+            out[f"{k}_{name}"] = v
+        for name, v in zip(named[1:], row[1:], strict=True):
+            out[f"{k}_{name}_ratio"] = v / row[0] if row[0] else None
+            line += f"{v / row[0]:>16.2f}x" if row[0] else f"{'-':>17}"
         print(line)
     if args.json:
         write_json(args.json, out)

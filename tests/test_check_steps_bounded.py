@@ -116,12 +116,9 @@ def test_the_chunked_comparisons_still_find_what_they_look_for() -> None:
     unlocked = next(c for c in tree.nodes.values()
                     if c.parent is not None and c.full_entry is not None)
     q = tree.namespaces[NS].full_q
-    entry = unlocked.full_entry
-    entry[2] = None
-    q.live -= 1
+    del q.node_of[unlocked.full_entry[1]]
     assert any("full queue" in x and f"misses [{unlocked.id}]" in x for x in _findings(cache))
-    entry[2] = unlocked
-    q.live += 1
+    q.node_of[unlocked.full_entry[1]] = unlocked
     assert _findings(cache) == []
 
     # a receipt registered for another owner than the one whose holding lists it

@@ -37,6 +37,6 @@ def test_a_short_run_gives_every_figure_of_both_sides(
         assert 0 < figures[f"insert_p50_us_{side}"] <= figures[f"insert_max_ms_{side}"] * 1e3
     assert figures["gen0_collections_other"] > figures["gen0_collections_daemon"]
     assert figures["gen0_longest_ms_other"] > 0
-    assert figures["requests_per_s_ratio"] == pytest.approx(
+    assert figures["requests_per_s_other_ratio"] == pytest.approx(
         figures["requests_per_s_other"] / figures["requests_per_s_daemon"])
     assert "gen2_longest_ms" in capsys.readouterr().out

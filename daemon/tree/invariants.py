@@ -386,30 +386,31 @@ def _check_queues(tree: RadixTree, reachable: dict[int, Node], v: list[str]) -> 
 def _check_queue(label: str, q: EvictionQueue, want: set[int], key: Callable[[Node], Any],
                  reachable: dict[int, Node], v: list[str]) -> Iterator[None]:
     heap = q.heap
-    live: list[list] = []
-    for chunk in chunked(heap):
-        live += [e for e in chunk if e[2] is not None]
-        yield
+    node_of = q.node_of
+    in_heap = 0  # live entries the heap holds (each seq is unique)
     got: set[int] = set()
     twice = False
-    for chunk in chunked(live):
+    for chunk in chunked(heap):
         for e in chunk:
-            n = e[2]
+            n = node_of.get(e[1])
+            if n is None:  # dead
+                continue
+            in_heap += 1
             if n.id in got:
                 twice = True
             got.add(n.id)
             if reachable.get(n.id) is not n:
                 v.append(f"{label} queue holds node {n.id}, which is not in the tree")
-            elif getattr(n, q.attr) is not e:
+            elif getattr(n, q.attr) != e:
                 v.append(f"{label} queue entry of node {n.id} is not the node's live entry")
-            elif e[0] > key(n):  # (a key rises in place with a use: daemon/tree/lru.py)
+            elif e[0] > key(n):  # (a use raises a node's key, not its entry's: tree/lru.py)
                 v.append(f"{label} queue orders node {n.id} by a key {e[0]} above its own "
                          f"({key(n)}): it would be evicted too late")
         yield
     if twice:
         v.append(f"{label} queue holds a node twice")
-    if q.live != len(live):
-        v.append(f"{label} queue counts {q.live} live entries, holds {len(live)}")
+    if len(node_of) != in_heap:
+        v.append(f"{label} queue counts {len(node_of)} live entries, its heap holds {in_heap}")
     missing: list[int] = []
     for chunk in chunked(want):  # (a set compare of 10,000s of nodes is a long step)
         missing += [i for i in chunk if i not in got]

@@ -2,8 +2,14 @@
 
 Eligibility changes (lock, unlock, a child evicted) insert nodes with old timestamps in the middle
 of the order, which an intrusive LRU list can only do in O(n). A heap does it in O(log n); an entry
-is invalidated in O(1) by clearing its node slot, and the heap is compacted when dead entries
-outnumber live ones.
+is invalidated in O(1) by dropping its number from the live entries, and the heap is compacted
+when dead entries outnumber live ones.
+
+An entry is a tuple ``(key, seq)``, and the node it stands for is found by ``seq`` in the
+queue's dict of live entries: no entry refers to its node, so an entry is no object the cyclic
+garbage collector traverses (tuples of numbers are untracked after its first look), where a
+``[key, seq, node]`` list was two per node for every collection to walk (docs/operations.md,
+"Garbage collector pauses").
 
 A use of a node (a match or an insert through it) only raises its key: the node's timestamp
 moves, its entry stays where it was. An entry's key is therefore at most its node's key, and
@@ -25,18 +31,23 @@ from .node import Node
 class EvictionQueue:
     """Nodes eligible for one kind of eviction, ordered by (priority, insertion order)."""
 
-    __slots__ = ("attr", "key", "heap", "live", "_seq")
+    __slots__ = ("attr", "key", "heap", "node_of", "_seq")
 
     def __init__(self, attr: str, key: Callable[[Node], Any]) -> None:
         self.attr = attr  # the Node slot that holds this queue's live entry
         #: a node's priority now (the policy's); never less than its entry's, see the module
         self.key = key
-        self.heap: list[list] = []
-        self.live = 0
+        self.heap: list[tuple[Any, int]] = []
+        #: the live entries: seq -> node (an entry whose seq is not here is dead)
+        self.node_of: dict[int, Node] = {}
         self._seq = 0  # tie-break: unique per entry, so entries never compare their nodes
 
     def __len__(self) -> int:
-        return self.live
+        return len(self.node_of)
+
+    @property
+    def live(self) -> int:
+        return len(self.node_of)
 
     def push(self, node: Node, key: Any) -> None:
         """``key``: the policy's key for this queue, compared as it is (the SWA queue's is a
@@ -45,61 +56,62 @@ class EvictionQueue:
         if old is not None:
             if old[0] == key:
                 return
-            old[2] = None
-            self.live -= 1
+            del self.node_of[old[1]]
         self._seq += 1
-        entry = [key, self._seq, node]
+        entry = (key, self._seq)
         setattr(node, self.attr, entry)
         heapq.heappush(self.heap, entry)
-        self.live += 1
-        if len(self.heap) > 2 * self.live + 64:
+        self.node_of[self._seq] = node
+        if len(self.heap) > 2 * len(self.node_of) + 64:
             self._compact()
 
     def remove(self, node: Node) -> None:
         entry = getattr(node, self.attr)
         if entry is not None:
-            entry[2] = None
+            del self.node_of[entry[1]]
             setattr(node, self.attr, None)
-            self.live -= 1
 
     def pop(self) -> Node | None:
         entry = self.top()
         if entry is None:
             return None
         heapq.heappop(self.heap)
-        node = entry[2]
+        node = self.node_of.pop(entry[1])
         setattr(node, self.attr, None)
-        self.live -= 1
         return node
 
     def peek(self) -> Node | None:
         entry = self.top()
-        return entry[2] if entry is not None else None
+        return self.node_of[entry[1]] if entry is not None else None
 
-    def top(self) -> list | None:
-        """The entry :meth:`pop` would take, ``[key, seq, node]`` (None when empty): dead entries
+    def top(self) -> tuple[Any, int] | None:
+        """The entry :meth:`pop` would take, ``(key, seq)`` (None when empty): dead entries
         above it dropped, refreshed ones queued again by their keys now."""
         heap = self.heap
         key = self.key
+        node_of = self.node_of
         while heap:
             entry = heap[0]
-            node = entry[2]
+            node = node_of.get(entry[1])
             if node is None:
                 heapq.heappop(heap)
                 continue
             k = key(node)
             if k == entry[0]:
                 return entry
+            del node_of[entry[1]]
             self._seq += 1  # the node was used since it was queued: in line after those
-            entry[0] = k  # queued before that use
-            entry[1] = self._seq
+            entry = (k, self._seq)  # queued before that use
+            node_of[self._seq] = node
+            setattr(node, self.attr, entry)
             heapq.heapreplace(heap, entry)
         return None
 
     def nodes(self) -> Iterator[Node]:
         """Live nodes in no particular order (for the checker and for scans)."""
-        return (e[2] for e in self.heap if e[2] is not None)
+        return iter(self.node_of.values())
 
     def _compact(self) -> None:
-        self.heap = [e for e in self.heap if e[2] is not None]
+        node_of = self.node_of
+        self.heap = [e for e in self.heap if e[1] in node_of]
         heapq.heapify(self.heap)

@@ -84,10 +84,10 @@ class Node:
         # tokens from the root to the end of this node (eviction policies weigh by it)
         self.depth = (parent.depth if parent is not None else 0) + len(tokens) // 4
         # live entries in the eviction queues (None when not queued); see lru.EvictionQueue
-        self.full_entry: list | None = None
-        self.swa_entry: list | None = None
-        self.host_entry: list | None = None
-        self.host_swa_entry: list | None = None  # (host leaves that hold SWA host slots)
+        self.full_entry: tuple | None = None
+        self.swa_entry: tuple | None = None
+        self.host_entry: tuple | None = None
+        self.host_swa_entry: tuple | None = None  # (host leaves that hold SWA host slots)
 
     def __repr__(self) -> str:
         state = "host" if self.full is None else ("tomb" if self.swa is None else "live")

@@ -1,5 +1,6 @@
-"""The eviction queue's lazy refresh (daemon/tree/lru.py): a use raises a node's key in place,
-and the queue still gives the node of the least key now, as an eagerly re-sorted queue would."""
+"""The eviction queue's lazy refresh (daemon/tree/lru.py): a use raises a node's key, its entry
+stays, and the queue still gives the node of the least key now, as an eagerly re-sorted queue
+would."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ class Item:
     __slots__ = ("entry", "key", "name")
 
     def __init__(self, name: int) -> None:
-        self.entry: list | None = None
+        self.entry: tuple | None = None
         self.key = 0
         self.name = name
 
@@ -56,9 +57,12 @@ def test_a_raised_key_is_seen_when_the_node_would_be_taken(ops):
                 queued.discard(got.name)
                 assert got.entry is None
         assert len(q) == len(queued)
-        for e in q.heap:  # a live entry's key is never above its node's
-            if e[2] is not None:
-                assert e[0] <= e[2].key and e[2].entry is e
+        live = [(e, q.node_of[e[1]]) for e in q.heap if e[1] in q.node_of]
+        assert len(live) == len(q.node_of)  # every live entry is in the heap, once
+        for e, it in live:  # a live entry's key is never above its node's
+            assert e[0] <= it.key and it.entry is e
+        # an entry is a tuple of numbers: nothing the garbage collector need walk
+        assert all(type(e) is tuple and len(e) == 2 for e in q.heap)
 
 
 def test_a_match_moves_a_leaf_behind_the_others_without_touching_its_entry():
@@ -89,5 +93,9 @@ def test_the_checker_reports_an_entry_keyed_above_its_node():
     tree.insert(NS, seq(P, [1, 2]), ids.full(2), ids.swa(2))
     node = tree.get_node(tree.match(NS, seq(P, [1, 2])).node_id)
     ok(tree)
-    node.full_entry[0] = tree.policy.full_key(node) + 1  # would be evicted too late
+    q = node.ns.full_q
+    entry = node.full_entry
+    bad = (tree.policy.full_key(node) + 1, entry[1])  # would be evicted too late
+    q.heap[q.heap.index(entry)] = bad
+    node.full_entry = bad
     assert any("above its own" in v for v in check_tree(tree))
