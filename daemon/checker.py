@@ -132,8 +132,10 @@ class Checker:
             try:
                 while True:
                     t = clock()
-                    next(steps)
-                    longest = max(longest, clock() - t)
+                    try:
+                        next(steps)
+                    finally:  # the step that ends the pass is a step too
+                        longest = max(longest, clock() - t)
                     n += 1
                     if version is None:  # the first step settles what a check settles
                         version = target.state_version()

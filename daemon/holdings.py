@@ -13,13 +13,14 @@ conservation check reads the tables in chunks.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable, Iterator
+from collections.abc import Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
 from operator import itemgetter
 
 import numpy as np
 
 from .gpu.allocator import VECTOR_MIN, as_page_array, nonzero_ids, page_ids
+from .tree import chunked
 
 
 def is_load_owner(owner: object) -> bool:
@@ -151,17 +152,26 @@ class Holders:
             self._spare.append(h.full.number)
         return h
 
-    def audit_counts(self, pool: str, v: list[str], counts: np.ndarray) -> None:
+    def audit_counts_steps(self, pool: str, v: list[str], counts: np.ndarray
+                           ) -> Iterator[None]:
         """Each holding's count of ``pool`` against ``counts`` (pages per holder number, from a
-        scan of the table), and no page held by a number no holding has."""
-        numbers = {getattr(h, pool).number: (o, getattr(h, pool).count)
-                   for o, h in self.by_owner.items()}
-        for n in np.flatnonzero(counts).tolist():
-            if n and n not in numbers:
-                v.append(f"{pool} pool: {int(counts[n])} pages held by session number {n}, "
-                         "which no holding has")
-        for n, (owner, count) in numbers.items():
-            have = int(counts[n]) if n < len(counts) else 0
-            if have != count:
-                v.append(f"owner {owner!r}: its {pool} holding counts {count} pages, the page "
-                         f"table gives it {have}")
+        scan of the table), and no page held by a number no holding has; STEP_ITEMS holdings
+        a step (a daemon may serve a thousand sessions)."""
+        numbers: dict[int, tuple[Hashable, int]] = {}
+        for chunk in chunked(self.by_owner.items()):
+            for o, h in chunk:
+                numbers[getattr(h, pool).number] = (o, getattr(h, pool).count)
+            yield
+        for chunk in chunked(np.flatnonzero(counts).tolist()):
+            for n in chunk:
+                if n and n not in numbers:
+                    v.append(f"{pool} pool: {int(counts[n])} pages held by session number "
+                             f"{n}, which no holding has")
+            yield
+        for chunk in chunked(numbers.items()):
+            for n, (owner, count) in chunk:
+                have = int(counts[n]) if n < len(counts) else 0
+                if have != count:
+                    v.append(f"owner {owner!r}: its {pool} holding counts {count} pages, the "
+                             f"page table gives it {have}")
+            yield

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .gpu.allocator import (
-    TABLE_SCAN_STEP,
     AllocatorError,
     OutOfPages,
     as_page_array,
@@ -27,16 +26,17 @@ from .gpu.allocator import (
 from .gpu.page_runs import IN_USE_MIN, NEVER_IN_USE, PageRuns, cold_after_tokens
 from .gpu.segments import PairedSegmentAllocator, audit_model_segments_steps
 from .holdings import Holders, Holding, is_load_owner
+from .page_conservation import conserved_steps
 from .page_sink import TreeSink
 from .tree import (
     DEFAULT_POLICY,
     HASH_BLOCK_TOKENS,
+    STEP_ITEMS,
     BadArgument,
     EvictResult,
     InsertResult,
     MatchResult,
     Node,
-    PageMarks,
     Pin,
     RadixTree,
     Receipt,
@@ -129,6 +129,7 @@ class ModelCache:
         rid = self._next_receipt
         self._next_receipt = rid + 1
         self._receipts[rid] = (owner, r)
+        r.tag = rid
         self._holding(owner).receipts.add(rid)
         return rid
 
@@ -571,23 +572,26 @@ class ModelCache:
 
     def _check_receipts_steps(self, v: list[str]) -> Iterator[None]:
         """The receipt registry against the holdings and the tree's locks, in chunks: a session
-        may hold 65,536 locks, and comparing them as whole sets is a step of milliseconds."""
+        may hold 65,536 locks, and comparing them as whole sets is a step of milliseconds. Each
+        lock carries its registry id (``_register``), so that two ids of one lock show."""
         reg, active = self._receipts, self.tree.receipts
         listed, wrong, missing = 0, False, False
-        for o, h in list(self.holdings.items()):
+        for i, (o, h) in enumerate(list(self.holdings.items())):
             for chunk in chunked(h.receipts):
                 listed += len(chunk)
                 wrong = wrong or any(reg.get(rid, (None,))[0] != o for rid in chunk)
                 yield
-        for chunk in chunked(reg.values()):
-            missing = missing or any(r not in active for _, r in chunk)
+            if not i % STEP_ITEMS:
+                yield
+        for chunk in chunked(reg.items()):
+            missing = missing or any(r not in active or r.tag != rid for rid, (_, r) in chunk)
             yield
         if wrong or listed != len(reg):
             v.append("receipt registry and the owners' holdings disagree (a receipt no session "
                      "can release, or one listed for the wrong session)")
         if missing or len(reg) != len(active):
             v.append(f"receipt registry ({len(reg)}) and the tree's active locks ({len(active)}) "
-                     "disagree")
+                     "disagree, or one lock is registered under two ids")
 
     def check_steps(self, v: list[str], *, deep: bool = True) -> Iterator[None]:
         """:meth:`check` into ``v``, yielding between bounded steps (the daemon runs them between
@@ -606,8 +610,8 @@ class ModelCache:
             free = bytearray(alloc.capacity)
             yield from alloc.audit_steps(v, free)
             counts: list[np.ndarray] = []
-            yield from _conserved(name, alloc, free, in_tree, table.holder_np, counts, v)
-            self.holders.audit_counts(name, v, counts[0])
+            yield from conserved_steps(name, alloc, free, in_tree, table.holder_np, counts, v)
+            yield from self.holders.audit_counts_steps(name, v, counts[0])
         yield
         if len(self.sink.watches) > 1:  # background copies run one at a time
             v.append(f"{len(self.sink.watches)} copy watches registered: one at most (a leak)")
@@ -619,73 +623,15 @@ class ModelCache:
         elif audit.host_slots or audit.host_swa_slots:
             v.append("host slots in the tree of a model without a host tier")
         yield from self._check_receipts_steps(v)
-        loads = [h for o, h in self.holdings.items() if is_load_owner(o)]
+        loads: list[Holding] = []
+        for chunk in chunked(self.holdings.items()):
+            loads += [h for o, h in chunk if is_load_owner(o)]
+            yield
         loading = [sum(c[i] for c in self.loading_pages.values()) for i in (0, 1)]
         held = [sum(len(h.full) for h in loads), sum(len(h.swa) for h in loads)]
         if loading != held:
             v.append(f"pages counted as loading ({loading}) are not those the loads hold "
                      f"({held})")
-
-
-#: a page's count in the tree -> at most 2 (so that sums of a chunk's bytes never carry)
-_AT_MOST_2 = bytes([0, 1] + [2] * 254)
-
-
-def _conserved(name: str, alloc: Any, free: bytearray, in_tree: PageMarks, holder: np.ndarray,
-               counts: list[np.ndarray], v: list[str]) -> Iterator[None]:
-    """Page conservation of one pool, a chunk of page ids at a time: every page but the padding
-    page is exactly one of free (on a free list: ``free``), in the tree, held by a session (its
-    number in ``holder``). Each chunk is one comparison of integers built from its bytes (free +
-    tree count + held == 1, bytewise, with no carries); only a chunk that differs is looked at
-    page by page. Appends to ``counts`` the pages held per session number."""
-    cap = alloc.capacity
-    outside: list[int] = []
-    held_numbers = np.zeros(1, dtype=np.int64)
-    for start in range(0, len(holder), TABLE_SCAN_STEP):
-        chunk = holder[start:start + TABLE_SCAN_STEP]
-        if chunk.min() < 0:  # never written so: a corrupted table, reported, not counted
-            v.append(f"{name} pool: negative session numbers in the page table from {start}")
-            chunk = np.maximum(chunk, 0)
-        c = np.bincount(chunk)
-        if len(c) > len(held_numbers):
-            held_numbers = np.pad(held_numbers, (0, len(c) - len(held_numbers)))
-        held_numbers[:len(c)] += c
-        yield
-    if holder[0]:
-        v.append(f"{name} pool: the padding page 0 is held by session number {holder[0]}")
-    counts.append(held_numbers)
-    n_held = int(held_numbers[1:].sum())
-    tree = in_tree.counts
-    if len(tree) > cap and tree.count(0, cap) != len(tree) - cap:
-        outside += [p for p in range(cap, len(tree)) if tree[p]]
-    found: dict[str, list[int]] = {"free and in the tree": [], "free and held by a session": [],
-                                   "in the tree and held by a session": [], "unaccounted": []}
-    step = 16384  # bytes compared at C speed; a chunk that differs is looked at one by one
-    for start in range(1, cap, step):
-        end = min(cap, start + step)
-        t = bytes(tree[start:end]).ljust(end - start, b"\0").translate(_AT_MOST_2)
-        h = (holder[start:end] != 0).tobytes()
-        f = free[start:end]
-        if (int.from_bytes(t, "little") + int.from_bytes(h, "little")
-                + int.from_bytes(f, "little") != int.from_bytes(b"\1" * (end - start), "little")):
-            for i in range(end - start):
-                ff, tt, hh = f[i], min(t[i], 1), h[i]
-                for label, hit in (("free and in the tree", ff and tt),
-                                   ("free and held by a session", ff and hh),
-                                   ("in the tree and held by a session", tt and hh),
-                                   ("unaccounted", not (ff or tt or hh))):
-                    if hit:
-                        found[label].append(start + i)
-        yield
-    for label, pages in found.items():
-        if pages and label != "unaccounted":
-            v.append(f"{name} pool: pages {pages[:10]} are {label}")
-    listed = free.count(1)
-    total = listed + len(in_tree) + n_held
-    if total != alloc.usable or found["unaccounted"] or outside:
-        v.append(f"{name} pool: free {listed} + tree {len(in_tree)} + held "
-                 f"{n_held} != capacity {alloc.usable}; unaccounted "
-                 f"{found['unaccounted'][:10]}, outside the pool {sorted(outside)[:10]}")
 
 
 def _ids(pages: Iterable[int] | bytes) -> array:

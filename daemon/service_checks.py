@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from .holdings import is_load_owner
 from .queries import held_pages
+from .tree import chunked
 
 if TYPE_CHECKING:
     from .entities import ModelEntry, Session
@@ -74,8 +75,10 @@ class ServiceChecks:
             if entry.keyed is not None:
                 yield from entry.keyed.check_steps(set(self.sessions), mv)
             v += [f"{name}: {x}" for x in mv]
-            ghosts = [o for o in entry.cache.holdings
-                      if o not in self.sessions and not is_load_owner(o)]
+            ghosts: list[Any] = []
+            for chunk in chunked(entry.cache.holdings):  # (a thousand sessions: 16 steps)
+                ghosts += [o for o in chunk if o not in self.sessions and not is_load_owner(o)]
+                yield
             if ghosts:
                 v.append(f"{name}: pages or receipts held by sessions that are gone: {ghosts[:10]}")
             yield

@@ -13,37 +13,17 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-from daemon.gpu.profile import ModelProfile
+from bench.check_steps_bench import wide_cache
 from daemon.model_cache import ModelCache
-from daemon.tree import STEP_ITEMS, Node, as_token_bytes
+from daemon.tree import STEP_ITEMS, Node
 
-NS = "ns"
+NS = "bench"
 PAGE = 4
-BUILDER, OWNERS = 1, (2, 3)
+OWNERS = (2, 3)  # wide_cache's
+SESSIONS = 1024
 #: lines one step may run: a step handles at most STEP_ITEMS items of a few lines each (about
 #: 900 lines at most, measured); the root's children in one step were 18,000
 LINE_LIMIT = 25 * STEP_ITEMS
-
-
-def _wide_cache(roots: int, locks: int) -> tuple[ModelCache, list[tuple[int, int]]]:
-    """``roots`` children of the root (each one page, with a child page under it) and ``locks``
-    locks of two owners spread over the children's children, whose SWA windows reach into
-    their parents: (cache, (owner, receipt id) of each lock)."""
-    profile = ModelProfile(
-        name="m", page_size=PAGE, num_full_layers=1, num_kv_heads=1, head_dim=1,
-        full_pages=2 * roots + 8, sliding_window=2 * PAGE, num_swa_layers=1,
-        swa_pages=2 * roots + 8, dtype="float32", device="cpu")
-    cache = ModelCache(profile)
-    seqs = [as_token_bytes([i + 1] * PAGE + [10**6 + i] * PAGE) for i in range(roots)]
-    for s in seqs:
-        f, w = cache.alloc(BUILDER, 2)
-        cache.insert(BUILDER, NS, s, f, w)
-    held = []
-    for i in range(locks):
-        owner = OWNERS[i % 2]
-        m = cache.match(owner, NS, seqs[i % roots])[0]
-        held.append((owner, cache.lock(owner, NS, m.node_id)))
-    return cache, held
 
 
 def _lines_per_step(steps: Iterator[None]) -> list[int]:
@@ -65,17 +45,22 @@ def _lines_per_step(steps: Iterator[None]) -> list[int]:
         try:
             next(steps)
         except StopIteration:
-            break
-        finally:
+            return counts
+        finally:  # the step that ends the check (StopIteration) is counted too
             sys.settrace(None)
-        counts.append(n)
-    return counts
+            counts.append(n)
 
 
-def test_no_step_runs_long_on_a_wide_tree_with_many_locks() -> None:
-    cache, held = _wide_cache(roots=3000, locks=4000)
+def test_no_step_runs_long_on_a_wide_tree_with_many_locks_and_sessions() -> None:
+    """A root of 3,000 children, 4,000 locks with SWA windows, 1,024 sessions holding a page
+    each and no lock."""
+    cache, held = wide_cache(roots=3000, locks=4000, page=PAGE, spare=SESSIONS + 8)
+    for owner in range(10, 10 + SESSIONS):
+        cache.alloc(owner, 1)
     assert len(cache.tree.namespaces[NS].root.children) == 3000
+    assert len(cache.holdings) == SESSIONS + 3
     assert sum(1 for r in cache.tree.receipts if r.swa_pages) == 4000
+    assert cache.check() == []  # (once first: what its steps import lazily is imported)
     v: list[str] = []
     counts = _lines_per_step(cache.check_steps(v))
     assert v == []
@@ -96,7 +81,7 @@ def _findings(cache: ModelCache) -> list[str]:
 
 
 def test_the_chunked_comparisons_still_find_what_they_look_for() -> None:
-    cache, held = _wide_cache(roots=200, locks=150)
+    cache, held = wide_cache(roots=200, locks=150, page=PAGE)
     tree = cache.tree
     assert _findings(cache) == []
 
@@ -131,4 +116,11 @@ def test_the_chunked_comparisons_still_find_what_they_look_for() -> None:
     tree.receipts.discard(registered[1])
     assert any("the tree's active locks" in x and "disagree" in x for x in _findings(cache))
     tree.receipts.add(registered[1])
+    assert _findings(cache) == []
+    # one lock registered under two ids, and another one under none (no session can release it)
+    other_rid = held[1][1]
+    other = cache._receipts[other_rid]
+    cache._receipts[other_rid] = (other[0], registered[1])
+    assert any("registered under two ids" in x for x in _findings(cache))
+    cache._receipts[other_rid] = other
     assert _findings(cache) == []

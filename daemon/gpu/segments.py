@@ -601,8 +601,11 @@ def audit_model_segments_steps(cache: Any, v: list[str]) -> Iterator[None]:
         a = pools.get(kind)
         if a is None:
             continue
-        keys = {getattr(h, kind).number: {cache.space(ns) for ns in getattr(h, kind).spaces}
-                for h in cache.holdings.values()}
+        keys: dict[int, set[str]] = {}
+        for i, h in enumerate(list(cache.holdings.values())):
+            keys[getattr(h, kind).number] = {cache.space(ns) for ns in getattr(h, kind).spaces}
+            if not i % 16:  # (a daemon may serve a thousand sessions)
+                yield
         yield from _held_misplaced_steps(a, table.holder_np, keys, kind, bad)
     for (kind, key), segs in bad.items():
         v += pools[kind].audit_owners(key, f"{kind} pages", segs)
@@ -621,9 +624,11 @@ def _held_misplaced_steps(a: SegmentedAllocator, holder: Any, keys: dict[int, se
         idx = np.flatnonzero(chunk)
         if len(idx):
             pairs = np.unique(chunk[idx].astype(np.int64) * a.num_segments + (idx + start) // sp)
-            for pair in pairs.tolist():
+            for i, pair in enumerate(pairs.tolist()):
                 n, seg = divmod(pair, a.num_segments)
                 spaces = keys.get(n)
                 if spaces and a.owner[seg] not in spaces:
                     bad.setdefault((kind, min(spaces)), set()).add(seg)
+                if i % 64 == 63:  # (as many pairs as sessions holding pages in the chunk)
+                    yield
         yield

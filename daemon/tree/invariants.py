@@ -21,7 +21,7 @@ from typing import Any
 
 from .hashing import HASH_BYTES, block_hashes
 from .lru import EvictionQueue
-from .node import Node, Receipt
+from .node import Node
 from .page_ids import nonzero, nonzero_count
 from .radix import RadixTree
 
@@ -174,8 +174,11 @@ def audit_steps(tree: RadixTree, a: TreeAudit, *, deep: bool = True) -> Iterator
         for k, i in chunk:
             if i.id != k:
                 v.append(f"node registry maps {k} to node {i.id}")
-            if reachable.get(k) is not i:
+            n = reachable.get(k)
+            if n is None:
                 ghosts.append(k)
+            elif n is not i:
+                v.append(f"node registry maps {k} to another object than the tree's node {k}")
         yield
     if ghosts or len(tree.nodes) != len(reachable):
         lost: list[int] = []  # reachable, not registered
@@ -267,7 +270,6 @@ def _check_locks(tree: RadixTree, reachable: dict[int, Node], v: list[str]) -> I
     # SWA windows by (anchor, SWA pages) as one int, so that no GC-tracked object is made per
     # receipt (20,000 of them set off a collection of as many, milliseconds in one step)
     spans: Counter[int] = Counter()
-    span_receipt: dict[int, Receipt] = {}  # one receipt of each, to name in a violation
     for chunk in chunked(tree.receipts):
         for r in chunk:
             if not r.active:
@@ -278,18 +280,16 @@ def _check_locks(tree: RadixTree, reachable: dict[int, Node], v: list[str]) -> I
                 v.append(f"receipt anchored at node {a.id}, which is not in the tree")
                 continue
             full[a.id] += 1
-            if not 0 <= r.swa_pages < 1 << 32:
-                v.append(f"receipt {r!r}: {r.swa_pages} SWA pages")
+            if type(r.swa_pages) is not int or not 0 <= r.swa_pages < 1 << 32:
+                v.append(f"receipt {r!r}: {r.swa_pages!r} SWA pages")
             elif r.swa_pages:
-                key = a.id << 32 | r.swa_pages
-                spans[key] += 1
-                span_receipt[key] = r
+                spans[a.id << 32 | r.swa_pages] += 1
         yield
     walked = 0
     while spans:  # emptied as it goes: freeing 10,000s of entries at once is a long step too
         key, k = spans.popitem()
-        r = span_receipt.pop(key)
-        aid, left = key >> 32, key & 0xFFFFFFFF
+        aid, pages = key >> 32, key & 0xFFFFFFFF
+        left = pages
         n = reachable[aid]
         while left > 0 and n.parent is not None:
             swa[n.id] += k
@@ -300,7 +300,8 @@ def _check_locks(tree: RadixTree, reachable: dict[int, Node], v: list[str]) -> I
                 walked = 0
                 yield
         if left != 0:
-            v.append(f"receipt {r!r}: SWA segment does not end on a node boundary")
+            v.append(f"{k} receipts on node {aid} with {pages} SWA pages: the SWA segment does "
+                     "not end on a node boundary")
     yield
     for chunk in chunked(tree.pins):
         for p in chunk:

@@ -102,7 +102,8 @@ class Receipt:
 
     The SWA part is recorded as a count of pages walked up from the anchor, not as a node: splits
     only subdivide nodes, so the same count always ends at the same token boundary (the bug class
-    of a window edge moved by a split cannot happen).
+    of a window edge moved by a split cannot happen). ``tag`` is the caller's: the model cache
+    keeps the id it gave the lock there, which its check reads.
     """
 
     __slots__ = ("anchor", "swa_pages", "active", "swa_released", "tag")
