@@ -1,9 +1,9 @@
 """Pauses of Python's cyclic garbage collector under tree churn, with the daemon's collector
-settings and, side by side in the same run, with other thresholds.
+settings and, side by side in the same run, with other thresholds or another ref's daemon.
 
 A collection holds the event loop for its whole length (every request waits), and the objects
-it traverses are mostly the tree's: a node is about five container objects (the node, its page
-id arrays, its eviction queue entries). This benchmark runs the daemon's model cache in process
+it traverses are mostly the tree's: a node is three container objects (the node and its page
+id arrays). This benchmark runs the daemon's model cache in process
 the way a busy engine drives it: page 16, ``--pages`` pages in each pool, requests of a shared
 document prefix (1 to 8 pages of one of 500 documents) and 1 to 4 fresh pages, each one a
 ``match`` then an ``alloc`` and an ``insert`` of its fresh pages, evicting the least recently

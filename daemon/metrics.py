@@ -88,7 +88,7 @@ class GcPauses:
     """How long Python's cyclic collector stopped the daemon, by generation.
 
     A collection holds the GIL, and with it the event loop and every request, for its whole
-    length; a full one traverses every container object the tree keeps (about five per node) and
+    length; a full one traverses every container object the tree keeps (three per node) and
     the young ones whatever survived since theirs, so on a large tree under churn they are the
     longest stalls a request can meet (tens to hundreds of milliseconds: docs/operations.md,
     "Garbage collector pauses"). Installed as a ``gc.callbacks`` entry while the server runs;
@@ -111,9 +111,10 @@ class GcPauses:
         if s > self.longest[g]:
             self.longest[g] = s
         if s >= self.warn_s and self._log.due():
-            log.warning("the garbage collector (generation %d) stopped the daemon for %.0f ms; "
-                        "%d more collections of %.0f ms or longer since the last such line",
-                        g, s * 1e3, self._log.take_held_back(), self.warn_s * 1e3)
+            held = self._log.take_held_back()
+            log.warning("the garbage collector (generation %d) stopped the daemon for %.0f ms%s",
+                        g, s * 1e3, f"; {held} more collections of {self.warn_s * 1e3:.0f} ms "
+                        "or longer since the last such line" if held else "")
 
     def install(self) -> None:
         if self not in gc.callbacks:
@@ -122,3 +123,6 @@ class GcPauses:
     def remove(self) -> None:
         with contextlib.suppress(ValueError):
             gc.callbacks.remove(self)
+        if held := self._log.take_held_back():
+            log.warning("%d collections of the garbage collector of %.0f ms or longer not "
+                        "logged before the stop", held, self.warn_s * 1e3)

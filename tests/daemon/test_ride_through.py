@@ -529,12 +529,15 @@ def test_async_calls_made_while_the_new_session_opens_raise_session_restarted(
         await asyncio.sleep(0.3)
         assert c._reconnecting is not None and not c._reconnecting.done()
         other = asyncio.create_task(c.ping(b"other"))
+        attach = asyncio.create_task(c.attach("m"))  # (an exclusive call: its own path)
         await asyncio.sleep(0.2)
         d2.proc.send_signal(signal.SIGCONT)
-        got = await asyncio.wait_for(asyncio.gather(cut, other, return_exceptions=True), 20)
-        assert [type(g) for g in got] == [SessionRestarted] * 2, got
-        # the call made meanwhile was refused unsent; the cut one may have been sent
-        assert got[1].details["sent"] is False and "sent" not in got[0].details
+        got = await asyncio.wait_for(asyncio.gather(cut, other, attach, return_exceptions=True),
+                                     20)
+        assert [type(g) for g in got] == [SessionRestarted] * 3, got
+        # the calls made meanwhile were refused unsent; the cut one may have been sent
+        assert got[1].details["sent"] is False and got[2].details["sent"] is False
+        assert "sent" not in got[0].details
         assert got[1].details["attach_again"] == got[0].details["attach_again"] == {}
         assert c.restarts == 1 and (await c.ping(b"after")).payload == b"after"
         assert c.session == 1  # the new daemon's first: no connection opened and dropped

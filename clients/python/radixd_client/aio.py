@@ -253,7 +253,7 @@ class AsyncClient(Operations):
         """
         sock = self._sock
         if sock is None:
-            raise self._lost()
+            raise self._unsent()
         if self._wbuf:
             self._wbuf.append(memoryview(frame))
             return
@@ -455,23 +455,27 @@ class AsyncClient(Operations):
         generation = self._generation
         try:
             self._refuse_while_reconnecting()
-        except ConnectionLost as exc:
-            err = await self._cut(exc, generation)
-            if isinstance(err, SessionRestarted):  # (a copy: the reconnect's is everyone's)
-                err = SessionRestarted(err.message, details={**err.details, "sent": False})
-            raise err from exc
-        try:
             return await self._call_once(op, req, exclusive)
         except (ConnectionLost, ShuttingDown) as exc:
             raise await self._cut(exc, generation) from exc
 
     async def _cut(self, exc: RadixdError, generation: int) -> RadixdError:
         """What a call the lost connection cut raises: ``exc`` itself without a reconnect
-        policy, else the :class:`SessionRestarted` of the reconnect it waits for."""
+        policy, else the :class:`SessionRestarted` of the reconnect it waits for (for a call
+        refused unsent, a copy saying so: the reconnect's own is every cut call's)."""
         if (self._reconnect is None or self.path is None or self._closed_by_user
                 or isinstance(exc, SessionRestarted)):
             return exc
-        return await self._ride_through(exc, generation)
+        err = await self._ride_through(exc, generation)
+        if exc.details.get("sent") is False:
+            return SessionRestarted(err.message, details={**err.details, "sent": False})
+        return err
+
+    def _unsent(self) -> ConnectionLost:
+        """The connection-lost error of a call refused before anything of it was sent."""
+        err = self._lost()
+        err.details["sent"] = False
+        return err
 
     def _refuse_while_reconnecting(self) -> None:
         """While a new session is being opened, a new call waits for it (through the ride
@@ -480,7 +484,7 @@ class AsyncClient(Operations):
         own calls, its hello and attaches, go on.)"""
         task = self._reconnecting
         if task is not None and not task.done() and task is not asyncio.current_task():
-            raise self._lost()
+            raise self._unsent()
 
     async def _call_once(self, op: str, req: Request, exclusive: bool = False) -> Any:
         # While an attach has the connection to itself, others wait (also for a slot, then
@@ -504,7 +508,7 @@ class AsyncClient(Operations):
             # since: the session it was made for ended)
             if slots is not None:
                 slots.release()
-            raise self._lost()
+            raise self._unsent()
         fut: asyncio.Future[Any] = self._loop.create_future()
         try:
             frame = self._conn.send(op, req, fut)
@@ -623,7 +627,7 @@ class AsyncClient(Operations):
             # session this call was made for ended (a reconnect may have bound another, whose
             # hello may not even be answered yet).
             if self._conn is not conn or self._closed_error is not None:
-                raise self._lost()
+                raise self._unsent()
             self._refuse_while_reconnecting()
             self._gate_open = False
             self._gate.clear()

@@ -215,6 +215,7 @@ class ConnectionLost(RadixdError):
     The daemon releases everything a session held when its connection ends, so nothing obtained
     through this client is valid any more: receipts, held pages and node ids must be forgotten,
     and the caller must reconnect (a new ``Client``) and redo its work from a fresh ``match``.
+    ``details["sent"]``: False (an ``AsyncClient``'s) when nothing of the call was sent.
     """
 
     default_code = "connection_lost"
