@@ -524,7 +524,8 @@ class Server:
 
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
-        self._stopping = asyncio.Event()
+        if self._stopping is None:  # (serve made it already, with the signal handlers)
+            self._stopping = asyncio.Event()
         path = self.config.server.socket
         passed = listen_fds()
         if passed:  # socket activation: systemd owns the socket file
@@ -559,14 +560,17 @@ class Server:
             self.gc_pauses.remove()
 
     async def _serve(self) -> int:
-        await self.start()
-        # handlers first: the socket exists now, and a signal before them would kill the process
+        # the handlers before the socket: a client that can connect may signal the daemon at
+        # once (SIGUSR1 asks for a check), and a signal without its handler ends the process
+        self.loop = asyncio.get_running_loop()
+        self._stopping = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             self.loop.add_signal_handler(sig, self.stop)
         self.loop.add_signal_handler(signal.SIGUSR1, self.checker.on_request)
         # by default SIGHUP would end the process at once (no drain, the socket left behind,
         # and under systemd a clean exit that Restart=on-failure does not restart)
         self.loop.add_signal_handler(signal.SIGHUP, _no_reload)
+        await self.start()
         try:
             if self.start_admin is not None:
                 self.admin = await self.start_admin()

@@ -340,3 +340,36 @@ def test_sighup_is_logged_and_ignored(make_daemon) -> None:
         assert d.proc.poll() is None
         c.free("m", a.full_pages, a.swa_pages)
         assert c.ping(b"still here").payload == b"still here"
+
+
+def test_signal_handlers_are_in_place_before_the_socket_exists(tmp_path) -> None:
+    """A client may signal the daemon as soon as it can connect (the test harness's check
+    sends SIGUSR1 then), and a signal that comes before its handler ends the process (SIGUSR1's
+    default): the handlers are installed before the socket is bound. In process, the server's
+    start (which binds the socket) is replaced by one that reads the handlers and stops."""
+    import asyncio
+
+    from daemon.app import build
+    from daemon.config import load_config
+
+    config = load_config(None, env={}, overrides={
+        "server": {"socket": str(tmp_path / "s.sock")},
+        "models": [{**SMALL_MODEL, "export_pools": False}]})
+    server = build(config, create_pools=False).server
+    seen: dict[int, Any] = {}
+
+    class Stop(Exception):
+        pass
+
+    async def start() -> None:
+        for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            seen[sig] = signal.getsignal(sig)
+        raise Stop
+
+    server.start = start  # type: ignore[method-assign]
+    with pytest.raises(Stop):
+        asyncio.run(server.serve())
+    assert not (tmp_path / "s.sock").exists()
+    for sig, handler in seen.items():
+        assert handler not in (signal.SIG_DFL, signal.SIG_IGN, None), (sig, handler)
+    assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL  # the loop's, gone with it
