@@ -12,6 +12,7 @@ import gc
 import logging
 import time
 from bisect import bisect_left
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from .log_throttle import LogThrottle
@@ -119,6 +120,15 @@ class GcPauses:
     def install(self) -> None:
         if self not in gc.callbacks:
             gc.callbacks.append(self)
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[GcPauses]:
+        """Installed for the block (the server's life)."""
+        self.install()
+        try:
+            yield self
+        finally:
+            self.remove()
 
     def remove(self) -> None:
         with contextlib.suppress(ValueError):

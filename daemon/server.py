@@ -553,15 +553,11 @@ class Server:
                  " (socket passed by systemd)" if passed else "")
 
     async def serve(self) -> int:
-        self.gc_pauses.install()
-        try:
+        with self.gc_pauses.installed():
             return await self._serve()
-        finally:
-            self.gc_pauses.remove()
 
     async def _serve(self) -> int:
-        # the handlers before the socket: a client that can connect may signal the daemon at
-        # once (SIGUSR1 asks for a check), and a signal without its handler ends the process
+        # the handlers before the socket: a client that can connect may signal at once
         self.loop = asyncio.get_running_loop()
         self._stopping = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -55,3 +55,11 @@ def test_a_short_collection_is_recorded_but_not_logged(caplog: pytest.LogCapture
         p.remove()
     assert p.pauses[1].n >= 1
     assert not [r for r in caplog.records if r.name == "radixd.gc"]
+
+
+def test_installed_for_a_block_even_one_that_raises() -> None:
+    p = GcPauses()
+    with pytest.raises(KeyError), p.installed() as watch:
+        assert watch is p and p in gc.callbacks
+        raise KeyError("the server's life ended badly")
+    assert p not in gc.callbacks
