@@ -27,21 +27,30 @@ def write_json(path: str, figures: dict[str, Any]) -> None:
         fh.write("\n")
 
 
-def run_worker(argv: list[str], label: str, timeout_s: float, *, cwd: str = _ROOT,
-               env: dict[str, str] | None = None, stdin: bytes | None = None) -> Any:
-    """A benchmark's worker process (a side measured in a fresh process of its own): the JSON
-    value of the last line it printed. A worker that fails, prints nothing or outlives
-    ``timeout_s`` is a ``RuntimeError`` with the end of its stderr, never a figure."""
+def run_worker(argv: list[str], root: str, timeout_s: float, *, cpu: int | None = None,
+               stdin: bytes | None = None) -> dict[str, Any]:
+    """A benchmark's worker process on source tree ``root`` (a side measured in a fresh process
+    of its own, run from ``root`` with it first on PYTHONPATH, on CPU ``cpu`` if given): the
+    JSON object of the last line it printed, less its ``"source"``, the tree its daemon came
+    from. A worker that fails, prints nothing, outlives ``timeout_s`` or ran another tree's
+    daemon (a baseline measuring this tree) is a ``RuntimeError``, never a figure."""
+    if cpu is not None:
+        argv = ["taskset", "-c", str(cpu), *argv]
     try:
-        got = subprocess.run(argv, input=stdin, capture_output=True, cwd=cwd, env=env,
-                             timeout=timeout_s)
+        got = subprocess.run(argv, input=stdin, capture_output=True, cwd=root,
+                             env=tree_env(root), timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        raise RuntimeError(f"the worker {label} took more than {timeout_s} s") from None
+        raise RuntimeError(f"the worker on {root} took more than {timeout_s} s") from None
     lines = got.stdout.decode(errors="replace").strip().splitlines()
     if got.returncode or not lines:
-        raise RuntimeError(f"the worker {label} failed (exit {got.returncode}):\n"
+        raise RuntimeError(f"the worker on {root} failed (exit {got.returncode}):\n"
                            f"{got.stderr.decode(errors='replace')[-4000:]}")
-    return json.loads(lines[-1])
+    figures: dict[str, Any] = json.loads(lines[-1])
+    source = figures.pop("source")
+    if os.path.realpath(source) != os.path.realpath(root):
+        raise RuntimeError(f"the worker for {root} ran the daemon of {source}, another tree's "
+                           "daemon")
+    return figures
 
 
 _TICK = os.sysconf("SC_CLK_TCK")

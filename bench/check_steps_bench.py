@@ -109,17 +109,11 @@ def measure(roots: int, locks: int, passes: int) -> dict[str, Any]:
 def run_side(root: str, roots: int, locks: int, passes: int, cpu: int | None
              ) -> dict[str, Any]:
     """A worker process on ``root``'s daemon; its figures."""
-    from bench._common import run_worker, tree_env
+    from bench._common import run_worker
 
     argv = [sys.executable, os.path.abspath(__file__), WORKER_FLAG, str(roots), str(locks),
             str(passes)]
-    if cpu is not None:
-        argv = ["taskset", "-c", str(cpu), *argv]
-    figures: dict[str, Any] = run_worker(argv, f"on {root}", WORKER_TIMEOUT_S, cwd=root,
-                                         env=tree_env(root))
-    if os.path.realpath(figures.pop("source")) != os.path.realpath(root):
-        raise RuntimeError(f"the worker for {root} ran another tree's daemon")
-    return figures
+    return run_worker(argv, root, WORKER_TIMEOUT_S, cpu=cpu)
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:

@@ -103,8 +103,8 @@ def churn(pages: int, ops: int, thresholds: tuple[int, int, int] | None) -> dict
     t = time.perf_counter()
     gc.collect()  # what a full collection of this heap costs (the start-up heap is frozen)
     full_ms = (time.perf_counter() - t) * 1e3
-    if cache.check(deep=False):
-        raise RuntimeError(f"the cache is inconsistent: {cache.check(deep=False)[:3]}")
+    if problems := cache.check(deep=False):
+        raise RuntimeError(f"the cache is inconsistent: {problems[:3]}")
     import daemon
 
     out: dict[str, Any] = {
@@ -125,17 +125,11 @@ def churn(pages: int, ops: int, thresholds: tuple[int, int, int] | None) -> dict
 def run_side(pages: int, ops: int, thresholds: tuple[int, int, int] | None, cpu: int | None,
              root: str = _ROOT) -> dict[str, float]:
     """One side's worker process, on ``root``'s daemon."""
-    from bench._common import run_worker, tree_env
+    from bench._common import run_worker
 
     argv = [sys.executable, os.path.abspath(__file__), WORKER_FLAG,
             json.dumps([pages, ops, thresholds])]
-    if cpu is not None:
-        argv = ["taskset", "-c", str(cpu), *argv]
-    figures: dict[str, float] = run_worker(argv, f"on {root}, thresholds {thresholds}",
-                                           WORKER_TIMEOUT_S, cwd=root, env=tree_env(root))
-    if os.path.realpath(str(figures.pop("source"))) != os.path.realpath(root):
-        raise RuntimeError(f"the worker for {root} ran another tree's daemon")
-    return figures
+    return run_worker(argv, root, WORKER_TIMEOUT_S, cpu=cpu)
 
 
 def _thresholds(text: str) -> tuple[int, int, int]:

@@ -47,7 +47,7 @@ import random  # noqa: E402
 import shutil  # noqa: E402
 from array import array  # noqa: E402
 
-from bench._common import export_ref, run_worker, tree_env, write_json  # noqa: E402
+from bench._common import export_ref, run_worker, write_json  # noqa: E402
 from bench.rpc_bench import MODEL, PAGE, _prefixes, _requests, config  # noqa: E402
 
 #: the operations timed, in the order a request sends them (request_path_worker.py)
@@ -73,12 +73,7 @@ def run_side(root: str, rounds: int, cpu: int | None) -> dict[str, float]:
     prefixes, requests = workload()
     job = {"config": config(), "model": MODEL, "page": PAGE, "prefixes": prefixes,
            "requests": requests, "rounds": rounds, "cpu": cpu}
-    figures = run_worker([sys.executable, WORKER], f"on {root}", WORKER_TIMEOUT_S, cwd=root,
-                         env=tree_env(root), stdin=pickle.dumps(job))
-    source = figures.pop("source")
-    if os.path.realpath(source) != os.path.realpath(root):  # a baseline measuring this tree
-        raise RuntimeError(f"the worker for {root} ran the daemon of {source}")
-    return figures  # type: ignore[no-any-return]
+    return run_worker([sys.executable, WORKER], root, WORKER_TIMEOUT_S, stdin=pickle.dumps(job))
 
 
 def _mixed(figures: dict[str, float], stat: str) -> float:

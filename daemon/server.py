@@ -523,9 +523,8 @@ class Server:
                         self._auth_log.take_held_back())
 
     async def start(self) -> None:
-        self.loop = asyncio.get_running_loop()
-        if self._stopping is None:  # (serve made it already, with the signal handlers)
-            self._stopping = asyncio.Event()
+        """Bind (or take systemd's) socket and serve on it: after :meth:`_serve` set the
+        signal handlers and the stop event, which a signal during start-up may already set."""
         path = self.config.server.socket
         passed = listen_fds()
         if passed:  # socket activation: systemd owns the socket file
