@@ -45,10 +45,6 @@ class EvictionQueue:
     def __len__(self) -> int:
         return len(self.node_of)
 
-    @property
-    def live(self) -> int:
-        return len(self.node_of)
-
     def push(self, node: Node, key: Any) -> None:
         """``key``: the policy's key for this queue, compared as it is (the SWA queue's is a
         tuple)."""
